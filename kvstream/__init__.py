@@ -1,0 +1,47 @@
+"""kvstream: the KV cache of LLM serving engines as one asyncio-native library.
+
+Layers, bottom up (imports only flow upward): block hashing and the event schema; the
+prefix-caching block pool and request manager; the ZMQ event stream; the router index;
+event logs; planning and the simulator; the CLI.
+"""
+
+from __future__ import annotations
+
+from kvstream.capture import CaptureFormatError, CaptureRecord, read_capture
+from kvstream.events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventDecodeError,
+    EventDecoder,
+    EventEncoder,
+    KVCacheEvent,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
+from kvstream.framing import FrameError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CaptureFormatError",
+    "CaptureRecord",
+    "EventDecodeError",
+    "EventDecoder",
+    "EventEncoder",
+    "FrameError",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "decode_batch",
+    "encode_batch",
+    "read_capture",
+]
