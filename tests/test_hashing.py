@@ -1,0 +1,537 @@
+"""kvstream.hashing: vLLM's block hashes, seed rules, extra keys, fast path and native mode."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import struct
+from pathlib import Path
+from typing import Any
+
+import cbor2
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstream.hashing import (
+    ALGORITHMS,
+    BlockHasher,
+    HashingError,
+    LoRA,
+    MMItem,
+    RequestBlockHasher,
+    RequestExtraKeys,
+    hash_function,
+    none_hash,
+    to_external,
+    to_external_list,
+)
+
+MM_ID = hashlib.sha256(b"kvstream-golden-image-1").hexdigest()
+T1_16 = list(range(1, 17))
+T17_32 = list(range(17, 33))
+NONE_HASH_DEFAULT = "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
+NONE_HASH_SEED0 = "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
+
+
+def cbor_sha256(obj: Any) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def u64(d: bytes) -> int:
+    return int.from_bytes(d, "big") & ((1 << 64) - 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Test vectors from ../shared/golden/vllm-0.33.0/README.md (both seeds).
+
+VECTORS_033 = {
+    # name: (extra_keys, int64 with seed "vllm-none-hash", int64 with seed "0")
+    "salt": ((("cache_salt", "s"),), 1501187271825542675, 3061353682369478559),
+    "lora": ((("lora", "adapter-a", "/adapters/adapter-a"),), 13451244170158845619, 10777922742919616379),
+    "mm": ((("mm", MM_ID, 4),), 14726551443309926482, 10678640382306463830),
+}
+
+
+@pytest.mark.parametrize(
+    "seed, root_hex, b0, b1, a0",
+    [
+        ("vllm-none-hash", NONE_HASH_DEFAULT, 8866452693264111234, 807986237951177663, 3753563854825738204),
+        ("0", NONE_HASH_SEED0, 3236607068019569386, 2758186210834249151, 17507053300047258101),
+    ],
+)
+def test_readme_vectors_plain_and_chained_for_both_seeds(seed, root_hex, b0, b1, a0):
+    h = BlockHasher("sha256_cbor", 16, seed=seed)
+    assert h.root.hex() == root_hex
+    d0 = h.hash_block(None, T1_16)
+    d1 = h.hash_block(d0, T17_32)
+    assert to_external(d0) == b0
+    assert to_external(d1) == b1
+    assert h.hash_blocks(T1_16 + T17_32 + [99]) == [d0, d1]
+    assert to_external(h.hash_block(None, list(range(1000, 1016)))) == a0
+
+
+@pytest.mark.parametrize("name", sorted(VECTORS_033))
+@pytest.mark.parametrize("seed, col", [("vllm-none-hash", 1), ("0", 2)])
+def test_readme_vectors_salt_lora_mm_for_both_seeds(name, seed, col):
+    h = BlockHasher("sha256_cbor", 16, seed=seed)
+    extra = VECTORS_033[name][0]
+    assert to_external(h.hash_block(None, T1_16, extra)) == VECTORS_033[name][col]
+
+
+def test_stream_json_vectors_have_the_full_digests(golden_dir: Path):
+    doc = json.loads((golden_dir / "vllm-0.33.0" / "stream.json").read_text())
+    vec = doc["hash"]["vectors"]
+    h = BlockHasher("sha256_cbor", 16, seed=doc["hash"]["none_hash_seed"])
+    assert h.root.hex() == doc["hash"]["NONE_HASH_hex"]
+    d0 = h.hash_block(None, T1_16)
+    got = {
+        "tokens_1_16_block0": d0,
+        "tokens_17_32_block1": h.hash_block(d0, T17_32),
+        "tokens_1_16_salt_s": h.hash_block(None, T1_16, VECTORS_033["salt"][0]),
+        "tokens_1_16_lora_adapter-a": h.hash_block(None, T1_16, VECTORS_033["lora"][0]),
+        "tokens_1_16_mm_offset4": h.hash_block(None, T1_16, VECTORS_033["mm"][0]),
+    }
+    for name, digest in got.items():
+        assert digest.hex() == vec[name]["hex"], name
+        assert to_external(digest) == vec[name]["int64"], name
+
+
+def test_request_extra_keys_build_the_readme_vector_inputs():
+    lora = LoRA("adapter-a", "/adapters/adapter-a", 1)
+    assert RequestExtraKeys(lora=lora).for_block(0, 16).hash_input == VECTORS_033["lora"][0]
+    assert RequestExtraKeys(cache_salt="s").for_block(0, 16).hash_input == VECTORS_033["salt"][0]
+    mm = RequestExtraKeys(mm_items=(MMItem(MM_ID, 4, 20),))
+    assert mm.for_block(0, 16) == ((("mm", MM_ID, 4),), [[MM_ID, 4]])
+    assert mm.for_block(16, 32) == ((("mm", MM_ID, -12),), [[MM_ID, -12]])
+    assert mm.for_block(32, 48) == (None, None)
+
+
+# ---------------------------------------------------------------------------------------
+# Every block hash recorded in the golden captures.
+
+
+def _replay_requests(workload: dict, hasher: BlockHasher) -> dict[str, tuple[list[int], RequestBlockHasher]]:
+    """Feed each request's prompt, then its decode tokens, as vLLM's Request does."""
+    reqs: dict[str, tuple[list[int], RequestBlockHasher]] = {}
+    for step in workload["steps"]:
+        for op in step["ops"]:
+            if op["op"] == "admit" and op["req"] not in reqs:
+                lora = op.get("lora")
+                rbh = RequestBlockHasher(
+                    hasher,
+                    lora=LoRA(lora["lora_name"], lora["lora_path"], lora["lora_int_id"]) if lora else None,
+                    mm_items=[MMItem(m["identifier"], m["offset"], m["length"]) for m in op.get("mm", [])],
+                    cache_salt=op.get("cache_salt"),
+                )
+                tokens = list(op["tokens"])
+                rbh.extend(tokens)
+                reqs[op["req"]] = (tokens, rbh)
+            elif op["op"] == "decode":
+                tokens, rbh = reqs[op["req"]]
+                tokens.append(op["token"])
+                rbh.extend([op["token"]])
+    return reqs
+
+
+def _golden_hashes_011(doc: dict) -> tuple[set[str], set[int], list[tuple[list[int], list[int]]]]:
+    full: set[str] = set()
+    ints: set[int] = set()
+    stored: list[tuple[list[int], list[int]]] = []
+    for step in doc["steps"]:
+        for key in step["pool_after"]["cached"]:
+            full.add(key.split("/")[0])
+    for batch in doc["batches"]:
+        for ev in batch["events"]:
+            if ev["type"] in ("BlockStored", "BlockRemoved"):
+                ints.update(ev["block_hashes"])
+            if ev["type"] == "BlockStored":
+                if ev["parent_block_hash"] is not None:
+                    ints.add(ev["parent_block_hash"])
+                stored.append((ev["block_hashes"], ev["token_ids"]))
+    return full, ints, stored
+
+
+def test_every_block_hash_of_the_v011_capture(golden_dir: Path, monkeypatch):
+    base = golden_dir / "vllm-0.11.0"
+    doc = json.loads((base / "stream.json").read_text())
+    workload = json.loads((base / "workload.json").read_text())
+    monkeypatch.setenv("PYTHONHASHSEED", workload["PYTHONHASHSEED"])
+    hasher = BlockHasher("sha256_cbor", workload["block_size"], rules="0.11", extra_key_style="0.11")
+    assert hasher.root.hex() == doc["hash"]["NONE_HASH_hex"]
+    reqs = _replay_requests(workload, hasher)
+
+    block_tokens: dict[bytes, list[int]] = {}
+    for tokens, rbh in reqs.values():
+        assert rbh.num_tokens == len(tokens)
+        for i, d in enumerate(rbh.block_hashes):
+            block_tokens[d] = tokens[i * 16 : (i + 1) * 16]
+    by_int = {u64(d): toks for d, toks in block_tokens.items()}
+
+    full, ints, stored = _golden_hashes_011(doc)
+    assert full and ints and stored
+    assert full <= {d.hex() for d in block_tokens}
+    assert ints <= set(by_int)
+    for hashes, token_ids in stored:
+        assert [t for h in hashes for t in by_int[h]] == token_ids
+    # The salt is hashed bare in 0.11: F's block 0 carries ("tenant-1",).
+    f_tokens, f = reqs["F"]
+    assert f.block_hashes[0] == cbor_sha256((hasher.root, tuple(f_tokens[:16]), ("tenant-1",)))
+    assert f.wire_extra_keys == [["tenant-1"], None, None, None]
+
+
+def test_every_block_hash_of_the_v033_capture(golden_dir: Path):
+    base = golden_dir / "vllm-0.33.0"
+    doc = json.loads((base / "stream.json").read_text())
+    workload = json.loads((base / "workload.json").read_text())
+    hasher = BlockHasher("sha256_cbor", workload["block_size"], seed=doc["hash"]["none_hash_seed"])
+    reqs = _replay_requests(workload, hasher)
+    wire_by_int: dict[int, Any] = {}
+    assert set(doc["requests"]) <= set(reqs)
+    for rid, rec in doc["requests"].items():
+        tokens, rbh = reqs[rid]
+        assert rbh.num_tokens == rec["num_tokens"] == len(tokens), rid
+        assert [d.hex() for d in rbh.block_hashes] == rec["block_hashes_hex"], rid
+        assert to_external_list(rbh.block_hashes) == rec["block_hashes_int"], rid
+        assert to_external_list(rbh.block_hashes, "bytes") == [bytes.fromhex(x) for x in rec["block_hashes_hex"]]
+        wire_by_int.update(zip(rec["block_hashes_int"], rbh.wire_extra_keys))
+    checked = 0
+    for batch in doc["batches"]:
+        for ev in batch["events"]:
+            if ev["type"] == "BlockStored" and ev["medium"] == "GPU":
+                assert ev["extra_keys"] == [wire_by_int[h] for h in ev["block_hashes"]]
+                checked += 1
+    assert checked >= 10
+
+
+def test_v033_dp1_engine_hashes(golden_dir: Path):
+    doc = json.loads((golden_dir / "vllm-0.33.0" / "stream.json").read_text())
+    workload = json.loads((golden_dir / "vllm-0.33.0" / "workload.json").read_text())
+    hasher = BlockHasher("sha256_cbor", 16, seed="vllm-none-hash")
+    (op,) = workload["dp1_step"]["ops"]
+    rbh = RequestBlockHasher(hasher)
+    rbh.extend(op["tokens"])
+    stored = [ev for b in doc["dp1"]["batches"] for ev in b["events"] if ev["type"] == "BlockStored"]
+    assert to_external_list(rbh.block_hashes) == [h for ev in stored for h in ev["block_hashes"]]
+
+
+def test_seed_0_with_033_keys_matches_v011_except_the_salted_request(golden_dir: Path):
+    # The 0.33 README: with seed "0", 0.33 puts the v0.11 hashes on the wire, except for
+    # request F, whose salt 0.33 hashes as ("cache_salt", salt).
+    workload = json.loads((golden_dir / "vllm-0.11.0" / "workload.json").read_text())
+    new = _replay_requests(workload, BlockHasher("sha256_cbor", 16, seed="0", extra_key_style="0.33"))
+    old = _replay_requests(workload, BlockHasher("sha256_cbor", 16, seed="0", extra_key_style="0.11"))
+    assert new.keys() == old.keys()
+    for rid in new:
+        a, b = new[rid][1].block_hashes, old[rid][1].block_hashes
+        assert len(a) == len(b) > 0
+        if rid == "F":
+            assert all(x != y for x, y in zip(a, b))
+        else:
+            assert a == b, rid
+
+
+# ---------------------------------------------------------------------------------------
+# Seed rules.
+
+
+def test_033_rules_unset_seed_is_fixed_for_sha256_variants(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert none_hash("sha256_cbor").hex() == NONE_HASH_DEFAULT
+    assert none_hash("sha256") == hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+    assert none_hash("native") == xxhash.xxh3_128_digest(b"vllm-none-hash")
+    assert BlockHasher().root.hex() == NONE_HASH_DEFAULT
+
+
+@pytest.mark.parametrize("algorithm", ["xxhash", "xxhash_cbor"])
+def test_033_rules_unset_seed_is_random_for_xxhash(monkeypatch, algorithm):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    a, b = none_hash(algorithm), none_hash(algorithm)
+    assert a != b and len(a) == len(b) == 32
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_011_rules_unset_seed_is_random(monkeypatch, algorithm):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    a, b = none_hash(algorithm, rules="0.11"), none_hash(algorithm, rules="0.11")
+    assert a != b and len(a) == 32
+    assert BlockHasher(algorithm, rules="0.11").root != BlockHasher(algorithm, rules="0.11").root
+
+
+@pytest.mark.parametrize("rules", ["0.33", "0.11"])
+def test_pythonhashseed_is_the_seed_under_both_rules(monkeypatch, rules):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert none_hash("sha256_cbor", rules=rules).hex() == NONE_HASH_SEED0
+    assert none_hash("xxhash_cbor", rules=rules) == xxhash.xxh3_128_digest(cbor2.dumps("0", canonical=True))
+    assert none_hash("xxhash", rules=rules) == xxhash.xxh3_128_digest(pickle.dumps("0", protocol=5))
+
+
+def test_empty_pythonhashseed_counts_as_set(monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "")
+    assert none_hash("sha256_cbor", rules="0.11") == cbor_sha256("")
+
+
+def test_explicit_seed_overrides_pythonhashseed(monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "123")
+    assert none_hash("sha256_cbor", seed="0").hex() == NONE_HASH_SEED0
+    assert BlockHasher(seed="vllm-none-hash").root.hex() == NONE_HASH_DEFAULT
+    assert BlockHasher(root=b"\x01" * 32).root == b"\x01" * 32
+
+
+def test_pythonhashseed_is_read_at_construction_not_later(monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    h = BlockHasher()
+    monkeypatch.setenv("PYTHONHASHSEED", "1")
+    assert h.root.hex() == NONE_HASH_SEED0
+    assert BlockHasher().root == cbor_sha256("1")
+
+
+# ---------------------------------------------------------------------------------------
+# Algorithms.
+
+
+@pytest.mark.parametrize(
+    "algorithm, reference",
+    [
+        ("sha256", lambda o: hashlib.sha256(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)).digest()),
+        ("sha256_cbor", cbor_sha256),
+        ("xxhash", lambda o: xxhash.xxh3_128_digest(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL))),
+        ("xxhash_cbor", lambda o: xxhash.xxh3_128_digest(cbor2.dumps(o, canonical=True))),
+    ],
+)
+def test_vllm_algorithms_chain_their_serialized_tuples(algorithm, reference):
+    h = BlockHasher(algorithm, 4, seed="0")
+    assert h.root == reference("0") == hash_function(algorithm)("0")
+    tokens = [5, 70000, 2**33, 7] + [1, 2, 3, 4] + [9]
+    extra = [("lora", "a", "/p"), None]
+    d0 = reference((h.root, (5, 70000, 2**33, 7), ("lora", "a", "/p")))
+    d1 = reference((d0, (1, 2, 3, 4), None))
+    assert h.hash_blocks(tokens, extra_keys_per_block=extra) == [d0, d1]
+    assert h.hash_block(d0, [1, 2, 3, 4]) == d1
+    assert len(d0) == h.digest_size
+
+
+def test_native_is_xxh3_128_of_parent_and_little_endian_uint32_tokens():
+    h = BlockHasher("native", 16, seed="0")
+    assert h.root == xxhash.xxh3_128_digest(b"0") and not h.vllm_compatible
+    tokens = list(range(100, 132))
+    d0 = xxhash.xxh3_128_digest(h.root + struct.pack("<16I", *tokens[:16]))
+    d1 = xxhash.xxh3_128_digest(d0 + struct.pack("<16I", *tokens[16:]))
+    assert h.hash_blocks(tokens) == [d0, d1]
+    salted = h.hash_blocks(tokens, extra_keys_per_block=[("cache_salt", "s"), None])
+    assert salted[0] == xxhash.xxh3_128_digest(
+        h.root + struct.pack("<16I", *tokens[:16]) + cbor2.dumps(("cache_salt", "s"), canonical=True)
+    )
+    assert salted[0] != d0 and salted[1] != d1
+
+
+def test_native_rejects_token_ids_that_do_not_fit_uint32():
+    h = BlockHasher("native", 2)
+    with pytest.raises(HashingError, match="uint32.*4294967296"):
+        h.hash_blocks([1, 2**32])
+    with pytest.raises(HashingError, match="-1"):
+        h.hash_blocks([-1, 2])
+
+
+def test_pickle_and_cbor_algorithms_give_different_hashes():
+    digests = {a: BlockHasher(a, 16, seed="0").hash_block(None, T1_16) for a in ALGORITHMS}
+    assert len(set(digests.values())) == len(ALGORITHMS)
+
+
+# ---------------------------------------------------------------------------------------
+# The CBOR fast path is byte-identical to cbor2.dumps + hashlib.
+
+small_ints = st.integers(min_value=0, max_value=300)
+any_ints = st.one_of(
+    st.integers(min_value=0, max_value=2**17),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1, 2**64, -1, -24, -25, -(2**64), -(2**64) - 1]),
+)
+extra_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    any_ints,
+    st.text(max_size=30),
+    st.binary(max_size=40),
+    st.floats(allow_nan=False),  # not hand-encoded: must fall back to cbor2
+)
+extra_value = st.recursive(extra_leaf, lambda c: st.lists(c, max_size=4) | st.lists(c, max_size=4).map(tuple), max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    algorithm=st.sampled_from(["sha256_cbor", "xxhash_cbor"]),
+    block_size=st.integers(min_value=1, max_value=30),
+    data=st.data(),
+)
+def test_fast_cbor_path_equals_cbor2_dumps_plus_digest(algorithm, block_size, data):
+    tokens = data.draw(st.lists(any_ints, max_size=block_size * 4))
+    n = len(tokens) // block_size
+    extras = data.draw(st.none() | st.lists(st.none() | st.lists(extra_value, max_size=4).map(tuple), min_size=n, max_size=n))
+    parent = data.draw(st.none() | st.binary(min_size=1, max_size=40))
+    h = BlockHasher(algorithm, block_size, seed="x")
+    digest = hashlib.sha256 if algorithm == "sha256_cbor" else None
+
+    def ref(obj):
+        raw = cbor2.dumps(obj, canonical=True)
+        return digest(raw).digest() if digest else xxhash.xxh3_128_digest(raw)
+
+    expected = []
+    prev = parent or h.root
+    for i in range(n):
+        prev = ref((prev, tuple(tokens[i * block_size : (i + 1) * block_size]), extras[i] if extras else None))
+        expected.append(prev)
+    assert h.hash_blocks(tokens, parent, extras) == expected
+
+
+# ---------------------------------------------------------------------------------------
+# Request hasher.
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    algorithm=st.sampled_from(ALGORITHMS),
+    style=st.sampled_from(["0.33", "0.11"]),
+    tokens=st.lists(small_ints, max_size=90),
+    cuts=st.lists(st.integers(min_value=0, max_value=90), max_size=8),
+    salt=st.none() | st.text(min_size=1, max_size=5),
+    lora=st.none() | st.builds(LoRA, st.text(max_size=5), st.text(max_size=5), st.integers(1, 9)),
+)
+def test_incremental_request_hasher_equals_one_shot(algorithm, style, tokens, cuts, salt, lora):
+    h = BlockHasher(algorithm, 8, seed="0", extra_key_style=style)
+    keys = RequestExtraKeys(lora=lora, cache_salt=salt)
+    n = len(tokens) // 8
+    forms = [keys.for_block(i * 8, i * 8 + 8, style) for i in range(n)]
+    one_shot = h.hash_blocks(tokens, None, [f.hash_input for f in forms])
+
+    rbh = RequestBlockHasher(h, lora=lora, cache_salt=salt)
+    got: list[bytes] = []
+    bounds = sorted({0, len(tokens), *(c for c in cuts if c <= len(tokens))})
+    for a, b in zip(bounds, bounds[1:]):
+        new = rbh.extend(tokens[a:b])
+        assert new == rbh.block_hashes[len(got) :]
+        got += new
+    assert got == rbh.block_hashes == one_shot
+    assert rbh.num_tokens == len(tokens)
+    assert rbh.wire_extra_keys == [f.wire for f in forms]
+
+
+def test_decode_tokens_extend_without_rehashing():
+    h = BlockHasher("sha256_cbor", 16, seed="0")
+    rbh = RequestBlockHasher(h)
+    assert len(rbh.extend(range(40))) == 2
+    first = list(rbh.block_hashes)
+    for t in range(40, 47):
+        assert rbh.extend([t]) == []
+    (new,) = rbh.extend([47])
+    assert rbh.block_hashes == first + [new] and rbh.num_tokens == 48
+    assert new == h.hash_block(first[-1], list(range(32, 48)))
+    assert rbh.extend([]) == []
+
+
+def test_mm_request_prompt_then_decode_matches_one_shot_for_one_item():
+    h = BlockHasher("sha256_cbor", 16, seed="0")
+    item = MMItem(MM_ID, 4, 30)  # blocks 0, 1 and 2 (tokens 32..33)
+    rbh = RequestBlockHasher(h, mm_items=[item])
+    rbh.extend(range(40))
+    for t in range(40, 64):
+        rbh.extend([t])
+    keys = RequestExtraKeys(mm_items=(item,))
+    extras = [keys.for_block(s, s + 16).hash_input for s in range(0, 64, 16)]
+    assert extras[2] == (("mm", MM_ID, -28),) and extras[3] is None
+    assert rbh.block_hashes == h.hash_blocks(list(range(64)), None, extras)
+    assert rbh.wire_extra_keys == [[[MM_ID, 4]], [[MM_ID, -12]], [[MM_ID, -28]], None]
+
+
+def test_v011_attaches_an_item_that_ended_where_a_later_pass_starts():
+    # vLLM 0.11 compares "start > item_end" and looks only at the last item in passes
+    # after the prompt: block [32, 48) completed by decode still carries the item that
+    # ended at 32. 0.33 fixed the comparison.
+    item = MMItem("img", 20, 12)
+    for style, block2 in (("0.11", ("img",)), ("0.33", None)):
+        h = BlockHasher("sha256_cbor", 16, seed="0", extra_key_style=style)
+        rbh = RequestBlockHasher(h, mm_items=[item])
+        rbh.extend(range(32))
+        rbh.extend(range(32, 48))
+        b1 = ("img",) if style == "0.11" else (("mm", "img", 4),)
+        assert rbh.block_hashes == h.hash_blocks(list(range(48)), None, [None, b1, block2])
+
+
+def test_later_pass_sees_only_the_last_mm_item_like_vllm():
+    items = [MMItem("a", 16, 2), MMItem("b", 18, 2)]
+    h = BlockHasher("sha256_cbor", 16, seed="0")
+    rbh = RequestBlockHasher(h, mm_items=items)
+    rbh.extend(range(20))  # the prompt completes block 0 only
+    rbh.extend(range(20, 32))  # block 1 completes in a later pass
+    assert rbh.wire_extra_keys == [None, [["b", 2]]]
+    assert RequestExtraKeys(mm_items=tuple(items)).for_block(16, 32).wire == [["a", 0], ["b", 2]]
+
+
+def test_extra_key_forms_in_both_styles():
+    keys = RequestExtraKeys(
+        lora=LoRA("ad", "/p/ad", 7),
+        mm_items=(MMItem("i1", 2, 4),),
+        cache_salt="t",
+        prompt_embeds_digest=lambda s, e: bytes([s, e]),
+    )
+    assert keys.for_block(0, 16, "0.33") == (
+        (("lora", "ad", "/p/ad"), ("mm", "i1", 2), ("cache_salt", "t"), ("prompt_embeds", b"\x00\x10")),
+        ["ad", ["i1", 2], "t", b"\x00\x10"],
+    )
+    assert keys.for_block(0, 16, "0.11") == ((7, "i1", "t", b"\x00\x10"), [7, "i1", "t", b"\x00\x10"])
+    assert keys.for_block(16, 32, "0.33").hash_input == (("lora", "ad", "/p/ad"), ("prompt_embeds", b"\x10\x20"))
+    assert RequestExtraKeys(cache_salt="").for_block(0, 16) == (None, None)
+
+
+# ---------------------------------------------------------------------------------------
+# External form and errors.
+
+
+def test_external_form_is_the_last_8_bytes_big_endian():
+    d = bytes(range(32))
+    assert to_external(d) == int.from_bytes(d[-8:], "big") == u64(d)
+    assert to_external(d, "bytes") == d
+    x = bytes(range(16))
+    assert to_external_list([d, x]) == [u64(d), u64(x)]
+    with pytest.raises(HashingError, match="'int' or 'bytes'"):
+        to_external(d, "hex")
+
+
+@pytest.mark.parametrize("bad", ["sha1", "SHA256", "", None, "sha256-cbor"])
+def test_unknown_algorithm_names_are_rejected_with_the_valid_list(bad):
+    with pytest.raises(HashingError, match="sha256_cbor.*native"):
+        BlockHasher(bad)
+    with pytest.raises(HashingError, match="unknown block hash algorithm"):
+        none_hash(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -16, 1.5, True, "16", None])
+def test_bad_block_sizes_are_rejected(bad):
+    with pytest.raises(HashingError, match="block_size must be a positive int"):
+        BlockHasher("sha256_cbor", bad)
+
+
+def test_other_bad_arguments_say_what_to_do():
+    with pytest.raises(HashingError, match="'0.33' or '0.11'"):
+        none_hash("sha256", rules="0.12")
+    with pytest.raises(HashingError, match="extra_key_style"):
+        BlockHasher(extra_key_style="new")
+    with pytest.raises(HashingError, match="root must be non-empty bytes"):
+        BlockHasher(root=b"")
+    h = BlockHasher("sha256_cbor", 4, seed="0")
+    with pytest.raises(HashingError, match="exactly block_size=4 tokens, got 3"):
+        h.hash_block(None, [1, 2, 3])
+    with pytest.raises(HashingError, match="one entry .* per full block"):
+        h.hash_blocks(list(range(8)), None, [None])
+    with pytest.raises(HashingError, match=r"wrap a single token as \[token\]"):
+        RequestBlockHasher(h).extend(5)  # type: ignore[arg-type]
+    with pytest.raises(HashingError, match="sorted by offset"):
+        RequestExtraKeys(mm_items=(MMItem("b", 9, 1), MMItem("a", 2, 1)))
+    with pytest.raises(HashingError, match="length > 0"):
+        RequestExtraKeys(mm_items=(MMItem("a", 0, 0),))
+    with pytest.raises(HashingError, match="not arbitrary objects"):
+        hash_function("native")
+    with pytest.raises(AttributeError, match="immutable"):
+        h.block_size = 8  # type: ignore[misc]
