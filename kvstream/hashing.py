@@ -498,6 +498,12 @@ class BlockHasher:
         out: list[bytes] = []
         append = out.append
         prev = parent
+        if extras is None and len(parent) == dsize:
+            # The common case (no extra keys): every input is prefix|parent|array|None.
+            for body in [ahead + join(enc[i : i + bs]) + b"\xf6" for i in range(0, n * bs, bs)]:
+                prev = digest(chain_prefix + prev + body)
+                append(prev)
+            return out
         for i in range(n):
             if extras is None or extras[i] is None:
                 tail = b"\xf6"
