@@ -327,8 +327,9 @@ def _print_table(plan: Any, source: str, mem: dict[str, Any], args: argparse.Nam
               f"({100 * plan.grouping.pool_waste_fraction:.2f}% of the pool)")
     else:
         print("padding: none")
+    shown = {p.message for p in plan.grouping.padding}
     for w in plan.warnings:
-        if not w.startswith(tuple(f"{p.num_padding_layers} padding" for p in plan.grouping.padding)):
+        if w not in shown:
             print(f"warning: {w}")
 
 

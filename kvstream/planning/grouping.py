@@ -121,6 +121,15 @@ class PaddingReport:
         """Upper bound on the share of this spec's KV memory lost to padding (0..1)."""
         return self.num_padding_layers / self.num_layers
 
+    @property
+    def message(self) -> str:
+        """The operator-facing warning for this padding."""
+        return (
+            f"{self.num_padding_layers} padding layer(s) added to the {self.num_layers} "
+            f"{self.kind} layers: up to {100 * self.max_waste_fraction:.2f}% of their KV cache "
+            "memory is wasted"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Grouping:
@@ -137,7 +146,7 @@ class Grouping:
     padding: tuple[PaddingReport, ...] = ()
     """Padding per spec; empty when no group is padded."""
     warnings: tuple[str, ...] = ()
-    """Things an operator should know (hybrid management off, padding)."""
+    """Things an operator should know: each padding's message, then hybrid management off."""
 
     @property
     def num_padding_slots(self) -> int:
@@ -308,11 +317,7 @@ def group_layers(specs: Mapping[str, LayerSpec], *, hybrid: bool = True) -> Grou
         pad = num_groups * group_size - len(layer_names)
         if pad:
             padding.append(PaddingReport(spec.kind, len(layer_names), pad))
-            warnings.append(
-                f"{pad} padding layer(s) added to the {len(layer_names)} {spec.kind} layers to "
-                f"fill groups of {group_size}: up to {100 * pad / len(layer_names):.2f}% of "
-                f"their KV cache memory is wasted"
-            )
+            warnings.append(padding[-1].message)
         # Strided split (layers[i::n], not consecutive runs) keeps every pipeline stage's
         # share of each group balanced, so stages pad no more than the whole model does.
         for i in range(num_groups):
