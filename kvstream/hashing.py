@@ -47,6 +47,7 @@ __all__ = [
     "LoRA",
     "MMItem",
     "BlockExtraKeys",
+    "PromptEmbedsDigest",
     "RequestExtraKeys",
     "RequestBlockHasher",
     "to_external",
@@ -607,6 +608,7 @@ class BlockExtraKeys(NamedTuple):
 
 
 PromptEmbedsDigest = Callable[[int, int], "bytes | None"]
+"""``f(start, end)``: digest (bytes) of the prompt embeddings of tokens [start, end), or None."""
 
 
 @dataclass(frozen=True, slots=True)
