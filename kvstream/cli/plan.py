@@ -61,6 +61,7 @@ def _positive_int(text: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``plan`` sub-command to the ``kvstream`` parser."""
     p = sub.add_parser(
         "plan",
         help="plan a model's KV cache: blocks, tokens and concurrency for a GPU budget",
