@@ -23,6 +23,16 @@ from kvstream.events import (
     encode_batch,
 )
 from kvstream.framing import FrameError
+from kvstream.hashing import (
+    BlockHasher,
+    HashingError,
+    LoRA,
+    MMItem,
+    RequestBlockHasher,
+    RequestExtraKeys,
+    none_hash,
+    to_external,
+)
 
 __version__ = "0.1.0"
 
@@ -39,6 +49,14 @@ __all__ = [
     "EventDecoder",
     "EventEncoder",
     "FrameError",
+    "BlockHasher",
+    "HashingError",
+    "LoRA",
+    "MMItem",
+    "RequestBlockHasher",
+    "RequestExtraKeys",
+    "none_hash",
+    "to_external",
     "KVCacheEvent",
     "KVEventBatch",
     "decode_batch",
