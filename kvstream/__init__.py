@@ -33,6 +33,14 @@ from kvstream.hashing import (
     none_hash,
     to_external,
 )
+from kvstream.planning import (
+    KVCachePlan,
+    KVCachePlanningError,
+    NotEnoughKVCacheMemoryError,
+    plan_from_hf_config,
+    plan_kv_cache,
+    specs_from_hf_config,
+)
 
 __version__ = "0.1.0"
 
@@ -56,6 +64,12 @@ __all__ = [
     "RequestBlockHasher",
     "RequestExtraKeys",
     "none_hash",
+    "KVCachePlan",
+    "KVCachePlanningError",
+    "NotEnoughKVCacheMemoryError",
+    "plan_from_hf_config",
+    "plan_kv_cache",
+    "specs_from_hf_config",
     "to_external",
     "KVCacheEvent",
     "KVEventBatch",
