@@ -265,8 +265,8 @@ def _print_table(plan: Any, source: str, mem: dict[str, Any], args: argparse.Nam
         reserved.append(f"- {_gib(mem['weights_per_gpu_bytes'])} weights")
     if mem["non_kv_memory_bytes"]:
         reserved.append(f"- {_gib(mem['non_kv_memory_bytes'])} non-KV")
-    memory = (f"{_gib(mem['gpu_memory_bytes'])} x {mem['gpu_memory_utilization']:.2f} "
-              f"{' '.join(reserved)} = {_gib(mem['kv_cache_bytes'])} per GPU")
+    memory = " ".join([f"{_gib(mem['gpu_memory_bytes'])} x {mem['gpu_memory_utilization']:.2f}",
+                       *reserved, f"= {_gib(mem['kv_cache_bytes'])} per GPU"])
 
     rows = [
         ("source", source),
