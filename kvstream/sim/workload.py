@@ -1,0 +1,470 @@
+"""Workloads for the simulator: Mooncake traces, a synthetic generator, and time scaling.
+
+A workload is a list of :class:`SimRequest`, sorted by arrival time. A request's prompt and
+output are described as *segments* ``(content_key, length)`` rather than token lists: a
+segment stands for ``length`` deterministic tokens derived from ``content_key`` (see
+:func:`segment_tokens`), so equal keys give equal tokens and a prompt built from the same
+leading segments as another shares its prefix token for token. Keeping the segment form
+lets the simulator memoize block hashes per segment instead of hashing millions of tokens.
+
+Mooncake traces (JSON lines: ``timestamp`` ms, ``input_length``, ``output_length``,
+``hash_ids`` of 512-token blocks) map each hash id to one 512-token segment; the last one
+is cut to ``input_length``. Output tokens come from a per-request key outside the hash-id
+key range, so outputs never collide with prompt blocks.
+
+The synthetic generator builds shared system prompts and multi-turn conversations in which
+turn *k*'s prompt is turn *k-1*'s prompt plus its output plus a new user message, with
+Poisson conversation starts and exponential think times, all from one seed.
+
+This module is pure: no clock reads, no I/O except reading the trace file it is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import msgspec
+
+__all__ = [
+    "MOONCAKE_BLOCK_TOKENS",
+    "TOKEN_VOCAB",
+    "Segment",
+    "SimRequest",
+    "WorkloadError",
+    "segment_tokens",
+    "expand_segments",
+    "iter_mooncake",
+    "load_mooncake",
+    "SyntheticConfig",
+    "synthetic_workload",
+    "compress_arrivals",
+    "TimeScale",
+    "parse_speed",
+]
+
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per Mooncake ``hash_ids`` entry."""
+
+TOKEN_VOCAB = 1 << 16
+"""Simulated token ids are in ``[0, TOKEN_VOCAB)``."""
+
+# Content-key namespaces. Mooncake hash ids live below _OUTPUT_NS; generated output and
+# synthetic content above it, so no key of one kind can equal a key of another.
+_MAX_TRACE_ID = 1 << 60
+_OUTPUT_NS = 1 << 61
+_SYNTH_NS = 1 << 62
+
+Segment = tuple[int, int]
+"""``(content_key, length)``: ``length`` tokens derived from ``content_key`` (tokens)."""
+
+
+class WorkloadError(ValueError):
+    """A workload could not be loaded or built (bad trace line, bad generator setting).
+
+    The message names the file and line (for traces) or the setting, the value seen and
+    what is expected.
+    """
+
+
+class SimRequest:
+    """One request of a workload.
+
+    Attributes:
+        request_id: position in the workload after sorting (0-based, unique).
+        arrival: arrival time in seconds since the workload's start (virtual time).
+        prompt: the prompt as segments; ``prompt_len`` tokens in total.
+        prompt_len: prompt length in tokens (> 0).
+        output_key: content key of the generated tokens (see :meth:`output_tokens`).
+        output_len: tokens to generate (>= 1).
+        session: conversation id (synthetic) or None (traces carry none).
+        source_line: line number in the trace file, or None for synthetic requests.
+    """
+
+    __slots__ = (
+        "request_id",
+        "arrival",
+        "prompt",
+        "prompt_len",
+        "output_key",
+        "output_len",
+        "session",
+        "source_line",
+    )
+
+    def __init__(
+        self,
+        request_id: int,
+        arrival: float,
+        prompt: tuple[Segment, ...],
+        output_key: int,
+        output_len: int,
+        *,
+        session: int | None = None,
+        source_line: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.arrival = arrival
+        self.prompt = prompt
+        self.prompt_len = sum(n for _, n in prompt)
+        self.output_key = output_key
+        self.output_len = output_len
+        self.session = session
+        self.source_line = source_line
+
+    def __repr__(self) -> str:
+        return (
+            f"SimRequest(id={self.request_id}, arrival={self.arrival:.3f}s, "
+            f"prompt_len={self.prompt_len}, output_len={self.output_len}, "
+            f"segments={len(self.prompt)})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SimRequest):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple[object, ...]:
+        return (
+            self.request_id,
+            self.arrival,
+            self.prompt,
+            self.output_key,
+            self.output_len,
+            self.session,
+        )
+
+    def prompt_tokens(self) -> list[int]:
+        """The prompt's token ids (``prompt_len`` ints); builds the list, so not for hot loops."""
+        return expand_segments(self.prompt)
+
+    def output_tokens(self) -> list[int]:
+        """The ``output_len`` token ids the simulated engine generates for this request."""
+        return segment_tokens(self.output_key, self.output_len).tolist()
+
+    def renumbered(self, request_id: int, arrival: float) -> "SimRequest":
+        """A copy with another id and arrival time (seconds)."""
+        return SimRequest(
+            request_id,
+            arrival,
+            self.prompt,
+            self.output_key,
+            self.output_len,
+            session=self.session,
+            source_line=self.source_line,
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Tokens
+
+
+def segment_tokens(content_key: int, length: int) -> array:
+    """The ``length`` deterministic token ids of a segment, as an ``array('H')``.
+
+    Tokens are the little-endian uint16 words of SHAKE-128 over the key: equal keys give
+    equal tokens, and a shorter segment of a key is a prefix of a longer one (the XOF's
+    output is prefix-stable), which is what a cut-off last trace block needs.
+    """
+    if length <= 0:
+        return array("H")
+    raw = hashlib.shake_128(content_key.to_bytes(8, "little")).digest(2 * length)
+    out = array("H", raw)
+    if _BIG_ENDIAN:  # pragma: no cover - keep tokens identical on every host
+        out.byteswap()
+    return out
+
+
+_BIG_ENDIAN = array("H", b"\x01\x00")[0] != 1
+
+
+def expand_segments(segments: Iterable[Segment]) -> list[int]:
+    """Concatenated token ids of ``segments`` (a list of ints)."""
+    out = array("H")
+    for key, n in segments:
+        out.extend(segment_tokens(key, n))
+    return out.tolist()
+
+
+# --------------------------------------------------------------------------------------
+# Mooncake traces
+
+
+class _TraceLine(msgspec.Struct, forbid_unknown_fields=False):
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+_LINE_DECODER = msgspec.json.Decoder(_TraceLine)
+
+
+def _line_error(path: str | Path, lineno: int, what: str) -> WorkloadError:
+    return WorkloadError(
+        f"{path}:{lineno}: {what}. Each line must be a JSON object "
+        '{"timestamp": <ms>, "input_length": <tokens>, "output_length": <tokens>, '
+        '"hash_ids": [<int>, ...]} with one hash id per 512 prompt tokens (Mooncake format)'
+    )
+
+
+def iter_mooncake(
+    path: str | Path, *, limit: int | None = None, min_output: int = 1
+) -> Iterator[SimRequest]:
+    """Stream the requests of a Mooncake trace file, in file order, validating each line.
+
+    Args:
+        path: a JSON-lines file (Mooncake format).
+        limit: stop after this many requests (None: the whole file).
+        min_output: output lengths below this (tokens) are raised to it; an engine always
+            emits at least one token for a request.
+
+    ``request_id`` is the 0-based request index in the file, ``arrival`` the timestamp in
+    seconds. Blank lines are skipped. Raises :class:`WorkloadError` naming the file and
+    line for anything malformed.
+    """
+    if limit is not None and limit < 0:
+        raise WorkloadError(f"limit must be >= 0 requests or None, got {limit}")
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise WorkloadError(f"cannot open trace {path}: {exc.strerror or exc}") from None
+    count = 0
+    with fh:
+        for lineno, raw in enumerate(fh, 1):
+            if limit is not None and count >= limit:
+                return
+            if not raw.strip():
+                continue
+            try:
+                rec = _LINE_DECODER.decode(raw)
+            except msgspec.ValidationError as exc:
+                raise _line_error(path, lineno, f"invalid field ({exc})") from None
+            except msgspec.DecodeError as exc:
+                raise _line_error(path, lineno, f"not valid JSON ({exc})") from None
+            if not (rec.timestamp >= 0 and math.isfinite(rec.timestamp)):
+                raise _line_error(path, lineno, f"timestamp must be finite and >= 0 ms, got {rec.timestamp}")
+            if rec.input_length <= 0:
+                raise _line_error(path, lineno, f"input_length must be > 0 tokens, got {rec.input_length}")
+            if rec.output_length < 0:
+                raise _line_error(path, lineno, f"output_length must be >= 0 tokens, got {rec.output_length}")
+            ids = rec.hash_ids
+            need = -(-rec.input_length // MOONCAKE_BLOCK_TOKENS)
+            if len(ids) != need:
+                raise _line_error(
+                    path,
+                    lineno,
+                    f"input_length {rec.input_length} needs {need} hash ids of 512 tokens, "
+                    f"got {len(ids)}",
+                )
+            for h in ids:
+                if not 0 <= h < _MAX_TRACE_ID:
+                    raise _line_error(path, lineno, f"hash id {h} out of range [0, 2**60)")
+            last = rec.input_length - (need - 1) * MOONCAKE_BLOCK_TOKENS
+            prompt = tuple((h, MOONCAKE_BLOCK_TOKENS) for h in ids[:-1]) + ((ids[-1], last),)
+            yield SimRequest(
+                count,
+                rec.timestamp / 1000.0,
+                prompt,
+                _OUTPUT_NS | count,
+                max(rec.output_length, min_output),
+                source_line=lineno,
+            )
+            count += 1
+
+
+def load_mooncake(
+    path: str | Path, *, limit: int | None = None, min_output: int = 1
+) -> list[SimRequest]:
+    """All requests of a Mooncake trace (see :func:`iter_mooncake`), sorted by arrival.
+
+    Ties keep file order; ``request_id`` is renumbered to the sorted position when the
+    file was not already sorted.
+    """
+    reqs = list(iter_mooncake(path, limit=limit, min_output=min_output))
+    if any(reqs[i].arrival > reqs[i + 1].arrival for i in range(len(reqs) - 1)):
+        reqs.sort(key=lambda r: (r.arrival, r.request_id))
+        reqs = [r.renumbered(i, r.arrival) for i, r in enumerate(reqs)]
+    return reqs
+
+
+# --------------------------------------------------------------------------------------
+# Synthetic workload
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Settings of the built-in synthetic workload.
+
+    Attributes:
+        requests: total requests (turns) to generate.
+        duration: conversation starts are spread over about this many seconds.
+        system_prompts: number of distinct shared system prompts.
+        system_prompt_tokens: mean system prompt length (tokens).
+        turns_mean: mean turns per conversation (geometric, >= 1).
+        user_tokens_mean: mean new user-message length per turn (tokens).
+        output_tokens_mean: mean generated length per turn (tokens).
+        think_time_mean: mean seconds between a turn's arrival and the next turn's.
+        popularity_skew: Zipf exponent of system-prompt popularity (0: uniform).
+        seed: random seed; equal configs give identical workloads.
+    """
+
+    requests: int = 2000
+    duration: float = 20.0
+    system_prompts: int = 8
+    system_prompt_tokens: int = 1024
+    turns_mean: float = 4.0
+    user_tokens_mean: int = 192
+    output_tokens_mean: int = 160
+    think_time_mean: float = 3.0
+    popularity_skew: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("requests", self.requests >= 1, "an int >= 1"),
+            ("duration", self.duration > 0 and math.isfinite(self.duration), "seconds > 0"),
+            ("system_prompts", self.system_prompts >= 1, "an int >= 1"),
+            ("system_prompt_tokens", self.system_prompt_tokens >= 0, "tokens >= 0"),
+            ("turns_mean", self.turns_mean >= 1, ">= 1"),
+            ("user_tokens_mean", self.user_tokens_mean >= 1, "tokens >= 1"),
+            ("output_tokens_mean", self.output_tokens_mean >= 1, "tokens >= 1"),
+            ("think_time_mean", self.think_time_mean >= 0, "seconds >= 0"),
+            ("popularity_skew", self.popularity_skew >= 0, ">= 0"),
+        )
+        for name, ok, want in checks:
+            if not ok:
+                raise WorkloadError(f"SyntheticConfig.{name} must be {want}, got {getattr(self, name)!r}")
+
+
+def _length(rng: random.Random, mean: float) -> int:
+    """A positive length around ``mean`` (tokens): uniform in [mean/2, 3*mean/2]."""
+    lo = max(1, int(mean * 0.5))
+    hi = max(lo, int(mean * 1.5))
+    return rng.randint(lo, hi)
+
+
+def synthetic_workload(config: SyntheticConfig | None = None) -> list[SimRequest]:
+    """The built-in workload: shared system prompts and multi-turn conversations.
+
+    Each conversation picks a system prompt (Zipf popularity), then runs a geometric
+    number of turns; turn *k*'s prompt is the system prompt, every earlier user message and
+    output, and a new user message, so consecutive turns share everything but the tail.
+    Conversations start uniformly over ``duration`` seconds (Poisson given the count);
+    turns follow after exponential think times and stop at ``duration``. Exactly
+    ``requests`` requests, all arriving within ``[0, duration)``. Sorted by arrival, ``request_id`` = position. Deterministic for
+    a given config (seeded ``random.Random``; no global state).
+    """
+    cfg = config or SyntheticConfig()
+    rng = random.Random(cfg.seed)
+    next_key = _SYNTH_NS
+
+    def new_key() -> int:
+        nonlocal next_key
+        next_key += 1
+        return next_key
+
+    systems: list[Segment] = []
+    for _ in range(cfg.system_prompts):
+        systems.append((new_key(), _length(rng, cfg.system_prompt_tokens) if cfg.system_prompt_tokens else 0))
+    weights = [1.0 / (i + 1) ** cfg.popularity_skew for i in range(cfg.system_prompts)]
+    p_stop = 1.0 / cfg.turns_mean
+
+    raw: list[tuple[float, int, int, tuple[Segment, ...], int, int]] = []
+    seq = 0
+    conv = 0
+    # Conversations start uniformly over [0, duration) (a Poisson process conditioned on
+    # its count); a conversation ends by a geometric stop or when its next turn would
+    # arrive after `duration`. Stop as soon as `requests` turns exist.
+    while len(raw) < cfg.requests:
+        system = rng.choices(systems, weights)[0]
+        history: tuple[Segment, ...] = (system,) if system[1] else ()
+        arrival = rng.random() * cfg.duration
+        while len(raw) < cfg.requests:
+            user = (new_key(), _length(rng, cfg.user_tokens_mean))
+            prompt = history + (user,)
+            out_key = new_key()
+            out_len = _length(rng, cfg.output_tokens_mean)
+            raw.append((arrival, seq, conv, prompt, out_key, out_len))
+            seq += 1
+            history = prompt + ((out_key, out_len),)
+            if rng.random() < p_stop:
+                break
+            if cfg.think_time_mean:
+                arrival += rng.expovariate(1.0 / cfg.think_time_mean)
+            if arrival >= cfg.duration:
+                break
+        conv += 1
+    raw.sort(key=lambda r: (r[0], r[1]))
+    return [
+        SimRequest(i, arrival, prompt, out_key, out_len, session=c)
+        for i, (arrival, _, c, prompt, out_key, out_len) in enumerate(raw)
+    ]
+
+
+# --------------------------------------------------------------------------------------
+# Time
+
+
+def compress_arrivals(requests: Sequence[SimRequest], factor: float) -> list[SimRequest]:
+    """The same workload with arrival times divided by ``factor`` (load scaling).
+
+    ``factor`` 2 offers the same requests in half the time: twice the request rate. This
+    changes the simulated load, unlike :class:`TimeScale`, which only changes how fast
+    simulated time runs against the wall clock.
+    """
+    if not (factor > 0 and math.isfinite(factor)):
+        raise WorkloadError(f"arrival compression factor must be finite and > 0, got {factor}")
+    return [r.renumbered(r.request_id, r.arrival / factor) for r in requests]
+
+
+@dataclass(frozen=True)
+class TimeScale:
+    """How simulated time maps onto wall time.
+
+    ``speed`` 1.0 replays in real time, ``N`` runs N times faster than real time, and
+    ``math.inf`` runs as fast as possible (pure virtual time: no sleeping at all). The
+    simulated results do not depend on it: only the wall-clock pacing does.
+    """
+
+    speed: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not (self.speed > 0):
+            raise WorkloadError(f"speed must be > 0 (1 = real time, inf = as fast as possible), got {self.speed}")
+
+    @property
+    def virtual(self) -> bool:
+        """True when nothing sleeps (as fast as possible)."""
+        return math.isinf(self.speed)
+
+    def wall_seconds(self, sim_seconds: float) -> float:
+        """Wall-clock seconds that ``sim_seconds`` of simulated time take (0 when virtual)."""
+        return 0.0 if self.virtual else sim_seconds / self.speed
+
+
+def parse_speed(text: str) -> TimeScale:
+    """Parse a speed option: ``"1"``/``"1x"`` real time, ``"10x"`` ten times faster,
+    ``"max"``/``"inf"``/``"virtual"`` as fast as possible."""
+    s = text.strip().lower()
+    if s in ("max", "inf", "virtual", "asap"):
+        return TimeScale(math.inf)
+    if s.endswith("x"):
+        s = s[:-1]
+    try:
+        value = float(s)
+    except ValueError:
+        raise WorkloadError(
+            f"bad speed {text!r}: use a factor such as '1x' (real time) or '10x', or 'max'"
+        ) from None
+    if not (value > 0):
+        raise WorkloadError(f"bad speed {text!r}: the factor must be > 0")
+    return TimeScale(value)
