@@ -48,7 +48,10 @@ __all__ = ["Subscriber", "SourceSpec", "SourceHealth"]
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
-_DRAIN_BURST = 512
+# Hand items to the consumer after this many messages or events, whichever comes first:
+# decoded batches held in bulk survive young-generation GC passes and get expensive.
+_DRAIN_BURST = 256
+_EVENT_BURST = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +327,7 @@ class Subscriber:
         rlog = self._rlog
         name = t.name
         while True:
-            n = 0
+            n = ev = 0
             gen = t.generation
             while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 try:
@@ -347,10 +350,11 @@ class Subscriber:
                     continue
                 t.on_live(unpack(seqf)[0], topic, payload, batch, time.time())
                 n += 1
-                if n >= _DRAIN_BURST:
+                ev += len(batch.events)
+                if n >= _DRAIN_BURST or ev >= _EVENT_BURST:
                     self._after(src, gen)
                     gen = t.generation
-                    n = 0
+                    n = ev = 0
                     await self._wait_space()
                     await anyio.lowlevel.checkpoint()
             self._after(src, gen)
