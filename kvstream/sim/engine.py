@@ -1,0 +1,402 @@
+"""A simulated serving engine: a sans-IO discrete-event model on kvstream's allocator.
+
+:class:`EngineModel` owns a :class:`~kvstream.manager.KVCacheManager` and schedules like
+vLLM v1's scheduler, in *virtual* time (seconds, passed in; it never reads a clock):
+
+* Each step first serves running requests in admission order (the next prefill chunk, or
+  one decode token), then admits waiting requests first-come first-served while the
+  step's token budget (``max_batched_tokens``) and ``max_running`` allow. A waiting
+  request that does not fit blocks the ones behind it.
+* A step takes ``decode_step_s + prefill_tokens / prefill_rate`` seconds (a fixed per-step
+  cost plus the prompt tokens computed in it; real tokens, see ``token_granularity``).
+  The token sampled at the end of a request's last prefill chunk is its first output
+  token (its TTFT); each later step samples one more.
+* When a running request needs a block and none is free, the newest running request is
+  preempted (freed and put back at the head of the queue, keeping its tokens) and the
+  allocation retried; the request itself is preempted if it is the newest.
+* Steps in which every running request only decodes within its current block and nobody
+  can be admitted change nothing observable, so they are taken as one *run* of ``k``
+  steps (up to just before the first step in which a request completes a block or
+  finishes); an arrival cuts a run short at the next step boundary. Results (events, their
+  times, metrics) equal single stepping; a test checks it.
+
+Every transition returns the KV events the allocator produced, to be published as one
+batch stamped with the transition's time.
+
+``token_granularity`` g > 1 simulates g real tokens as one: segment lengths are divided
+by g (rounded up), the block size too, and rates count real tokens. Block structure,
+hashes-per-block, events and hit rates in blocks are unchanged; token ids on the wire
+shrink g-fold. It exists for speed on very long traces and is documented as an
+approximation (lengths rounded up to a multiple of g).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from kvstream.hashing import BlockHasher
+from kvstream.manager import KVCacheManager, KVRequest
+from kvstream.pool import BlockPool
+from kvstream.sim.blocks import SegmentHasher, SegmentTokens
+from kvstream.sim.metrics import RunMetrics
+from kvstream.sim.workload import Segment, SimRequest, WorkloadError
+
+__all__ = ["EngineConfig", "EngineModel", "SimRequestState"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One simulated engine's shape and speed.
+
+    Attributes:
+        num_blocks: KV blocks in the pool, the null block included.
+        block_size: tokens per block (real tokens; a multiple of ``token_granularity``).
+        prefill_rate: prompt tokens computed per second.
+        decode_step_s: seconds every step costs (the decode part of a step).
+        max_running: most requests running at once (vLLM ``max_num_seqs``).
+        max_batched_tokens: tokens one step may compute (chunked prefill budget).
+        hash_algorithm: block hash algorithm (``native`` is fastest; any of vLLM's works).
+        token_granularity: real tokens per simulated token (1 = exact).
+        reserve_full_prompt: admit only if the whole prompt fits (vLLM 0.33 default).
+        coalesce: take uneventful decode steps as one run (same results, much faster);
+            False steps one by one (kept to check that equivalence).
+    """
+
+    num_blocks: int = 4096
+    block_size: int = 16
+    prefill_rate: float = 16000.0
+    decode_step_s: float = 0.025
+    max_running: int = 64
+    max_batched_tokens: int = 8192
+    hash_algorithm: str = "native"
+    token_granularity: int = 1
+    reserve_full_prompt: bool = True
+    coalesce: bool = True
+
+    def __post_init__(self) -> None:
+        g = self.token_granularity
+        if type(g) is not int or g < 1:
+            raise WorkloadError(f"token_granularity must be an int >= 1 (real tokens per simulated token), got {g!r}")
+        if self.block_size % g:
+            raise WorkloadError(
+                f"block_size {self.block_size} must be a multiple of token_granularity {g}; "
+                "pick a granularity that divides the block size"
+            )
+        if self.num_blocks < 2:
+            raise WorkloadError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
+        if not (self.prefill_rate > 0 and self.decode_step_s > 0):
+            raise WorkloadError(
+                f"prefill_rate (tokens/s) and decode_step_s (s) must be > 0, got "
+                f"{self.prefill_rate} and {self.decode_step_s}"
+            )
+        if self.max_running < 1 or self.max_batched_tokens < self.max_running:
+            raise WorkloadError(
+                f"need max_running >= 1 and max_batched_tokens >= max_running, got "
+                f"{self.max_running} and {self.max_batched_tokens}"
+            )
+
+    @property
+    def sim_block_size(self) -> int:
+        """Simulated tokens per block (``block_size / token_granularity``)."""
+        return self.block_size // self.token_granularity
+
+    def block_hasher(self) -> BlockHasher:
+        """The block hasher engines (and the router) use, over simulated tokens."""
+        return BlockHasher(self.hash_algorithm, self.sim_block_size)
+
+
+def scale_segments(segments: tuple[Segment, ...], g: int) -> tuple[Segment, ...]:
+    """Segments in simulated tokens: every length divided by ``g``, rounded up."""
+    if g == 1:
+        return segments
+    return tuple((k, -(-n // g)) for k, n in segments)
+
+
+class SimRequestState:
+    """A request inside the simulation (the workload request plus its progress).
+
+    Attributes (times in simulated seconds, -1.0 while unknown): ``req``, ``engine``,
+    ``kv`` (the manager's request), ``prompt_tokens`` (simulated tokens to prefill before
+    decoding, outputs appended so far included), ``output`` (all output token ids),
+    ``generated`` (output tokens sampled), ``admitted_at``, ``first_token_at``,
+    ``finished_at``, ``preemptions``, ``routed_at``.
+    """
+
+    __slots__ = ("req", "engine", "kv", "output", "generated", "admitted_at", "first_token_at",
+                 "finished_at", "preemptions", "routed_at", "full_segments")
+
+    def __init__(self, req: SimRequest, engine: int, routed_at: float) -> None:
+        self.req = req
+        self.engine = engine
+        self.kv: KVRequest | None = None
+        self.output: list[int] = []
+        self.generated = 0
+        self.admitted_at = -1.0
+        self.first_token_at = -1.0
+        self.finished_at = -1.0
+        self.preemptions = 0
+        self.routed_at = routed_at
+        self.full_segments: tuple[Segment, ...] = ()
+
+
+class EngineModel:
+    """One simulated engine (sans-IO): call :meth:`submit` and :meth:`step` with times.
+
+    Args:
+        engine_id: index of this engine (metrics are per engine).
+        config: its :class:`EngineConfig`.
+        hasher: the shared :class:`SegmentHasher` (same block size as the config's).
+        metrics: where to record what happens.
+
+    The driver calls :meth:`step` at :attr:`wakeup` (seconds; ``math.inf`` when idle),
+    publishes the events it returns, and calls :meth:`submit` for each request routed
+    here. Not thread-safe; no I/O.
+    """
+
+    __slots__ = ("engine_id", "config", "hasher", "metrics", "manager", "waiting", "running",
+                 "wakeup", "_g", "_bs", "_run_start", "_run_steps", "_to_free", "_blocked",
+                 "usable_blocks", "rejected", "steps")
+
+    def __init__(self, engine_id: int, config: EngineConfig, hasher: SegmentHasher, metrics: RunMetrics) -> None:
+        if hasher.block_size != config.sim_block_size:
+            raise WorkloadError(
+                f"the segment hasher uses blocks of {hasher.block_size} simulated tokens but the "
+                f"engine config needs {config.sim_block_size}; build it from config.block_hasher()"
+            )
+        self.engine_id = engine_id
+        self.config = config
+        self.hasher = hasher
+        self.metrics = metrics
+        pool = BlockPool(config.num_blocks, config.sim_block_size)
+        self.manager = KVCacheManager(pool, hasher.hasher, reserve_full_prompt=config.reserve_full_prompt)
+        self.waiting: deque[SimRequestState] = deque()
+        self.running: list[SimRequestState] = []
+        self.wakeup = math.inf
+        self._g = config.token_granularity
+        self._bs = config.sim_block_size
+        self._run_start = 0.0  # start of the current decode run (seconds)
+        self._run_steps = 0  # steps in the current run; 0: a single step is in flight
+        self._to_free: list[SimRequestState] = []
+        self._blocked = False  # the queue head could not be admitted at the last step
+        self.usable_blocks = config.num_blocks - 1
+        self.rejected = 0
+        self.steps = 0
+
+    # -- load, as a router sees it ------------------------------------------------------
+
+    @property
+    def num_requests(self) -> int:
+        """Requests on this engine (running + waiting)."""
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable KV blocks held (0.0 to 1.0)."""
+        return self.manager.usage
+
+    # -- driver API ------------------------------------------------------------------------
+
+    def submit(self, state: SimRequestState, now: float) -> bool:
+        """Queue a request arriving at ``now`` (seconds). Returns False, counting it as
+        rejected, if it could never fit in this engine's KV cache."""
+        req = state.req
+        g = self._g
+        prompt = scale_segments(req.prompt, g)
+        out_len = -(-req.output_len // g)
+        need = -(-(sum(n for _, n in prompt) + out_len) // self._bs)
+        if need > self.usable_blocks:
+            self.rejected += 1
+            return False
+        full = prompt + ((req.output_key, out_len),)
+        state.full_segments = full
+        state.output = SegmentTokens(((req.output_key, out_len),)).tolist()
+        hashes = self.hasher.hashes(full)
+        state.kv = self.manager.new_request(req.request_id, SegmentTokens(prompt), block_hashes=hashes)
+        self.waiting.append(state)
+        if self.wakeup == math.inf:
+            self.wakeup = now
+        elif self._run_steps:
+            # Cut the decode run at the first step boundary at or after `now`.
+            d = self.config.decode_step_s
+            j = max(1, math.ceil((now - self._run_start) / d - 1e-9))
+            if j < self._run_steps:
+                self._run_steps = j
+                self.wakeup = self._run_start + j * d
+        return True
+
+    def step(self, now: float) -> list[Any]:
+        """Finish the step that ends at ``now`` and start the next; returns the KV events
+        of this transition (possibly empty). Sets :attr:`wakeup` to the next step's end."""
+        self.steps += 1
+        if self._run_steps:
+            self._commit_run(self._run_steps)
+            self._run_steps = 0
+        if self._to_free:
+            self._finish(now)
+        self._schedule(now)
+        return self.manager.take_events()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _finish(self, now: float) -> None:
+        m = self.metrics
+        free = self.manager.free
+        for st in self._to_free:
+            if st.kv is not None and st.kv.running:
+                free(st.kv)
+            self.running.remove(st)
+            st.finished_at = now
+            m.completed += 1
+            m.output_tokens += st.req.output_len
+        self._to_free = []
+        self._blocked = False
+
+    def _preempt_newest(self) -> SimRequestState:
+        victim = self.running.pop()
+        self.manager.free(victim.kv)  # type: ignore[arg-type]
+        victim.preemptions += 1
+        self.metrics.preemptions += 1
+        self.waiting.appendleft(victim)
+        self._blocked = False
+        return victim
+
+    def _commit_run(self, j: int) -> None:
+        """Apply ``j`` decode steps of the current run to every running request."""
+        mgr = self.manager
+        for st in self.running:
+            kv = st.kv
+            g0 = st.generated
+            # Output tokens g0-1 .. g0+j-2 get their slots in these steps (the one sampled
+            # before the run first). The run was sized so that none of them starts or
+            # completes a block, so this is pure bookkeeping: append the tokens and let
+            # allocate() advance the computed count (it allocates and caches nothing
+            # here). Equivalent to j decode() calls, without j calls.
+            kv.token_ids.extend(st.output[g0 - 1 : g0 - 1 + j])  # type: ignore[union-attr]
+            mgr.allocate(kv, j)  # type: ignore[arg-type]
+            st.generated = g0 + j
+
+    def _schedule(self, now: float) -> None:
+        cfg = self.config
+        mgr = self.manager
+        bs = self._bs
+        running = self.running
+        budget = cfg.max_batched_tokens
+        prefill = 0
+        preempted = False
+        finishing: list[SimRequestState] = []
+        first_tokens: list[SimRequestState] = []
+        # Can this step be the start of a multi-step decode run? Only if nobody prefills,
+        # nobody needs a block now and nobody can be admitted.
+        run_k = 0
+        if cfg.coalesce and running and (not self.waiting or self._blocked or len(running) >= cfg.max_running):
+            run_k = 1 << 30
+            for st in running:
+                kv = st.kv
+                c = kv.num_computed_tokens  # type: ignore[union-attr]
+                if c < len(kv.token_ids) or c % bs == 0:  # type: ignore[union-attr]
+                    run_k = 0
+                    break
+                # Steps until this request completes a block or finishes; that step has
+                # effects (an event, a free), so the run stops just before it.
+                k = min(bs - c % bs, len(st.output) - st.generated) - 1
+                if k < run_k:
+                    run_k = k
+            if run_k < 2:
+                run_k = 0
+        if run_k:
+            self._run_start = now
+            self._run_steps = run_k
+            self.wakeup = now + run_k * cfg.decode_step_s
+            return
+
+        i = 0
+        while i < len(running):
+            st = running[i]
+            kv = st.kv
+            remaining = len(kv.token_ids) - kv.num_computed_tokens  # type: ignore[union-attr]
+            if remaining:
+                n = min(remaining, budget)
+                if n <= 0:
+                    i += 1
+                    continue
+                while not mgr.allocate(kv, n):  # type: ignore[arg-type]
+                    preempted = True
+                    if self._preempt_newest() is st:
+                        break
+                if st not in running:
+                    continue
+                budget -= n
+                prefill += n
+                if n == remaining:
+                    if st.generated == 0:
+                        st.generated = 1
+                        first_tokens.append(st)
+                    if st.generated >= len(st.output):
+                        finishing.append(st)
+            else:
+                if budget <= 0:
+                    i += 1
+                    continue
+                tok = st.output[st.generated - 1]
+                while not mgr.decode(kv, tok):  # type: ignore[arg-type]
+                    preempted = True
+                    if self._preempt_newest() is st:
+                        break
+                if st not in running:
+                    continue
+                budget -= 1
+                st.generated += 1
+                if st.generated >= len(st.output):
+                    finishing.append(st)
+            i += 1
+
+        waiting = self.waiting
+        if not preempted:
+            # Admit first-come first-served; the head blocks the queue when it does not fit.
+            get_hits = mgr.get_computed_blocks
+            metrics = self.metrics
+            while waiting and budget > 0 and len(running) < cfg.max_running:
+                st = waiting[0]
+                kv = st.kv
+                total = len(kv.token_ids)  # type: ignore[union-attr]
+                hit = len(get_hits(kv)) * bs  # type: ignore[arg-type]
+                n = min(total - hit, budget)
+                if not mgr.admit(kv, n):  # type: ignore[arg-type]
+                    self._blocked = True
+                    break
+                waiting.popleft()
+                running.append(st)
+                if st.admitted_at < 0:
+                    st.admitted_at = now
+                    metrics.queue_delays.append(now - st.req.arrival)
+                # Prompt tokens looked up / found, in real tokens, at every admission.
+                metrics.prompt_tokens += total * self._g
+                metrics.hit_tokens += kv.num_prefix_hit_tokens * self._g  # type: ignore[union-attr]
+                budget -= n
+                prefill += n
+                if n == total - hit:
+                    if st.generated == 0:
+                        st.generated = 1
+                        first_tokens.append(st)
+                    if st.generated >= len(st.output):
+                        finishing.append(st)
+            else:
+                if not waiting:
+                    self._blocked = False
+        if not running:
+            # Nothing runs: idle until the next arrival, or, if everyone was just
+            # preempted, retry admission at once (an empty pool fits any one request,
+            # see submit).
+            self.wakeup = now if waiting else math.inf
+            return
+        dur = cfg.decode_step_s + prefill * self._g / cfg.prefill_rate
+        end = now + dur
+        self.wakeup = end
+        for st in first_tokens:
+            st.first_token_at = end
+            self.metrics.ttfts.append(end - st.req.arrival)
+        self._to_free = finishing
+        self.metrics.prefill_per_engine[self.engine_id] += prefill * self._g
