@@ -59,8 +59,14 @@ FORMAT_VERSION: Final = 1
 """The format version this module writes and the highest it reads."""
 FLAG_ZSTD: Final = 1
 """Header flag: the segment's records are packed in zstd chunks (kind 4)."""
-NO_SEQ: Final = (1 << 64) - 1
-"""The u64 stored where a control record's seq is None."""
+NO_SEQ: Final = -(1 << 63)
+"""The i64 stored where a control record's seq is None."""
+FLAG_REPLAYED: Final = 1
+"""Message flag: received from the replay socket (or a snapshot)."""
+FLAG_NEGATIVE_SEQ: Final = 2
+"""Message flag: the seq is negative (stored as seq + 2**64); a snapshot of a publisher
+that has published nothing carries seq -1."""
+_TWO64: Final = 1 << 64
 
 KIND_MESSAGE: Final = 1
 KIND_CONTROL: Final = 2
@@ -84,8 +90,8 @@ _REC = struct.Struct("<II")  # checksum, body length
 _MSG_HEAD = struct.Struct("<IBBHHQQ")
 _MSG_BODY = struct.Struct("<BHHQQ")  # flags .. seq, read from body offset 1
 MSG_OVERHEAD: Final = 8 + 1 + _MSG_BODY.size  # bytes a message record adds to its payload
-_CTL_HEAD = struct.Struct("<IBBHQQQ")  # length, kind, control code, source id, recv ns, a, b
-_CTL_BODY = struct.Struct("<BHQQQ")
+_CTL_HEAD = struct.Struct("<IBBHQqq")  # length, kind, control code, source id, recv ns, a, b
+_CTL_BODY = struct.Struct("<BHQqq")
 _NAME_HEAD = struct.Struct("<IBBH")  # length, kind, table, id
 _NAME_BODY = struct.Struct("<BH")
 _CHUNK_HEAD = struct.Struct("<IBII")  # length, kind, raw length, record count
@@ -277,7 +283,13 @@ class RecordEncoder:
             tid = len(self._topics)
             self._name(out, NAME_TOPIC, tid, bytes(topic))
             self._topics[bytes(topic)] = tid
-        rec = _MSG_HEAD.pack(_MSG_BODY.size + 1 + len(payload), KIND_MESSAGE, 1 if replayed else 0,
+        flags = 1 if replayed else 0
+        if seq < 0:
+            flags |= FLAG_NEGATIVE_SEQ
+            seq += _TWO64
+        if not 0 <= seq < _TWO64:
+            raise ValueError(f"seq {seq} does not fit the log's 64-bit seq field (-2**63 < seq < 2**64)")
+        rec = _MSG_HEAD.pack(_MSG_BODY.size + 1 + len(payload), KIND_MESSAGE, flags,
                              sid, tid, recv_ns, seq) + payload
         out += _U32.pack(_xxh3(rec) & _M32)
         out += rec
@@ -295,6 +307,9 @@ class RecordEncoder:
             b = NO_SEQ if resume_seq is None else resume_seq
         else:
             a, b = (NO_SEQ if seq is None else seq), NO_SEQ
+        for v in (a, b):
+            if v != NO_SEQ and not NO_SEQ < v < -NO_SEQ:
+                raise ValueError(f"control seq {v} does not fit the log's signed 64-bit field")
         r = reason.encode()
         rec = _CTL_HEAD.pack(1 + _CTL_BODY.size + len(r), KIND_CONTROL, code, sid, recv_ns, a, b) + r
         out += _U32.pack(_xxh3(rec) & _M32)
@@ -375,8 +390,11 @@ class SegmentCursor:
                     return
                 if kind == KIND_MESSAGE:
                     flags, sid, tid, ts, seq = unpack_msg(buf, body + 1)
+                    if flags & FLAG_NEGATIVE_SEQ:
+                        seq -= _TWO64
                     try:
-                        rec = LogMessage(ts, sources[sid], topics[tid], seq, buf[body + 22:stop], flags == 1)
+                        rec = LogMessage(ts, sources[sid], topics[tid], seq, buf[body + 22:stop],
+                                         flags & FLAG_REPLAYED != 0)
                     except KeyError:
                         self._damage(base + pos, f"message uses undefined source {sid} or topic {tid}",
                                      base + end)
