@@ -209,23 +209,26 @@ class KVCacheManager:
                 f"request {request.request_id!r} is already admitted; use allocate() for its next "
                 "chunk, or free() it first"
             )
-        if not self.pool.enable_caching:
-            hits: list[KVCacheBlock] = []
-        else:
-            hits = self.get_computed_blocks(request)
         bs = self._bs
+        hits: list[KVCacheBlock] = []
+        evictable = 0  # hits sitting in the free queue: touching them uses up free blocks
+        if self.pool.enable_caching:
+            # get_computed_blocks, inlined with the evictable count (one pass).
+            get = self._index.get
+            hashes = request.block_hashes
+            append = hits.append
+            for h in hashes[: (len(request.token_ids) - 1) // bs]:
+                v = get(h)
+                if v is None:
+                    break
+                if type(v) is not KVCacheBlock:
+                    v = next(iter(v.values()))
+                if v.ref_cnt == 0:
+                    evictable += 1
+                append(v)
         num_tokens = len(request.token_ids)
         nh = len(hits)
         computed = nh * bs
-        stats = self.stats
-        stats.requests += 1
-        stats.queries += num_tokens
-        stats.hits += computed
-        step = self._step_stats
-        step.requests += 1
-        step.queries += num_tokens
-        step.hits += computed
-        self.metrics.add(1, num_tokens, computed)
         if num_new_tokens is None:
             num_new = num_tokens - computed
         else:
@@ -237,11 +240,16 @@ class KVCacheManager:
                     "compute; schedule between 1 and that many"
                 )
         total = computed + num_new
+        stats = self.stats
+        stats.requests += 1
+        stats.queries += num_tokens
+        stats.hits += computed
+        step = self._step_stats
+        step.requests += 1
+        step.queries += num_tokens
+        step.hits += computed
+        self.metrics.add(1, num_tokens, computed)
         reserve = num_tokens if self.reserve_full_prompt else total
-        evictable = 0
-        for b in hits:
-            if b.ref_cnt == 0:
-                evictable += 1
         if -(-reserve // bs) - nh + evictable > self._queue.num_free_blocks:
             return False
         pool = self.pool
@@ -294,39 +302,36 @@ class KVCacheManager:
         Returns False, changing nothing (the token is not appended), if a block is needed
         and none is free: preempt a request and retry.
         """
-        if not request.running:
-            self._check_running(request)
         tokens = request.token_ids
-        computed = request.num_computed_tokens
-        if computed != len(tokens):
+        total = request.num_computed_tokens + 1
+        if total != len(tokens) + 1 or not request.running:
+            self._check_running(request)
             raise KVCacheManagerError(
-                f"request {request.request_id!r} still has {len(tokens) - computed} prompt tokens "
+                f"request {request.request_id!r} still has {len(tokens) + 1 - total} prompt tokens "
                 "to compute; allocate() them before decoding"
             )
         bs = self._bs
-        total = computed + 1
-        blocks = request.blocks
-        if request.hasher is None and total % bs == 0 and len(request.block_hashes) < total // bs:
+        if total % bs == 0 and request.hasher is None and len(request.block_hashes) < total // bs:
             raise KVCacheManagerError(
                 f"request {request.request_id!r} would complete block {total // bs - 1} but was "
                 f"created with {len(request.block_hashes)} precomputed block hashes; pass the whole "
                 "prompt+output chain, or let the manager hash"
             )
+        blocks = request.blocks
         if total > len(blocks) * bs:
             if self._queue.num_free_blocks == 0:
                 return False
-            tokens.append(token_id)
             blocks += self.pool.get_new_blocks(1)
-        else:
-            tokens.append(token_id)
+        tokens.append(token_id)
         request.num_computed_tokens = total
-        if total % bs == 0:
-            nf = total // bs
-            h = request.hasher
-            if h is not None and len(request.block_hashes) < nf:
-                h.extend(tokens[h.num_tokens:])
-            self._cache(request, request.num_cached_blocks, nf)
-            request.num_cached_blocks = nf
+        if total % bs:
+            return True
+        nf = total // bs
+        h = request.hasher
+        if h is not None and len(request.block_hashes) < nf:
+            h.extend(tokens[h.num_tokens:])
+        self._cache(request, request.num_cached_blocks, nf)
+        request.num_cached_blocks = nf
         return True
 
     def free(self, request: KVRequest) -> None:
@@ -379,14 +384,11 @@ class KVCacheManager:
             )
 
     def _cache(self, request: KVRequest, nc: int, nf: int) -> None:
-        hashes = request.block_hashes
-        if len(hashes) < nf:
+        if len(request.block_hashes) < nf:
             raise KVCacheManagerError(
-                f"request {request.request_id!r} completed block {nf - 1} but only {len(hashes)} "
-                "block hashes are known: it was created with precomputed block_hashes that do not "
-                "cover its outputs; pass the whole chain, or let the manager hash"
+                f"request {request.request_id!r} completed block {nf - 1} but only "
+                f"{len(request.block_hashes)} block hashes are known: it was created with "
+                "precomputed block_hashes that do not cover its outputs; pass the whole chain, "
+                "or let the manager hash"
             )
-        self.pool.cache_full_blocks(
-            request.blocks, hashes, nc, nf, request.token_ids, self.kv_cache_group_id,
-            lora_id=request.lora_id, lora_name=request.lora_name, extra_keys=request.extra_keys,
-        )
+        self.pool.cache_blocks_of(request, nc, nf, self.kv_cache_group_id)

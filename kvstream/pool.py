@@ -77,7 +77,7 @@ class KVCacheBlock:
     """
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free",
-                 "is_null", "origin", "pos")
+                 "is_null", "origin", "pos", "ext_hash")
 
     def __init__(self, block_id: int, is_null: bool = False) -> None:
         self.block_id = block_id
@@ -91,6 +91,8 @@ class KVCacheBlock:
         # only with events on, so snapshot_events() can re-announce tokens and parents.
         self.origin: _Origin | None = None
         self.pos = 0
+        # The hash's event form, computed once when cached (events on), reused on eviction.
+        self.ext_hash: int | bytes | None = None
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:12] if self.block_hash is not None else None
@@ -343,44 +345,51 @@ class BlockPool:
                 f"asked for {num_blocks} blocks but only {q.num_free_blocks} are free; "
                 "check get_num_free_blocks() before allocating, or free/preempt requests"
             )
-        ret = q.popleft_n(num_blocks)
-        for blk in ret:
-            if blk.block_hash is not None:
-                self._evict(blk)
-            blk.ref_cnt = 1
+        ret: list[KVCacheBlock] = []
+        if not num_blocks:
+            return ret
+        append = ret.append
+        index = self._index
+        events = self._events if self.enable_kv_cache_events else None
+        head = q.head
+        blk = head.next_free
+        for _ in range(num_blocks):
+            h = blk.block_hash  # type: ignore[union-attr]
+            if h is not None:
+                # Lazy eviction: the block leaves the index only now that it is reused.
+                g = blk.group_id  # type: ignore[union-attr]
+                idx = index[g]
+                v = idx.pop(h)
+                if v is not blk:  # duplicate copies: drop only this one
+                    del v[blk.block_id]  # type: ignore[union-attr]
+                    idx[h] = v if len(v) > 1 else next(iter(v.values()))
+                if events is not None:
+                    if self._v033:
+                        events.append(BlockRemoved([blk.ext_hash], self.medium, g))  # type: ignore[union-attr]
+                    else:
+                        events.append(BlockRemoved([blk.ext_hash], self.medium))  # type: ignore[union-attr]
+                blk.block_hash = None  # type: ignore[union-attr]
+                blk.origin = None  # type: ignore[union-attr]
+            blk.ref_cnt = 1  # type: ignore[union-attr]
+            append(blk)  # type: ignore[arg-type]
+            nxt = blk.next_free  # type: ignore[union-attr]
+            blk.prev_free = blk.next_free = None  # type: ignore[union-attr]
+            blk = nxt
+        head.next_free = blk
+        blk.prev_free = head  # type: ignore[union-attr]
+        q.num_free_blocks -= num_blocks
         return ret
-
-    def _evict(self, blk: KVCacheBlock) -> None:
-        h = blk.block_hash
-        g = blk.group_id
-        idx = self._index[g]
-        v = idx.get(h)  # type: ignore[arg-type]
-        if v is blk:
-            del idx[h]  # type: ignore[arg-type]
-        elif v is not None and type(v) is dict:
-            del v[blk.block_id]
-            if len(v) == 1:
-                idx[h] = next(iter(v.values()))  # type: ignore[index]
-        if self.enable_kv_cache_events:
-            ext = to_external(h, self.hash_form)  # type: ignore[arg-type]
-            if self._v033:
-                self._events.append(BlockRemoved([ext], self.medium, g))
-            else:
-                self._events.append(BlockRemoved([ext], self.medium))
-        blk.block_hash = None
-        blk.origin = None
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add a holder to each block (a prefix hit); a free one leaves the free queue.
 
         Emits nothing. Touching the null block raises :class:`BlockPoolError`.
         """
-        for blk in blocks:
-            if blk.is_null:
-                raise BlockPoolError(
-                    "cannot touch the null block (block 0): it is never cached or counted; "
-                    "leave it out of the blocks you touch"
-                )
+        if self.null_block in blocks:  # a C-level identity scan
+            raise BlockPoolError(
+                "cannot touch the null block (block 0): it is never cached or counted; "
+                "leave it out of the blocks you touch"
+            )
         q = self.free_block_queue
         for blk in blocks:
             if blk.ref_cnt == 0:
@@ -404,42 +413,51 @@ class BlockPool:
         (nothing changes).
         """
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
-        for i, blk in enumerate(blocks):
-            if blk.ref_cnt <= 0 or blk.is_null:
-                for done in blocks[:i]:
-                    done.ref_cnt += 1
-                if blk.is_null:
-                    raise BlockPoolError(
-                        "cannot free the null block (block 0): it is never allocated; "
-                        "leave it out of the blocks you free"
-                    )
-                raise BlockPoolError(
-                    f"block {blk.block_id} is already free (ref_cnt 0): double free; "
-                    "each holder must free a block exactly once"
-                )
-            blk.ref_cnt -= 1
         q = self.free_block_queue
         tail = q.tail
-        last = tail.prev_free
+        old_last = last = tail.prev_free
         n = 0
         unhashed: list[KVCacheBlock] | None = [] if self._prepend_unhashed else None
-        for blk in blocks:
-            # prev_free is None: not already queued by an earlier entry of this same call.
-            if blk.ref_cnt == 0 and blk.prev_free is None:
-                if unhashed is not None and blk.block_hash is None:
-                    unhashed.append(blk)
-                    blk.prev_free = blk  # placeholder so a repeat entry is skipped
-                    continue
-                last.next_free = blk  # type: ignore[union-attr]
-                blk.prev_free = last
-                last = blk
-                n += 1
+        for i, blk in enumerate(blocks):
+            r = blk.ref_cnt
+            if r > 1:
+                blk.ref_cnt = r - 1
+                continue
+            if r <= 0:  # the null block's ref_cnt is always 0: one test catches both misuses
+                self._undo_free(blocks, i, old_last, unhashed)
+            blk.ref_cnt = 0
+            if unhashed is not None and blk.block_hash is None:
+                unhashed.append(blk)
+                continue
+            last.next_free = blk  # type: ignore[union-attr]
+            blk.prev_free = last
+            last = blk
+            n += 1
         if n:
             last.next_free = tail  # type: ignore[union-attr]
             tail.prev_free = last
             q.num_free_blocks += n
         if unhashed:
             q.prepend_n(unhashed)
+
+    def _undo_free(self, blocks: list[KVCacheBlock], failed_at: int, old_last: KVCacheBlock | None,
+                   unhashed: list[KVCacheBlock] | None) -> None:
+        """Put back what free_blocks did before meeting a bad entry, then raise."""
+        old_last.next_free = self.free_block_queue.tail  # type: ignore[union-attr]
+        for done in blocks[:failed_at]:
+            if done.ref_cnt == 0:
+                done.prev_free = done.next_free = None
+            done.ref_cnt += 1
+        bad = blocks[failed_at]
+        if bad.is_null:
+            raise BlockPoolError(
+                "cannot free the null block (block 0): it is never allocated; "
+                "leave it out of the blocks you free"
+            )
+        raise BlockPoolError(
+            f"block {bad.block_id} is already free (ref_cnt 0): double free; "
+            "each holder must free a block exactly once"
+        )
 
     def cache_full_blocks(
         self,
@@ -475,63 +493,74 @@ class BlockPool:
         ``token_ids``, ``block_hashes`` and ``extra_keys`` for :meth:`snapshot_events`: only
         append to them afterwards.
         """
-        nc = num_cached_blocks
-        nf = num_full_blocks
-        if nc >= nf:
-            if nc > nf or nc < 0:
-                raise BlockPoolError(
-                    f"need 0 <= num_cached_blocks <= num_full_blocks, got {nc} and {nf}"
-                )
+        origin = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name)  # type: ignore[arg-type]
+                  if self.enable_kv_cache_events else None)
+        self._check_run(blocks, block_hashes, token_ids, num_cached_blocks, num_full_blocks, kv_cache_group_id)
+        if num_cached_blocks < num_full_blocks and self.enable_caching:
+            self._cache_run(blocks, block_hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id, origin)
+
+    def cache_blocks_of(self, source: Any, num_cached_blocks: int, num_full_blocks: int,
+                        kv_cache_group_id: int = 0) -> None:
+        """:meth:`cache_full_blocks` for an object that carries the request's lists.
+
+        ``source`` needs the attributes ``blocks``, ``block_hashes``, ``token_ids``,
+        ``extra_keys``, ``lora_id`` and ``lora_name`` (as :class:`kvstream.manager.KVRequest`
+        has); the pool keeps a reference to it instead of building its own record, which
+        is what makes the manager's per-block path cheap.
+        """
+        blocks = source.blocks
+        hashes = source.block_hashes
+        self._check_run(blocks, hashes, source.token_ids, num_cached_blocks, num_full_blocks,
+                        kv_cache_group_id)
+        if num_cached_blocks < num_full_blocks and self.enable_caching:
+            self._cache_run(blocks, hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id,
+                            source if self.enable_kv_cache_events else None)
+
+    def _check_run(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
+                   token_ids: Sequence[int] | None, nc: int, nf: int, g: int) -> None:
+        if 0 <= nc <= nf <= len(blocks) and nf <= len(block_hashes) and 0 <= g < len(self._index) and (
+            token_ids is not None and len(token_ids) >= nf * self.block_size
+            or not self.enable_kv_cache_events
+        ):
             return
-        if not self.enable_caching:
-            return
-        if nc < 0 or nf > len(blocks) or nf > len(block_hashes):
+        if not 0 <= nc <= nf:
+            raise BlockPoolError(f"need 0 <= num_cached_blocks <= num_full_blocks, got {nc} and {nf}")
+        if nf > len(blocks) or nf > len(block_hashes):
             raise BlockPoolError(
                 f"cannot cache blocks [{nc}, {nf}): the request has {len(blocks)} blocks and "
                 f"{len(block_hashes)} block hashes; hash a block's tokens before caching it"
             )
-        if not 0 <= kv_cache_group_id < len(self._index):
+        if not 0 <= g < len(self._index):
             raise BlockPoolError(
-                f"kv_cache_group_id {kv_cache_group_id} is out of range: this pool has "
+                f"kv_cache_group_id {g} is out of range: this pool has "
                 f"{len(self._index)} group(s) (set kv_cache_event_metadata for more)"
             )
-        events = self.enable_kv_cache_events
-        bs = self.block_size
-        if events and (token_ids is None or len(token_ids) < nf * bs):
-            raise BlockPoolError(
-                f"caching blocks [{nc}, {nf}) with events on needs token_ids of at least "
-                f"{nf * bs} tokens, got {None if token_ids is None else len(token_ids)}"
-            )
-        g = kv_cache_group_id
-        # Validate the whole run before touching anything.
+        raise BlockPoolError(
+            f"caching blocks [{nc}, {nf}) with events on needs token_ids of at least "
+            f"{nf * self.block_size} tokens, got {None if token_ids is None else len(token_ids)}"
+        )
+
+    def _cache_run(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], nc: int, nf: int,
+                   g: int, origin: Any) -> None:
+        """Cache blocks [nc, nf) (arguments already checked); ``origin`` is None with events off."""
+        idx = self._index[g]
+        setdefault = idx.setdefault
         skip: list[int] | None = None
-        for i in range(nc, nf):
-            blk = blocks[i]
-            if blk.block_hash is not None or blk.is_null or blk.ref_cnt <= 0:
-                if blk.is_null:
-                    raise BlockPoolError(f"block {i} of the run is the null block; it is never cached")
-                if blk.ref_cnt <= 0:
-                    raise BlockPoolError(
-                        f"block {blk.block_id} is free (ref_cnt 0); only held blocks can be cached"
-                    )
-                if blk.block_hash == block_hashes[i] and blk.group_id == g:
+        if origin is not None:
+            ext = to_external_list(block_hashes[nc:nf], self.hash_form)
+        else:
+            ext = block_hashes[nc:nf]  # placeholder values: one loop serves both cases
+        i = nc
+        # One pass; a bad block found midway undoes the blocks before it, so a failed call
+        # still changes nothing.
+        for blk, h, e in zip(blocks[nc:nf], block_hashes[nc:nf], ext):
+            if blk.block_hash is not None or blk.ref_cnt <= 0:
+                if self._cache_conflict(blocks, block_hashes, nc, i, g, skip):
                     if skip is None:
                         skip = []
                     skip.append(i)
+                    i += 1
                     continue
-                raise BlockPoolError(
-                    f"block {blk.block_id} already holds hash {blk.block_hash.hex()[:16]}… "  # type: ignore[union-attr]
-                    f"(group {blk.group_id}); cannot cache it as {block_hashes[i].hex()[:16]}… "
-                    f"(group {g}); a block is cached once, under one hash"
-                )
-        idx = self._index[g]
-        setdefault = idx.setdefault
-        origin = _Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name) if events else None  # type: ignore[arg-type]
-        for i in range(nc, nf):
-            blk = blocks[i]
-            if blk.block_hash is not None:
-                continue  # already cached under this hash (validated above)
-            h = block_hashes[i]
             blk.block_hash = h
             blk.group_id = g
             v = setdefault(h, blk)
@@ -543,35 +572,77 @@ class BlockPool:
             if origin is not None:
                 blk.origin = origin
                 blk.pos = i
-        if not events:
+                blk.ext_hash = e
+            i += 1
+        if origin is None:
             return
         if skip is None:
-            self._events.append(self._stored(nc, nf, g, origin))  # type: ignore[arg-type]
+            self._events.append(self._stored(nc, nf, g, origin, ext, blocks))
             return
         start = nc
         for i in skip + [nf]:
             if i > start:
-                self._events.append(self._stored(start, i, g, origin))  # type: ignore[arg-type]
+                self._events.append(self._stored(start, i, g, origin, ext[start - nc:i - nc], blocks))
             start = i + 1
 
-    def _stored(self, start: int, end: int, g: int, o: _Origin) -> BlockStored:
+    def _cache_conflict(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], nc: int,
+                        i: int, g: int, skip: list[int] | None) -> bool:
+        """Block ``i`` cannot simply be cached: True if it already holds this very hash (skip
+        it); otherwise undo blocks ``nc..i-1`` and raise."""
+        blk = blocks[i]
+        if blk.ref_cnt > 0 and blk.block_hash == block_hashes[i] and blk.group_id == g:
+            return True
+        idx = self._index[g]
+        done = set(skip or ())
+        for j in range(nc, i):
+            if j in done:
+                continue
+            b = blocks[j]
+            v = idx.pop(b.block_hash)  # type: ignore[arg-type]
+            if v is not b:
+                del v[b.block_id]
+                idx[b.block_hash] = v if len(v) > 1 else next(iter(v.values()))  # type: ignore[index]
+            b.block_hash = None
+            b.origin = None
+        if blk.is_null:
+            raise BlockPoolError(f"block {i} of the run is the null block; it is never cached")
+        if blk.ref_cnt <= 0:
+            raise BlockPoolError(
+                f"block {blk.block_id} is free (ref_cnt 0); only held blocks can be cached"
+            )
+        raise BlockPoolError(
+            f"block {blk.block_id} already holds hash {blk.block_hash.hex()[:16]}… "  # type: ignore[union-attr]
+            f"(group {blk.group_id}); cannot cache it as {block_hashes[i].hex()[:16]}… "
+            f"(group {g}); a block is cached once, under one hash"
+        )
+
+    def _stored(self, start: int, end: int, g: int, o: Any, ext: list[Any] | None = None,
+                blocks: Sequence[KVCacheBlock] | None = None) -> BlockStored:
         bs = self.block_size
         hashes = o.block_hashes
         form = self.hash_form
-        parent = to_external(hashes[start - 1], form) if start else None
+        if start:
+            # The parent is the logical chain's previous hash; the block holding it usually
+            # has its event form at hand already.
+            ph = hashes[start - 1]
+            pb = blocks[start - 1] if blocks is not None else None
+            parent = pb.ext_hash if pb is not None and pb.block_hash is ph else to_external(ph, form)
+        else:
+            parent = None
         tok = o.token_ids[start * bs:end * bs]
         if type(tok) is not list:
             tok = list(tok)
-        ext = to_external_list(hashes[start:end], form)
+        if ext is None:
+            ext = to_external_list(hashes[start:end], form)
         if not self._v033:
-            return BlockStored(ext, parent, tok, bs, o.lora_id, self.medium, None)  # type: ignore[arg-type]
+            return BlockStored(ext, parent, tok, bs, o.lora_id, self.medium, None)
         ek = o.extra_keys
         # The schema types each entry as a tuple (what a decoder yields); the hasher's wire
         # form is a list.
         extra = ([None if e is None else tuple(e) for e in ek[start:end]] if ek is not None
                  else [None] * (end - start))
         kind, window = self.kv_cache_event_metadata[g]
-        return BlockStored(ext, parent, tok, bs, o.lora_id, self.medium, o.lora_name,  # type: ignore[arg-type]
+        return BlockStored(ext, parent, tok, bs, o.lora_id, self.medium, o.lora_name,
                            extra, g, kind, window)
 
     # -- cache-wide operations --------------------------------------------------------------
