@@ -100,3 +100,46 @@ def test_convert_then_inspect_golden_capture_matches_inspecting_the_capture_dire
     assert from_log["sources"][0]["messages"] == 12
     assert main(["convert", str(cap), "-o", str(out)]) == 1  # never overwrites
     assert "already exists" in capsys.readouterr().err
+
+
+def test_record_and_replay_commands_round_trip_a_golden_capture_over_real_sockets(golden_dir, tmp_path):
+    """`kvstream replay` publishes a capture; `kvstream record` (with gap recovery) records
+    it; SIGINT stops the recorder cleanly and the log holds every frame, byte for byte."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from kvstream.eventlog import read_log
+    from kvstream.eventlog.convert import capture_records
+
+    cap = golden_dir / "vllm-0.33.0" / "stream.bin"
+    sock = tempfile.mkdtemp(prefix="kvc")
+    pub, rep = f"ipc://{sock}/p", f"ipc://{sock}/r"
+    out = tmp_path / "rec.kvlog"
+    py = [sys.executable, "-m", "kvstream"]
+    replayer = subprocess.Popen(py + ["replay", str(cap), "--publish", f"{pub},{rep}", "--speed", "max",
+                                      "--wait-s", "0.3", "--hold-s", "3"], stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    recorder = subprocess.Popen(py + ["record", f"e={pub},{rep}", "-o", str(out), "--quiet"],
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        want = [(m.seq, m.payload) for m in capture_records(cap, "x")]
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            if out.exists() and len(read_log(out)[0]) >= len(want):
+                break
+        recorder.send_signal(signal.SIGINT)
+        assert recorder.wait(10) == 0, recorder.stderr.read()
+        assert replayer.wait(10) == 0, replayer.stderr.read()
+    finally:
+        for p in (recorder, replayer):
+            if p.poll() is None:
+                p.kill()
+    recs, damage = read_log(out)
+    assert damage == []
+    got = [(m.seq, m.payload) for m in recs if m.__class__.__name__ == "LogMessage"]
+    assert got == want
+    assert "recorded batches 19" in recorder.stderr.read()

@@ -1,0 +1,112 @@
+"""``kvstream record ENDPOINT... -o LOG``: record live KV event streams into an event log."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "record",
+        help="subscribe to engines (with gap recovery) and write everything into an event log",
+        description=(
+            "Subscribe to one or more KV event publishers and record every message and every "
+            "recovery event (reset/stale/live) into an event log until SIGINT/SIGTERM, "
+            "--duration or --max-batches. ENDPOINT is PUB or PUB,REPLAY, optionally "
+            "prefixed with NAME= (e.g. e0=tcp://h:5557,tcp://h:5558); the source name "
+            "defaults to the PUB endpoint."
+        ),
+    )
+    p.add_argument("endpoints", nargs="+", metavar="ENDPOINT")
+    p.add_argument("-o", "--output", required=True, metavar="LOG", help="log file (or directory with rotation)")
+    p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
+    p.add_argument("--flush", choices=("record", "interval", "close"), default="interval",
+                   help="flush policy (default: interval)")
+    p.add_argument("--flush-interval-ms", type=float, default=50.0, help="interval flush period, ms (default 50)")
+    p.add_argument("--fsync", action="store_true", help="fsync on every flush (survive power loss)")
+    p.add_argument("--rotate-mb", type=float, help="start a new segment after this many MB")
+    p.add_argument("--rotate-s", type=float, help="start a new segment after this many seconds")
+    p.add_argument("--zstd", action="store_true", help="compress segments with zstd (needs kvstream[zstd])")
+    p.add_argument("--append", action="store_true", help="append to an existing log (cutting a torn tail)")
+    p.add_argument("--duration", type=float, metavar="SECONDS", help="stop after this many seconds")
+    p.add_argument("--max-batches", type=int, metavar="N", help="stop after N batches")
+    p.add_argument("--quiet", action="store_true", help="no live status line")
+    p.set_defaults(func=_run)
+
+
+def parse_endpoint(text: str):
+    """``[NAME=]PUB[,REPLAY]`` as a ``SourceSpec``."""
+    from kvstream.transport import SourceSpec
+
+    name = None
+    if "=" in text.split("://", 1)[0]:
+        name, text = text.split("=", 1)
+    parts = text.split(",")
+    if len(parts) > 2 or not parts[0]:
+        raise ValueError(f"endpoint {text!r}: expected PUB or PUB,REPLAY (optionally NAME=...)")
+    return SourceSpec(parts[0], parts[1] if len(parts) == 2 and parts[1] else None, name=name)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import anyio
+
+    from kvstream.eventlog.writer import LogWriter
+
+    try:
+        specs = [parse_endpoint(e) for e in args.endpoints]
+        writer = LogWriter(
+            args.output,
+            metadata={"endpoints": [[s.source, s.endpoint, s.replay_endpoint] for s in specs],
+                      "topic": args.topic, "recorder": "kvstream record"},
+            flush=args.flush, flush_interval=args.flush_interval_ms / 1000.0, fsync=args.fsync,
+            rotate_bytes=int(args.rotate_mb * 1e6) if args.rotate_mb else None,
+            rotate_seconds=args.rotate_s, compression="zstd" if args.zstd else None, resume=args.append,
+        )
+    except (ValueError, FileExistsError, OSError) as exc:
+        print(f"kvstream record: {exc}", file=sys.stderr)
+        return 1
+    for dmg in writer.recovered:
+        print(f"kvstream record: cut off a damaged tail before appending: {dmg}", file=sys.stderr)
+    try:
+        stats = anyio.run(_record, args, specs, writer)
+    finally:
+        writer.close()
+    print(f"\nrecorded {stats.line()}  ({writer.bytes_written} bytes) into {args.output}", file=sys.stderr)
+    return 0
+
+
+async def _record(args: argparse.Namespace, specs, writer):
+    import signal
+
+    import anyio
+
+    from kvstream.eventlog.recorder import Recorder
+    from kvstream.transport import Subscriber
+
+    async with Subscriber(specs, topic=args.topic) as sub:
+        rec = Recorder(sub, writer)
+        async with anyio.create_task_group() as tg:
+
+            async def signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+                    async for _ in received:
+                        rec.stop()
+                        return
+
+            async def status() -> None:
+                t0 = time.monotonic()
+                while True:
+                    await anyio.sleep(0.5)
+                    if not args.quiet:
+                        sys.stderr.write(f"\r{time.monotonic() - t0:7.1f}s  {rec.stats.line()}   ")
+                        sys.stderr.flush()
+                    if args.duration is not None and time.monotonic() - t0 >= args.duration:
+                        rec.stop()
+
+            tg.start_soon(signals)
+            tg.start_soon(status)
+            await rec.run(max_batches=args.max_batches)
+            tg.cancel_scope.cancel()
+    return rec.stats
