@@ -20,7 +20,7 @@ from array import array
 from typing import Iterator, Sequence, overload
 
 from kvstream.hashing import BlockHasher
-from kvstream.sim.workload import Segment, segment_tokens
+from kvstream.sim.workload import Segment, _shared_tokens
 
 __all__ = ["SegmentHasher", "SegmentTokens"]
 
@@ -99,7 +99,8 @@ class SegmentTokens(Sequence[int]):
             s0 = starts[j]
             a = start - s0
             b = min(n, stop - s0)
-            out.extend(segment_tokens(key, b)[a:b] if a else segment_tokens(key, b))
+            toks = _shared_tokens(key, b)
+            out.extend(toks[a:b] if a or b != len(toks) else toks)
             start = s0 + b
             j += 1
         return out
@@ -155,7 +156,7 @@ class SegmentHasher:
                     self.misses += 1
                     toks = array("I")
                     for k, a, b in spans:
-                        toks.extend(segment_tokens(k, b)[a:b])
+                        toks.extend(_shared_tokens(k, b)[a:b])
                     h = hasher.hash_blocks(toks, prev)[0]
                     self._mixed[mk] = h
                 else:
@@ -170,7 +171,7 @@ class SegmentHasher:
                 hs = runs.get(rk)
                 if hs is None:
                     self.misses += 1
-                    toks = segment_tokens(key, off + full * bs)[off:]
+                    toks = _shared_tokens(key, off + full * bs)[off : off + full * bs]
                     hs = hasher.hash_blocks(toks, prev)
                     runs[rk] = hs
                 else:

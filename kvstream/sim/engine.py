@@ -35,16 +35,17 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from array import array
+from typing import Any, Sequence
 
 from kvstream.hashing import BlockHasher
 from kvstream.manager import KVCacheManager, KVRequest
 from kvstream.pool import BlockPool
 from kvstream.sim.blocks import SegmentHasher, SegmentTokens
 from kvstream.sim.metrics import RunMetrics
-from kvstream.sim.workload import Segment, SimRequest, WorkloadError
+from kvstream.sim.workload import Segment, SimRequest, WorkloadError, segment_tokens
 
-__all__ = ["EngineConfig", "EngineModel", "SimRequestState"]
+__all__ = ["EngineConfig", "EngineModel", "Prepared", "SimRequestState", "scale_segments"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,30 @@ def scale_segments(segments: tuple[Segment, ...], g: int) -> tuple[Segment, ...]
     return tuple((k, -(-n // g)) for k, n in segments)
 
 
+class Prepared:
+    """A request as engines and the router receive it, in simulated tokens.
+
+    Attributes:
+        prompt_tokens: the prompt's token ids (``array('I')``).
+        output: the output token ids the engine will generate (list).
+        block_hashes: digests of every full block of prompt + output (the engine hashes a
+            request once on arrival, as vLLM does; computed here so that many engines and
+            runs share one computation).
+        total_tokens: prompt + output length (simulated tokens).
+    """
+
+    __slots__ = ("prompt_tokens", "output", "block_hashes", "total_tokens")
+
+    def __init__(self, req: SimRequest, config: EngineConfig, hasher: SegmentHasher) -> None:
+        g = config.token_granularity
+        prompt = scale_segments(req.prompt, g)
+        out_seg = (req.output_key, -(-req.output_len // g))
+        self.prompt_tokens = SegmentTokens(prompt).toarray()
+        self.output = segment_tokens(*out_seg).tolist()
+        self.block_hashes = hasher.hashes(prompt + (out_seg,))
+        self.total_tokens = len(self.prompt_tokens) + out_seg[1]
+
+
 class SimRequestState:
     """A request inside the simulation (the workload request plus its progress).
 
@@ -126,7 +151,7 @@ class SimRequestState:
     """
 
     __slots__ = ("req", "engine", "kv", "output", "generated", "admitted_at", "first_token_at",
-                 "finished_at", "preemptions", "routed_at", "full_segments")
+                 "finished_at", "preemptions", "routed_at")
 
     def __init__(self, req: SimRequest, engine: int, routed_at: float) -> None:
         self.req = req
@@ -139,7 +164,6 @@ class SimRequestState:
         self.finished_at = -1.0
         self.preemptions = 0
         self.routed_at = routed_at
-        self.full_segments: tuple[Segment, ...] = ()
 
 
 class EngineModel:
@@ -199,22 +223,25 @@ class EngineModel:
 
     # -- driver API ------------------------------------------------------------------------
 
-    def submit(self, state: SimRequestState, now: float) -> bool:
+    def submit(self, state: SimRequestState, now: float, prepared: "Prepared | None" = None) -> bool:
         """Queue a request arriving at ``now`` (seconds). Returns False, counting it as
-        rejected, if it could never fit in this engine's KV cache."""
-        req = state.req
-        g = self._g
-        prompt = scale_segments(req.prompt, g)
-        out_len = -(-req.output_len // g)
-        need = -(-(sum(n for _, n in prompt) + out_len) // self._bs)
-        if need > self.usable_blocks:
+        rejected, if it could never fit in this engine's KV cache.
+
+        ``prepared``: the request's tokens and block hashes if the caller has them (see
+        :class:`Prepared`; shared by many engines and runs); built here otherwise.
+        """
+        if prepared is None:
+            prepared = Prepared(state.req, self.config, self.hasher)
+        if -(-prepared.total_tokens // self._bs) > self.usable_blocks:
             self.rejected += 1
             return False
-        full = prompt + ((req.output_key, out_len),)
-        state.full_segments = full
-        state.output = SegmentTokens(((req.output_key, out_len),)).tolist()
-        hashes = self.hasher.hashes(full)
-        state.kv = self.manager.new_request(req.request_id, SegmentTokens(prompt), block_hashes=hashes)
+        state.output = prepared.output
+        tokens = prepared.prompt_tokens
+        state.kv = self.manager.new_request(
+            state.req.request_id,
+            tokens.tolist() if isinstance(tokens, array) else list(tokens),
+            block_hashes=prepared.block_hashes,
+        )
         self.waiting.append(state)
         if self.wakeup == math.inf:
             self.wakeup = now

@@ -177,11 +177,17 @@ def segment_tokens(content_key: int, length: int) -> array:
     keys pack token ids as uint32: handing them the same typecode makes that a memcpy.
     Recently used segments are cached (bounded), so repeated prefixes cost a copy.
     """
+    return _shared_tokens(content_key, length)[:length]
+
+
+def _shared_tokens(content_key: int, length: int) -> array:
+    """Internal: at least ``length`` tokens of the key, possibly the cache's own array
+    (callers copy what they need and never mutate it)."""
     if length <= 0:
-        return array("I")
+        return _EMPTY
     cached = _TOKEN_CACHE.get(content_key)
     if cached is not None and len(cached) >= length:
-        return cached[:length]
+        return cached
     global _cached_tokens
     raw = hashlib.shake_128(content_key.to_bytes(8, "little")).digest(2 * length)
     # Widen uint16 -> uint32 with two strided byte copies (C speed) instead of a loop.
@@ -197,12 +203,13 @@ def segment_tokens(content_key: int, length: int) -> array:
         _cached_tokens = 0
     _TOKEN_CACHE[content_key] = out
     _cached_tokens += length - (len(cached) if cached is not None else 0)
-    return out[:]
+    return out
 
 
 # content key -> its longest generated tokens; bounded to _TOKEN_CACHE_LIMIT tokens in
 # total (cleared wholesale when full: cheap, and results never depend on it).
 _TOKEN_CACHE: dict[int, array] = {}
+_EMPTY = array("I")
 _TOKEN_CACHE_LIMIT = 1 << 24
 _cached_tokens = 0
 _BIG_ENDIAN = array("I", b"\x01\x00\x00\x00")[0] != 1
@@ -212,7 +219,7 @@ def expand_segments(segments: Iterable[Segment]) -> list[int]:
     """Concatenated token ids of ``segments`` (a list of ints)."""
     out = array("I")
     for key, n in segments:
-        out.extend(segment_tokens(key, n))
+        out.extend(_shared_tokens(key, n)[:n])
     return out.tolist()
 
 
