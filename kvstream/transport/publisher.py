@@ -153,6 +153,7 @@ class Publisher:
         self._pub: zmq.Socket | None = None
         self._router: zmq.Socket | None = None
         self._zap = None
+        self._denied_at_close = 0
         self._stack: contextlib.AsyncExitStack | None = None
         self._jobs: deque[_ReplayJob] = deque()
         self._rlog = RateLimitedLog(log)
@@ -246,6 +247,7 @@ class Publisher:
             if s is not None and not s.closed:
                 s.close(linger=linger_ms)
         if self._zap is not None:
+            self._denied_at_close = self._zap.denied
             self._zap.close()
             self._zap = None
 
@@ -255,6 +257,11 @@ class Publisher:
     def next_seq(self) -> int:
         """The seq the next published batch will get."""
         return self._next_seq
+
+    @property
+    def auth_denied(self) -> int:
+        """Subscribers refused by the CURVE allow-list so far (0 without one)."""
+        return self._zap.denied if self._zap is not None else self._denied_at_close
 
     @property
     def queued(self) -> int:
