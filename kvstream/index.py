@@ -980,7 +980,10 @@ class KVIndex:
                 end[slot] = n
             tier_end[0] = end
         else:
-            t_active = [active] * len(held)
+            t_active = [0] * len(held)
+            t_active[0] = active
+            for t, _h in others:
+                t_active[t] = active
             # Lower tiers in order of preference (declaration order: GPU, CPU, others).
             for i, rk in enumerate(keys):
                 g = gpu.get(rk, 0)

@@ -1,0 +1,169 @@
+"""Router index benchmarks: ingest rate, scoring latency, bytes per entry.
+
+    .venv/bin/python bench/bench_index.py [--quick]
+
+1. Ingest: msgpack payloads of vLLM-shaped batches (runs of BlockStored with 16-token
+   blocks, one BlockRemoved per evicted block) decoded with EventDecoder and applied to a
+   KVIndex, on one core. Reports block events per second (stored + removed blocks).
+2. Score: a 4,096-token prompt (256 router blocks of 16) against 64 sources that hold
+   prefixes of it of different lengths; key computation included. Reports p50/p99 of
+   ``match`` (prefixes only) and ``score`` (prefixes + default policy ranking).
+3. Memory: tracemalloc bytes per (block, source) residency at 10**6 entries, for
+   distinct blocks on one source and for blocks shared by 8 and by 64 sources.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+
+from kvstream.events import BlockRemoved, BlockStored, EventDecoder, KVEventBatch, encode_batch
+from kvstream.index import KVIndex
+from kvstream.scoring import Load
+
+BS = 16
+
+
+def _payloads(n_blocks: int, run: int, seed: int = 1) -> list[bytes]:
+    """Batches of 8 requests: each stores a `run`-block chain; later batches evict the
+    oldest blocks (one BlockRemoved per block, as vLLM's GPU pool does)."""
+    rnd = random.Random(seed)
+    out = []
+    live: list[int] = []
+    h = 1
+    made = 0
+    while made < n_blocks:
+        events = []
+        for _ in range(8):
+            hashes = list(range(h, h + run))
+            h += run
+            toks = [rnd.randrange(50_000) for _ in range(run * BS)]
+            if len(live) > 4096:
+                for eh in live[:run]:
+                    events.append(BlockRemoved([eh], "GPU", 0))
+                del live[:run]
+                made += run
+            events.append(BlockStored(hashes, None, toks, BS, None, "GPU", None, [None] * run, 0, "full_attention"))
+            live.extend(hashes)
+            made += run
+        out.append(encode_batch(KVEventBatch(time.time(), events, 0)))
+    return out
+
+
+def bench_ingest(n_blocks: int) -> None:
+    payloads = _payloads(n_blocks, run=16)
+    dec = EventDecoder()
+    batches = [dec.decode(p) for p in payloads]
+    n = sum(len(e.block_hashes) for b in batches for e in b.events)
+    for label, decode in (("decode+apply", True), ("apply only  ", False)):
+        index = KVIndex()
+        gc.collect()
+        t0 = time.perf_counter()
+        if decode:
+            for p in payloads:
+                index.apply_batch("e0", dec.decode(p), now=0.0)
+        else:
+            for b in batches:
+                index.apply_batch("e0", b, now=0.0)
+        dt = time.perf_counter() - t0
+        print(f"ingest {label}: {n:,} block events in {dt:.3f} s = {n / dt / 1e6:.2f} M block events/s")
+
+
+def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000) -> None:
+    rnd = random.Random(2)
+    prompt = [rnd.randrange(50_000) for _ in range(prompt_tokens)]
+    nb = prompt_tokens // BS
+    index = KVIndex()
+    h = 1
+    for s in range(n_sources):
+        k = rnd.randrange(nb + 1)  # this source holds the first k blocks of the prompt
+        hashes = list(range(h, h + nb))
+        h += nb
+        index.apply_batch(
+            f"engine-{s:02d}",
+            KVEventBatch(0.0, [BlockStored(hashes[:k], None, prompt[: k * BS], BS, None, "GPU", None)] if k else []),
+        )
+        # plus unrelated blocks, so the dicts are realistically large
+        other = [rnd.randrange(50_000) for _ in range(64 * BS)]
+        index.apply_batch(
+            f"engine-{s:02d}",
+            KVEventBatch(0.0, [BlockStored(list(range(h, h + 64)), None, other, BS, None, "GPU", None)]),
+        )
+        h += 64
+    loads = {f"engine-{s:02d}": Load(queue=s % 5, running=s % 7, kv_usage=(s % 10) / 10) for s in range(n_sources)}
+    for label, fn in (
+        ("match", lambda: index.match(prompt)),
+        ("score", lambda: index.score(prompt, loads=loads)),
+    ):
+        for _ in range(50):
+            fn()
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter_ns()
+            fn()
+            ts.append(time.perf_counter_ns() - t0)
+        ts.sort()
+        p50 = ts[len(ts) // 2] / 1e3
+        p99 = ts[int(len(ts) * 0.99)] / 1e3
+        print(f"{label} {prompt_tokens} tokens x {n_sources} sources: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    keys_t = []
+    for _ in range(500):
+        t0 = time.perf_counter_ns()
+        index.keys(prompt)
+        keys_t.append(time.perf_counter_ns() - t0)
+    print(f"  of which key computation: p50 {statistics.median(keys_t) / 1e3:.0f} us")
+
+
+def bench_memory(entries: int, sharers: int) -> None:
+    """`entries` (block, source) residencies: entries // sharers distinct blocks, each
+    held by `sharers` sources."""
+    rnd = random.Random(3)
+    n_blocks = entries // sharers
+    run = 64
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    index = KVIndex()
+    h = 1 << 40
+    made = 0
+    while made < n_blocks:
+        toks = [rnd.randrange(50_000) for _ in range(run * BS)]
+        hashes = list(range(h, h + run))
+        h += run
+        for s in range(sharers):
+            # Each source's event decodes into its own int objects, as off the wire.
+            index.apply_batch(
+                f"e{s}",
+                KVEventBatch(0.0, [BlockStored([x + 0 * s for x in map(int, map(str, hashes))], None, toks, BS, None, "GPU", None)]),
+            )
+        made += run
+    del toks, hashes
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    total = made * sharers
+    print(
+        f"memory: {total:,} (block, source) entries ({made:,} blocks x {sharers} sources): "
+        f"{used / total:.1f} bytes/entry ({used / 2**20:.0f} MiB)"
+    )
+    del index
+    gc.collect()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    a = ap.parse_args()
+    bench_ingest(200_000 if a.quick else 2_000_000)
+    bench_score(iters=200 if a.quick else 2000)
+    n = 100_000 if a.quick else 1_000_000
+    for sharers in (1, 8, 64):
+        bench_memory(n, sharers)
+
+
+if __name__ == "__main__":
+    main()
