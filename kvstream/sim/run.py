@@ -1,0 +1,252 @@
+"""The virtual-time simulation driver: engines, events through the real codec, the router.
+
+:func:`simulate` replays a workload against ``engines`` :class:`~kvstream.sim.engine.EngineModel`
+instances under one routing policy, as fast as possible, with no sockets and no clock
+reads in the simulated part:
+
+1. Arrivals and engine step ends are processed in time order (ties: engine steps before
+   arrivals, then lower engine index).
+2. Every engine transition's KV events become one :class:`~kvstream.events.KVEventBatch`
+   (``ts`` = simulated time), are *encoded and decoded with kvstream's wire codec*, and
+   applied to a :class:`~kvstream.index.KVIndex` under the engine's source name,
+   ``router_lag_s`` simulated seconds later (0: before the next routing decision).
+3. Each arrival is routed by the policy from the index's score of its prompt and the
+   engines' loads (waiting, running, KV usage), then queued on that engine.
+
+:func:`compare` runs several policies (and engine counts) on the same workload.
+Deterministic: the same inputs give the same :class:`PolicyResult` except for the fields
+measuring wall time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+from kvstream.events import EventDecoder, EventEncoder, KVEventBatch
+from kvstream.index import KVIndex
+from kvstream.scoring import Load
+from kvstream.sim.blocks import SegmentHasher
+from kvstream.sim.engine import EngineConfig, EngineModel, Prepared, SimRequestState
+from kvstream.sim.metrics import PolicyResult, RunMetrics
+from kvstream.sim.policies import make_policy
+from kvstream.sim.workload import SimRequest, WorkloadError
+
+__all__ = ["SimConfig", "SimRun", "simulate", "compare", "source_name"]
+
+
+def source_name(engine: int) -> str:
+    """The source name engine ``engine`` publishes under in virtual runs."""
+    return f"engine-{engine}"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Settings of one simulation (everything except the workload and the policy).
+
+    Attributes:
+        engines: number of engines.
+        engine: each engine's :class:`EngineConfig`.
+        router_block_size: the index's router block size in *simulated* tokens (None:
+            the engines' simulated block size).
+        router_lag_s: simulated seconds between an engine publishing a batch and the index
+            applying it.
+        seed: seed of the random policy (and anything else random).
+    """
+
+    engines: int = 4
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router_block_size: int | None = None
+    router_lag_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise WorkloadError(f"engines must be >= 1, got {self.engines}")
+        if self.router_lag_s < 0:
+            raise WorkloadError(f"router_lag_s must be >= 0 seconds, got {self.router_lag_s}")
+
+
+class SimRun:
+    """One policy over one workload: state of a run in progress (see :func:`simulate`).
+
+    Exposed so the live demo and tests can drive and inspect a run; most callers want
+    :func:`simulate`.
+    """
+
+    def __init__(
+        self,
+        requests: Sequence[SimRequest],
+        policy: str,
+        config: SimConfig,
+        *,
+        hasher: SegmentHasher | None = None,
+        prepared: dict[int, Prepared] | None = None,
+        on_batch: Callable[[str, int, bytes], None] | None = None,
+    ) -> None:
+        self.requests = requests
+        self.config = config
+        self.policy = make_policy(policy, config.seed)
+        ec = config.engine
+        self.hasher = hasher if hasher is not None else SegmentHasher(ec.block_hasher())
+        # request_id -> Prepared; share one dict between runs of the same workload and
+        # engine config to tokenize and hash each request once.
+        self.prepared = prepared if prepared is not None else {}
+        self.metrics = RunMetrics(config.engines)
+        self.engines = [EngineModel(i, ec, self.hasher, self.metrics) for i in range(config.engines)]
+        self.names = {source_name(i): i for i in range(config.engines)}
+        self.index = KVIndex(router_block_size=config.router_block_size or ec.sim_block_size)
+        self.encoder = EventEncoder()
+        self.decoder = EventDecoder()
+        self.seq = [0] * config.engines
+        self.on_batch = on_batch
+        self.states: list[SimRequestState] = []
+        self._pending: list[tuple[float, int, int, bytes]] = []  # (apply at, order, engine, payload)
+        self._order = 0
+
+    # -- events ------------------------------------------------------------------------
+
+    def _publish(self, engine: int, now: float, events: list[Any]) -> None:
+        if not events:
+            return
+        payload = self.encoder.encode(KVEventBatch(now, events))
+        seq = self.seq[engine]
+        self.seq[engine] = seq + 1
+        if self.on_batch is not None:
+            self.on_batch(source_name(engine), seq, payload)
+        lag = self.config.router_lag_s
+        if lag == 0:
+            self._apply(engine, payload, 0.0)
+        else:
+            self._order += 1
+            heapq.heappush(self._pending, (now + lag, self._order, engine, payload))
+
+    def _apply(self, engine: int, payload: bytes, lag: float) -> None:
+        batch = self.decoder.decode(payload)
+        self.index.apply_batch(source_name(engine), batch)
+        self.metrics.on_batch(len(batch.events), lag)
+
+    def _apply_due(self, now: float) -> None:
+        pending = self._pending
+        lag = self.config.router_lag_s
+        while pending and pending[0][0] <= now:
+            _, _, engine, payload = heapq.heappop(pending)
+            self._apply(engine, payload, lag)
+
+    # -- routing -----------------------------------------------------------------------
+
+    def loads(self) -> list[Load]:
+        """Every engine's load as the router sees it."""
+        return [Load(len(e.waiting), len(e.running), e.usage) for e in self.engines]
+
+    def route(self, req: SimRequest, tokens: Sequence[int]) -> int:
+        """The engine index the policy picks for ``req`` (now); ``tokens``: its prompt in
+        simulated tokens."""
+        loads = self.loads()
+        pol = self.policy
+        if not pol.uses_index:
+            return pol.choose(loads)
+        index = self.index
+        # The router sees the prompt's tokens and computes its own keys from them.
+        keys = index.keys(tokens)
+        load_map = {source_name(i): ld for i, ld in enumerate(loads)}
+
+        def score(scoring: Any) -> str | None:
+            return index.score((), loads=load_map, policy=scoring, keys=keys).best
+
+        return pol.choose(loads, score, self.names)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def run(self) -> PolicyResult:
+        """Run the whole workload to completion; returns the policy's result."""
+        t0 = time.perf_counter()
+        engines = self.engines
+        heap: list[tuple[float, int]] = []  # (wakeup, engine); stale entries skipped
+        push = heapq.heappush
+        pop = heapq.heappop
+        end = 0.0
+        ec = self.config.engine
+        prepared = self.prepared
+
+        def advance(until: float) -> float:
+            last = 0.0
+            while heap and heap[0][0] <= until:
+                t, i = pop(heap)
+                e = engines[i]
+                if e.wakeup != t:
+                    continue  # superseded (the run was cut short)
+                if self._pending:
+                    self._apply_due(t)
+                self._publish(i, t, e.step(t))
+                if e.wakeup != math.inf:
+                    push(heap, (e.wakeup, i))
+                last = t
+            return last
+
+        for req in self.requests:
+            now = req.arrival
+            advance(now)
+            if self._pending:
+                self._apply_due(now)
+            # The request as the router and the engine receive it (token ids).
+            prep = prepared.get(req.request_id)
+            if prep is None:
+                prep = prepared[req.request_id] = Prepared(req, ec, self.hasher)
+            target = self.route(req, prep.prompt_tokens)
+            e = engines[target]
+            st = SimRequestState(req, target, now)
+            self.states.append(st)
+            before = e.wakeup
+            if e.submit(st, now, prep):
+                self.metrics.routed[target] += 1
+            if e.wakeup != before and e.wakeup != math.inf:
+                push(heap, (e.wakeup, target))
+            end = max(end, now)
+        end = max(end, advance(math.inf))
+        if self._pending:
+            self._apply_due(math.inf)
+        self.metrics.end_time = end
+        wall = time.perf_counter() - t0
+        return self.metrics.summary(self.policy.name, len(self.requests), wall_seconds=wall)
+
+
+def simulate(
+    requests: Sequence[SimRequest],
+    policy: str,
+    config: SimConfig | None = None,
+    *,
+    hasher: SegmentHasher | None = None,
+    prepared: dict[int, Prepared] | None = None,
+) -> PolicyResult:
+    """Run ``requests`` under ``policy`` in virtual time; see the module docstring.
+
+    ``hasher`` and ``prepared`` may be shared between runs with the same workload and
+    engine config (tokens and block hashes are then computed once; results are the same).
+    """
+    return SimRun(requests, policy, config or SimConfig(), hasher=hasher, prepared=prepared).run()
+
+
+def compare(
+    requests: Sequence[SimRequest],
+    policies: Sequence[str],
+    config: SimConfig | None = None,
+    *,
+    engine_counts: Sequence[int] | None = None,
+    progress: Callable[[PolicyResult], None] | None = None,
+) -> list[PolicyResult]:
+    """Every policy (times every engine count) on the same workload, in order."""
+    cfg = config or SimConfig()
+    hasher = SegmentHasher(cfg.engine.block_hasher())
+    prepared: dict[int, Prepared] = {}
+    out: list[PolicyResult] = []
+    for n in engine_counts or (cfg.engines,):
+        for p in policies:
+            r = simulate(requests, p, replace(cfg, engines=n), hasher=hasher, prepared=prepared)
+            out.append(r)
+            if progress is not None:
+                progress(r)
+    return out
