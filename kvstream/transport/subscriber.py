@@ -239,6 +239,11 @@ class Subscriber:
             sw.set()
         return item
 
+    @property
+    def ready(self) -> int:
+        """Items waiting for the consumer right now."""
+        return len(self._out)
+
     def get_nowait(self) -> list[StreamItem]:
         """Every item ready now (possibly none), without waiting: for consumers that poll."""
         items = list(self._out)

@@ -1,0 +1,213 @@
+"""``kvstream subscribe ENDPOINT...``: follow KV event publishers and print their events live.
+
+Each ENDPOINT is ``tcp://host:port`` (or ipc/inproc) with optional comma-separated options:
+``tcp://h:5557,replay=tcp://h:5558,name=engine-0``. One line per event on stdout
+(human-readable, or JSON lines with ``--json``), stream notices (reset, stale, live) as
+lines too, and a health line per source on stderr every ``--health-interval`` seconds and
+at exit. Ctrl-C (SIGINT) or SIGTERM exits cleanly with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from typing import Any, TextIO
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "subscribe",
+        help="follow KV event publishers (vLLM or kvstream) and print decoded events live",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("endpoints", nargs="+", metavar="ENDPOINT",
+                   help="PUB endpoint, optionally with ,replay=ENDPOINT and ,name=NAME")
+    p.add_argument("--replay", action="append", default=[], metavar="ENDPOINT",
+                   help="replay endpoint for the ENDPOINT in the same position (alternative to ,replay=)")
+    p.add_argument("--name", action="append", default=[], metavar="NAME",
+                   help="source name for the ENDPOINT in the same position (alternative to ,name=)")
+    p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
+    p.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between health lines on stderr (0: only at exit)")
+    p.add_argument("--count", type=int, default=0, metavar="N", help="exit after N batches (0: run until interrupted)")
+    p.add_argument("--replay-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="seconds of silence before a replay request is retried")
+    p.add_argument("--curve-server-key", metavar="FILE",
+                   help="publisher's public certificate (zmq.auth .key file): enables CURVE")
+    p.add_argument("--curve-cert", metavar="FILE",
+                   help="this subscriber's secret certificate (.key_secret); default: a fresh keypair")
+    p.set_defaults(func=_run)
+
+
+def parse_endpoint(text: str, replay: str | None = None, name: str | None = None) -> Any:
+    """``tcp://h:5557,replay=tcp://h:5558,name=e0`` -> SourceSpec."""
+    from kvstream.transport import SourceSpec
+
+    ep, *opts = text.split(",")
+    for o in opts:
+        key, sep, value = o.partition("=")
+        if not sep or key not in ("replay", "name") or not value:
+            raise SystemExit(f"kvstream subscribe: bad option {o!r} in {text!r}; "
+                             "use ENDPOINT[,replay=ENDPOINT][,name=NAME]")
+        if key == "replay":
+            replay = value
+        else:
+            name = value
+    if "://" not in ep:
+        raise SystemExit(f"kvstream subscribe: {ep!r} is not an endpoint; write it as tcp://HOST:PORT")
+    return SourceSpec(ep, replay, name)
+
+
+def _hex(o: Any) -> Any:
+    if isinstance(o, (bytes, bytearray)):
+        return o.hex()
+    raise TypeError(f"cannot serialize {type(o).__name__}")
+
+
+def _short(h: Any) -> str:
+    if isinstance(h, (bytes, bytearray)):
+        return bytes(h[:8]).hex()
+    return f"{h:016x}" if isinstance(h, int) else str(h)
+
+
+def _event_text(ev: Any) -> str:
+    from kvstream.events import BlockRemoved, BlockStored
+
+    if isinstance(ev, BlockStored):
+        parent = _short(ev.parent_block_hash) if ev.parent_block_hash is not None else "-"
+        extra = f" lora={ev.lora_name or ev.lora_id}" if (ev.lora_name or ev.lora_id) is not None else ""
+        grp = f" g{ev.group_idx}" if ev.group_idx is not None else ""
+        return (f"BlockStored {ev.medium}{grp} blocks={len(ev.block_hashes)} "
+                f"[{' '.join(_short(h) for h in ev.block_hashes)}] parent={parent} "
+                f"tokens={len(ev.token_ids)}{extra}")
+    if isinstance(ev, BlockRemoved):
+        grp = f" g{ev.group_idx}" if ev.group_idx is not None else ""
+        return f"BlockRemoved {ev.medium}{grp} [{' '.join(_short(h) for h in ev.block_hashes)}]"
+    return type(ev).__name__
+
+
+def print_item(item: Any, as_json: bool, out: TextIO) -> None:
+    """Write one subscriber item (one line per event for batches)."""
+    import msgspec
+
+    from kvstream.transport import SourceBatch, SourceLive, SourceReset, SourceStale
+
+    if isinstance(item, SourceBatch):
+        b = item.batch
+        for ev in b.events:
+            if as_json:
+                rec = {"source": item.source, "seq": item.seq, "rank": b.data_parallel_rank, "ts": b.ts,
+                       "replayed": item.replayed,
+                       "event": msgspec.to_builtins(ev, builtin_types=(bytes, bytearray))}
+                out.write(json.dumps(rec, default=_hex) + "\n")
+            else:
+                flag = " (replay)" if item.replayed else ""
+                out.write(f"{item.source} #{item.seq} r{b.data_parallel_rank} {_event_text(ev)}{flag}\n")
+        return
+    if isinstance(item, SourceReset):
+        rec = {"source": item.source, "notice": "reset", "reason": item.reason, "seq": item.seq}
+    elif isinstance(item, SourceStale):
+        rec = {"source": item.source, "notice": "stale", "reason": item.reason,
+               "first_missing_seq": item.first_missing_seq, "resume_seq": item.resume_seq}
+    elif isinstance(item, SourceLive):
+        rec = {"source": item.source, "notice": "live", "seq": item.seq}
+    else:  # pragma: no cover - the subscriber yields nothing else
+        return
+    if as_json:
+        out.write(json.dumps(rec) + "\n")
+    else:
+        rest = " ".join(f"{k}={v}" for k, v in rec.items() if k not in ("source", "notice"))
+        out.write(f"# {item.source} {rec['notice'].upper()} {rest}\n")
+
+
+def _curve(args: argparse.Namespace) -> Any:
+    if not args.curve_server_key:
+        if args.curve_cert:
+            raise SystemExit("kvstream subscribe: --curve-cert needs --curve-server-key")
+        return None
+    from kvstream.transport import CurveClientConfig
+    from kvstream.transport.curve import generate_keypair, read_keypair
+
+    server, _ = read_keypair(args.curve_server_key)
+    if args.curve_cert:
+        public, secret = read_keypair(args.curve_cert)
+        if secret is None:
+            raise SystemExit(f"kvstream subscribe: {args.curve_cert} holds no secret key (use the .key_secret file)")
+    else:
+        public, secret = generate_keypair()
+    return CurveClientConfig(server_public_key=server, secret_key=secret, public_key=public)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import anyio
+
+    specs = []
+    for i, ep in enumerate(args.endpoints):
+        replay = args.replay[i] if i < len(args.replay) else None
+        name = args.name[i] if i < len(args.name) else None
+        specs.append(parse_endpoint(ep, replay, name))
+    curve = _curve(args)
+    return anyio.run(_main, args, specs, curve)
+
+
+async def _main(args: argparse.Namespace, specs: list, curve: Any) -> int:
+    import anyio
+
+    from kvstream.transport import Subscriber
+
+    out, err = sys.stdout, sys.stderr
+
+    def health(sub: Subscriber) -> None:
+        for h in sub.health().values():
+            err.write(f"[health] {h.line()}\n")
+        err.flush()
+
+    try:
+        sub_cm = Subscriber(specs, topic=args.topic, curve=curve, replay_timeout_s=args.replay_timeout)
+    except ValueError as exc:
+        err.write(f"kvstream subscribe: {exc}\n")
+        return 2
+    async with sub_cm as sub:
+        async with anyio.create_task_group() as tg:
+            await _follow(args, sub, tg, out, health)
+        out.flush()
+        health(sub)
+    return 0
+
+
+async def _follow(args: argparse.Namespace, sub: Any, tg: Any, out: TextIO, health: Any) -> None:
+    import anyio
+
+    from kvstream.transport import SourceBatch
+
+    async def on_signal() -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                tg.cancel_scope.cancel()
+                return
+
+    async def health_loop() -> None:
+        while args.health_interval > 0:
+            await anyio.sleep(args.health_interval)
+            health(sub)
+
+    async def consume() -> None:
+        n = 0
+        async for item in sub:
+            print_item(item, args.json, out)
+            if isinstance(item, SourceBatch):
+                n += 1
+                if args.count and n >= args.count:
+                    break
+            if not sub.ready:  # flush when idle, not per line
+                out.flush()
+        out.flush()
+        tg.cancel_scope.cancel()
+
+    tg.start_soon(on_signal)
+    tg.start_soon(health_loop)
+    tg.start_soon(consume)
