@@ -16,7 +16,7 @@ from typing import Sequence
 __all__ = ["main", "build_parser"]
 
 # Order is the order `kvstream --help` lists them in.
-_COMMANDS: tuple[str, ...] = ("version", "plan", "record", "inspect", "replay", "convert", "simulate", "subscribe")
+_COMMANDS: tuple[str, ...] = ("version", "plan", "record", "inspect", "replay", "convert", "simulate", "subscribe", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
