@@ -182,7 +182,7 @@ class KVIndex:
 
     __slots__ = (
         "_R", "_slot_of", "_src", "_free_slots", "_live", "_media", "_tier_of", "_held",
-        "_young", "_old", "_href", "_copies", "_unl", "_waiting", "_spec", "_spec_n",
+        "_young", "_old", "_href", "_sub_n", "_copies", "_unl", "_waiting", "_spec", "_spec_n",
         "_spec_q", "_per_mask", "_max_bytes", "_ttl", "_gen", "_gen_start", "_reannounce",
         "_hasher", "stats",
     )
@@ -225,6 +225,7 @@ class KVIndex:
             self._new_tier(m)
         self._young: dict[Any, Any] = {}  # engine hash -> key (int) or keys (tuple)
         self._old: dict[Any, Any] = {}  # the TTL's older generation (empty without TTL)
+        self._sub_n: dict[tuple[int, int, int], int] = {}  # leading sub-key holdings
         self._href: dict[Any, int] = {}  # engine hash -> (source, tier) holdings, when > 1
         self._copies: dict[tuple[Any, int, int], dict[int, int]] = {}  # not exactly {group 0: 1}
         self._unl: dict[Any, _Unlinked] = {}
@@ -444,10 +445,10 @@ class KVIndex:
             if cur is None and old:
                 cur = old.get(eh)
             if cur is None:
-                m = held.get(keys[k0], 0)
+                m = held.get(keys[k0 + per - 1], 0)
                 anym = m
                 for h in others:
-                    anym |= h.get(keys[k0], 0)
+                    anym |= h.get(keys[k0 + per - 1], 0)
                 if anym & fam:
                     # Another hash of this block-size family already has this key: mixed
                     # seeds, or extra keys the wire does not carry (0.11 salts). Give this
@@ -487,7 +488,7 @@ class KVIndex:
                 v = self._old.get(eh)
                 if v is None:
                     return False
-            if not held.get(v if type(v) is int else v[0], 0) & bit:
+            if not held.get(v if type(v) is int else v[-1], 0) & bit:
                 return False
             cp = copies.get((eh, s.slot, t)) if copies else None
             if cp is None:
@@ -569,7 +570,7 @@ class KVIndex:
     def _hold(self, s: _Source, eh: Any, v: Any, t: int, g: int, fresh: bool) -> None:
         held = self._held[t]
         bit = s.bit
-        rk0 = v if type(v) is int else v[0]
+        rk0 = v if type(v) is int else v[-1]
         m = held.get(rk0, 0)
         self.stats.stored_blocks += 1
         if m & bit:
@@ -585,11 +586,22 @@ class KVIndex:
         if type(v) is int:
             held[rk0] = m | bit
         else:
-            for rk in v:
-                held[rk] = held.get(rk, 0) | bit
+            self._sub_add(held, v, s.slot, t, bit)
         s.count[t] += 1
         if not fresh:
             self._href[eh] = self._href.get(eh, 1) + 1
+
+    def _sub_add(self, held: dict[int, int], rks: Sequence[int], slot: int, t: int, bit: int) -> None:
+        """Set ``bit`` on every key of a multi-router-block engine block. Leading sub-keys
+        are counted per (key, source, tier): engine blocks that differ only in a later
+        router block share them."""
+        sub = self._sub_n
+        last = len(rks) - 1
+        for j, rk in enumerate(rks):
+            if j < last:
+                k = (rk, slot, t)
+                sub[k] = sub.get(k, 0) + 1
+            held[rk] = held.get(rk, 0) | bit
 
     def _install(self, eh: Any, v: Any, holds: dict[tuple[int, int], dict[int, int]]) -> int:
         """Put an unlinked block's holdings (``holds``) under its new key(s) ``v``; ``eh``
@@ -602,8 +614,10 @@ class KVIndex:
             if s is None:
                 continue
             held = self._held[t]
-            for rk in rks:
-                held[rk] = held.get(rk, 0) | s.bit
+            if len(rks) == 1:
+                held[rks[0]] = held.get(rks[0], 0) | s.bit
+            else:
+                self._sub_add(held, rks, slot, t, s.bit)
             if groups != {0: 1}:
                 self._copies[(eh, slot, t)] = dict(groups)
             n += 1
@@ -634,7 +648,7 @@ class KVIndex:
                 v = keys[0] if u.per == 1 else tuple(keys)
                 anym = 0
                 for h in self._held:
-                    anym |= h.get(keys[0], 0)
+                    anym |= h.get(keys[-1], 0)
                 if anym & self._per_mask.get(u.per, 0):
                     self.stats.family_conflicts += 1
                     v = _perturb(v, c)
@@ -722,7 +736,7 @@ class KVIndex:
         held = self._held[t]
         bit = s.bit
         rks = (v,) if type(v) is int else v
-        if not held.get(rks[0], 0) & bit:
+        if not held.get(rks[-1], 0) & bit:
             return False
         key = (eh, s.slot, t)
         cp = self._copies.get(key)
@@ -748,7 +762,16 @@ class KVIndex:
         """Drop the (source, tier) holding of ``eh`` (all its copies are gone)."""
         held = self._held[t]
         nb = ~s.bit
-        for rk in rks:
+        sub = self._sub_n
+        for j, rk in enumerate(rks):
+            if j < len(rks) - 1:
+                # A leading sub-key may be shared by several of this source's engine blocks.
+                k = (rk, s.slot, t)
+                c = sub.get(k, 1) - 1
+                if c > 0:
+                    sub[k] = c
+                    continue
+                sub.pop(k, None)
             m = held.get(rk, 0) & nb
             if m:
                 held[rk] = m
@@ -773,7 +796,7 @@ class KVIndex:
                 if per is not None and len(rks) != per:
                     continue  # another block-size family's hash for the same key
                 for t in tiers:
-                    if self._held[t].get(rks[0], 0) & bit:
+                    if self._held[t].get(rks[-1], 0) & bit:
                         self._copies.pop((eh, slot, t), None)
                         self._release(s, eh, rks, t, d)
                         if eh not in d:
@@ -849,7 +872,7 @@ class KVIndex:
         v = d[eh]
         rks = (v,) if type(v) is int else v
         for t, held in enumerate(self._held):
-            m = held.get(rks[0], 0)
+            m = held.get(rks[-1], 0)
             for slot in _bits(m):
                 s = self._src[slot]
                 if s is None or (s.per is not None and s.per != len(rks)):
@@ -1038,10 +1061,19 @@ class KVIndex:
                 continue
             slot = s.slot
             b = end.get(slot, 0)
+            per = s.per or 1
+            if per > 1:
+                # An engine reuses whole blocks only: round down to its block size.
+                b -= b % per
             if not b:
                 out[s.name] = SourceMatch(s.name, 0, 0, {}, {}, s.stale)
                 continue
-            tb = {media[t]: te[slot] for t, te in enumerate(tier_end) if te.get(slot)}
+            tb = {}
+            for t, te in enumerate(tier_end):
+                x = te.get(slot, 0)
+                x -= x % per
+                if x:
+                    tb[media[t]] = x
             if not served_low and not spec_served:
                 out[s.name] = SourceMatch(s.name, b, b * R, tb, {"GPU": b}, s.stale)
                 continue
@@ -1052,6 +1084,9 @@ class KVIndex:
                     served[media[t]] = c
                     low_total += c
             sp = spec_served.get(slot, 0)
+            if low_total > b:  # rounding cut blocks served by lower tiers: keep it simple
+                served = {m: min(c, b) for m, c in served.items()}
+                low_total = min(low_total, b)
             served["GPU"] = b - low_total
             if not served["GPU"]:
                 del served["GPU"]
@@ -1163,7 +1198,7 @@ class KVIndex:
             for eh, v in d.items():
                 rks = (v,) if type(v) is int else v
                 for t, held in enumerate(self._held):
-                    m = held.get(rks[0], 0)
+                    m = held.get(rks[-1], 0)
                     for slot in _bits(m):
                         s = self._src[slot]
                         if s is None or (s.per is not None and s.per != len(rks)):
