@@ -1,0 +1,92 @@
+"""The virtual-time simulator: determinism, policies, the Mooncake comparison, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstream.cli import main
+from kvstream.sim.engine import EngineConfig
+from kvstream.sim.policies import POLICY_NAMES
+from kvstream.sim.run import SimConfig, compare, simulate
+from kvstream.sim.workload import SyntheticConfig, WorkloadError, load_mooncake, synthetic_workload
+
+SMALL = SimConfig(engines=3, engine=EngineConfig(num_blocks=600, block_size=16, max_running=16), seed=7)
+
+
+def _workload(seed: int = 1):
+    return synthetic_workload(SyntheticConfig(requests=250, duration=5.0, seed=seed))
+
+
+def test_same_seed_gives_identical_results() -> None:
+    reqs = _workload()
+    a = compare(reqs, POLICY_NAMES, SMALL)
+    b = compare(_workload(), POLICY_NAMES, SMALL)
+    assert [r.deterministic() for r in a] == [r.deterministic() for r in b]
+
+
+def test_random_policy_depends_on_the_seed() -> None:
+    reqs = _workload()
+    r1 = simulate(reqs, "random", SMALL)
+    r2 = simulate(reqs, "random", SimConfig(engines=3, engine=SMALL.engine, seed=8))
+    assert r1.requests_per_engine != r2.requests_per_engine
+
+
+def test_every_request_completes_and_round_robin_spreads_evenly() -> None:
+    reqs = _workload()
+    r = simulate(reqs, "round-robin", SMALL)
+    assert r.completed == r.requests == 250
+    assert max(r.requests_per_engine) - min(r.requests_per_engine) <= 1
+    assert r.events > 0 and r.event_batches > 0
+    assert 0 < r.hit_rate < 1
+
+
+def test_kv_aware_beats_round_robin_on_shared_prefixes() -> None:
+    reqs = _workload()
+    kv = simulate(reqs, "kv-aware", SMALL)
+    rr = simulate(reqs, "round-robin", SMALL)
+    assert kv.hit_rate > rr.hit_rate
+    assert kv.prefill_tokens < rr.prefill_tokens
+
+
+def test_router_lag_delays_index_updates() -> None:
+    reqs = _workload()
+    lagged = simulate(reqs, "kv-aware", SimConfig(engines=3, engine=SMALL.engine, router_lag_s=0.5))
+    assert lagged.router_lag_p99_s == pytest.approx(0.5)
+    assert lagged.completed == 250
+
+
+def test_unknown_policy_is_rejected() -> None:
+    with pytest.raises(WorkloadError, match="unknown policy"):
+        simulate(_workload(), "fastest", SMALL)
+
+
+def test_mooncake_8_engines_kv_aware_hit_rate_beats_round_robin(mooncake_trace: Path) -> None:
+    # A prefix of the trace keeps CI fast; docs/simulator.md has the full-trace numbers.
+    reqs = load_mooncake(mooncake_trace, limit=2500)
+    cfg = SimConfig(engines=8, engine=EngineConfig(num_blocks=1024, block_size=512, token_granularity=32))
+    kv, rr = compare(reqs, ["kv-aware", "round-robin"], cfg)
+    assert kv.completed == rr.completed == 2500
+    assert kv.hit_rate > rr.hit_rate + 0.05
+
+
+def test_simulate_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    rc = main(["simulate", "--requests", "120", "--duration", "3", "--engines", "2,3",
+               "--policies", "kv-aware,round-robin", "--json", str(out), "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "kv-aware" in text and "round-robin" in text
+    data = json.loads(out.read_text())
+    assert [(r["policy"], r["engines"]) for r in data["results"]] == [
+        ("kv-aware", 2), ("round-robin", 2), ("kv-aware", 3), ("round-robin", 3)]
+    assert data["meta"]["requests"] == 120
+
+
+def test_simulate_cli_reports_bad_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["simulate", "--policies", "nope"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot open trace" in capsys.readouterr().err
