@@ -1,0 +1,23 @@
+"""The example load balancer runs as written and beats round-robin on its workload."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_example_load_balancer_runs_and_routes_by_prefix() -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "load_balancer.py"), "--engines", "3", "--requests", "40"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert sum(1 for ln in lines if ln.startswith("request ")) == 40
+    summary = lines[-1]
+    routed = float(summary.split("routed ")[1].split("%")[0])
+    robin = float(summary.split("round-robin ")[1].split("%")[0])
+    assert routed > robin, summary
