@@ -6,8 +6,9 @@ the real classes. Three runs:
 * batched: 100 single-block BlockStored events per batch, as fast as possible
   (target >= 1 M events/s received and decoded);
 * unbatched: 1 event per batch (target >= 100 k batches/s);
-* steady: unbatched at a fixed rate below capacity with *no* replay endpoint, so any loss
-  would show as a gap (target: zero gaps, every batch received live).
+* steady: a fixed rate below capacity (50 k batches/s unbatched; 5 k batches/s = 500 k
+  events/s batched) with *no* replay endpoint, so any loss would show as a gap (target: zero
+  gaps, every batch received live).
 
 Run: .venv/bin/python bench/bench_stream.py [--quick]
 Numbers are printed; nothing is asserted here (tests assert behaviour, not speed).
@@ -119,7 +120,13 @@ def main() -> None:
     rate = 50_000.0
     ns = int(250_000 * scale)
     r = anyio.run(_run, ns, 1, rate, False)
-    print(f"steady {rate:,.0f} batches/s, no replay: received {r['batches']:,}/{ns:,}, gaps={r['gaps']}, {r}")
+    print(f"steady {rate:,.0f} batches/s unbatched, no replay: received {r['batches']:,}/{ns:,}, "
+          f"gaps={r['gaps']}, {r}")
+    rate = 5_000.0
+    ns = int(25_000 * scale)
+    r = anyio.run(_run, ns, 100, rate, False)
+    print(f"steady {rate * 100:,.0f} events/s batched, no replay: received {r['batches']:,}/{ns:,} batches, "
+          f"gaps={r['gaps']}, {r}")
 
 
 if __name__ == "__main__":

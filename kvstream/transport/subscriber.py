@@ -48,6 +48,8 @@ __all__ = ["Subscriber", "SourceSpec", "SourceHealth"]
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 # Hand items to the consumer after this many messages or events, whichever comes first:
 # decoded batches held in bulk survive young-generation GC passes and get expensive.
 _DRAIN_BURST = 256
@@ -199,8 +201,9 @@ class Subscriber:
         if src is None:
             raise KeyError(f"no source named {name!r}; sources: {sorted(self._sources)}")
         if src.scope is not None:
-            src.scope.cancel()
-        self._close_source(src)
+            src.scope.cancel()  # the source's task closes its sockets as it unwinds
+        else:
+            self._close_source(src)
         self._push([SourceReset(name, "removed", None)])
 
     @property
@@ -303,12 +306,16 @@ class Subscriber:
         src.sub = src.dealer = None
 
     async def _run_source(self, src: _Source) -> None:
-        with anyio.CancelScope() as scope:
-            src.scope = scope
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._live_loop, src)
-                if src.spec.replay_endpoint is not None:
-                    tg.start_soon(self._replay_loop, src)
+        try:
+            with anyio.CancelScope() as scope:
+                src.scope = scope
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._live_loop, src)
+                    if src.spec.replay_endpoint is not None:
+                        tg.start_soon(self._replay_loop, src)
+        finally:
+            # Closed only once no task waits on their FDs any more.
+            self._close_source(src)
 
     def _after(self, src: _Source, gen: int) -> None:
         """Publish the tracker's new items and wake the replay task if it has work."""
@@ -331,13 +338,19 @@ class Subscriber:
         c = t.counters
         rlog = self._rlog
         name = t.name
+        recv = sock.recv_multipart
+        nb = zmq.NOBLOCK
         while True:
             n = ev = 0
             gen = t.generation
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while True:
+                # Receive until EAGAIN rather than asking EVENTS per message (it costs as
+                # much as a receive); EVENTS is read once, before waiting on the FD.
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = recv(nb)
                 except zmq.Again:
+                    if sock.getsockopt(_EVENTS) & _POLLIN:
+                        continue
                     break
                 if len(frames) != 3 or len(frames[1]) != 8:
                     c.frame_errors += 1
