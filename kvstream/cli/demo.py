@@ -64,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
         if scale.virtual:
             raise WorkloadError("the live demo needs a finite --speed such as '1x' or '10x' ('max' is for simulate)")
         ec = engine_config(args)
-        reqs, meta = load_workload(args, default_requests=600, default_duration=20.0)
+        reqs, meta = load_workload(args, default_requests=450, default_duration=20.0)
     except (WorkloadError, KVCachePlanningError, OSError, ValueError) as exc:
         print(f"kvstream demo: {exc}", file=sys.stderr)
         return 2

@@ -63,7 +63,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine-shape options shared by ``simulate`` and ``demo``."""
     g = p.add_argument_group("engines")
-    g.add_argument("--blocks", type=int, metavar="N", help="KV blocks per engine (default: 1024 for traces, 1536 synthetic)")
+    g.add_argument("--blocks", type=int, metavar="N", help="KV blocks per engine (default: 1024 for traces, 2048 synthetic)")
     g.add_argument("--block-size", type=int, metavar="T", help="tokens per block (default: 512 for traces, 16 synthetic)")
     g.add_argument("--token-granularity", type=int, metavar="G",
                    help="real tokens per simulated token (default: 32 for traces, 1 synthetic)")
@@ -107,7 +107,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     trace = bool(args.trace)
     bs = args.block_size or (512 if trace else 16)
     g = args.token_granularity or (32 if trace and bs % 32 == 0 else 1)
-    blocks = args.blocks or (1024 if trace else 1536)
+    blocks = args.blocks or (1024 if trace else 2048)
     if args.model_config:
         blocks = _blocks_from_model(args.model_config, bs, args.kv_memory_gib)
     return EngineConfig(
