@@ -244,10 +244,6 @@ class KVCacheManager:
         stats.requests += 1
         stats.queries += num_tokens
         stats.hits += computed
-        step = self._step_stats
-        step.requests += 1
-        step.queries += num_tokens
-        step.hits += computed
         self.metrics.add(1, num_tokens, computed)
         reserve = num_tokens if self.reserve_full_prompt else total
         if -(-reserve // bs) - nh + evictable > self._queue.num_free_blocks:
@@ -311,7 +307,8 @@ class KVCacheManager:
                 "to compute; allocate() them before decoding"
             )
         bs = self._bs
-        if total % bs == 0 and request.hasher is None and len(request.block_hashes) < total // bs:
+        completes = total % bs == 0
+        if completes and request.hasher is None and len(request.block_hashes) < total // bs:
             raise KVCacheManagerError(
                 f"request {request.request_id!r} would complete block {total // bs - 1} but was "
                 f"created with {len(request.block_hashes)} precomputed block hashes; pass the whole "
@@ -324,13 +321,13 @@ class KVCacheManager:
             blocks += self.pool.get_new_blocks(1)
         tokens.append(token_id)
         request.num_computed_tokens = total
-        if total % bs:
+        if not completes:
             return True
         nf = total // bs
         h = request.hasher
         if h is not None and len(request.block_hashes) < nf:
             h.extend(tokens[h.num_tokens:])
-        self._cache(request, request.num_cached_blocks, nf)
+        self.pool.cache_blocks_of(request, request.num_cached_blocks, nf, self.kv_cache_group_id)
         request.num_cached_blocks = nf
         return True
 
@@ -366,9 +363,12 @@ class KVCacheManager:
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Statistics since the previous call (vLLM's per-step ``PrefixCacheStats``)."""
-        s = self._step_stats
-        self._step_stats = PrefixCacheStats()
-        return s
+        base = self._step_stats  # the cumulative counts at the previous call, and the reset flag
+        st = self.stats
+        out = PrefixCacheStats(st.requests - base.requests, st.queries - base.queries,
+                               st.hits - base.hits, base.reset)
+        self._step_stats = PrefixCacheStats(st.requests, st.queries, st.hits)
+        return out
 
     @property
     def usage(self) -> float:

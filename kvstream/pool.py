@@ -351,6 +351,8 @@ class BlockPool:
         append = ret.append
         index = self._index
         events = self._events if self.enable_kv_cache_events else None
+        v033 = self._v033
+        medium = self.medium
         head = q.head
         blk = head.next_free
         for _ in range(num_blocks):
@@ -364,10 +366,10 @@ class BlockPool:
                     del v[blk.block_id]  # type: ignore[union-attr]
                     idx[h] = v if len(v) > 1 else next(iter(v.values()))
                 if events is not None:
-                    if self._v033:
-                        events.append(BlockRemoved([blk.ext_hash], self.medium, g))  # type: ignore[union-attr]
+                    if v033:
+                        events.append(BlockRemoved([blk.ext_hash], medium, g))  # type: ignore[union-attr]
                     else:
-                        events.append(BlockRemoved([blk.ext_hash], self.medium))  # type: ignore[union-attr]
+                        events.append(BlockRemoved([blk.ext_hash], medium))  # type: ignore[union-attr]
                 blk.block_hash = None  # type: ignore[union-attr]
                 blk.origin = None  # type: ignore[union-attr]
             blk.ref_cnt = 1  # type: ignore[union-attr]
@@ -544,6 +546,26 @@ class BlockPool:
                    g: int, origin: Any) -> None:
         """Cache blocks [nc, nf) (arguments already checked); ``origin`` is None with events off."""
         idx = self._index[g]
+        if nf - nc == 1:
+            # The decode path: one block completed. Same steps as the loop below, unrolled.
+            blk = blocks[nc]
+            if blk.block_hash is None and blk.ref_cnt > 0:
+                h = block_hashes[nc]
+                blk.block_hash = h
+                blk.group_id = g
+                v = idx.setdefault(h, blk)
+                if v is not blk:
+                    if type(v) is dict:
+                        v[blk.block_id] = blk
+                    else:
+                        idx[h] = {v.block_id: v, blk.block_id: blk}
+                if origin is not None:
+                    ext = [to_external(h, self.hash_form)]
+                    blk.origin = origin
+                    blk.pos = nc
+                    blk.ext_hash = ext[0]
+                    self._events.append(self._stored(nc, nf, g, origin, ext, blocks))
+                return
         setdefault = idx.setdefault
         skip: list[int] | None = None
         if origin is not None:
