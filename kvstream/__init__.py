@@ -33,6 +33,11 @@ from kvstream.hashing import (
     none_hash,
     to_external,
 )
+from kvstream.pool import BlockPool, BlockPoolError, KVCacheBlock, NoFreeBlocksError
+from kvstream.manager import KVCacheManager, KVCacheManagerError, KVRequest
+from kvstream.metrics import PrefixCacheStats, PrefixCachingMetrics
+from kvstream.engine import AsyncKVCacheManager
+from kvstream.eventlog import LogControl, LogDamage, LogFormatError, LogMessage, LogReader, LogWriter, read_log
 from kvstream.planning import (
     KVCachePlan,
     KVCachePlanningError,
@@ -64,6 +69,23 @@ __all__ = [
     "RequestBlockHasher",
     "RequestExtraKeys",
     "none_hash",
+    "BlockPool",
+    "BlockPoolError",
+    "KVCacheBlock",
+    "NoFreeBlocksError",
+    "KVCacheManager",
+    "KVCacheManagerError",
+    "KVRequest",
+    "PrefixCacheStats",
+    "PrefixCachingMetrics",
+    "AsyncKVCacheManager",
+    "LogControl",
+    "LogDamage",
+    "LogFormatError",
+    "LogMessage",
+    "LogReader",
+    "LogWriter",
+    "read_log",
     "KVCachePlan",
     "KVCachePlanningError",
     "NotEnoughKVCacheMemoryError",
