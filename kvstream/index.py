@@ -352,11 +352,40 @@ class KVIndex:
         self.stats.batches += 1
         if self._ttl is not None:
             self._tick(batch.ts if now is None else now)
+        young = self._young
+        gpu = self._held[0]
+        href = self._href
+        bit = s.bit
+        fast_removed = 0
         for ev in batch.events:
             cls = type(ev)
+            if cls is BlockRemoved:
+                # Inline the GPU pool's common case: one hash, group 0, one copy.
+                hs = ev.block_hashes
+                if (len(hs) == 1 and not ev.group_idx and (ev.medium == "GPU" or ev.medium is None)
+                        and not (self._copies and (hs[0], s.slot, 0) in self._copies)):
+                    eh = hs[0]
+                    rk = young.get(eh)
+                    if type(rk) is int:
+                        m = gpu.get(rk, 0)
+                        if m & bit:
+                            m ^= bit
+                            if m:
+                                gpu[rk] = m
+                            else:
+                                del gpu[rk]
+                            fast_removed += 1
+                            if href and eh in href:
+                                n = href.pop(eh) - 1
+                                if n > 1:
+                                    href[eh] = n
+                            else:
+                                del young[eh]
+                            continue
             try:
                 if cls is BlockStored:
                     self._stored(s, ev)  # type: ignore[arg-type]
+                    young = self._young
                 elif cls is BlockRemoved:
                     self._removed(s, ev)  # type: ignore[arg-type]
                 elif cls is AllBlocksCleared:
@@ -367,6 +396,9 @@ class KVIndex:
             except RouterKeyError as exc:
                 self.stats.rejected_events += 1
                 _log.debug("source %s: skipped a malformed event: %s", s.name, exc)
+        if fast_removed:
+            s.count[0] -= fast_removed
+            self.stats.removed_blocks += fast_removed
         if self._max_bytes is not None and self.estimated_bytes() > self._max_bytes:
             self._evict(int(self._max_bytes * 0.9))
 
