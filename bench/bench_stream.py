@@ -100,6 +100,52 @@ async def _run(n_batches: int, n_events: int, rate: float, replay: bool) -> dict
             "gaps": h.counters["gaps"], "replays": h.counters["replays"], "complete": got == n_batches}
 
 
+async def _recv_cost(n: int) -> dict:
+    """Per-message receive cost in this process: zmq.asyncio's awaitable recv_multipart
+    versus the transport's pattern (plain socket, NOBLOCK receives until EAGAIN, then
+    anyio.wait_readable on the edge-triggered FD). Messages are queued up front on ipc."""
+    import os
+    import tempfile
+
+    import zmq
+    import zmq.asyncio
+
+    out = {}
+    frames = [b"kv", (1).to_bytes(8, "big"), b"x" * 200]
+    with tempfile.TemporaryDirectory() as d:
+        for mode in ("zmq.asyncio", "nonblocking+wait_readable"):
+            ep = f"ipc://{os.path.join(d, mode[:3])}.sock"
+            ctx = zmq.asyncio.Context() if mode == "zmq.asyncio" else zmq.Context()
+            push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+            push.sndhwm = pull.rcvhwm = 0
+            pull.bind(ep)
+            push.connect(ep)
+            for _ in range(n):
+                r = push.send_multipart(frames)
+                if mode == "zmq.asyncio":
+                    await r
+            await anyio.sleep(0.3)
+            t0 = time.perf_counter()
+            got = 0
+            if mode == "zmq.asyncio":
+                while got < n:
+                    await pull.recv_multipart()
+                    got += 1
+            else:
+                while got < n:
+                    try:
+                        pull.recv_multipart(zmq.NOBLOCK)
+                        got += 1
+                    except zmq.Again:
+                        if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                            await anyio.wait_readable(pull.FD)
+            out[mode] = round((time.perf_counter() - t0) / n * 1e6, 2)
+            push.close(0)
+            pull.close(0)
+            ctx.term()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -110,6 +156,8 @@ def main() -> None:
         anyio.run(_publisher, int(pp), int(rp) or None, int(n), int(ne), float(rate))
         return
     scale = 0.2 if a.quick else 1.0
+    cost = anyio.run(_recv_cost, int(100_000 * scale))
+    print(f"receive cost per message (us): {cost}")
     nb = int(50_000 * scale)
     r = anyio.run(_run, nb, 100, 0.0, True)
     print(f"batched (100 events/batch): {r['events_per_s']:,} events/s ({r['batches_per_s']:,} batches/s), "

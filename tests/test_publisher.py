@@ -268,8 +268,9 @@ async def test_publisher_connects_when_the_endpoint_is_not_a_wildcard(ctx):
     port = s.bind_to_random_port("tcp://127.0.0.1")
     with anyio.fail_after(5):
         async with Publisher(KVEventsConfig(endpoint=f"tcp://127.0.0.1:{port}")) as pub:
-            await anyio.sleep(0.2)
-            pub.publish(_batch(7))
+            # The connection and subscription take a moment to form: publish until one lands.
+            while not await wait_readable(s, 0.05):
+                pub.publish(_batch(7))
             msg = await recv(s)
     s.close(0)
     assert decode_batch(msg[2]).events[0].block_hashes == [7]
