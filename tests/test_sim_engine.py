@@ -139,8 +139,11 @@ def test_decode_runs_give_the_same_results_as_single_steps(block_size: int) -> N
 
 def test_token_granularity_divides_tokens_but_keeps_blocks() -> None:
     r = _req(0, 0.0, ((5, 512), (6, 512)), 64)
-    (_,), m1, b1, _ = _drive([r], EngineConfig(block_size=512))
-    (_,), m32, b32, _ = _drive([r], EngineConfig(block_size=512, token_granularity=32))
+    (_,), m1, b1, (st1,) = _drive([r], EngineConfig(block_size=512))
+    (_,), m32, b32, (st32,) = _drive([r], EngineConfig(block_size=512, token_granularity=32))
+    # a simulated step stands for 32 real ones: first-token and finish times are kept
+    assert st32.first_token_at == pytest.approx(st1.first_token_at)
+    assert st32.finished_at == pytest.approx(st1.finished_at)
     s1 = [ev for _, _, evs in b1 for ev in evs]
     s32 = [ev for _, _, evs in b32 for ev in evs]
     assert [len(e.block_hashes) for e in s1] == [len(e.block_hashes) for e in s32]

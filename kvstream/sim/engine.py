@@ -24,7 +24,9 @@ Every transition returns the KV events the allocator produced, to be published a
 batch stamped with the transition's time.
 
 ``token_granularity`` g > 1 simulates g real tokens as one: segment lengths are divided
-by g (rounded up), the block size too, and rates count real tokens. Block structure,
+by g (rounded up), the block size too, and rates count real tokens; a simulated step
+stands for g real steps (the first one carries the step's prefill work and produces first
+tokens, the other g-1 decode), so decode time is kept. Block structure,
 hashes-per-block, events and hit rates in blocks are unchanged; token ids on the wire
 shrink g-fold. It exists for speed on very long traces and is documented as an
 approximation (lengths rounded up to a multiple of g).
@@ -247,7 +249,7 @@ class EngineModel:
             self.wakeup = now
         elif self._run_steps:
             # Cut the decode run at the first step boundary at or after `now`.
-            d = self.config.decode_step_s
+            d = self.config.decode_step_s * self._g
             j = max(1, math.ceil((now - self._run_start) / d - 1e-9))
             if j < self._run_steps:
                 self._run_steps = j
@@ -336,7 +338,7 @@ class EngineModel:
         if run_k:
             self._run_start = now
             self._run_steps = run_k
-            self.wakeup = now + run_k * cfg.decode_step_s
+            self.wakeup = now + run_k * cfg.decode_step_s * self._g
             return
 
         i = 0
@@ -419,11 +421,13 @@ class EngineModel:
             # see submit).
             self.wakeup = now if waiting else math.inf
             return
-        dur = cfg.decode_step_s + prefill * self._g / cfg.prefill_rate
-        end = now + dur
+        # A simulated step stands for g real steps (one per real token decoded): the first
+        # carries the prefill work and samples the first tokens, the other g-1 decode.
+        first_end = now + cfg.decode_step_s + prefill * self._g / cfg.prefill_rate
+        end = first_end + (self._g - 1) * cfg.decode_step_s
         self.wakeup = end
         for st in first_tokens:
-            st.first_token_at = end
-            self.metrics.ttfts.append(end - st.req.arrival)
+            st.first_token_at = first_end
+            self.metrics.ttfts.append(first_end - st.req.arrival)
         self._to_free = finishing
         self.metrics.prefill_per_engine[self.engine_id] += prefill * self._g
