@@ -17,7 +17,7 @@ import zmq
 from kvstream.eventlog import LogWriter, read_log
 from kvstream.eventlog.recorder import Recorder
 from kvstream.eventlog.replay import log_items, replay_to_publishers
-from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from kvstream.transport import KVEventsConfig, Publisher, SourceSpec, Subscriber
 from kvstream.transport.items import SourceBatch, SourceReset, SourceStale
 
@@ -251,3 +251,19 @@ def test_stale_items_keep_their_seqs_through_the_log(short_tmp):
         for it in items:
             write_item(w, it)
     assert list(log_items(read_log(path)[0])) == items
+
+
+@pytest.mark.anyio
+async def test_an_engine_logs_its_own_published_stream_through_the_publisher_tap(tmp_path):
+    path = tmp_path / "self.kvlog"
+    batches = [KVEventBatch(float(i), [BlockStored([i + 1], i or None, list(range(16)), 16, None, "GPU", None)])
+               for i in range(5)]
+    with LogWriter(path, flush="record", tap_source="engine-0") as writer:
+        cfg = KVEventsConfig(endpoint=f"ipc://{tmp_path}/p.sock", topic="kv@e0")
+        with anyio.fail_after(5):
+            async with Publisher(cfg, tap=writer.tap) as pub:
+                seqs = [pub.publish(b) for b in batches]
+    records, damage = read_log(path)
+    assert damage == []
+    assert [(r.source, r.topic, r.seq) for r in records] == [("engine-0", b"kv@e0", s) for s in seqs]
+    assert [r.payload for r in records] == [encode_batch(KVEventBatch(b.ts, b.events, 0)) for b in batches]

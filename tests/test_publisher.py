@@ -299,3 +299,56 @@ async def test_replay_request_flood_does_not_stall_live_publishing(tmp_path, ctx
     assert got == list(range(2100))
     st = pub.stats
     assert st.replay_rejected > 0 and st.replay_requests + st.replay_rejected == 300
+
+
+async def test_publish_raw_sends_given_bytes_and_seq_and_restarts_the_replay_buffer(tmp_path, ctx):
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"), topic="kv")
+    p = [encode_batch_raw(i) for i in range(6)]
+    with anyio.fail_after(5):
+        async with Publisher(cfg) as pub:
+            s = await _sub(ctx, pub.endpoint)
+            pub.publish_raw(p[0], 7)  # a log may start mid-stream
+            pub.publish_raw(p[1], 8, topic=b"kv")
+            pub.publish_raw(p[2], 0)  # went backwards: a new engine incarnation
+            pub.publish_raw(p[3], 1)
+            live = [await recv(s) for _ in range(4)]
+            assert pub.next_seq == 2
+            d = ctx.socket(zmq.DEALER)
+            d.linger = 0
+            d.connect(pub.replay_endpoint)
+            d.send_multipart([b"", encode_seq(0)])
+            replayed = [await recv(d) for _ in range(3)]
+            with pytest.raises(ValueError, match="differs from this publisher's"):
+                pub.publish_raw(p[4], 2, topic=b"other")
+            with pytest.raises(ValueError, match="seq must be"):
+                pub.publish_raw(p[4], -1)
+            s.close(0)
+            d.close(0)
+    assert [(m[0], decode_seq(m[1]), m[2]) for m in live] == [
+        (b"kv", 7, p[0]), (b"kv", 8, p[1]), (b"kv", 0, p[2]), (b"kv", 1, p[3])]
+    # only the new incarnation's batches are buffered
+    assert [(decode_seq(r[2]), r[3]) for r in replayed[:2]] == [(0, p[2]), (1, p[3])]
+    assert replayed[2][2] == END_SEQ_BYTES
+
+
+async def test_tap_sees_every_seq_and_a_failing_tap_is_counted_not_raised(tmp_path):
+    seen = []
+
+    def tap(seq, topic, payload):
+        seen.append((seq, topic, decode_batch(payload).events[0].block_hashes))
+        if seq == 1:
+            raise RuntimeError("disk full")
+
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), topic="kv")
+    with anyio.fail_after(5):
+        async with Publisher(cfg, tap=tap) as pub:
+            for i in range(3):
+                pub.publish(_batch(10 + i))
+    assert seen == [(0, b"kv", [10]), (1, b"kv", [11]), (2, b"kv", [12])]
+    assert pub.stats.tap_errors == 1 and pub.stats.published == 3
+
+
+def encode_batch_raw(i: int) -> bytes:
+    from kvstream.events import encode_batch
+
+    return encode_batch(KVEventBatch(float(i), [_stored(100 + i)], 0))

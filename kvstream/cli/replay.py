@@ -43,20 +43,10 @@ def parse_speed(text: str) -> float | None:
     return v
 
 
-def _payload_encoding(payload: bytes) -> str:
-    from kvstream.events import EventEncoder, decode_batch
-
-    try:
-        return "map" if EventEncoder("map").encode(decode_batch(payload)) == payload else "array"
-    except Exception:  # noqa: BLE001 - only a hint for the fallback path
-        return "map"
-
-
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
     from kvstream.eventlog.format import LogFormatError, LogMessage
-    from kvstream.eventlog.replay import ReplayError
 
     try:
         speed = parse_speed(args.speed)
@@ -79,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
                 "sources with --source"
             )
         stats = anyio.run(_replay, args, records, sources, first, speed)
-    except (LogFormatError, ReplayError, FileNotFoundError, ValueError, OSError) as exc:
+    except (LogFormatError, FileNotFoundError, ValueError, OSError) as exc:
         print(f"kvstream replay: {exc}", file=sys.stderr)
         return 1
     d = stats.as_dict()
@@ -108,7 +98,7 @@ async def _replay(args, records, sources, first, speed):
             pub_ep, _, rep_ep = ep.partition(",")
             m = first[src]
             cfg = KVEventsConfig(publisher="zmq", endpoint=pub_ep, replay_endpoint=rep_ep or None,
-                                 topic=m.topic.decode("utf-8", "replace"), encoding=_payload_encoding(m.payload))
+                                 topic=m.topic.decode("utf-8", "replace"))
             pubs[src] = await stack.enter_async_context(Publisher(cfg))
             print(f"{src} -> {pubs[src].endpoint}" + (f" (replay {pubs[src].replay_endpoint})"
                                                       if rep_ep else ""), file=sys.stderr)

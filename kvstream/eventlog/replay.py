@@ -20,14 +20,9 @@ import anyio
 import anyio.lowlevel
 
 from kvstream.eventlog.format import LogMessage, LogRecord
-from kvstream.events import EventDecodeError, EventDecoder, EventEncoder
+from kvstream.events import EventDecodeError, EventDecoder
 
-__all__ = ["log_items", "replay_into_index", "Pacer", "PacingStats", "replay_to_publishers",
-           "ReplayError", "raw_publish"]
-
-
-class ReplayError(RuntimeError):
-    """A log cannot be replayed as asked (the message says why and what to do)."""
+__all__ = ["log_items", "replay_into_index", "Pacer", "PacingStats", "replay_to_publishers"]
 
 
 def log_items(records: Iterable[LogRecord], *, decoder: EventDecoder | None = None,
@@ -164,43 +159,6 @@ class Pacer:
         return st
 
 
-def raw_publish(pub: Any) -> Callable[[bytes, int, bytes], None]:
-    """A function ``(payload, seq, topic)`` that puts pre-encoded frames on ``pub``.
-
-    Uses ``pub.publish_raw(payload, seq, topic=topic)`` when the publisher has it. Until
-    then, falls back to ``pub.publish(decode(payload))``, which is only exact when the seq
-    is the publisher's next one, the topic is its topic and re-encoding gives the same
-    bytes; anything else raises :class:`ReplayError`.
-    """
-    raw = getattr(pub, "publish_raw", None)
-    if raw is not None:
-        def publish(payload: bytes, seq: int, topic: bytes) -> None:
-            raw(payload, seq, topic=topic)
-
-        return publish
-    enc = EventEncoder(pub.config.encoding)
-    dec = EventDecoder()
-    own_topic = pub.config.topic.encode("utf-8")
-
-    def publish_via_reencode(payload: bytes, seq: int, topic: bytes) -> None:
-        if seq != pub.next_seq:
-            raise ReplayError(
-                f"seq {seq} cannot be re-published: this Publisher only assigns its next seq "
-                f"({pub.next_seq}) and has no publish_raw(payload, seq, topic=...) yet"
-            )
-        if topic != own_topic:
-            raise ReplayError(f"topic {topic!r} differs from the publisher's {own_topic!r}")
-        batch = dec.decode(payload)
-        if not batch.events or batch.data_parallel_rank is None or enc.encode(batch) != payload:
-            raise ReplayError(
-                f"seq {seq}: the payload does not re-encode to the same bytes with encoding="
-                f"{pub.config.encoding!r}; exact replay needs Publisher.publish_raw"
-            )
-        pub.publish(batch)
-
-    return publish_via_reencode
-
-
 async def replay_to_publishers(records: Iterable[LogRecord], publishers: Mapping[str, Any], *,
                                speed: float | None = 1.0, pacer: Pacer | None = None,
                                max_queued: int | None = None) -> PacingStats:
@@ -213,7 +171,7 @@ async def replay_to_publishers(records: Iterable[LogRecord], publishers: Mapping
     has more than ``max_queued`` batches queued (default: half its queue) so nothing is
     dropped.
     """
-    sends = {src: raw_publish(p) for src, p in publishers.items()}
+    sends = {src: p.publish_raw for src, p in publishers.items()}
     last: dict[str, int] = {}
     pacer = pacer or Pacer(speed)
     limits = {src: (max_queued if max_queued is not None else max(1, p.config.max_queue_size // 2))
@@ -237,7 +195,7 @@ async def replay_to_publishers(records: Iterable[LogRecord], publishers: Mapping
         return True
 
     def send_paced(rec: LogMessage) -> Any:
-        sends[rec.source](rec.payload, rec.seq, rec.topic)
+        sends[rec.source](rec.payload, rec.seq, topic=rec.topic)
         pub = publishers[rec.source]
         if pub.queued > limits[rec.source]:
             return _drain(pub, limits[rec.source])

@@ -21,7 +21,7 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
-    def warning(self, key: str, msg: str, *args: object) -> None:
+    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
         """Log ``msg % args`` unless ``key`` was logged less than the interval ago."""
         now = time.monotonic()
         last = self._last.get(key)
@@ -33,4 +33,4 @@ class RateLimitedLog:
         if n:
             msg = msg + " (%d similar messages suppressed)"
             args = (*args, n)
-        self._log.warning(msg, *args)
+        self._log.warning(msg, *args, exc_info=exc_info)

@@ -42,7 +42,7 @@ import anyio.lowlevel
 import zmq
 
 from kvstream.events import AllBlocksCleared, EventEncoder, KVCacheEvent, KVEventBatch
-from kvstream.framing import END_SEQ_BYTES, FrameError, encode_seq, parse_replay_request
+from kvstream.framing import END_SEQ, END_SEQ_BYTES, FrameError, encode_seq, parse_replay_request
 from kvstream.transport._ratelog import RateLimitedLog
 from kvstream.transport.config import KVEventsConfig, check_rank_endpoints, should_bind
 
@@ -69,7 +69,7 @@ class PublisherStats:
     __slots__ = ("published", "events", "sent", "live_dropped", "queue_full_errors",
                  "replay_requests", "replay_batches_sent", "replay_rejected", "replay_aborted",
                  "malformed_requests", "snapshot_requests", "snapshot_batches_sent",
-                 "snapshot_errors")
+                 "snapshot_errors", "tap_errors")
 
     def __init__(self) -> None:
         self.published = 0
@@ -98,6 +98,8 @@ class PublisherStats:
         """Batches sent as snapshot replies."""
         self.snapshot_errors = 0
         """Snapshot requests answered with the end marker alone because the provider failed."""
+        self.tap_errors = 0
+        """Exceptions raised by the ``tap`` callback (logged, never raised to the caller)."""
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""
@@ -123,6 +125,10 @@ class Publisher:
     (``AllBlocksCleared`` then ``BlockStored`` runs); it is called on the event loop, so
     it sees the state after exactly the batches published so far. ``context``: the ZMQ
     context (default: the process-wide one; a CURVE allow-list gets its own).
+    ``tap``: called as ``tap(seq, topic, payload)`` for every batch given a seq (for
+    example :meth:`kvstream.eventlog.LogWriter.tap`, so an engine logs its own stream); an
+    exception from it is logged and counted in ``stats.tap_errors``, never raised into
+    the engine loop.
     """
 
     def __init__(
@@ -132,11 +138,13 @@ class Publisher:
         data_parallel_rank: int = 0,
         snapshot_provider: SnapshotProvider | None = None,
         context: zmq.Context | None = None,
+        tap: Callable[[int, bytes, bytes], None] | None = None,
     ) -> None:
         self.config = cfg = config if config is not None else KVEventsConfig()
         self.data_parallel_rank = data_parallel_rank
         self._pub_ep, self._replay_ep = check_rank_endpoints(cfg, data_parallel_rank)
         self._snapshot_provider = snapshot_provider
+        self._tap = tap
         self._ctx_given = context
         self._ctx: zmq.Context | None = None
         self._own_ctx = False
@@ -292,23 +300,67 @@ class Publisher:
             batch.data_parallel_rank = self.data_parallel_rank
         payload = self._encoder.encode(batch)
         seq = next(self._seq)
+        self._enqueue(seq, payload, len(batch.events), full)
+        return seq
+
+    def publish_raw(self, payload: bytes, seq: int, *, topic: bytes | None = None) -> None:
+        """Publish an already-encoded payload under a given ``seq`` (re-publishing a log).
+
+        The bytes go out as they are and into the replay buffer. A ``seq`` at or below
+        the last one published means a new engine incarnation (as after a restart): the
+        replay buffer is cleared. A ``seq`` above the next one skips ahead (the batches in
+        between were never seen): the replay buffer is cleared too, since replay can only
+        serve a contiguous range. ``topic`` must be the configured topic (None: it is).
+        """
+        if not self._open:
+            raise PublisherClosedError("publish_raw() needs an open publisher: use `async with Publisher(...) as pub:`")
+        if topic is not None and topic != self._topic:
+            raise ValueError(
+                f"topic {topic!r} differs from this publisher's {self._topic!r}: create one Publisher "
+                "per topic (KVEventsConfig(topic=...))"
+            )
+        if not 0 <= seq < END_SEQ:
+            raise ValueError(f"seq must be in [0, 2**64 - 1), got {seq}")
+        q = self._queue
+        full = len(q) >= self._max_queue
+        if full and self._raise_when_full:
+            self.stats.queue_full_errors += 1
+            raise QueueFullError(
+                f"{len(q)} batches are waiting to be sent (max_queue_size={self._max_queue}); "
+                "the batch was not published. Raise max_queue_size or use queue_full='replay_only'."
+            )
+        if seq != self._next_seq:
+            self._buffer.clear()
+            self._seq = itertools.count(seq + 1)
+        else:
+            next(self._seq)
+        self._enqueue(seq, payload, 0, full)
+
+    def _enqueue(self, seq: int, payload: bytes, n_events: int, full: bool) -> None:
+        q = self._queue
         self._next_seq = seq + 1
         seqb = encode_seq(seq)
         self._buffer.append((seqb, payload))
         st = self.stats
         st.published += 1
-        st.events += len(batch.events)
+        st.events += n_events
+        tap = self._tap
+        if tap is not None:
+            try:
+                tap(seq, self._topic, payload)
+            except Exception:  # noqa: BLE001 - a broken tap must not break publishing
+                st.tap_errors += 1
+                self._rlog.warning("tap", "publisher tap failed for seq %d", seq, exc_info=True)
         if full:
             st.live_dropped += 1
             self._rlog.warning("queue_full", "publisher queue full (%d batches): seq %d goes to the "
                                "replay buffer only", len(q), seq)
-            return seq
+            return
         q.append((seqb, payload))
         w = self._wake
         if w is not None:
             self._wake = None
             w.set()
-        return seq
 
     def _flush(self, limit: int | None = None) -> None:
         """Send up to ``limit`` queued batches (all if None) with non-blocking frame sends."""
