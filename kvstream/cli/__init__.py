@@ -16,7 +16,9 @@ from typing import Sequence
 __all__ = ["main", "build_parser"]
 
 # Order is the order `kvstream --help` lists them in.
-_COMMANDS: tuple[str, ...] = ("version", "plan", "record", "inspect", "replay", "convert", "simulate", "subscribe", "demo")
+_COMMANDS: tuple[str, ...] = (
+    "demo", "simulate", "plan", "subscribe", "record", "inspect", "replay", "convert", "version",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
