@@ -9,7 +9,7 @@ import sys
 import anyio
 import pytest
 
-from kvstream.cli.subscribe import parse_endpoint
+from kvstream.cli._endpoints import parse_source as parse_endpoint
 from kvstream.events import BlockRemoved, BlockStored, KVEventBatch
 from kvstream.transport import KVEventsConfig, Publisher
 
@@ -27,10 +27,21 @@ def test_endpoint_syntax_takes_replay_and_name_options():
     s = parse_endpoint("tcp://h:5557,replay=tcp://h:5558,name=e0")
     assert (s.endpoint, s.replay_endpoint, s.source) == ("tcp://h:5557", "tcp://h:5558", "e0")
     assert parse_endpoint("tcp://h:1", replay="tcp://h:2").replay_endpoint == "tcp://h:2"
-    with pytest.raises(SystemExit, match="bad option"):
+    with pytest.raises(ValueError, match="bad option"):
         parse_endpoint("tcp://h:1,replya=x")
-    with pytest.raises(SystemExit, match="not an endpoint"):
+    with pytest.raises(ValueError, match="not an endpoint"):
         parse_endpoint("localhost:5557")
+
+
+def test_every_command_accepts_the_same_endpoint_forms():
+    for text in ("e0=tcp://h:5557,tcp://h:5558", "tcp://h:5557,replay=tcp://h:5558,name=e0",
+                 "e0=tcp://h:5557,replay=tcp://h:5558"):
+        s = parse_endpoint(text)
+        assert (s.endpoint, s.replay_endpoint, s.source) == ("tcp://h:5557", "tcp://h:5558", "e0")
+    s = parse_endpoint("ipc:///tmp/x.sock")
+    assert (s.endpoint, s.replay_endpoint, s.source) == ("ipc:///tmp/x.sock", None, "ipc:///tmp/x.sock")
+    with pytest.raises(ValueError, match="unexpected"):
+        parse_endpoint("tcp://h:1,tcp://h:2,tcp://h:3")
 
 
 async def _read_lines(stream, n: int) -> list[str]:

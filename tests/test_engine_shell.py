@@ -105,10 +105,9 @@ async def test_batches_reach_a_real_publisher_and_its_snapshot(tmp_path: Path) -
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     try:
-        kv_holder: list[AsyncKVCacheManager] = []
-        async with transport.Publisher(cfg, snapshot_provider=lambda: kv_holder[0].snapshot_events()) as pub:
+        async with transport.Publisher(cfg) as pub:
             async with AsyncKVCacheManager(mgr, pub.publish) as kv:
-                kv_holder.append(kv)
+                pub.snapshot_provider = kv.snapshot_events
                 a = mgr.new_request("a", range(12))
                 assert mgr.admit(a)
                 first = await kv.step_done()

@@ -36,26 +36,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def parse_endpoint(text: str):
-    """``[NAME=]PUB[,REPLAY]`` as a ``SourceSpec``."""
-    from kvstream.transport import SourceSpec
-
-    name = None
-    if "=" in text.split("://", 1)[0]:
-        name, text = text.split("=", 1)
-    parts = text.split(",")
-    if len(parts) > 2 or not parts[0]:
-        raise ValueError(f"endpoint {text!r}: expected PUB or PUB,REPLAY (optionally NAME=...)")
-    return SourceSpec(parts[0], parts[1] if len(parts) == 2 and parts[1] else None, name=name)
-
-
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
+    from kvstream.cli._endpoints import parse_source
     from kvstream.eventlog.writer import LogWriter
 
     try:
-        specs = [parse_endpoint(e) for e in args.endpoints]
+        specs = [parse_source(e) for e in args.endpoints]
         writer = LogWriter(
             args.output,
             metadata={"endpoints": [[s.source, s.endpoint, s.replay_endpoint] for s in specs],

@@ -89,13 +89,15 @@ async def _replay(args, records, sources, first, speed):
 
     import anyio
 
+    from kvstream.cli._endpoints import parse_source
     from kvstream.eventlog.replay import replay_to_publishers
     from kvstream.transport import KVEventsConfig, Publisher
 
     async with AsyncExitStack() as stack:
         pubs = {}
         for src, ep in zip(sources, args.publish):
-            pub_ep, _, rep_ep = ep.partition(",")
+            spec = parse_source(ep)
+            pub_ep, rep_ep = spec.endpoint, spec.replay_endpoint
             m = first[src]
             cfg = KVEventsConfig(publisher="zmq", endpoint=pub_ep, replay_endpoint=rep_ep or None,
                                  topic=m.topic.decode("utf-8", "replace"))

@@ -43,25 +43,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def parse_endpoint(text: str, replay: str | None = None, name: str | None = None) -> Any:
-    """``tcp://h:5557,replay=tcp://h:5558,name=e0`` -> SourceSpec."""
-    from kvstream.transport import SourceSpec
-
-    ep, *opts = text.split(",")
-    for o in opts:
-        key, sep, value = o.partition("=")
-        if not sep or key not in ("replay", "name") or not value:
-            raise SystemExit(f"kvstream subscribe: bad option {o!r} in {text!r}; "
-                             "use ENDPOINT[,replay=ENDPOINT][,name=NAME]")
-        if key == "replay":
-            replay = value
-        else:
-            name = value
-    if "://" not in ep:
-        raise SystemExit(f"kvstream subscribe: {ep!r} is not an endpoint; write it as tcp://HOST:PORT")
-    return SourceSpec(ep, replay, name)
-
-
 def _hex(o: Any) -> Any:
     if isinstance(o, (bytes, bytearray)):
         return o.hex()
@@ -145,11 +126,17 @@ def _curve(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
+    from kvstream.cli._endpoints import parse_source
+
     specs = []
     for i, ep in enumerate(args.endpoints):
         replay = args.replay[i] if i < len(args.replay) else None
         name = args.name[i] if i < len(args.name) else None
-        specs.append(parse_endpoint(ep, replay, name))
+        try:
+            specs.append(parse_source(ep, replay, name))
+        except ValueError as exc:
+            print(f"kvstream subscribe: {exc}", file=sys.stderr)
+            return 2
     curve = _curve(args)
     return anyio.run(_main, args, specs, curve)
 

@@ -262,6 +262,20 @@ class Publisher:
     # -- publishing --------------------------------------------------------------------
 
     @property
+    def snapshot_provider(self) -> SnapshotProvider | None:
+        """Returns the events that rebuild the current state for a snapshot request (None:
+        snapshots unsupported, answered with the end marker alone, as vLLM does). Settable
+        while open, e.g. ``pub.snapshot_provider = shell.snapshot_events`` once the engine's
+        :class:`~kvstream.engine.AsyncKVCacheManager` exists."""
+        return self._snapshot_provider
+
+    @snapshot_provider.setter
+    def snapshot_provider(self, provider: SnapshotProvider | None) -> None:
+        if provider is not None and not callable(provider):
+            raise TypeError(f"snapshot_provider must be callable or None, got {type(provider).__name__}")
+        self._snapshot_provider = provider
+
+    @property
     def next_seq(self) -> int:
         """The seq the next published batch will get."""
         return self._next_seq
