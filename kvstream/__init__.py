@@ -38,6 +38,22 @@ from kvstream.manager import KVCacheManager, KVCacheManagerError, KVRequest
 from kvstream.metrics import PrefixCacheStats, PrefixCachingMetrics
 from kvstream.engine import AsyncKVCacheManager
 from kvstream.eventlog import LogControl, LogDamage, LogFormatError, LogMessage, LogReader, LogWriter, read_log
+from kvstream.transport import (
+    KVEventsConfig,
+    Publisher,
+    PublisherClosedError,
+    QueueFullError,
+    SourceBatch,
+    SourceHealth,
+    SourceLive,
+    SourceReset,
+    SourceSpec,
+    SourceStale,
+    Subscriber,
+)
+from kvstream.index import KVIndex
+from kvstream.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch
+from kvstream.router import Router, apply_item
 from kvstream.planning import (
     KVCachePlan,
     KVCachePlanningError,
@@ -86,6 +102,25 @@ __all__ = [
     "LogReader",
     "LogWriter",
     "read_log",
+    "KVEventsConfig",
+    "Publisher",
+    "PublisherClosedError",
+    "QueueFullError",
+    "SourceBatch",
+    "SourceHealth",
+    "SourceLive",
+    "SourceReset",
+    "SourceSpec",
+    "SourceStale",
+    "Subscriber",
+    "KVIndex",
+    "Load",
+    "Policy",
+    "PrefixLoadPolicy",
+    "ScoreResult",
+    "SourceMatch",
+    "Router",
+    "apply_item",
     "KVCachePlan",
     "KVCachePlanningError",
     "NotEnoughKVCacheMemoryError",
