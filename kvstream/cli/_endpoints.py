@@ -1,4 +1,4 @@
-"""The one endpoint syntax every command accepts.
+"""What every command that follows engines shares: the endpoint syntax and CURVE flags.
 
 ``[NAME=]PUB[,REPLAY]`` with optional ``,replay=ENDPOINT`` and ``,name=NAME`` options, e.g.
 ``e0=tcp://h:5557,tcp://h:5558`` or ``tcp://h:5557,replay=tcp://h:5558,name=e0``.
@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
-from kvstream.transport import SourceSpec
+import argparse
 
-__all__ = ["parse_source", "SYNTAX"]
+from kvstream.transport import CurveClientConfig, SourceSpec
+
+__all__ = ["parse_source", "SYNTAX", "add_curve_client_args", "curve_client_from_args"]
 
 SYNTAX = "[NAME=]PUB[,REPLAY] (or PUB,replay=REPLAY,name=NAME), e.g. e0=tcp://h:5557,tcp://h:5558"
 
@@ -41,3 +43,30 @@ def parse_source(text: str, replay: str | None = None, name: str | None = None) 
     if name == "":
         raise ValueError(f"empty source name in {text!r}")
     return SourceSpec(pub, replay or None, name or None)
+
+
+def add_curve_client_args(p: argparse.ArgumentParser) -> None:
+    """``--curve-server-key`` / ``--curve-cert``: CURVE for subscribing commands."""
+    p.add_argument("--curve-server-key", metavar="FILE",
+                   help="publisher's public certificate (zmq.auth .key file): enables CURVE")
+    p.add_argument("--curve-cert", metavar="FILE",
+                   help="this subscriber's secret certificate (.key_secret); default: a fresh keypair")
+
+
+def curve_client_from_args(args: argparse.Namespace) -> CurveClientConfig | None:
+    """The CURVE client settings the flags ask for (None: CURVE off). Raises ``ValueError``
+    for an inconsistent or unreadable pair of files."""
+    if not args.curve_server_key:
+        if args.curve_cert:
+            raise ValueError("--curve-cert needs --curve-server-key (the publisher's public certificate)")
+        return None
+    from kvstream.transport.curve import generate_keypair, read_keypair
+
+    server, _ = read_keypair(args.curve_server_key)
+    if args.curve_cert:
+        public, secret = read_keypair(args.curve_cert)
+        if secret is None:
+            raise ValueError(f"{args.curve_cert} holds no secret key (use the .key_secret file)")
+    else:
+        public, secret = generate_keypair()
+    return CurveClientConfig(server_public_key=server, secret_key=secret, public_key=public)

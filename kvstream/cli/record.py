@@ -7,6 +7,9 @@ import sys
 import time
 
 
+from kvstream.cli._endpoints import add_curve_client_args
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "record",
@@ -33,17 +36,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, metavar="SECONDS", help="stop after this many seconds")
     p.add_argument("--max-batches", type=int, metavar="N", help="stop after N batches")
     p.add_argument("--quiet", action="store_true", help="no live status line")
+    add_curve_client_args(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
-    from kvstream.cli._endpoints import parse_source
+    from kvstream.cli._endpoints import curve_client_from_args, parse_source
     from kvstream.eventlog.writer import LogWriter
 
     try:
         specs = [parse_source(e) for e in args.endpoints]
+        args.curve = curve_client_from_args(args)
         writer = LogWriter(
             args.output,
             metadata={"endpoints": [[s.source, s.endpoint, s.replay_endpoint] for s in specs],
@@ -73,7 +78,7 @@ async def _record(args: argparse.Namespace, specs, writer):
     from kvstream.eventlog.recorder import Recorder
     from kvstream.transport import Subscriber
 
-    async with Subscriber(specs, topic=args.topic) as sub:
+    async with Subscriber(specs, topic=args.topic, curve=args.curve) as sub:
         rec = Recorder(sub, writer)
         async with anyio.create_task_group() as tg:
 

@@ -16,6 +16,9 @@ import sys
 from typing import Any, TextIO
 
 
+from kvstream.cli._endpoints import add_curve_client_args
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "subscribe",
@@ -36,10 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--count", type=int, default=0, metavar="N", help="exit after N batches (0: run until interrupted)")
     p.add_argument("--replay-timeout", type=float, default=2.0, metavar="SECONDS",
                    help="seconds of silence before a replay request is retried")
-    p.add_argument("--curve-server-key", metavar="FILE",
-                   help="publisher's public certificate (zmq.auth .key file): enables CURVE")
-    p.add_argument("--curve-cert", metavar="FILE",
-                   help="this subscriber's secret certificate (.key_secret); default: a fresh keypair")
+    add_curve_client_args(p)
     p.set_defaults(func=_run)
 
 
@@ -105,28 +105,10 @@ def print_item(item: Any, as_json: bool, out: TextIO) -> None:
         out.write(f"# {item.source} {rec['notice'].upper()} {rest}\n")
 
 
-def _curve(args: argparse.Namespace) -> Any:
-    if not args.curve_server_key:
-        if args.curve_cert:
-            raise SystemExit("kvstream subscribe: --curve-cert needs --curve-server-key")
-        return None
-    from kvstream.transport import CurveClientConfig
-    from kvstream.transport.curve import generate_keypair, read_keypair
-
-    server, _ = read_keypair(args.curve_server_key)
-    if args.curve_cert:
-        public, secret = read_keypair(args.curve_cert)
-        if secret is None:
-            raise SystemExit(f"kvstream subscribe: {args.curve_cert} holds no secret key (use the .key_secret file)")
-    else:
-        public, secret = generate_keypair()
-    return CurveClientConfig(server_public_key=server, secret_key=secret, public_key=public)
-
-
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
-    from kvstream.cli._endpoints import parse_source
+    from kvstream.cli._endpoints import curve_client_from_args, parse_source
 
     specs = []
     for i, ep in enumerate(args.endpoints):
@@ -137,7 +119,11 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kvstream subscribe: {exc}", file=sys.stderr)
             return 2
-    curve = _curve(args)
+    try:
+        curve = curve_client_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvstream subscribe: {exc}", file=sys.stderr)
+        return 2
     return anyio.run(_main, args, specs, curve)
 
 
