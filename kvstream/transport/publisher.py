@@ -302,14 +302,7 @@ class Publisher:
             raise PublisherClosedError("publish() needs an open publisher: use `async with Publisher(...) as pub:`")
         if not batch.events:
             return None
-        q = self._queue
-        full = len(q) >= self._max_queue
-        if full and self._raise_when_full:
-            self.stats.queue_full_errors += 1
-            raise QueueFullError(
-                f"{len(q)} batches are waiting to be sent (max_queue_size={self._max_queue}); "
-                "the batch was not published. Raise max_queue_size or use queue_full='replay_only'."
-            )
+        full = self._queue_full()
         if batch.data_parallel_rank is None:
             batch.data_parallel_rank = self.data_parallel_rank
         payload = self._encoder.encode(batch)
@@ -335,6 +328,16 @@ class Publisher:
             )
         if not 0 <= seq < END_SEQ:
             raise ValueError(f"seq must be in [0, 2**64 - 1), got {seq}")
+        full = self._queue_full()
+        if seq != self._next_seq:
+            self._buffer.clear()
+            self._seq = itertools.count(seq + 1)
+        else:
+            next(self._seq)
+        self._enqueue(seq, payload, 0, full)
+
+    def _queue_full(self) -> bool:
+        """Whether the send queue is full; raises under the ``"raise"`` policy."""
         q = self._queue
         full = len(q) >= self._max_queue
         if full and self._raise_when_full:
@@ -343,12 +346,7 @@ class Publisher:
                 f"{len(q)} batches are waiting to be sent (max_queue_size={self._max_queue}); "
                 "the batch was not published. Raise max_queue_size or use queue_full='replay_only'."
             )
-        if seq != self._next_seq:
-            self._buffer.clear()
-            self._seq = itertools.count(seq + 1)
-        else:
-            next(self._seq)
-        self._enqueue(seq, payload, 0, full)
+        return full
 
     def _enqueue(self, seq: int, payload: bytes, n_events: int, full: bool) -> None:
         q = self._queue
