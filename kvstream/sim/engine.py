@@ -43,9 +43,9 @@ from typing import Any, Sequence
 from kvstream.hashing import BlockHasher
 from kvstream.manager import KVCacheManager, KVRequest
 from kvstream.pool import BlockPool
-from kvstream.sim.blocks import SegmentHasher, SegmentTokens
+from kvstream.sim.blocks import SegmentHasher
 from kvstream.sim.metrics import RunMetrics
-from kvstream.sim.workload import Segment, SimRequest, WorkloadError, segment_tokens
+from kvstream.sim.workload import Segment, SimRequest, WorkloadError, segments_u16, widen_tokens
 
 __all__ = ["EngineConfig", "EngineModel", "Prepared", "SimRequestState", "scale_segments"]
 
@@ -128,18 +128,24 @@ class Prepared:
             request once on arrival, as vLLM does; computed here so that many engines and
             runs share one computation).
         total_tokens: prompt + output length (simulated tokens).
+        router_keys: the router's keys of the prompt when the router block is the engine
+            block (filled in by the first run that routes with them; None before).
     """
 
-    __slots__ = ("prompt_tokens", "output", "block_hashes", "total_tokens")
+    __slots__ = ("prompt_tokens", "output", "block_hashes", "total_tokens", "router_keys")
 
     def __init__(self, req: SimRequest, config: EngineConfig, hasher: SegmentHasher) -> None:
         g = config.token_granularity
         prompt = scale_segments(req.prompt, g)
-        out_seg = (req.output_key, -(-req.output_len // g))
-        self.prompt_tokens = SegmentTokens(prompt).toarray()
-        self.output = segment_tokens(*out_seg).tolist()
-        self.block_hashes = hasher.hashes(prompt + (out_seg,))
-        self.total_tokens = len(self.prompt_tokens) + out_seg[1]
+        segs = prompt + ((req.output_key, -(-req.output_len // g)),)
+        # Prompt and output tokens in one pass (one join, one widening).
+        toks = widen_tokens(segments_u16(segs))
+        n = sum([k[1] for k in prompt])
+        self.prompt_tokens = toks[:n]
+        self.output = toks[n:].tolist()
+        self.block_hashes = hasher.hashes(segs, tokens=toks)
+        self.total_tokens = len(toks)
+        self.router_keys: list[int] | None = None
 
 
 class SimRequestState:
@@ -391,11 +397,18 @@ class EngineModel:
                 st = waiting[0]
                 kv = st.kv
                 total = len(kv.token_ids)  # type: ignore[union-attr]
-                hit = len(get_hits(kv)) * bs  # type: ignore[arg-type]
-                n = min(total - hit, budget)
-                if not mgr.admit(kv, n):  # type: ignore[arg-type]
-                    self._blocked = True
-                    break
+                if total <= budget:
+                    # Everything after the cached prefix fits this step, whatever the prefix
+                    # is: let admit() find it (one prefix lookup instead of two).
+                    if not mgr.admit(kv):  # type: ignore[arg-type]
+                        self._blocked = True
+                        break
+                    n = total - kv.num_prefix_hit_tokens  # type: ignore[union-attr]
+                else:
+                    n = min(total - len(get_hits(kv)) * bs, budget)  # type: ignore[arg-type]
+                    if not mgr.admit(kv, n):  # type: ignore[arg-type]
+                        self._blocked = True
+                        break
                 waiting.popleft()
                 running.append(st)
                 if st.admitted_at < 0:
@@ -406,7 +419,7 @@ class EngineModel:
                 metrics.hit_tokens += kv.num_prefix_hit_tokens * self._g  # type: ignore[union-attr]
                 budget -= n
                 prefill += n
-                if n == total - hit:
+                if n + kv.num_prefix_hit_tokens == total:  # type: ignore[union-attr]
                     if st.generated == 0:
                         st.generated = 1
                         first_tokens.append(st)

@@ -97,8 +97,13 @@ class SimRun:
         self.prepared = prepared if prepared is not None else {}
         self.metrics = RunMetrics(config.engines)
         self.engines = [EngineModel(i, ec, self.hasher, self.metrics) for i in range(config.engines)]
-        self.names = {source_name(i): i for i in range(config.engines)}
-        self.index = KVIndex(router_block_size=config.router_block_size or ec.sim_block_size)
+        self._src = [source_name(i) for i in range(config.engines)]
+        self.names = {name: i for i, name in enumerate(self._src)}
+        self._R = config.router_block_size or ec.sim_block_size
+        self.index = KVIndex(router_block_size=self._R)
+        # Router keys can be memoized per engine block hash when a router block is an
+        # engine block (the default).
+        self._keys_memo = self._R == ec.sim_block_size
         self.encoder = EventEncoder()
         self.decoder = EventDecoder()
         self.seq = [0] * config.engines
@@ -106,6 +111,11 @@ class SimRun:
         self.states: list[SimRequestState] = []
         self._pending: list[tuple[float, int, int, bytes]] = []  # (apply at, order, engine, payload)
         self._order = 0
+        # Loads as the router sees them, rebuilt only for engines that changed (stepped or
+        # got a request) since the last routing decision.
+        self._loads: list[Load] = [Load() for _ in self.engines]
+        self._load_map: dict[str, Load] = dict(zip(self._src, self._loads))
+        self._dirty: set[int] = set(range(config.engines))
 
     # -- events ------------------------------------------------------------------------
 
@@ -116,7 +126,7 @@ class SimRun:
         seq = self.seq[engine]
         self.seq[engine] = seq + 1
         if self.on_batch is not None:
-            self.on_batch(source_name(engine), seq, payload)
+            self.on_batch(self._src[engine], seq, payload)
         lag = self.config.router_lag_s
         if lag == 0:
             self._apply(engine, payload, 0.0)
@@ -126,8 +136,11 @@ class SimRun:
 
     def _apply(self, engine: int, payload: bytes, lag: float) -> None:
         batch = self.decoder.decode(payload)
-        self.index.apply_batch(source_name(engine), batch)
-        self.metrics.on_batch(len(batch.events), lag)
+        self.index.apply_batch(self._src[engine], batch)
+        m = self.metrics
+        m.event_batches += 1
+        m.events += len(batch.events)
+        m.lags.append(lag)
 
     def _apply_due(self, now: float) -> None:
         pending = self._pending
@@ -139,20 +152,38 @@ class SimRun:
     # -- routing -----------------------------------------------------------------------
 
     def loads(self) -> list[Load]:
-        """Every engine's load as the router sees it."""
-        return [Load(len(e.waiting), len(e.running), e.usage) for e in self.engines]
+        """Every engine's load as the router sees it (do not modify the list)."""
+        dirty = self._dirty
+        if dirty:
+            loads = self._loads
+            load_map = self._load_map
+            src = self._src
+            for i in dirty:
+                e = self.engines[i]
+                ld = loads[i] = Load(len(e.waiting), len(e.running), e.usage)
+                load_map[src[i]] = ld
+            dirty.clear()
+        return self._loads
 
-    def route(self, req: SimRequest, tokens: Sequence[int]) -> int:
+    def route(self, req: SimRequest, tokens: Sequence[int], prepared: Prepared | None = None) -> int:
         """The engine index the policy picks for ``req`` (now); ``tokens``: its prompt in
-        simulated tokens."""
+        simulated tokens; ``prepared``: its :class:`Prepared` form, if any (lets router
+        keys be memoized per prefix)."""
         loads = self.loads()
         pol = self.policy
         if not pol.uses_index:
             return pol.choose(loads)
         index = self.index
-        # The router sees the prompt's tokens and computes its own keys from them.
-        keys = index.keys(tokens)
-        load_map = {source_name(i): ld for i, ld in enumerate(loads)}
+        # The router sees the prompt's tokens and computes its own keys from them: the same
+        # keys as index.keys(tokens), memoized per prefix when router and engine blocks agree.
+        if prepared is not None and self._keys_memo:
+            keys = prepared.router_keys
+            if keys is None:
+                keys = prepared.router_keys = self.hasher.router_keys(
+                    prepared.block_hashes, len(tokens) // self._R, tokens)
+        else:
+            keys = index.keys(tokens)
+        load_map = self._load_map
 
         def score(scoring: Any) -> str | None:
             return index.score((), loads=load_map, policy=scoring, keys=keys).best
@@ -171,6 +202,13 @@ class SimRun:
         end = 0.0
         ec = self.config.engine
         prepared = self.prepared
+        hasher = self.hasher
+        dirty = self._dirty
+        publish = self._publish
+        pending = self._pending
+        states = self.states
+        routed = self.metrics.routed
+        inf = math.inf
 
         def advance(until: float) -> float:
             last = 0.0
@@ -179,36 +217,42 @@ class SimRun:
                 e = engines[i]
                 if e.wakeup != t:
                     continue  # superseded (the run was cut short)
-                if self._pending:
+                if pending:
                     self._apply_due(t)
-                self._publish(i, t, e.step(t))
-                if e.wakeup != math.inf:
+                events = e.step(t)
+                if events:
+                    publish(i, t, events)
+                dirty.add(i)
+                if e.wakeup != inf:
                     push(heap, (e.wakeup, i))
                 last = t
             return last
 
         for req in self.requests:
             now = req.arrival
-            advance(now)
-            if self._pending:
+            if heap and heap[0][0] <= now:
+                advance(now)
+            if pending:
                 self._apply_due(now)
             # The request as the router and the engine receive it (token ids).
             prep = prepared.get(req.request_id)
             if prep is None:
-                prep = prepared[req.request_id] = Prepared(req, ec, self.hasher)
-            target = self.route(req, prep.prompt_tokens)
+                prep = prepared[req.request_id] = Prepared(req, ec, hasher)
+            target = self.route(req, prep.prompt_tokens, prep)
             e = engines[target]
             st = SimRequestState(req, target, now)
-            self.states.append(st)
+            states.append(st)
             before = e.wakeup
             if e.submit(st, now, prep):
-                self.metrics.routed[target] += 1
-            if e.wakeup != before and e.wakeup != math.inf:
+                routed[target] += 1
+                dirty.add(target)
+            if e.wakeup != before and e.wakeup != inf:
                 push(heap, (e.wakeup, target))
-            end = max(end, now)
-        end = max(end, advance(math.inf))
-        if self._pending:
-            self._apply_due(math.inf)
+            if now > end:
+                end = now
+        end = max(end, advance(inf))
+        if pending:
+            self._apply_due(inf)
         self.metrics.end_time = end
         wall = time.perf_counter() - t0
         return self.metrics.summary(self.policy.name, len(self.requests), wall_seconds=wall)

@@ -21,7 +21,6 @@ This module is pure: no clock reads, no I/O except reading the trace file it is 
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from array import array
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import msgspec
+import xxhash
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
@@ -38,6 +38,8 @@ __all__ = [
     "SimRequest",
     "WorkloadError",
     "segment_tokens",
+    "segments_u16",
+    "widen_tokens",
     "expand_segments",
     "iter_mooncake",
     "load_mooncake",
@@ -170,57 +172,77 @@ class SimRequest:
 def segment_tokens(content_key: int, length: int) -> array:
     """The ``length`` deterministic token ids of a segment, as a new ``array('I')``.
 
-    Tokens are the little-endian uint16 words of SHAKE-128 over the key (so ids are in
-    ``[0, TOKEN_VOCAB)``): equal keys give equal tokens, and a shorter segment of a key is
-    a prefix of a longer one (the XOF's output is prefix-stable), which is what a cut-off
-    last trace block needs. The array is ``'I'`` (uint32) because block hashers and router
-    keys pack token ids as uint32: handing them the same typecode makes that a memcpy.
-    Recently used segments are cached (bounded), so repeated prefixes cost a copy.
+    Token *i* of key *k* is the *i*-th little-endian uint16 word of the stream
+    ``xxh3_128(k) || xxh3_128(k, seed=1) || ...`` (``k`` as 8 little-endian bytes), so ids
+    are in ``[0, TOKEN_VOCAB)``, equal keys give equal tokens, and a shorter segment of a
+    key is a prefix of a longer one, which is what a cut-off last trace block needs. The
+    array is ``'I'`` (uint32) because block hashers and router keys pack token ids as
+    uint32: handing them the same typecode makes that a memcpy. Generated words are cached
+    per key (bounded), so repeated prefixes cost a copy.
     """
-    return _shared_tokens(content_key, length)[:length]
+    return widen_tokens(_u16(content_key, length)[: 2 * length])
 
 
-def _shared_tokens(content_key: int, length: int) -> array:
-    """Internal: at least ``length`` tokens of the key, possibly the cache's own array
-    (callers copy what they need and never mutate it)."""
-    if length <= 0:
-        return _EMPTY
-    cached = _TOKEN_CACHE.get(content_key)
-    if cached is not None and len(cached) >= length:
-        return cached
-    global _cached_tokens
-    raw = hashlib.shake_128(content_key.to_bytes(8, "little")).digest(2 * length)
-    # Widen uint16 -> uint32 with two strided byte copies (C speed) instead of a loop.
-    wide = bytearray(4 * length)
+def segments_u16(segments: Iterable[Segment]) -> bytes:
+    """The concatenated tokens of ``segments`` as little-endian uint16 words (2 bytes per
+    token); :func:`widen_tokens` turns them into an ``array('I')``. One join for a whole
+    request instead of one array operation per segment."""
+    cache = _U16
+    parts = []
+    append = parts.append
+    for key, n in segments:
+        b = cache.get(key)
+        if b is None or len(b) < 2 * n:
+            b = _u16(key, n)
+        append(b if len(b) == 2 * n else b[: 2 * n])
+    return b"".join(parts)
+
+
+def widen_tokens(raw: bytes) -> array:
+    """Little-endian uint16 token words (``segments_u16``) as an ``array('I')`` of ids."""
+    # Two strided byte copies (C speed) instead of a per-token loop.
+    wide = bytearray(2 * len(raw))
     wide[0::4] = raw[0::2]
     wide[1::4] = raw[1::2]
     out = array("I")
     out.frombytes(wide)
     if _BIG_ENDIAN:  # pragma: no cover - keep tokens identical on every host
         out.byteswap()
-    if _cached_tokens + length > _TOKEN_CACHE_LIMIT:
-        _TOKEN_CACHE.clear()
-        _cached_tokens = 0
-    _TOKEN_CACHE[content_key] = out
-    _cached_tokens += length - (len(cached) if cached is not None else 0)
     return out
 
 
-# content key -> its longest generated tokens; bounded to _TOKEN_CACHE_LIMIT tokens in
-# total (cleared wholesale when full: cheap, and results never depend on it).
-_TOKEN_CACHE: dict[int, array] = {}
-_EMPTY = array("I")
+def _u16(content_key: int, length: int) -> bytes:
+    """At least ``length`` tokens of the key as uint16 words (the cache's own bytes)."""
+    global _cached_tokens
+    cached = _U16.get(content_key)
+    if cached is not None and len(cached) >= 2 * length:
+        return cached
+    # 8 tokens per xxh3_128 digest; whole digests, so a later longer request of the same
+    # key usually finds enough words already.
+    kb = content_key.to_bytes(8, "little")
+    raw = b"".join([_xxh3_128(kb, j) for j in range(-(-length // 8))])
+    if _cached_tokens + length > _TOKEN_CACHE_LIMIT:
+        _U16.clear()
+        _cached_tokens = 0
+        cached = None
+    _U16[content_key] = raw
+    _cached_tokens += len(raw) // 2 - (len(cached) // 2 if cached is not None else 0)
+    return raw
+
+
+# content key -> its longest generated tokens as uint16 words; bounded to
+# _TOKEN_CACHE_LIMIT tokens in total (cleared wholesale when full: cheap, and results never
+# depend on it).
+_U16: dict[int, bytes] = {}
 _TOKEN_CACHE_LIMIT = 1 << 24
 _cached_tokens = 0
 _BIG_ENDIAN = array("I", b"\x01\x00\x00\x00")[0] != 1
+_xxh3_128 = xxhash.xxh3_128_digest
 
 
 def expand_segments(segments: Iterable[Segment]) -> list[int]:
     """Concatenated token ids of ``segments`` (a list of ints)."""
-    out = array("I")
-    for key, n in segments:
-        out.extend(_shared_tokens(key, n)[:n])
-    return out.tolist()
+    return widen_tokens(segments_u16(segments)).tolist()
 
 
 # --------------------------------------------------------------------------------------
