@@ -211,20 +211,16 @@ class KVCacheManager:
             )
         bs = self._bs
         hits: list[KVCacheBlock] = []
-        evictable = 0  # hits sitting in the free queue: touching them uses up free blocks
         if self.pool.enable_caching:
-            # get_computed_blocks, inlined with the evictable count (one pass).
+            # get_computed_blocks, inlined.
             get = self._index.get
-            hashes = request.block_hashes
             append = hits.append
-            for h in hashes[: (len(request.token_ids) - 1) // bs]:
+            for h in request.block_hashes[: (len(request.token_ids) - 1) // bs]:
                 v = get(h)
                 if v is None:
                     break
                 if type(v) is not KVCacheBlock:
                     v = next(iter(v.values()))
-                if v.ref_cnt == 0:
-                    evictable += 1
                 append(v)
         num_tokens = len(request.token_ids)
         nh = len(hits)
@@ -246,7 +242,11 @@ class KVCacheManager:
         stats.hits += computed
         self.metrics.add(1, num_tokens, computed)
         reserve = num_tokens if self.reserve_full_prompt else total
-        if -(-reserve // bs) - nh + evictable > self._queue.num_free_blocks:
+        need = -(-reserve // bs) - nh
+        free = self._queue.num_free_blocks
+        # Hits sitting in the free queue use up a free block each when touched. Counting
+        # them is only needed when even counting every hit as free it would be tight.
+        if need + nh > free and need + sum(1 for b in hits if b.ref_cnt == 0) > free:
             return False
         pool = self.pool
         request.num_prefix_hit_tokens = computed
@@ -300,36 +300,16 @@ class KVCacheManager:
         """
         tokens = request.token_ids
         total = request.num_computed_tokens + 1
-        if total != len(tokens) + 1 or not request.running:
-            self._check_running(request)
-            raise KVCacheManagerError(
-                f"request {request.request_id!r} still has {len(tokens) + 1 - total} prompt tokens "
-                "to compute; allocate() them before decoding"
-            )
-        bs = self._bs
-        completes = total % bs == 0
-        if completes and request.hasher is None and len(request.block_hashes) < total // bs:
-            raise KVCacheManagerError(
-                f"request {request.request_id!r} would complete block {total // bs - 1} but was "
-                f"created with {len(request.block_hashes)} precomputed block hashes; pass the whole "
-                "prompt+output chain, or let the manager hash"
-            )
-        blocks = request.blocks
-        if total > len(blocks) * bs:
-            if self._queue.num_free_blocks == 0:
-                return False
-            blocks += self.pool.get_new_blocks(1)
-        tokens.append(token_id)
-        request.num_computed_tokens = total
-        if not completes:
+        # The common case, most tokens: the token lands inside the last block, neither
+        # starting one (total % bs == 1) nor completing one (== 0). A running request holds
+        # exactly ceil(num_computed_tokens / block_size) blocks, so nothing else can be due.
+        # A request that is not running has num_computed_tokens 0, so total % bs == 1 and
+        # it takes the checked path below.
+        if total % self._bs > 1 and total == len(tokens) + 1:
+            tokens.append(token_id)
+            request.num_computed_tokens = total
             return True
-        nf = total // bs
-        h = request.hasher
-        if h is not None and len(request.block_hashes) < nf:
-            h.extend(tokens[h.num_tokens:])
-        self.pool.cache_blocks_of(request, request.num_cached_blocks, nf, self.kv_cache_group_id)
-        request.num_cached_blocks = nf
-        return True
+        return self._decode_boundary(request, token_id)
 
     def free(self, request: KVRequest) -> None:
         """Release a finished or preempted request's blocks (in reverse: tail evicted first).
@@ -382,6 +362,41 @@ class KVCacheManager:
             raise KVCacheManagerError(
                 f"request {request.request_id!r} is not running in this manager; admit() it first"
             )
+
+    def _decode_boundary(self, request: KVRequest, token_id: int) -> bool:
+        """:meth:`decode` for a token that starts or completes a block (or a bad call)."""
+        tokens = request.token_ids
+        total = request.num_computed_tokens + 1
+        if total != len(tokens) + 1 or not request.running:
+            self._check_running(request)
+            raise KVCacheManagerError(
+                f"request {request.request_id!r} still has {len(tokens) + 1 - total} prompt tokens "
+                "to compute; allocate() them before decoding"
+            )
+        bs = self._bs
+        completes = total % bs == 0
+        if completes and request.hasher is None and len(request.block_hashes) < total // bs:
+            raise KVCacheManagerError(
+                f"request {request.request_id!r} would complete block {total // bs - 1} but was "
+                f"created with {len(request.block_hashes)} precomputed block hashes; pass the whole "
+                "prompt+output chain, or let the manager hash"
+            )
+        blocks = request.blocks
+        if total > len(blocks) * bs:
+            if self._queue.num_free_blocks == 0:
+                return False
+            blocks += self.pool.get_new_blocks(1)
+        tokens.append(token_id)
+        request.num_computed_tokens = total
+        if not completes:
+            return True
+        nf = total // bs
+        h = request.hasher
+        if h is not None and len(request.block_hashes) < nf:
+            h.extend(tokens[h.num_tokens:])
+        self.pool.cache_blocks_of(request, request.num_cached_blocks, nf, self.kv_cache_group_id)
+        request.num_cached_blocks = nf
+        return True
 
     def _cache(self, request: KVRequest, nc: int, nf: int) -> None:
         if len(request.block_hashes) < nf:

@@ -24,10 +24,11 @@ raised before any state changes.
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Iterable, Literal, Sequence
 
 from kvstream.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
-from kvstream.hashing import to_external, to_external_list
+from kvstream.hashing import to_external
 
 __all__ = [
     "BlockPool",
@@ -47,6 +48,10 @@ FreeOrder = Literal["v0.33", "v0.11"]
 """Where :meth:`BlockPool.free_blocks` puts blocks without a hash (see :class:`BlockPool`)."""
 HashForm = Literal["int", "bytes"]
 """How block hashes appear on events: low 64 bits as an unsigned int, or the raw digest."""
+
+# The "int" event form of a digest: its last 8 bytes, big-endian (what
+# kvstream.hashing.to_external computes), inlined in the per-block loops.
+_u64 = struct.Struct(">Q").unpack_from
 
 DEFAULT_EVENT_METADATA: tuple[tuple[str | None, int | None], ...] = (("full_attention", None),)
 """One KV cache group of full attention: vLLM's ``kv_cache_event_metadata`` for a plain model."""
@@ -87,9 +92,12 @@ class KVCacheBlock:
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = is_null
-        # Where the cached content came from (a _Origin and the logical block index), kept
-        # only with events on, so snapshot_events() can re-announce tokens and parents.
-        self.origin: _Origin | None = None
+        # With events on: the BlockStored that announced this block and the logical index
+        # of that event's first block, shared by the run's blocks (one tuple per run), and
+        # the block's own logical index. snapshot_events() re-announces tokens, parent and
+        # extra keys from the event: the pool keeps the run's token slice, which the event
+        # needed anyway, rather than the request's whole token list.
+        self.origin: tuple[BlockStored, int] | None = None
         self.pos = 0
         # The hash's event form, computed once when cached (events on), reused on eviction.
         self.ext_hash: int | bytes | None = None
@@ -100,10 +108,7 @@ class KVCacheBlock:
 
 
 class _Origin:
-    """The request-side lists a run of cached blocks came from (references, not copies).
-
-    The lists are only ever appended to by their owner, so a block's slice never changes.
-    """
+    """The request-side lists a run of blocks is cached from (for one cache_full_blocks call)."""
 
     __slots__ = ("token_ids", "block_hashes", "extra_keys", "lora_id", "lora_name")
 
@@ -231,7 +236,7 @@ class BlockPool:
     __slots__ = ("num_gpu_blocks", "block_size", "enable_caching", "enable_kv_cache_events",
                  "hash_form", "medium", "event_style", "free_order", "kv_cache_event_metadata",
                  "blocks", "null_block", "free_block_queue", "_index", "_events",
-                 "_v033", "_prepend_unhashed")
+                 "_v033", "_prepend_unhashed", "_gidx", "_int_hashes")
 
     def __init__(
         self,
@@ -281,6 +286,10 @@ class BlockPool:
         self._events: list[Any] = []
         self._v033 = event_style == "0.33"
         self._prepend_unhashed = free_order == "v0.33"
+        # BlockRemoved.group_idx per group: the group id (0.33), or None, the default that
+        # 0.11's events leave out.
+        self._gidx = tuple(range(len(meta))) if self._v033 else (None,) * len(meta)
+        self._int_hashes = hash_form == "int"
 
     # -- queries -----------------------------------------------------------------------
 
@@ -350,33 +359,46 @@ class BlockPool:
             return ret
         append = ret.append
         index = self._index
-        events = self._events if self.enable_kv_cache_events else None
-        v033 = self._v033
-        medium = self.medium
         head = q.head
         blk = head.next_free
-        for _ in range(num_blocks):
-            h = blk.block_hash  # type: ignore[union-attr]
-            if h is not None:
-                # Lazy eviction: the block leaves the index only now that it is reused.
-                g = blk.group_id  # type: ignore[union-attr]
-                idx = index[g]
-                v = idx.pop(h)
-                if v is not blk:  # duplicate copies: drop only this one
-                    del v[blk.block_id]  # type: ignore[union-attr]
-                    idx[h] = v if len(v) > 1 else next(iter(v.values()))
-                if events is not None:
-                    if v033:
-                        events.append(BlockRemoved([blk.ext_hash], medium, g))  # type: ignore[union-attr]
-                    else:
-                        events.append(BlockRemoved([blk.ext_hash], medium))  # type: ignore[union-attr]
-                blk.block_hash = None  # type: ignore[union-attr]
-                blk.origin = None  # type: ignore[union-attr]
-            blk.ref_cnt = 1  # type: ignore[union-attr]
-            append(blk)  # type: ignore[arg-type]
-            nxt = blk.next_free  # type: ignore[union-attr]
-            blk.prev_free = blk.next_free = None  # type: ignore[union-attr]
-            blk = nxt
+        # A held block's queue links are stale and never read (only blocks with ref_cnt 0
+        # are in the queue), so popping does not clear them: two stores less per block.
+        if self.enable_kv_cache_events:
+            # Two loops rather than one with an events test per block: this runs for every
+            # block handed out, and most of them are evictions under churn.
+            emit = self._events.append
+            removed = BlockRemoved
+            medium = self.medium
+            gidx = self._gidx
+            for _ in range(num_blocks):
+                h = blk.block_hash  # type: ignore[union-attr]
+                if h is not None:
+                    # Lazy eviction: the block leaves the index only now that it is reused.
+                    g = blk.group_id  # type: ignore[union-attr]
+                    idx = index[g]
+                    v = idx.pop(h)
+                    if v is not blk:  # duplicate copies: drop only this one
+                        del v[blk.block_id]  # type: ignore[union-attr]
+                        idx[h] = v if len(v) > 1 else next(iter(v.values()))
+                    emit(removed([blk.ext_hash], medium, gidx[g]))  # type: ignore[union-attr]
+                    blk.block_hash = None  # type: ignore[union-attr]
+                    blk.origin = None  # type: ignore[union-attr]
+                blk.ref_cnt = 1  # type: ignore[union-attr]
+                append(blk)  # type: ignore[arg-type]
+                blk = blk.next_free  # type: ignore[union-attr]
+        else:
+            for _ in range(num_blocks):
+                h = blk.block_hash  # type: ignore[union-attr]
+                if h is not None:
+                    idx = index[blk.group_id]  # type: ignore[union-attr]
+                    v = idx.pop(h)
+                    if v is not blk:
+                        del v[blk.block_id]  # type: ignore[union-attr]
+                        idx[h] = v if len(v) > 1 else next(iter(v.values()))
+                    blk.block_hash = None  # type: ignore[union-attr]
+                blk.ref_cnt = 1  # type: ignore[union-attr]
+                append(blk)  # type: ignore[arg-type]
+                blk = blk.next_free  # type: ignore[union-attr]
         head.next_free = blk
         blk.prev_free = head  # type: ignore[union-attr]
         q.num_free_blocks -= num_blocks
@@ -385,23 +407,38 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add a holder to each block (a prefix hit); a free one leaves the free queue.
 
-        Emits nothing. Touching the null block raises :class:`BlockPoolError`.
+        Emits nothing. Touching the null block raises :class:`BlockPoolError` (nothing
+        changes).
         """
-        if self.null_block in blocks:  # a C-level identity scan
-            raise BlockPoolError(
-                "cannot touch the null block (block 0): it is never cached or counted; "
-                "leave it out of the blocks you touch"
-            )
-        q = self.free_block_queue
+        n = 0
         for blk in blocks:
             if blk.ref_cnt == 0:
+                # The null block always has ref_cnt 0, so this test finds it without a
+                # separate scan of every hit.
+                if blk.is_null:
+                    self._undo_touch(blocks, blk)
                 prev = blk.prev_free
                 nxt = blk.next_free
                 prev.next_free = nxt  # type: ignore[union-attr]
                 nxt.prev_free = prev  # type: ignore[union-attr]
-                blk.prev_free = blk.next_free = None
-                q.num_free_blocks -= 1
+                n += 1
             blk.ref_cnt += 1
+        self.free_block_queue.num_free_blocks -= n
+
+    def _undo_touch(self, blocks: Sequence[KVCacheBlock], null: KVCacheBlock) -> None:
+        """Put back what touch did before meeting the null block, then raise."""
+        done = list(blocks[:blocks.index(null)])
+        # An unlinked block keeps its old links, so relinking in reverse order of removal
+        # restores the queue exactly.
+        for blk in reversed(done):
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                blk.prev_free.next_free = blk  # type: ignore[union-attr]
+                blk.next_free.prev_free = blk  # type: ignore[union-attr]
+        raise BlockPoolError(
+            "cannot touch the null block (block 0): it is never cached or counted; "
+            "leave it out of the blocks you touch"
+        )
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one holder from each block; blocks reaching ``ref_cnt`` 0 enter the free queue.
@@ -491,15 +528,14 @@ class BlockPool:
         Emits one ``BlockStored`` for the run; its parent is ``block_hashes[num_cached_blocks
         - 1]`` (None when the run starts at block 0). A block that already holds this very
         hash is left as it is (not re-announced); one holding a *different* hash raises
-        :class:`BlockPoolError` before anything changes. The pool keeps references to
-        ``token_ids``, ``block_hashes`` and ``extra_keys`` for :meth:`snapshot_events`: only
-        append to them afterwards.
+        :class:`BlockPoolError` before anything changes. The lists are only read during
+        the call: what :meth:`snapshot_events` needs later is kept in the emitted event.
         """
-        origin = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name)  # type: ignore[arg-type]
-                  if self.enable_kv_cache_events else None)
+        src = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name)  # type: ignore[arg-type]
+               if self.enable_kv_cache_events else None)
         self._check_run(blocks, block_hashes, token_ids, num_cached_blocks, num_full_blocks, kv_cache_group_id)
         if num_cached_blocks < num_full_blocks and self.enable_caching:
-            self._cache_run(blocks, block_hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id, origin)
+            self._cache_run(blocks, block_hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id, src)
 
     def cache_blocks_of(self, source: Any, num_cached_blocks: int, num_full_blocks: int,
                         kv_cache_group_id: int = 0) -> None:
@@ -507,8 +543,7 @@ class BlockPool:
 
         ``source`` needs the attributes ``blocks``, ``block_hashes``, ``token_ids``,
         ``extra_keys``, ``lora_id`` and ``lora_name`` (as :class:`kvstream.manager.KVRequest`
-        has); the pool keeps a reference to it instead of building its own record, which
-        is what makes the manager's per-block path cheap.
+        has); it is read during the call only.
         """
         blocks = source.blocks
         hashes = source.block_hashes
@@ -543,11 +578,15 @@ class BlockPool:
         )
 
     def _cache_run(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], nc: int, nf: int,
-                   g: int, origin: Any) -> None:
-        """Cache blocks [nc, nf) (arguments already checked); ``origin`` is None with events off."""
+                   g: int, src: Any) -> None:
+        """Cache blocks [nc, nf) (arguments already checked).
+
+        ``src`` carries the request's ``token_ids``, ``block_hashes``, ``extra_keys``,
+        ``lora_id`` and ``lora_name`` for the event; None with events off.
+        """
         idx = self._index[g]
         if nf - nc == 1:
-            # The decode path: one block completed. Same steps as the loop below, unrolled.
+            # The decode path: one block completed. Same steps as the loops below, unrolled.
             blk = blocks[nc]
             if blk.block_hash is None and blk.ref_cnt > 0:
                 h = block_hashes[nc]
@@ -559,23 +598,51 @@ class BlockPool:
                         v[blk.block_id] = blk
                     else:
                         idx[h] = {v.block_id: v, blk.block_id: blk}
-                if origin is not None:
-                    ext = [to_external(h, self.hash_form)]
-                    blk.origin = origin
+                if src is not None:
+                    e = _u64(h, len(h) - 8)[0] if self._int_hashes else bytes(h)
+                    ev = self._stored(nc, nf, g, src, [e], blocks)
+                    blk.origin = (ev, nc)
                     blk.pos = nc
-                    blk.ext_hash = ext[0]
-                    self._events.append(self._stored(nc, nf, g, origin, ext, blocks))
+                    blk.ext_hash = e
+                    self._events.append(ev)
                 return
         setdefault = idx.setdefault
         skip: list[int] | None = None
-        if origin is not None:
-            ext = to_external_list(block_hashes[nc:nf], self.hash_form)
-        else:
-            ext = block_hashes[nc:nf]  # placeholder values: one loop serves both cases
         i = nc
         # One pass; a bad block found midway undoes the blocks before it, so a failed call
         # still changes nothing.
-        for blk, h, e in zip(blocks[nc:nf], block_hashes[nc:nf], ext):
+        if src is None:
+            for blk, h in zip(blocks[nc:nf], block_hashes[nc:nf]):
+                if blk.block_hash is not None or blk.ref_cnt <= 0:
+                    if self._cache_conflict(blocks, block_hashes, nc, i, g, skip):
+                        if skip is None:
+                            skip = []
+                        skip.append(i)
+                        i += 1
+                        continue
+                blk.block_hash = h
+                blk.group_id = g
+                v = setdefault(h, blk)
+                if v is not blk:
+                    if type(v) is dict:
+                        v[blk.block_id] = blk
+                    else:
+                        idx[h] = {v.block_id: v, blk.block_id: blk}
+                i += 1
+            return
+        # Events on. The event is built first, around an empty hash list that the loop
+        # fills: the event form of each hash is computed once per cached block, here, and
+        # kept on the block for its BlockRemoved. Blocks point at the event (see
+        # KVCacheBlock.origin); the event is recorded only if the whole run succeeds.
+        ext: list[Any] = []
+        ev = self._stored(nc, nf, g, src, ext, blocks)
+        origin = (ev, nc)
+        push = ext.append
+        as_int = self._int_hashes
+        u64 = _u64
+        for blk, h in zip(blocks[nc:nf], block_hashes[nc:nf]):
+            e = u64(h, len(h) - 8)[0] if as_int else bytes(h)
+            push(e)
             if blk.block_hash is not None or blk.ref_cnt <= 0:
                 if self._cache_conflict(blocks, block_hashes, nc, i, g, skip):
                     if skip is None:
@@ -591,20 +658,22 @@ class BlockPool:
                     v[blk.block_id] = blk
                 else:
                     idx[h] = {v.block_id: v, blk.block_id: blk}
-            if origin is not None:
-                blk.origin = origin
-                blk.pos = i
-                blk.ext_hash = e
+            blk.origin = origin
+            blk.pos = i
+            blk.ext_hash = e
             i += 1
-        if origin is None:
-            return
         if skip is None:
-            self._events.append(self._stored(nc, nf, g, origin, ext, blocks))
+            self._events.append(ev)
             return
+        # Blocks that already held their hash split the run: one event per sub-run.
         start = nc
         for i in skip + [nf]:
             if i > start:
-                self._events.append(self._stored(start, i, g, origin, ext[start - nc:i - nc], blocks))
+                sub = self._stored(start, i, g, src, ext[start - nc:i - nc], blocks)
+                origin = (sub, start)
+                for blk in blocks[start:i]:
+                    blk.origin = origin
+                self._events.append(sub)
             start = i + 1
 
     def _cache_conflict(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], nc: int,
@@ -638,33 +707,34 @@ class BlockPool:
             f"(group {g}); a block is cached once, under one hash"
         )
 
-    def _stored(self, start: int, end: int, g: int, o: Any, ext: list[Any] | None = None,
-                blocks: Sequence[KVCacheBlock] | None = None) -> BlockStored:
+    def _stored(self, start: int, end: int, g: int, src: Any, ext: list[Any],
+                blocks: Sequence[KVCacheBlock]) -> BlockStored:
+        """The BlockStored for logical blocks [start, end) of ``src`` (hashes ``ext``)."""
         bs = self.block_size
-        hashes = o.block_hashes
-        form = self.hash_form
         if start:
             # The parent is the logical chain's previous hash; the block holding it usually
-            # has its event form at hand already.
-            ph = hashes[start - 1]
-            pb = blocks[start - 1] if blocks is not None else None
-            parent = pb.ext_hash if pb is not None and pb.block_hash is ph else to_external(ph, form)
+            # has its event form at hand already (origin set: cached with events on).
+            ph = src.block_hashes[start - 1]
+            pb = blocks[start - 1]
+            if pb.origin is not None and pb.block_hash == ph:
+                parent = pb.ext_hash
+            else:
+                parent = to_external(ph, self.hash_form)
         else:
             parent = None
-        tok = o.token_ids[start * bs:end * bs]
+        # One slice of the request's own token list: the run's tokens, already flat.
+        tok = src.token_ids[start * bs:end * bs]
         if type(tok) is not list:
             tok = list(tok)
-        if ext is None:
-            ext = to_external_list(hashes[start:end], form)
         if not self._v033:
-            return BlockStored(ext, parent, tok, bs, o.lora_id, self.medium, None)
-        ek = o.extra_keys
+            return BlockStored(ext, parent, tok, bs, src.lora_id, self.medium, None)
+        ek = src.extra_keys
         # The schema types each entry as a tuple (what a decoder yields); the hasher's wire
         # form is a list.
         extra = ([None if e is None else tuple(e) for e in ek[start:end]] if ek is not None
                  else [None] * (end - start))
         kind, window = self.kv_cache_event_metadata[g]
-        return BlockStored(ext, parent, tok, bs, o.lora_id, self.medium, o.lora_name,
+        return BlockStored(ext, parent, tok, bs, src.lora_id, self.medium, src.lora_name,
                            extra, g, kind, window)
 
     # -- cache-wide operations --------------------------------------------------------------
@@ -688,7 +758,12 @@ class BlockPool:
         return True
 
     def take_events(self) -> list[Any]:
-        """The events recorded since the last call, in order (and forget them)."""
+        """The events recorded since the last call, in order (and forget them).
+
+        Treat the events as read-only values: the pool keeps a reference to each
+        ``BlockStored`` while any block it announced is cached (:meth:`snapshot_events`
+        re-announces tokens and parents from it).
+        """
         ev = self._events
         if not ev:
             return []
@@ -712,7 +787,15 @@ class BlockPool:
         cached.sort(key=lambda b: (b.pos, b.block_id))
         out: list[Any] = [AllBlocksCleared()]
         for blk in cached:
-            out.append(self._stored(blk.pos, blk.pos + 1, blk.group_id, blk.origin))  # type: ignore[arg-type]
+            ev, start = blk.origin  # type: ignore[misc]
+            k = blk.pos - start  # the block's place in the run its event announced
+            bs = ev.block_size
+            ek = ev.extra_keys
+            out.append(BlockStored(
+                [blk.ext_hash], ev.parent_block_hash if k == 0 else ev.block_hashes[k - 1],
+                ev.token_ids[k * bs:(k + 1) * bs], bs, ev.lora_id, ev.medium, ev.lora_name,
+                None if ek is None else [ek[k]], ev.group_idx, ev.kv_cache_spec_kind,
+                ev.kv_cache_spec_sliding_window))
         return out
 
     # -- checking --------------------------------------------------------------------------

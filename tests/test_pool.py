@@ -169,6 +169,21 @@ def test_freeing_or_touching_the_null_block_raises_and_changes_nothing() -> None
     assert state(pool) == before
 
 
+def test_touching_free_blocks_then_the_null_block_restores_the_queue_order() -> None:
+    pool = BlockPool(8, BS)
+    blocks = pool.get_new_blocks(6)
+    cache(pool, blocks, digests("a", "b", "c", "d", "e", "f"))
+    pool.free_blocks([blocks[3], blocks[0], blocks[5], blocks[1]])
+    pool.take_events()
+    before = state(pool)
+    # Free hits (unlinked from the middle, the head and next to each other), a held one,
+    # and one twice: all undone when the null block is met.
+    with pytest.raises(BlockPoolError, match="null block"):
+        pool.touch([blocks[0], blocks[5], blocks[2], blocks[1], blocks[5], pool.null_block])
+    assert state(pool) == before
+    pool.check_invariants()
+
+
 def test_caching_a_block_holding_another_hash_raises_and_changes_nothing() -> None:
     pool = BlockPool(8, BS)
     blocks = pool.get_new_blocks(3)
