@@ -18,7 +18,8 @@ A request's life::
   and caches the blocks that became full.
 * :meth:`KVCacheManager.allocate` adds the next prefill chunk of a running request.
 * :meth:`KVCacheManager.decode` appends one token, allocating a block when it starts one
-  and caching a block when it completes one.
+  and caching a block when it completes one; :meth:`KVCacheManager.decode_many` appends
+  several as that many decodes would (all or nothing).
 * An allocation that does not fit returns False and changes nothing: not the pool, not
   the request (so the engine can preempt someone and retry).
 * :meth:`KVCacheManager.free` releases the blocks in reverse order (tail evicted first).
@@ -310,6 +311,65 @@ class KVCacheManager:
             request.num_computed_tokens = total
             return True
         return self._decode_boundary(request, token_id)
+
+    def decode_many(self, request: KVRequest, token_ids: Sequence[int]) -> bool:
+        """Append several output tokens to a running request at once (a multi-step decode).
+
+        The same as ``len(token_ids)`` calls of :meth:`decode`, in order, all succeeding:
+        the same blocks are taken and cached in the same order, with the same events (a
+        ``BlockStored`` per completed block, each after the ``BlockRemoved`` of the
+        eviction that made room for it). All or nothing: returns False, changing
+        nothing, if the blocks the tokens need (blocks) exceed the free blocks. Bad calls
+        raise :class:`KVCacheManagerError` before anything changes (also when a
+        precomputed hash chain would run out partway, where single decodes would have
+        appended the tokens before it).
+        """
+        toks = token_ids if type(token_ids) is list else list(token_ids)
+        tokens = request.token_ids
+        start = request.num_computed_tokens
+        if start != len(tokens) or not request.running:
+            self._check_running(request)
+            raise KVCacheManagerError(
+                f"request {request.request_id!r} still has {len(tokens) - start} prompt tokens "
+                "to compute; allocate() them before decoding"
+            )
+        bs = self._bs
+        total = start + len(toks)
+        blocks = request.blocks
+        need = -(-total // bs) - len(blocks)
+        if need > self._queue.num_free_blocks:
+            return False
+        nf = total // bs
+        if request.hasher is None and len(request.block_hashes) < nf:
+            raise KVCacheManagerError(
+                f"request {request.request_id!r} would complete block {nf - 1} but was created "
+                f"with {len(request.block_hashes)} precomputed block hashes; pass the whole "
+                "prompt+output chain, or let the manager hash"
+            )
+        if need <= 0 and nf <= request.num_cached_blocks:
+            # Within the last block: nothing to allocate or cache (the common case).
+            tokens += toks
+            request.num_computed_tokens = total
+            return True
+        # Block by block, so that allocations and caches interleave as single decodes do.
+        pool = self.pool
+        group = self.kv_cache_group_id
+        h = request.hasher
+        pos = start
+        while pos < total:
+            if pos >= len(blocks) * bs:
+                blocks += pool.get_new_blocks(1)
+            end = min(total, (pos // bs + 1) * bs)
+            tokens += toks[pos - start:end - start]
+            request.num_computed_tokens = end
+            pos = end
+            if end % bs == 0:
+                n = end // bs
+                if h is not None and len(request.block_hashes) < n:
+                    h.extend(tokens[h.num_tokens:])
+                pool.cache_blocks_of(request, request.num_cached_blocks, n, group)
+                request.num_cached_blocks = n
+        return True
 
     def free(self, request: KVRequest) -> None:
         """Release a finished or preempted request's blocks (in reverse: tail evicted first).

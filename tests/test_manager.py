@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from kvstream.hashing import BlockHasher, LoRA
 from kvstream.manager import KVCacheManager, KVCacheManagerError
@@ -188,3 +190,88 @@ def test_prefix_caching_metrics_observe_and_reset() -> None:
     assert m.hit_rate == 1.0
     with pytest.raises(ValueError):
         PrefixCachingMetrics(0)
+
+
+# -- decode_many --------------------------------------------------------------------------
+
+
+def _twin_state(mgr: KVCacheManager, reqs) -> tuple:
+    p = mgr.pool
+    return (p.free_block_ids(), p.cached_blocks(), [b.ref_cnt for b in p.blocks],
+            [(r.block_ids, r.token_ids, r.num_computed_tokens, r.num_cached_blocks) for r in reqs])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(6, 14),
+    other=st.integers(1, 12),  # tokens of a request that is cached, then freed (eviction fodder)
+    prompt=st.integers(1, 11),
+    chunks=st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    event_style=st.sampled_from(["0.33", "0.11"]),
+    free_order=st.sampled_from(["v0.33", "v0.11"]),
+    precomputed=st.booleans(),
+)
+def test_decode_many_equals_that_many_single_decodes(num_blocks, other, prompt, chunks, event_style,
+                                                      free_order, precomputed) -> None:
+    twins = []
+    for _ in range(2):
+        mgr = make(num_blocks, event_style=event_style, free_order=free_order)
+        fodder = mgr.new_request("old", range(500, 500 + other))
+        if mgr.admit(fodder):
+            mgr.free(fodder)
+        outputs = list(range(1000, 1000 + sum(chunks)))
+        if precomputed:
+            chain = BlockHasher("sha256_cbor", BS, seed="0").hash_blocks(list(range(prompt)) + outputs)
+            req = mgr.new_request("r", range(prompt), block_hashes=chain)
+        else:
+            req = mgr.new_request("r", range(prompt))
+        assume(mgr.admit(req))
+        mgr.pool.take_events()
+        twins.append((mgr, req))
+    (one, r1), (many, r2) = twins
+    pos = 0
+    for n in chunks:
+        toks = list(range(1000 + pos, 1000 + pos + n))
+        before = _twin_state(many, [r2])
+        ok = many.decode_many(r2, toks)
+        if not ok:
+            # All or nothing: refused only when the blocks do not fit, and then unchanged.
+            assert _twin_state(many, [r2]) == before and not many.pool.take_events()
+            need = -(-(r2.num_computed_tokens + n) // BS) - len(r2.blocks)
+            assert need > many.pool.get_num_free_blocks()
+            return
+        for t in toks:
+            assert one.decode(r1, t)
+        pos += n
+        assert many.pool.take_events() == one.pool.take_events()
+        assert _twin_state(many, [r2]) == _twin_state(one, [r1])
+        many.pool.check_invariants()
+    assert many.pool.snapshot_events() == one.pool.snapshot_events()
+
+
+def test_decode_many_that_does_not_fit_returns_false_and_changes_nothing() -> None:
+    mgr = make(num_blocks=4)  # 3 usable
+    req = mgr.new_request("r", range(6))  # 2 blocks
+    assert mgr.admit(req)
+    mgr.pool.take_events()
+    before = pool_state(mgr), list(req.token_ids), req.num_computed_tokens
+    assert not mgr.decode_many(req, list(range(100, 107)))  # 13 tokens need 4 blocks
+    assert (pool_state(mgr), req.token_ids, req.num_computed_tokens) == before
+    assert mgr.decode_many(req, list(range(100, 106)))  # 12 tokens: exactly 3 blocks
+    assert req.num_cached_blocks == 3 and mgr.pool.get_num_free_blocks() == 0
+
+
+def test_decode_many_refuses_bad_calls_before_changing_anything() -> None:
+    mgr = make()
+    req = mgr.new_request("r", range(9))
+    with pytest.raises(KVCacheManagerError, match="not running"):
+        mgr.decode_many(req, [1, 2])
+    assert mgr.admit(req, 4)  # chunked: 5 prompt tokens still to compute
+    with pytest.raises(KVCacheManagerError, match="prompt tokens"):
+        mgr.decode_many(req, [1, 2])
+    short = mgr.new_request("s", range(3), block_hashes=[])
+    assert mgr.admit(short)
+    before = pool_state(mgr), list(short.token_ids)
+    with pytest.raises(KVCacheManagerError, match="precomputed block hashes"):
+        mgr.decode_many(short, [7, 8, 9])  # would complete block 0, which has no hash
+    assert (pool_state(mgr), short.token_ids) == before
