@@ -354,13 +354,33 @@ class BlockPool:
                 f"asked for {num_blocks} blocks but only {q.num_free_blocks} are free; "
                 "check get_num_free_blocks() before allocating, or free/preempt requests"
             )
+        head = q.head
+        blk = head.next_free
+        if num_blocks == 1:
+            # The decode path (a token starts a block): the loop below, unrolled.
+            nxt = blk.next_free  # type: ignore[union-attr]
+            head.next_free = nxt
+            nxt.prev_free = head  # type: ignore[union-attr]
+            q.num_free_blocks -= 1
+            h = blk.block_hash  # type: ignore[union-attr]
+            if h is not None:
+                g = blk.group_id  # type: ignore[union-attr]
+                idx = self._index[g]
+                v = idx.pop(h)
+                if v is not blk:
+                    del v[blk.block_id]  # type: ignore[union-attr]
+                    idx[h] = v if len(v) > 1 else next(iter(v.values()))
+                if self.enable_kv_cache_events:
+                    self._events.append(BlockRemoved([blk.ext_hash], self.medium, self._gidx[g]))  # type: ignore[union-attr]
+                    blk.origin = None  # type: ignore[union-attr]
+                blk.block_hash = None  # type: ignore[union-attr]
+            blk.ref_cnt = 1  # type: ignore[union-attr]
+            return [blk]  # type: ignore[list-item]
         ret: list[KVCacheBlock] = []
         if not num_blocks:
             return ret
         append = ret.append
         index = self._index
-        head = q.head
-        blk = head.next_free
         # A held block's queue links are stale and never read (only blocks with ref_cnt 0
         # are in the queue), so popping does not clear them: two stores less per block.
         if self.enable_kv_cache_events:
@@ -456,22 +476,38 @@ class BlockPool:
         tail = q.tail
         old_last = last = tail.prev_free
         n = 0
-        unhashed: list[KVCacheBlock] | None = [] if self._prepend_unhashed else None
-        for i, blk in enumerate(blocks):
-            r = blk.ref_cnt
-            if r > 1:
-                blk.ref_cnt = r - 1
-                continue
-            if r <= 0:  # the null block's ref_cnt is always 0: one test catches both misuses
-                self._undo_free(blocks, i, old_last, unhashed)
-            blk.ref_cnt = 0
-            if unhashed is not None and blk.block_hash is None:
-                unhashed.append(blk)
-                continue
-            last.next_free = blk  # type: ignore[union-attr]
-            blk.prev_free = last
-            last = blk
-            n += 1
+        unhashed: list[KVCacheBlock] | None = None
+        if self._prepend_unhashed:
+            unhashed = []
+            for i, blk in enumerate(blocks):
+                r = blk.ref_cnt
+                if r > 1:
+                    blk.ref_cnt = r - 1
+                    continue
+                if r <= 0:  # the null block's ref_cnt is always 0: one test catches both misuses
+                    self._undo_free(blocks, i, old_last, unhashed)
+                blk.ref_cnt = 0
+                if blk.block_hash is None:
+                    unhashed.append(blk)
+                    continue
+                last.next_free = blk  # type: ignore[union-attr]
+                blk.prev_free = last
+                last = blk
+                n += 1
+        else:
+            # free_order "v0.11": the same loop, every block to the tail.
+            for i, blk in enumerate(blocks):
+                r = blk.ref_cnt
+                if r > 1:
+                    blk.ref_cnt = r - 1
+                    continue
+                if r <= 0:
+                    self._undo_free(blocks, i, old_last, None)
+                blk.ref_cnt = 0
+                last.next_free = blk  # type: ignore[union-attr]
+                blk.prev_free = last
+                last = blk
+                n += 1
         if n:
             last.next_free = tail  # type: ignore[union-attr]
             tail.prev_free = last
@@ -547,8 +583,13 @@ class BlockPool:
         """
         blocks = source.blocks
         hashes = source.block_hashes
-        self._check_run(blocks, hashes, source.token_ids, num_cached_blocks, num_full_blocks,
-                        kv_cache_group_id)
+        tokens = source.token_ids
+        if not (0 <= num_cached_blocks <= num_full_blocks <= len(blocks) and num_full_blocks <= len(hashes)
+                and 0 <= kv_cache_group_id < len(self._index) and tokens is not None
+                and len(tokens) >= num_full_blocks * self.block_size):
+            # Something is off (or token_ids is short with events off, which is allowed):
+            # the full check raises with the reason, or lets it pass.
+            self._check_run(blocks, hashes, tokens, num_cached_blocks, num_full_blocks, kv_cache_group_id)
         if num_cached_blocks < num_full_blocks and self.enable_caching:
             self._cache_run(blocks, hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id,
                             source if self.enable_kv_cache_events else None)
