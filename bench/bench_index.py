@@ -54,13 +54,13 @@ def _payloads(n_blocks: int, run: int, seed: int = 1) -> list[bytes]:
     return out
 
 
-def bench_ingest(n_blocks: int) -> None:
+def bench_ingest(n_blocks: int, compact: bool = False) -> None:
     payloads = _payloads(n_blocks, run=16)
     dec = EventDecoder()
     batches = [dec.decode(p) for p in payloads]
     n = sum(len(e.block_hashes) for b in batches for e in b.events)
     for label, decode in (("decode+apply", True), ("apply only  ", False)):
-        index = KVIndex()
+        index = KVIndex(compact=compact)
         gc.collect()
         t0 = time.perf_counter()
         if decode:
@@ -73,11 +73,11 @@ def bench_ingest(n_blocks: int) -> None:
         print(f"ingest {label}: {n:,} block events in {dt:.3f} s = {n / dt / 1e6:.2f} M block events/s")
 
 
-def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000) -> None:
+def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000, compact: bool = False) -> None:
     rnd = random.Random(2)
     prompt = [rnd.randrange(50_000) for _ in range(prompt_tokens)]
     nb = prompt_tokens // BS
-    index = KVIndex()
+    index = KVIndex(compact=compact)
     h = 1
     for s in range(n_sources):
         k = rnd.randrange(nb + 1)  # this source holds the first k blocks of the prompt
@@ -118,7 +118,7 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
     print(f"  of which key computation: p50 {statistics.median(keys_t) / 1e3:.0f} us")
 
 
-def bench_memory(entries: int, sharers: int) -> None:
+def bench_memory(entries: int, sharers: int, compact: bool = False) -> None:
     """`entries` (block, source) residencies: entries // sharers distinct blocks, each
     held by `sharers` sources."""
     rnd = random.Random(3)
@@ -127,7 +127,7 @@ def bench_memory(entries: int, sharers: int) -> None:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    index = KVIndex()
+    index = KVIndex(compact=compact)
     h = 1 << 40
     made = 0
     while made < n_blocks:
@@ -157,12 +157,16 @@ def bench_memory(entries: int, sharers: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    ap.add_argument("--layout", choices=("dict", "compact", "both"), default="both",
+                    help="KVIndex layout: dicts (default index) or compact=True")
     a = ap.parse_args()
-    bench_ingest(200_000 if a.quick else 2_000_000)
-    bench_score(iters=200 if a.quick else 2000)
-    n = 100_000 if a.quick else 1_000_000
-    for sharers in (1, 8, 64):
-        bench_memory(n, sharers)
+    for compact in {"dict": (False,), "compact": (True,), "both": (False, True)}[a.layout]:
+        print(f"== KVIndex(compact={compact})")
+        bench_ingest(200_000 if a.quick else 2_000_000, compact)
+        bench_score(iters=200 if a.quick else 2000, compact=compact)
+        n = 100_000 if a.quick else 1_000_000
+        for sharers in (1, 8, 64):
+            bench_memory(n, sharers, compact)
 
 
 if __name__ == "__main__":

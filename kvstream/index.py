@@ -42,6 +42,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import xxhash
 
+from kvstream._compactmap import U64Map
 from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvstream.routekeys import (
     KEY_MASK,
@@ -54,7 +55,7 @@ from kvstream.routekeys import (
 )
 from kvstream.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
 
-__all__ = ["KVIndex", "IndexStats", "SourceInfo", "IndexError_", "BYTES_PER_BLOCK"]
+__all__ = ["KVIndex", "IndexStats", "SourceInfo", "IndexError_", "BYTES_PER_BLOCK", "BYTES_PER_BLOCK_COMPACT"]
 
 _log = logging.getLogger("kvstream.index")
 
@@ -63,6 +64,8 @@ BYTES_PER_BLOCK = 150
 (``bench/bench_index.py``; tracemalloc at 10**6 blocks). Every further source holding the
 same block adds about 8 bytes / 64 sources of mask plus ~80 bytes per block for the
 holder count. Used by :meth:`KVIndex.estimated_bytes` for the memory bound."""
+BYTES_PER_BLOCK_COMPACT = 56
+"""The same cost with ``KVIndex(compact=True)`` (array-backed maps, no per-entry objects)."""
 _BYTES_PER_UNLINKED = 400
 _BYTES_PER_COPY_RECORD = 300
 
@@ -178,13 +181,19 @@ class KVIndex:
             route to a block that is gone.)
         hasher: optional :class:`kvstream.hashing.BlockHasher` with the engines' algorithm,
             seed and block size, for :meth:`engine_hashes` (matching by engine hashes).
+        compact: keep both maps (engine hash -> key, key -> source mask) in array-backed
+            tables (:class:`kvstream._compactmap.U64Map`) instead of dicts. A distinct
+            block on one source then costs ~55 bytes instead of ~152
+            (:data:`BYTES_PER_BLOCK_COMPACT`), but ingest and scoring probe in Python and
+            are slower (numbers in ``docs/router.md``). Behaviour and :meth:`state` are
+            identical.
     """
 
     __slots__ = (
         "_R", "_slot_of", "_src", "_free_slots", "_live", "_media", "_tier_of", "_held",
         "_young", "_old", "_href", "_sub_n", "_copies", "_unl", "_waiting", "_spec", "_spec_n",
         "_spec_q", "_per_mask", "_max_bytes", "_ttl", "_gen", "_gen_start", "_reannounce",
-        "_hasher", "stats",
+        "_hasher", "_compact", "_bpb", "stats",
     )
 
     def __init__(
@@ -196,6 +205,7 @@ class KVIndex:
         ttl_s: float | None = None,
         reannounce: str = "detect",
         hasher: Any = None,
+        compact: bool = False,
     ) -> None:
         if block_size_hint is not None and router_block_size is not None and block_size_hint != router_block_size:
             raise IndexError_(
@@ -214,6 +224,8 @@ class KVIndex:
         if reannounce not in ("detect", "count"):
             raise IndexError_(f"reannounce must be 'detect' or 'count', got {reannounce!r}")
         self._R = R
+        self._compact = bool(compact)
+        self._bpb = BYTES_PER_BLOCK_COMPACT if compact else BYTES_PER_BLOCK
         self._slot_of: dict[str, int] = {}
         self._src: list[_Source | None] = []
         self._free_slots: list[int] = []
@@ -223,8 +235,8 @@ class KVIndex:
         self._held: list[dict[int, int]] = []  # per tier: router key -> source mask
         for m in ("GPU", "CPU"):
             self._new_tier(m)
-        self._young: dict[Any, Any] = {}  # engine hash -> key (int) or keys (tuple)
-        self._old: dict[Any, Any] = {}  # the TTL's older generation (empty without TTL)
+        self._young: Any = self._map()  # engine hash -> key (int) or keys (tuple)
+        self._old: Any = self._map()  # the TTL's older generation (empty without TTL)
         self._sub_n: dict[tuple[int, int, int], int] = {}  # leading sub-key holdings
         self._href: dict[Any, int] = {}  # engine hash -> (source, tier) holdings, when > 1
         self._copies: dict[tuple[Any, int, int], dict[int, int]] = {}  # not exactly {group 0: 1}
@@ -246,6 +258,12 @@ class KVIndex:
     # -- sources ---------------------------------------------------------------------
 
     @property
+    def bytes_per_block(self) -> int:
+        """Estimated heap bytes of one distinct block held by one source in this index's
+        layout (:data:`BYTES_PER_BLOCK` or :data:`BYTES_PER_BLOCK_COMPACT`)."""
+        return self._bpb
+
+    @property
     def router_block_size(self) -> int:
         """Tokens per router block."""
         return self._R
@@ -255,11 +273,15 @@ class KVIndex:
         """Names of the sources the index knows, in order of first appearance."""
         return [s.name for s in self._src if s is not None]
 
+    def _map(self) -> Any:
+        """A new engine-hash or router-key map: a dict, or a compact table."""
+        return U64Map() if self._compact else {}
+
     def _new_tier(self, medium: str) -> int:
         t = len(self._media)
         self._media.append(medium)
         self._tier_of[medium] = t
-        self._held.append({})
+        self._held.append(self._map())
         for s in getattr(self, "_src", ()):
             if s is not None:
                 s.count.append(0)
@@ -860,14 +882,14 @@ class KVIndex:
                 self._forget_unlinked(eh, u)
                 self.stats.expired_blocks += 1
         self._old = self._young
-        self._young = {}
+        self._young = self._map()
         self._gen += 1
         self._gen_start = now
 
     def estimated_bytes(self) -> int:
         """Estimated heap bytes held by the index (measured per-entry costs x entries)."""
         return (
-            BYTES_PER_BLOCK * (len(self._young) + len(self._old))
+            self._bpb * (len(self._young) + len(self._old))
             + 80 * len(self._href)
             + _BYTES_PER_COPY_RECORD * len(self._copies)
             + _BYTES_PER_UNLINKED * len(self._unl)
@@ -884,7 +906,7 @@ class KVIndex:
         for d in (self._old, self._young):
             while d and self.estimated_bytes() > target:
                 over = self.estimated_bytes() - target
-                k = max(1, min(65536, over // BYTES_PER_BLOCK + 1))
+                k = max(1, min(65536, over // self._bpb + 1))
                 for eh in list(islice(d, k)):
                     if eh in d:
                         self._forget(eh)
@@ -1019,7 +1041,20 @@ class KVIndex:
         tier_end: list[dict[int, int]] = [{} for _ in held]
         served_low: dict[tuple[int, int], int] = {}
         spec_served: dict[int, int] = {}
-        if not others and not spec:
+        if not others and not spec and self._compact:
+            # One call probes the table for every block (no method call per block).
+            for i, na in enumerate(gpu.walk(keys, active)):
+                na &= active
+                if na != active:
+                    for slot in _bits(active ^ na):
+                        end[slot] = i
+                    active = na
+                    if not active:
+                        break
+            for slot in _bits(active):
+                end[slot] = n
+            tier_end[0] = end
+        elif not others and not spec:
             i = 0
             for i, rk in enumerate(keys):
                 na = active & gpu.get(rk, 0)

@@ -188,10 +188,11 @@ def test_malformed_event_is_skipped_and_counted() -> None:
 
 
 def test_memory_bound_drops_least_recently_stored_first() -> None:
-    idx = KVIndex(max_bytes=200 * 150)
+    bound = 200 * KVIndex().bytes_per_block
+    idx = KVIndex(max_bytes=bound)
     for i in range(400):
         apply(idx, "e", stored([1000 + i], P(10_000 * i, 1)))
-    assert idx.estimated_bytes() <= 200 * 150
+    assert idx.estimated_bytes() <= bound
     assert idx.stats.evicted_blocks > 0
     assert idx.match(P(10_000 * 399, 1))["e"].blocks == 1
     assert idx.match(P(0, 1))["e"].blocks == 0
