@@ -165,7 +165,11 @@ class SegmentHasher:
         base = 0
         carry: list[tuple[int, int, int]] = []  # (key, start, end) pieces of a partial block
         carry_len = 0
-        for key, n in segments:
+        j = 0
+        nseg = len(segments)
+        while j < nseg:
+            key, n = segments[j]
+            j += 1
             if n == bs and not carry_len:
                 ok = (prev, key)
                 if bulk is None:
@@ -177,10 +181,16 @@ class SegmentHasher:
                         continue
                     base = len(out)
                     bulk = self._bulk(segments, tokens, base, prev)
-                h = bulk[len(out) - base]
-                one[ok] = h
-                out.append(h)
-                prev = h
+                # Record the whole stretch of one-block segments starting here at once.
+                m = j
+                while m < nseg and segments[m][1] == bs:
+                    m += 1
+                i = len(out) - base
+                hs = bulk[i : i + m - j + 1]
+                one.update(zip(zip([prev] + hs[:-1], [k for k, _ in segments[j - 1 : m]]), hs))
+                out.extend(hs)
+                prev = hs[-1]
+                j = m
                 continue
             off = 0
             if carry_len:

@@ -136,11 +136,15 @@ class Prepared:
 
     def __init__(self, req: SimRequest, config: EngineConfig, hasher: SegmentHasher) -> None:
         g = config.token_granularity
-        prompt = scale_segments(req.prompt, g)
-        segs = prompt + ((req.output_key, -(-req.output_len // g)),)
+        n_out = -(-req.output_len // g)
+        if g == 1:
+            segs = list(req.prompt)
+        else:
+            segs = [(k, -(-n // g)) for k, n in req.prompt]
+        segs.append((req.output_key, n_out))
         # Prompt and output tokens in one pass (one join, one widening).
         toks = widen_tokens(segments_u16(segs))
-        n = sum([k[1] for k in prompt])
+        n = len(toks) - n_out
         self.prompt_tokens = toks[:n]
         self.output = toks[n:].tolist()
         self.block_hashes = hasher.hashes(segs, tokens=toks)
@@ -300,17 +304,13 @@ class EngineModel:
 
     def _commit_run(self, j: int) -> None:
         """Apply ``j`` decode steps of the current run to every running request."""
-        mgr = self.manager
+        decode_many = self.manager.decode_many
         for st in self.running:
-            kv = st.kv
             g0 = st.generated
             # Output tokens g0-1 .. g0+j-2 get their slots in these steps (the one sampled
             # before the run first). The run was sized so that none of them starts or
-            # completes a block, so this is pure bookkeeping: append the tokens and let
-            # allocate() advance the computed count (it allocates and caches nothing
-            # here). Equivalent to j decode() calls, without j calls.
-            kv.token_ids.extend(st.output[g0 - 1 : g0 - 1 + j])  # type: ignore[union-attr]
-            mgr.allocate(kv, j)  # type: ignore[arg-type]
+            # completes a block: nothing to allocate or cache, it always succeeds.
+            decode_many(st.kv, st.output[g0 - 1 : g0 - 1 + j])  # type: ignore[arg-type]
             st.generated = g0 + j
 
     def _schedule(self, now: float) -> None:

@@ -33,7 +33,7 @@ from kvstream.sim.blocks import SegmentHasher
 from kvstream.sim.engine import EngineConfig, EngineModel, Prepared, SimRequestState
 from kvstream.sim.metrics import PolicyResult, RunMetrics
 from kvstream.sim.policies import make_policy
-from kvstream.sim.workload import SimRequest, WorkloadError
+from kvstream.sim.workload import SimRequest, WorkloadError, paused_gc
 
 __all__ = ["SimConfig", "SimRun", "simulate", "compare", "source_name"]
 
@@ -193,7 +193,14 @@ class SimRun:
     # -- the loop ----------------------------------------------------------------------
 
     def run(self) -> PolicyResult:
-        """Run the whole workload to completion; returns the policy's result."""
+        """Run the whole workload to completion; returns the policy's result.
+
+        The cyclic garbage collector is paused meanwhile (see
+        :func:`~kvstream.sim.workload.paused_gc`)."""
+        with paused_gc():
+            return self._run()
+
+    def _run(self) -> PolicyResult:
         t0 = time.perf_counter()
         engines = self.engines
         heap: list[tuple[float, int]] = []  # (wakeup, engine); stale entries skipped
