@@ -130,14 +130,100 @@ class U64Map:
 
     def pop(self, key: Any, default: Any = _MISSING) -> Any:
         if type(key) is int and 0 < key <= _M64:
-            h, j = self._slot(key)
-            if j >= 0:
-                v = self.vs[j]
-                self._kill(h, j)
-                return v
+            idx, ks = self.idx, self.ks
+            m = self.mask
+            h = ((key * _MIX) & _M64) >> self.shift
+            while True:
+                j = idx[h]
+                if j >= 0:
+                    if ks[j] == key:
+                        idx[h] = _DUMMY
+                        ks[j] = 0
+                        self.n -= 1
+                        return self.vs[j]
+                elif j == _EMPTY:
+                    break
+                h = (h + 1) & m
         if default is _MISSING:
             return self.other.pop(key)
         return self.other.pop(key, default)
+
+    def insert_new(self, key: Any, value: Any) -> None:
+        """``self[key] = value`` for a ``key`` the caller knows is absent (one probe)."""
+        if type(key) is int and 0 < key <= _M64 and type(value) is int and 0 <= value <= _M64:
+            ks = self.ks
+            if len(ks) * 3 >= 2 * len(self.idx):
+                self._grow()
+                ks = self.ks
+            idx = self.idx
+            m = self.mask
+            h = ((key * _MIX) & _M64) >> self.shift
+            while idx[h] >= 0:
+                h = (h + 1) & m
+            idx[h] = len(ks)
+            ks.append(key)
+            self.vs.append(value)
+            self.n += 1
+        else:
+            self[key] = value
+
+    def set_bit(self, key: Any, bit: int) -> None:
+        """``self[key] = self.get(key, 0) | bit`` in one probe."""
+        if type(key) is int and 0 < key <= _M64 and bit <= _M64:
+            idx, ks = self.idx, self.ks
+            m = self.mask
+            h = ((key * _MIX) & _M64) >> self.shift
+            while True:
+                j = idx[h]
+                if j >= 0:
+                    if ks[j] == key:
+                        self.vs[j] |= bit
+                        return
+                elif j == _EMPTY:
+                    break
+                h = (h + 1) & m
+            if not self.other or key not in self.other:
+                self.insert_new(key, bit)
+                return
+        self[key] = self.get(key, 0) | bit
+
+    def clear_bit(self, key: Any, bit: int) -> bool:
+        """Clear ``bit`` of ``self[key]`` (deleting the key when nothing is left); False
+        (and no change) when the bit was not set."""
+        if type(key) is int and 0 < key <= _M64:
+            idx, ks = self.idx, self.ks
+            m = self.mask
+            h = ((key * _MIX) & _M64) >> self.shift
+            while True:
+                j = idx[h]
+                if j >= 0:
+                    if ks[j] == key:
+                        v = self.vs[j]
+                        if not v & bit:
+                            return False
+                        v ^= bit
+                        if v:
+                            self.vs[j] = v
+                        else:
+                            idx[h] = _DUMMY
+                            ks[j] = 0
+                            self.n -= 1
+                        return True
+                elif j == _EMPTY:
+                    break
+                h = (h + 1) & m
+        other = self.other
+        if not other:
+            return False
+        v = other.get(key, 0)
+        if not v & bit:
+            return False
+        v ^= bit
+        if v:
+            self[key] = v  # may move back into the arrays
+        else:
+            del other[key]
+        return True
 
     def __delitem__(self, key: Any) -> None:
         self.pop(key)

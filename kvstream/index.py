@@ -59,12 +59,12 @@ __all__ = ["KVIndex", "IndexStats", "SourceInfo", "IndexError_", "BYTES_PER_BLOC
 
 _log = logging.getLogger("kvstream.index")
 
-BYTES_PER_BLOCK = 150
+BYTES_PER_BLOCK = 152
 """Measured heap cost (bytes) of one distinct block held by one source, keys included
 (``bench/bench_index.py``; tracemalloc at 10**6 blocks). Every further source holding the
 same block adds about 8 bytes / 64 sources of mask plus ~80 bytes per block for the
 holder count. Used by :meth:`KVIndex.estimated_bytes` for the memory bound."""
-BYTES_PER_BLOCK_COMPACT = 56
+BYTES_PER_BLOCK_COMPACT = 50
 """The same cost with ``KVIndex(compact=True)`` (array-backed maps, no per-entry objects)."""
 _BYTES_PER_UNLINKED = 400
 _BYTES_PER_COPY_RECORD = 300
@@ -183,7 +183,7 @@ class KVIndex:
             seed and block size, for :meth:`engine_hashes` (matching by engine hashes).
         compact: keep both maps (engine hash -> key, key -> source mask) in array-backed
             tables (:class:`kvstream._compactmap.U64Map`) instead of dicts. A distinct
-            block on one source then costs ~55 bytes instead of ~152
+            block on one source then costs ~50 bytes instead of ~152
             (:data:`BYTES_PER_BLOCK_COMPACT`), but ingest and scoring probe in Python and
             are slower (numbers in ``docs/router.md``). Behaviour and :meth:`state` are
             identical.
@@ -379,6 +379,7 @@ class KVIndex:
         href = self._href
         bit = s.bit
         fast_removed = 0
+        compact = self._compact
         for ev in batch.events:
             cls = type(ev)
             if cls is BlockRemoved:
@@ -388,7 +389,17 @@ class KVIndex:
                         and not (self._copies and (hs[0], s.slot, 0) in self._copies)):
                     eh = hs[0]
                     rk = young.get(eh)
-                    if type(rk) is int:
+                    if compact and type(rk) is int:
+                        if gpu.clear_bit(rk, bit):
+                            fast_removed += 1
+                            if href and eh in href:
+                                n = href.pop(eh) - 1
+                                if n > 1:
+                                    href[eh] = n
+                            else:
+                                young.pop(eh)
+                            continue
+                    elif type(rk) is int:
                         m = gpu.get(rk, 0)
                         if m & bit:
                             m ^= bit
@@ -485,7 +496,8 @@ class KVIndex:
         bit = s.bit
         fam = self._per_mask[per]
         others = [h for i, h in enumerate(self._held) if i != t and h]
-        old = self._old
+        old = self._old if self._old else None
+        compact = self._compact
         unl = self._unl
         waiting = self._waiting
         fast = per == 1 and g == 0
@@ -511,8 +523,12 @@ class KVIndex:
                     v = _perturb(v, eh)
                     m = 0
                 elif fast and not (unl and eh in unl):
-                    young[eh] = v
-                    held[v] = m | bit
+                    if compact:
+                        young.insert_new(eh, v)
+                        held.set_bit(v, bit)
+                    else:
+                        young[eh] = v
+                        held[v] = m | bit
                     added += 1
                     if waiting and eh in waiting:
                         self._link(eh)
