@@ -53,7 +53,7 @@ from kvstream.routekeys import (
     pack_tokens,
     prompt_keys,
 )
-from kvstream.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
+from kvstream.scoring import _NO_LOAD, Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
 
 __all__ = ["KVIndex", "IndexStats", "SourceInfo", "IndexError_", "BYTES_PER_BLOCK", "BYTES_PER_BLOCK_COMPACT"]
 
@@ -1202,6 +1202,73 @@ class KVIndex:
         pol = policy if policy is not None else _DEFAULT_POLICY
         values = pol(list(matches.values()), loads, len(keys))
         return ScoreResult(len(keys), self._R, matches, rank(values, loads), {s: v for v, s in values})
+
+    def best(
+        self,
+        keys: Sequence[int],
+        loads: Mapping[str, Load] | None = None,
+        policy: Policy | None = None,
+    ) -> str | None:
+        """``score(..., keys=keys, loads=loads, policy=policy).best``: the chosen source
+        only (None without sources), for callers that route and need nothing else.
+
+        The common case (no speculative entries, nothing in a lower tier, a plain
+        :class:`~kvstream.scoring.PrefixLoadPolicy`) skips building the per-source
+        :class:`~kvstream.scoring.SourceMatch` objects and the full ranking; anything else
+        goes through :meth:`score`. Both give the same answer (``tests/test_index.py``).
+        """
+        pol = policy if policy is not None else _DEFAULT_POLICY
+        if (type(pol) is not PrefixLoadPolicy or self._spec or self._compact
+                or any(self._held[t] for t in range(1, len(self._held)))):
+            return self.score((), loads=loads, policy=pol, keys=keys).best
+        loads = loads or {}
+        # The prefix walk of _walk's one-tier branch, ends kept per slot.
+        src = self._src
+        ends = [0] * len(src)
+        active = self._live
+        gpu = self._held[0]
+        n = len(keys)
+        if active:
+            for i, rk in enumerate(keys):
+                na = active & gpu.get(rk, 0)
+                if na != active:
+                    for slot in _bits(active ^ na):
+                        ends[slot] = i
+                    active = na
+                    if not active:
+                        break
+            for slot in _bits(active):
+                ends[slot] = n
+        # PrefixLoadPolicy.__call__ and rank() for a GPU-only match: the same arithmetic,
+        # in the same order, so values (and ties) are bit-identical; the best is the
+        # smallest (-value, (queue, running, kv_usage), name).
+        wg = pol.tier_weights.get("GPU", pol.other_tier_weight)
+        pw, qw, rw, kw = pol.prefix_weight, pol.queue_weight, pol.running_weight, pol.kv_weight
+        top: Any = None
+        for s in src:
+            if s is None:
+                continue
+            name = s.name
+            b = ends[s.slot]
+            per = s.per
+            if per is not None and per > 1:
+                b -= b % per
+            prefix = b * wg / n if b else 0.0
+            ld = loads.get(name, _NO_LOAD)
+            q, r, kv = ld.queue, ld.running, ld.kv_usage
+            cand = (-(pw * prefix - qw * q - rw * r - kw * kv), (q, r, kv), name)
+            if top is None or cand < top:
+                top = cand
+        slot_of = self._slot_of
+        for name, ld in loads.items():
+            if name in slot_of:
+                continue
+            # A source named only in the loads: no cached prefix.
+            q, r, kv = ld.queue, ld.running, ld.kv_usage
+            cand = (-(pw * 0.0 - qw * q - rw * r - kw * kv), (q, r, kv), name)
+            if top is None or cand < top:
+                top = cand
+        return None if top is None else top[2]
 
     # -- engine-hash matching ----------------------------------------------------------
 

@@ -235,3 +235,52 @@ def test_engine_hash_matching_with_the_engines_hasher() -> None:
     assert idx.match_engine_hashes(idx.engine_hashes(p))["e"] == 0
     apply(idx, "e", stored(hashes[:1], p[:BS]))
     assert idx.match_engine_hashes(hashes)["e"] == 3 and idx.match(p)["e"].blocks == 3
+
+
+def _best_cases():
+    """Indexes in several states (one tier; stale; engine blocks of 2 router blocks; CPU
+    tier; speculation) with prompts and loads that tie, differ and name unknown sources."""
+    from kvstream.scoring import Load, PrefixLoadPolicy
+
+    policies = [None, PrefixLoadPolicy(), PrefixLoadPolicy(queue_weight=0.25, running_weight=0.05, kv_weight=0.5),
+                PrefixLoadPolicy(queue_weight=0.0, running_weight=0.0, kv_weight=0.0),
+                PrefixLoadPolicy(tier_weights={"CPU": 0.8}, other_tier_weight=0.3)]
+    loads_list = [None, {}, {"a": Load(1, 2, 0.5), "b": Load(0, 1, 0.25)},
+                  {"a": Load(0, 0, 0.0), "b": Load(0, 0, 0.0), "c": Load(0, 0, 0.0), "z": Load(0, 0, 0.0)},
+                  {"c": Load(3, 0, 0.1), "new": Load(0, 0, 0.0)}]
+    p = P(0, 4)
+    prompts = [p, p[:2 * BS], p[: 3 * BS + 5], P(500, 3), []]
+    one = KVIndex()
+    apply(one, "a", stored([1, 2], p[: 2 * BS]))
+    apply(one, "b", stored([1, 2, 3], p[: 3 * BS]))
+    apply(one, "c", stored([9], P(500, 1)))
+    stale = KVIndex()
+    apply(stale, "a", stored([1, 2, 3, 4], p))
+    apply(stale, "b", stored([1], p[:BS]))
+    stale.mark_stale("a")
+    coarse = KVIndex(router_block_size=BS // 2)  # every engine block is 2 router blocks
+    apply(coarse, "a", stored([1, 2], p[: 2 * BS]))
+    apply(coarse, "b", stored([1], p[:BS]))
+    # b also holds a block whose first half matches the prompt: that half must not count.
+    apply(coarse, "c", stored([1], p[:BS]), stored([7], p[BS:BS + BS // 2] + [999] * (BS // 2), parent=1))
+    cpu = KVIndex()
+    apply(cpu, "a", stored([1, 2], p[: 2 * BS]), stored([3], [], medium="CPU", bs=0))
+    apply(cpu, "b", stored([1, 2, 3], p[: 3 * BS]))
+    apply(cpu, "b", stored([1, 2, 3], [], medium="CPU", bs=0))
+    spec = KVIndex()
+    apply(spec, "a", stored([1], p[:BS]))
+    spec.speculate("b", p, now=0.0)
+    for idx in (one, stale, coarse, cpu, spec, KVIndex()):
+        for pol in policies:
+            for loads in loads_list:
+                for prompt in prompts:
+                    yield idx, pol, loads, prompt
+
+
+def test_best_names_the_head_of_the_score_ranking() -> None:
+    n = 0
+    for idx, pol, loads, prompt in _best_cases():
+        keys = idx.keys(prompt)
+        assert idx.best(keys, loads, pol) == idx.score(prompt, loads=loads, policy=pol).best, (pol, loads, prompt)
+        n += 1
+    assert n == 6 * 5 * 5 * 5

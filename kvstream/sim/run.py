@@ -7,9 +7,13 @@ reads in the simulated part:
 1. Arrivals and engine step ends are processed in time order (ties: engine steps before
    arrivals, then lower engine index).
 2. Every engine transition's KV events become one :class:`~kvstream.events.KVEventBatch`
-   (``ts`` = simulated time), are *encoded and decoded with kvstream's wire codec*, and
-   applied to a :class:`~kvstream.index.KVIndex` under the engine's source name,
-   ``router_lag_s`` simulated seconds later (0: before the next routing decision).
+   (``ts`` = simulated time) and are applied to a :class:`~kvstream.index.KVIndex` under
+   the engine's source name, ``router_lag_s`` simulated seconds later (0: before the next
+   routing decision). By default the index gets the event objects the allocator made:
+   they are the values a subscriber decodes from the wire (``tests/test_simulate.py``
+   checks that both give identical results). ``SimConfig(wire=True)`` (``--wire``)
+   *encodes and decodes every batch with kvstream's wire codec* on the way, as the live
+   demo and real engines always do.
 3. Each arrival is routed by the policy from the index's score of its prompt and the
    engines' loads (waiting, running, KV usage), then queued on that engine.
 
@@ -55,6 +59,9 @@ class SimConfig:
         router_lag_s: simulated seconds between an engine publishing a batch and the index
             applying it.
         seed: seed of the random policy (and anything else random).
+        wire: round-trip every batch through the real encoder and decoder before the
+            index (slower; results are identical, the codec is tested on its own against
+            vLLM captures). False: the index gets the allocator's event objects.
     """
 
     engines: int = 4
@@ -62,6 +69,7 @@ class SimConfig:
     router_block_size: int | None = None
     router_lag_s: float = 0.0
     seed: int = 0
+    wire: bool = False
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -106,10 +114,12 @@ class SimRun:
         self._keys_memo = self._R == ec.sim_block_size
         self.encoder = EventEncoder()
         self.decoder = EventDecoder()
+        self._wire = config.wire
         self.seq = [0] * config.engines
         self.on_batch = on_batch
         self.states: list[SimRequestState] = []
-        self._pending: list[tuple[float, int, int, bytes]] = []  # (apply at, order, engine, payload)
+        # (apply at, order, engine, payload or batch)
+        self._pending: list[tuple[float, int, int, Any]] = []
         self._order = 0
         # Loads as the router sees them, rebuilt only for engines that changed (stepped or
         # got a request) since the last routing decision.
@@ -122,20 +132,26 @@ class SimRun:
     def _publish(self, engine: int, now: float, events: list[Any]) -> None:
         if not events:
             return
-        payload = self.encoder.encode(KVEventBatch(now, events))
+        batch = KVEventBatch(now, events)
         seq = self.seq[engine]
         self.seq[engine] = seq + 1
-        if self.on_batch is not None:
-            self.on_batch(self._src[engine], seq, payload)
+        item: Any = batch
+        if self._wire or self.on_batch is not None:
+            payload = self.encoder.encode(batch)
+            if self.on_batch is not None:
+                self.on_batch(self._src[engine], seq, payload)
+            if self._wire:
+                item = payload
         lag = self.config.router_lag_s
         if lag == 0:
-            self._apply(engine, payload, 0.0)
+            self._apply(engine, item, 0.0)
         else:
             self._order += 1
-            heapq.heappush(self._pending, (now + lag, self._order, engine, payload))
+            heapq.heappush(self._pending, (now + lag, self._order, engine, item))
 
-    def _apply(self, engine: int, payload: bytes, lag: float) -> None:
-        batch = self.decoder.decode(payload)
+    def _apply(self, engine: int, item: Any, lag: float) -> None:
+        # ``item``: the wire payload (wire=True) or the batch itself.
+        batch = self.decoder.decode(item) if self._wire else item
         self.index.apply_batch(self._src[engine], batch)
         m = self.metrics
         m.event_batches += 1
@@ -186,7 +202,7 @@ class SimRun:
         load_map = self._load_map
 
         def score(scoring: Any) -> str | None:
-            return index.score((), loads=load_map, policy=scoring, keys=keys).best
+            return index.best(keys, load_map, scoring)
 
         return pol.choose(loads, score, self.names)
 
