@@ -30,6 +30,7 @@ two counters.
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, Iterable, Sequence
 
 from kvstream.hashing import BlockHasher, LoRA, MMItem, RequestBlockHasher
@@ -49,7 +50,8 @@ class KVRequest:
 
     Attributes:
         request_id: the engine's id (any hashable; a str usually).
-        token_ids: every token so far, prompt then outputs (the manager appends to it).
+        token_ids: every token so far, prompt then outputs (the manager appends to it): a
+            list, or an ``array('I')`` when the prompt was given as one.
         block_hashes: digests of every full block the manager has hashed so far.
         blocks: the physical blocks held, in logical order (empty when not admitted).
         num_computed_tokens: tokens with KV slots allocated (tokens).
@@ -169,7 +171,12 @@ class KVCacheManager:
         by later tokens can only be cached if the list already holds their hashes (give
         the whole prompt+output chain up front, or pass None to hash here).
         """
-        tokens = list(prompt_token_ids)
+        if type(prompt_token_ids) is array and prompt_token_ids.typecode == "I":  # type: ignore[attr-defined]
+            # Kept as an array('I') copy (one memcpy; no int objects, nothing for the cycle
+            # collector): long simulated prompts are given this way.
+            tokens: Any = prompt_token_ids[:]  # type: ignore[index]
+        else:
+            tokens = list(prompt_token_ids)
         if not tokens:
             raise KVCacheManagerError(f"request {request_id!r} has an empty prompt; give at least one token")
         if block_hashes is not None:
@@ -348,7 +355,7 @@ class KVCacheManager:
             )
         if need <= 0 and nf <= request.num_cached_blocks:
             # Within the last block: nothing to allocate or cache (the common case).
-            tokens += toks
+            tokens.extend(toks)
             request.num_computed_tokens = total
             return True
         # Block by block, so that allocations and caches interleave as single decodes do.
@@ -360,7 +367,7 @@ class KVCacheManager:
             if pos >= len(blocks) * bs:
                 blocks += pool.get_new_blocks(1)
             end = min(total, (pos // bs + 1) * bs)
-            tokens += toks[pos - start:end - start]
+            tokens.extend(toks[pos - start:end - start])
             request.num_computed_tokens = end
             pos = end
             if end % bs == 0:

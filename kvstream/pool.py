@@ -25,6 +25,7 @@ raised before any state changes.
 from __future__ import annotations
 
 import struct
+from array import array
 from typing import Any, Iterable, Literal, Sequence
 
 from kvstream.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
@@ -766,7 +767,7 @@ class BlockPool:
         # One slice of the request's own token list: the run's tokens, already flat.
         tok = src.token_ids[start * bs:end * bs]
         if type(tok) is not list:
-            tok = list(tok)
+            tok = tok.tolist() if type(tok) is array else list(tok)
         if not self._v033:
             return BlockStored(ext, parent, tok, bs, src.lora_id, self.medium, None)
         ek = src.extra_keys

@@ -275,3 +275,29 @@ def test_decode_many_refuses_bad_calls_before_changing_anything() -> None:
     with pytest.raises(KVCacheManagerError, match="precomputed block hashes"):
         mgr.decode_many(short, [7, 8, 9])  # would complete block 0, which has no hash
     assert (pool_state(mgr), short.token_ids) == before
+
+
+def test_an_array_prompt_gives_the_same_blocks_and_events_as_a_list() -> None:
+    from array import array
+
+    from kvstream.hashing import BlockHasher
+    from kvstream.manager import KVCacheManager
+    from kvstream.pool import BlockPool
+
+    runs = []
+    for as_array in (False, True):
+        pool = BlockPool(12, 4)
+        m = KVCacheManager(pool, BlockHasher(block_size=4))
+        toks = list(range(1, 11))
+        r = m.new_request("a", array("I", toks) if as_array else toks)
+        assert m.admit(r)
+        for t in (50, 51, 52, 53, 54):
+            assert m.decode(r, t)
+        assert m.decode_many(r, [60, 61, 62, 63, 64])
+        m.free(r)
+        r2 = m.new_request("b", array("I", toks) if as_array else toks)
+        assert m.admit(r2) and r2.num_prefix_hit_tokens == 8
+        assert list(r.token_ids) == toks + [50, 51, 52, 53, 54, 60, 61, 62, 63, 64]
+        runs.append((m.take_events(), pool.snapshot_events(), r.block_hashes))
+    assert runs[0] == runs[1]
+    assert all(type(e.token_ids) is list for e in runs[1][0] if hasattr(e, "token_ids"))

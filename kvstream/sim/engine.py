@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from array import array
 from typing import Any, Sequence
 
 from kvstream.hashing import BlockHasher
@@ -156,7 +155,7 @@ class SimRequestState:
     """A request inside the simulation (the workload request plus its progress).
 
     Attributes (times in simulated seconds, -1.0 while unknown): ``req``, ``engine``,
-    ``kv`` (the manager's request), ``prompt_tokens`` (simulated tokens to prefill before
+    ``kv`` (the manager's request; None before submission and once finished), ``prompt_tokens`` (simulated tokens to prefill before
     decoding, outputs appended so far included), ``output`` (all output token ids),
     ``generated`` (output tokens sampled), ``admitted_at``, ``first_token_at``,
     ``finished_at``, ``preemptions``, ``routed_at``.
@@ -248,11 +247,9 @@ class EngineModel:
             self.rejected += 1
             return False
         state.output = prepared.output
-        tokens = prepared.prompt_tokens
+        # new_request copies the tokens into its own list (one copy from the array).
         state.kv = self.manager.new_request(
-            state.req.request_id,
-            tokens.tolist() if isinstance(tokens, array) else list(tokens),
-            block_hashes=prepared.block_hashes,
+            state.req.request_id, prepared.prompt_tokens, block_hashes=prepared.block_hashes,
         )
         self.waiting.append(state)
         if self.wakeup == math.inf:
@@ -286,6 +283,9 @@ class EngineModel:
         for st in self._to_free:
             if st.kv is not None and st.kv.running:
                 free(st.kv)
+            # Done with it: dropping the manager's request (its token list) leaves a
+            # finished run nothing big for the cycle collector to walk afterwards.
+            st.kv = None
             self.running.remove(st)
             st.finished_at = now
             m.completed += 1
