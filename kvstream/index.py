@@ -503,7 +503,22 @@ class KVIndex:
         fast = per == 1 and g == 0
         added = 0
         step = 4 * R * per
-        for i in range(n):
+        start = 0
+        if fast and not others and not old and not unl and not waiting and not compact:
+            # The common case (one key per block, one tier, nothing unlinked or aging):
+            # new blocks whose keys no other hash of the family holds are installed here;
+            # the general loop below takes over at the first block that is anything else.
+            for eh, v in zip(hashes, keys):
+                if eh in young:
+                    break
+                m = held.get(v, 0)
+                if m & fam:
+                    break
+                young[eh] = v
+                held[v] = m | bit
+                start += 1
+            added = start
+        for i in range(start, n):
             eh = hashes[i]
             k0 = i * per
             v = keys[k0] if per == 1 else tuple(keys[k0 : k0 + per])

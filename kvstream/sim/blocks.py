@@ -127,9 +127,11 @@ class SegmentHasher:
         self.hasher = hasher
         self.block_size = hasher.block_size
         self.max_entries = max_entries
-        # (parent, key) -> hash of a segment that is exactly one block, starting a block
-        # (Mooncake blocks: the common case, kept apart so it costs one small tuple).
-        self._one: dict[tuple[bytes, int], bytes] = {}
+        # parent + key (8 bytes, little-endian) -> hash of a segment that is exactly one
+        # block, starting a block (Mooncake blocks: the common case, kept apart). Keys are
+        # bytes, not (parent, key) tuples: a dict of bytes is invisible to the cycle
+        # collector, which would otherwise walk ~200k tuples after a cold Mooncake run.
+        self._one: dict[bytes, bytes] = {}
         # (parent, key, offset, count) -> hashes of `count` full blocks of segment `key`
         # starting `offset` tokens into it, chained from `parent`.
         self._runs: dict[tuple[bytes, int, int, int], list[bytes]] = {}
@@ -171,7 +173,7 @@ class SegmentHasher:
             key, n = segments[j]
             j += 1
             if n == bs and not carry_len:
-                ok = (prev, key)
+                ok = prev + key.to_bytes(8, "little")
                 if bulk is None:
                     h = one.get(ok)
                     if h is not None:
@@ -187,7 +189,7 @@ class SegmentHasher:
                     m += 1
                 i = len(out) - base
                 hs = bulk[i : i + m - j + 1]
-                one.update(zip(zip([prev] + hs[:-1], [k for k, _ in segments[j - 1 : m]]), hs))
+                one.update(zip([p + k.to_bytes(8, "little") for p, (k, _) in zip([prev] + hs[:-1], segments[j - 1 : m])], hs))
                 out.extend(hs)
                 prev = hs[-1]
                 j = m
