@@ -1,11 +1,12 @@
 """Simulator speed: requests per second of wall time, Mooncake conversation trace, 8 engines,
-virtual time (events through the real codec into the router index, routing and all).
+virtual time (every KV event into the router index, routing and all; ``--wire``: every
+batch also encoded and decoded with the real codec on the way).
 
 Target (issue): >= 10,000 requests/s of wall time for the *cold* end-to-end run: load the
 trace, prepare every request (tokens, engine block hashes, router keys) and simulate one
 policy (kv-aware). Run:
 
-    python bench/bench_sim.py [TRACE] [--repeat N] [--limit N] [--granularity G] [--policies a,b]
+    python bench/bench_sim.py [TRACE] [--repeat N] [--limit N] [--granularity G] [--policies a,b] [--wire]
 
 Each repeat is a fresh process (so "cold" is cold: no token or hash memo survives). Per
 repeat it prints the cold end-to-end time of the first policy, then one warm run of every
@@ -36,7 +37,7 @@ def _child(a: argparse.Namespace) -> None:
     reqs = load_mooncake(a.trace, limit=a.limit)
     t_load = time.perf_counter() - t0
     ec = EngineConfig(num_blocks=a.blocks, block_size=a.block_size, token_granularity=a.granularity)
-    cfg = SimConfig(engines=a.engines, engine=ec)
+    cfg = SimConfig(engines=a.engines, engine=ec, wire=a.wire)
     hasher = SegmentHasher(ec.block_hasher())
     prepared: dict = {}
     r = SimRun(reqs, policies[0], cfg, hasher=hasher, prepared=prepared).run()
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--policies", default="kv-aware,round-robin,kv-load,least-loaded,random")
     ap.add_argument("--repeat", type=int, default=1, help="fresh processes to run (ranges are printed)")
+    ap.add_argument("--wire", action="store_true", help="round-trip every batch through the codec (SimConfig.wire)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -72,7 +74,7 @@ def main() -> None:
         return
     args = [sys.executable, __file__, "--child", a.trace, "--engines", str(a.engines),
             "--granularity", str(a.granularity), "--block-size", str(a.block_size),
-            "--blocks", str(a.blocks), "--policies", a.policies]
+            "--blocks", str(a.blocks), "--policies", a.policies] + (["--wire"] if a.wire else [])
     if a.limit is not None:
         args += ["--limit", str(a.limit)]
     runs = []

@@ -380,16 +380,35 @@ class KVIndex:
         bit = s.bit
         fast_removed = 0
         compact = self._compact
+        copies = self._copies  # never rebound, only mutated
+        slot = s.slot
         for ev in batch.events:
             cls = type(ev)
             if cls is BlockRemoved:
                 # Inline the GPU pool's common case: one hash, group 0, one copy.
                 hs = ev.block_hashes
                 if (len(hs) == 1 and not ev.group_idx and (ev.medium == "GPU" or ev.medium is None)
-                        and not (self._copies and (hs[0], s.slot, 0) in self._copies)):
+                        and not (copies and (hs[0], slot, 0) in copies)):
                     eh = hs[0]
                     rk = young.get(eh)
-                    if compact and type(rk) is int:
+                    if not compact:
+                        if type(rk) is int:
+                            m = gpu.get(rk, 0)
+                            if m & bit:
+                                m ^= bit
+                                if m:
+                                    gpu[rk] = m
+                                else:
+                                    del gpu[rk]
+                                fast_removed += 1
+                                if href and eh in href:
+                                    n = href.pop(eh) - 1
+                                    if n > 1:
+                                        href[eh] = n
+                                else:
+                                    del young[eh]
+                                continue
+                    elif type(rk) is int:
                         if gpu.clear_bit(rk, bit):
                             fast_removed += 1
                             if href and eh in href:
@@ -398,22 +417,6 @@ class KVIndex:
                                     href[eh] = n
                             else:
                                 young.pop(eh)
-                            continue
-                    elif type(rk) is int:
-                        m = gpu.get(rk, 0)
-                        if m & bit:
-                            m ^= bit
-                            if m:
-                                gpu[rk] = m
-                            else:
-                                del gpu[rk]
-                            fast_removed += 1
-                            if href and eh in href:
-                                n = href.pop(eh) - 1
-                                if n > 1:
-                                    href[eh] = n
-                            else:
-                                del young[eh]
                             continue
             try:
                 if cls is BlockStored:
