@@ -85,6 +85,20 @@ def test_simulate_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.Captu
     assert data["meta"]["requests"] == 120
 
 
+def test_simulate_cli_wire_flag_gives_the_same_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--requests", "80", "--duration", "3", "--engines", "2", "--policies", "kv-aware", "--quiet"]
+    outs = []
+    for extra in ([], ["--wire"]):
+        out = tmp_path / f"r{len(extra)}.json"
+        assert main([*args, *extra, "--json", str(out)]) == 0
+        capsys.readouterr()
+        data = json.loads(out.read_text())
+        assert data["meta"]["wire"] is bool(extra)
+        outs.append([{k: v for k, v in r.items() if "wall" not in k}
+                     for r in data["results"]])
+    assert outs[0] == outs[1]
+
+
 def test_simulate_cli_reports_bad_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["simulate", "--policies", "nope"]) == 2
     assert "unknown policy" in capsys.readouterr().err

@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_engine_args(p)
     p.add_argument("--engines", default="8", help="engine count, or a comma list for a grid (default 8)")
+    p.add_argument("--wire", action="store_true",
+                   help="round-trip every batch through the wire codec before the router (slower; same results)")
     p.add_argument("--router-lag", type=float, default=0.0, metavar="S",
                    help="simulated seconds between a batch's publication and its application (default 0)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -156,7 +158,8 @@ def _run(args: argparse.Namespace) -> int:
         counts = [int(x) for x in str(args.engines).split(",") if x.strip()]
         ec = engine_config(args)
         reqs, meta = load_workload(args)
-        cfg = SimConfig(engines=counts[0], engine=ec, router_lag_s=args.router_lag, seed=args.seed)
+        cfg = SimConfig(engines=counts[0], engine=ec, router_lag_s=args.router_lag, seed=args.seed,
+                        wire=args.wire)
     except (WorkloadError, KVCachePlanningError, OSError, ValueError) as exc:
         print(f"kvstream simulate: {exc}", file=sys.stderr)
         return 2
@@ -172,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
     print(format_table(results))
     print(f"\n{len(reqs)} requests x {len(results)} runs in {wall:.2f}s wall "
           f"(block {ec.block_size} tokens, granularity {ec.token_granularity}, {ec.num_blocks} blocks/engine)")
-    meta.update(engine=_engine_meta(ec), seed=args.seed, router_lag_s=args.router_lag)
+    meta.update(engine=_engine_meta(ec), seed=args.seed, router_lag_s=args.router_lag, wire=args.wire)
     if args.json:
         write_json(args.json, results, meta)
         print(f"wrote {args.json}")
