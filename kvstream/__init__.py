@@ -54,6 +54,10 @@ from kvstream.transport import (
 from kvstream.index import KVIndex
 from kvstream.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch
 from kvstream.router import Router, apply_item
+from kvstream.sim.engine import EngineConfig
+from kvstream.sim.metrics import PolicyResult
+from kvstream.sim.run import SimConfig, compare, simulate
+from kvstream.sim.workload import SyntheticConfig, load_mooncake, synthetic_workload
 from kvstream.planning import (
     KVCachePlan,
     KVCachePlanningError,
@@ -121,6 +125,14 @@ __all__ = [
     "SourceMatch",
     "Router",
     "apply_item",
+    "EngineConfig",
+    "PolicyResult",
+    "SimConfig",
+    "compare",
+    "simulate",
+    "SyntheticConfig",
+    "load_mooncake",
+    "synthetic_workload",
     "KVCachePlan",
     "KVCachePlanningError",
     "NotEnoughKVCacheMemoryError",
