@@ -36,3 +36,9 @@ def golden_dir() -> Path:
 def mooncake_trace() -> Path:
     """The Mooncake conversation trace (JSON lines)."""
     return _need(TRACES / "mooncake_conversation.jsonl")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests run on asyncio (the backend kvstream's sockets are tuned for)."""
+    return "asyncio"

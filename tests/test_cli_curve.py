@@ -17,10 +17,6 @@ from kvstream.transport.curve import read_keypair, write_keypair
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
 
 def _batch(h: int) -> KVEventBatch:
     return KVEventBatch(float(h), [BlockStored([h], None, list(range(16)), 16, None, "GPU", None)])

@@ -18,10 +18,6 @@ from tests.zmq_helpers import ipc
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
 
 def test_endpoint_syntax_takes_replay_and_name_options():
     s = parse_endpoint("tcp://h:5557,replay=tcp://h:5558,name=e0")

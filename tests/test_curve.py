@@ -23,10 +23,6 @@ from tests.zmq_helpers import batches_of, collect
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
 
 def _batch(h: int) -> KVEventBatch:
     return KVEventBatch(1.0, [BlockStored([h], None, list(range(16)), 16, None, "GPU", None)])

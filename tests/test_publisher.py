@@ -27,10 +27,6 @@ from tests.zmq_helpers import ipc, recv, wait_readable
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
 
 def _stored(h: int) -> BlockStored:
     return BlockStored([h], None, list(range(16)), 16, None, "GPU", None)

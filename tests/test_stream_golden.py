@@ -21,10 +21,6 @@ pytestmark = pytest.mark.anyio
 CASES = [("vllm-0.11.0", 6, 6, 11), ("vllm-0.33.0", 9, 9, 18)]
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
 
 @pytest.mark.parametrize("folder,before,start,last", CASES)
 async def test_subscriber_yields_exactly_the_recorded_batches_recovering_through_recorded_replay(

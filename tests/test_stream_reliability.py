@@ -26,10 +26,6 @@ from tests.zmq_helpers import StateModel, apply_items, batches_of, collect, ipc,
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
 
 def _step(i: int, width: int = 1) -> KVEventBatch:
     """Step i stores hashes i*width.. and removes those stored 5 steps earlier."""

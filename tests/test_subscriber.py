@@ -24,10 +24,6 @@ from tests.zmq_helpers import batches_of, collect, ipc
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
 
 def _batch(h: int, ts: float = 1.0) -> KVEventBatch:
     return KVEventBatch(ts, [BlockStored([h], None, list(range(16)), 16, None, "GPU", None)])
