@@ -110,6 +110,10 @@ class _IndexCore:
                 s.count.append(0)
         return t
 
+    def _tier(self, medium: str | None) -> int:
+        t = self._tier_of.get(medium or "GPU")
+        return self._new_tier(medium) if t is None else t  # type: ignore[arg-type]
+
     def add_source(self, source: str) -> None:
         """Register a source before its first batch (so it can be ranked with no blocks)."""
         self._source(source)
@@ -177,12 +181,15 @@ class _IndexCore:
         lora: str | int | None = None,
         salt: str | None = None,
         mm_items: Sequence[Any] | None = None,
+        keys: Sequence[Any] | None = None,
     ) -> int:
         """Pretend ``source`` holds the prompt's blocks (GPU) until ``now + ttl_s`` seconds,
         or until its own events confirm or contradict them. Returns the router blocks added.
-        Call :meth:`expire` (the :class:`kvstream.router.Router` does) to drop old ones."""
+        Call :meth:`expire` (the :class:`kvstream.router.Router` does) to drop old ones.
+        ``keys``: the prompt's precomputed :meth:`keys` (then the prompt arguments are
+        ignored), so a caller that just scored the prompt does not compute them twice."""
         s = self._source(source)
-        keys = self.keys(prompt_tokens, lora, salt, mm_items)
+        keys = self.keys(prompt_tokens, lora, salt, mm_items) if keys is None else list(keys)
         spec = self._spec
         spec_n = self._spec_n
         for rk in keys:

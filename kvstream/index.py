@@ -335,10 +335,6 @@ class KVIndex(_IndexCore):
         if self._max_bytes is not None and self.estimated_bytes() > self._max_bytes:
             self._evict(int(self._max_bytes * 0.9))
 
-    def _tier(self, medium: str | None) -> int:
-        t = self._tier_of.get(medium or "GPU")
-        return self._new_tier(medium) if t is None else t  # type: ignore[arg-type]
-
     def _stored(self, s: _Source, ev: BlockStored) -> None:
         hashes = ev.block_hashes
         n = len(hashes)

@@ -66,7 +66,12 @@ OPS = st.lists(
 @given(ops=OPS)
 def test_index_scores_every_prompt_like_the_engines_pools(ops) -> None:
     engines = [_Engine("e0", 16, 12), _Engine("e1", 16, 20), _Engine("e2", 32, 10)]
-    index = KVIndex(router_block_size=R)
+    run_against_pools(ops, KVIndex(router_block_size=R), engines)
+
+
+def run_against_pools(ops, index, engines: list[_Engine]) -> None:
+    """Drive ``engines`` through ``ops`` and check after every op that ``index`` (any router
+    index class) scores the recent probe prompts exactly as each engine's pool holds them."""
     backlog: dict[str, list[KVEventBatch]] = {e.name: [] for e in engines}
     stale: set[str] = set()
     probes: list[tuple[list[int], str | None]] = []
