@@ -1,4 +1,5 @@
-"""The embeddable async router: subscribe to every engine, keep a :class:`KVIndex` current,
+"""The embeddable async router: subscribe to every engine, keep a router index current
+(:class:`KVIndex`, or :class:`EngineKeyIndex` when the router hashes like the engines),
 answer "where should this prompt go?".
 
 ::
@@ -20,18 +21,22 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import anyio
 import anyio.abc
 
+from kvstream.engine_index import EngineKeyIndex
 from kvstream.index import KVIndex
 from kvstream.scoring import Load, Policy, ScoreResult
 from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale
 from kvstream.transport.subscriber import SourceHealth, SourceSpec, Subscriber
 
-__all__ = ["Router", "apply_item"]
+__all__ = ["Router", "apply_item", "AnyIndex"]
+
+AnyIndex = KVIndex | EngineKeyIndex
+"""The router index classes: same API, keyed by router token keys or by engine hashes."""
 
 log = logging.getLogger(__name__)
 
 
-def apply_item(index: KVIndex, item: Any, now: float | None = None) -> None:
-    """Apply one subscriber item to ``index``.
+def apply_item(index: AnyIndex, item: Any, now: float | None = None) -> None:
+    """Apply one subscriber item to ``index`` (a :class:`KVIndex` or :class:`EngineKeyIndex`).
 
     * :class:`SourceBatch` -> :meth:`KVIndex.apply_batch` (``now``: seconds for the TTL;
       default the batch's ``ts``);
@@ -60,13 +65,16 @@ def apply_item(index: KVIndex, item: Any, now: float | None = None) -> None:
 
 
 class Router:
-    """Subscribes to every engine and keeps a :class:`KVIndex` current.
+    """Subscribes to every engine and keeps a router index (:data:`AnyIndex`) current.
 
     Args:
         endpoints: :class:`~kvstream.transport.subscriber.SourceSpec` s, or PUB endpoint
             strings (no replay). Source names default to the endpoint.
         index: the index to keep (default ``KVIndex()``); pass one to set the router block
-            size, memory bound or TTL.
+            size, memory bound or TTL, or an ``EngineKeyIndex(hasher=...)`` to match by the
+            engines' own hashes (then ``route``'s ``lora`` is a
+            :class:`kvstream.hashing.LoRA` and ``mm_items`` carry lengths; see
+            ``docs/router.md``).
         policy: the ranking policy (default :class:`~kvstream.scoring.PrefixLoadPolicy`).
         speculative_ttl_s: if set, :meth:`route` pretends the chosen source holds the
             prompt's blocks for this many seconds (until its events say otherwise), so a
@@ -83,7 +91,7 @@ class Router:
         self,
         endpoints: Iterable[SourceSpec | str] = (),
         *,
-        index: KVIndex | None = None,
+        index: AnyIndex | None = None,
         policy: Policy | None = None,
         speculative_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -147,20 +155,21 @@ class Router:
         prompt_tokens: Sequence[int],
         loads: Mapping[str, Load] | None = None,
         *,
-        lora: str | int | None = None,
+        lora: Any = None,
         salt: str | None = None,
         mm_items: Sequence[Any] | None = None,
     ) -> ScoreResult:
         """Score the prompt against every source and rank them (``.best`` is the choice).
-        See :meth:`KVIndex.score`. With ``speculative_ttl_s``, the choice is remembered."""
+        See :meth:`KVIndex.score`. With ``speculative_ttl_s``, the choice is remembered.
+        ``lora``: an adapter name or int id for a :class:`KVIndex`, a
+        :class:`kvstream.hashing.LoRA` for an :class:`EngineKeyIndex`."""
         index = self.index
         now = self._clock()
         index.expire(now)
         keys = index.keys(prompt_tokens, lora, salt, mm_items)
         res = index.score(prompt_tokens, loads=loads, policy=self.policy, keys=keys)
         if self.speculative_ttl_s is not None and res.best is not None:
-            index.speculate(res.best, prompt_tokens, now, self.speculative_ttl_s,
-                            lora=lora, salt=salt, mm_items=mm_items)
+            index.speculate(res.best, prompt_tokens, now, self.speculative_ttl_s, keys=keys)
         return res
 
     # -- sources ---------------------------------------------------------------------
