@@ -10,6 +10,11 @@
    ``match`` (prefixes only) and ``score`` (prefixes + default policy ranking).
 3. Memory: tracemalloc bytes per (block, source) residency at 10**6 entries, for
    distinct blocks on one source and for blocks shared by 8 and by 64 sources.
+
+``--layout engine`` runs the same three on :class:`kvstream.engine_index.EngineKeyIndex`
+(keyed by engine hashes): scoring once per hasher (native, xxhash, sha256_cbor), the
+prompt's engine hashes computed inside the timed call; memory with random 64-bit hashes
+(the int objects real events carry).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import statistics
 import time
 import tracemalloc
 
+from kvstream.engine_index import EngineKeyIndex
 from kvstream.events import BlockRemoved, BlockStored, EventDecoder, KVEventBatch, encode_batch
+from kvstream.hashing import BlockHasher
 from kvstream.index import KVIndex
 from kvstream.scoring import Load
 
@@ -54,13 +61,19 @@ def _payloads(n_blocks: int, run: int, seed: int = 1) -> list[bytes]:
     return out
 
 
-def bench_ingest(n_blocks: int, compact: bool = False) -> None:
+def _new_index(layout: str, hasher: str = "native") -> KVIndex | EngineKeyIndex:
+    if layout == "engine":
+        return EngineKeyIndex(BlockHasher(hasher, BS, seed="0"))
+    return KVIndex(compact=layout == "compact")
+
+
+def bench_ingest(n_blocks: int, layout: str = "dict") -> None:
     payloads = _payloads(n_blocks, run=16)
     dec = EventDecoder()
     batches = [dec.decode(p) for p in payloads]
     n = sum(len(e.block_hashes) for b in batches for e in b.events)
     for label, decode in (("decode+apply", True), ("apply only  ", False)):
-        index = KVIndex(compact=compact)
+        index = _new_index(layout)
         gc.collect()
         t0 = time.perf_counter()
         if decode:
@@ -73,16 +86,19 @@ def bench_ingest(n_blocks: int, compact: bool = False) -> None:
         print(f"ingest {label}: {n:,} block events in {dt:.3f} s = {n / dt / 1e6:.2f} M block events/s")
 
 
-def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000, compact: bool = False) -> None:
+def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000, layout: str = "dict",
+                hasher: str = "native") -> None:
     rnd = random.Random(2)
     prompt = [rnd.randrange(50_000) for _ in range(prompt_tokens)]
     nb = prompt_tokens // BS
-    index = KVIndex(compact=compact)
-    h = 1
+    index = _new_index(layout, hasher)
+    # Every source holds the prompt's blocks under the same engine hashes (replicas of one
+    # model hash alike); engine-keyed, they must be the prompt's real engine hashes.
+    ek = index.keys(prompt) if layout == "engine" else list(range(1, 1 + nb))
+    h = 1 + nb
     for s in range(n_sources):
         k = rnd.randrange(nb + 1)  # this source holds the first k blocks of the prompt
-        hashes = list(range(h, h + nb))
-        h += nb
+        hashes = list(ek)
         index.apply_batch(
             f"engine-{s:02d}",
             KVEventBatch(0.0, [BlockStored(hashes[:k], None, prompt[: k * BS], BS, None, "GPU", None)] if k else []),
@@ -95,6 +111,8 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
         )
         h += 64
     loads = {f"engine-{s:02d}": Load(queue=s % 5, running=s % 7, kv_usage=(s % 10) / 10) for s in range(n_sources)}
+    holding = sum(1 for m in index.match(prompt).values() if m.blocks)
+    print(f"({holding} of {n_sources} sources hold a prefix of the prompt)")
     for label, fn in (
         ("match", lambda: index.match(prompt)),
         ("score", lambda: index.score(prompt, loads=loads)),
@@ -110,6 +128,15 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
         p50 = ts[len(ts) // 2] / 1e3
         p99 = ts[int(len(ts) * 0.99)] / 1e3
         print(f"{label} {prompt_tokens} tokens x {n_sources} sources: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    keys = index.keys(prompt)
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        index.best(index.keys(prompt), loads)
+        ts.append(time.perf_counter_ns() - t0)
+    ts.sort()
+    print(f"best(keys(prompt)): p50 {ts[len(ts) // 2] / 1e3:.0f} us, p99 {ts[int(len(ts) * 0.99)] / 1e3:.0f} us"
+          f" (best alone p50 {min(_time_ns(lambda: index.best(keys, loads)) for _ in range(5)) / 1e3:.0f} us)")
     keys_t = []
     for _ in range(500):
         t0 = time.perf_counter_ns()
@@ -118,7 +145,13 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
     print(f"  of which key computation: p50 {statistics.median(keys_t) / 1e3:.0f} us")
 
 
-def bench_memory(entries: int, sharers: int, compact: bool = False) -> None:
+def _time_ns(fn) -> int:
+    t0 = time.perf_counter_ns()
+    fn()
+    return time.perf_counter_ns() - t0
+
+
+def bench_memory(entries: int, sharers: int, layout: str = "dict") -> None:
     """`entries` (block, source) residencies: entries // sharers distinct blocks, each
     held by `sharers` sources."""
     rnd = random.Random(3)
@@ -127,12 +160,15 @@ def bench_memory(entries: int, sharers: int, compact: bool = False) -> None:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    index = KVIndex(compact=compact)
+    index = _new_index(layout)
     h = 1 << 40
     made = 0
     while made < n_blocks:
         toks = [rnd.randrange(50_000) for _ in range(run * BS)]
-        hashes = list(range(h, h + run))
+        if layout == "engine":
+            hashes = [rnd.getrandbits(64) for _ in range(run)]  # real hashes are 64-bit ints
+        else:
+            hashes = list(range(h, h + run))
         h += run
         for s in range(sharers):
             # Each source's event decodes into its own int objects, as off the wire.
@@ -157,16 +193,22 @@ def bench_memory(entries: int, sharers: int, compact: bool = False) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    ap.add_argument("--layout", choices=("dict", "compact", "both"), default="both",
-                    help="KVIndex layout: dicts (default index) or compact=True")
+    ap.add_argument("--layout", choices=("dict", "compact", "engine", "both", "all"), default="all",
+                    help="KVIndex dicts (default index), KVIndex(compact=True), EngineKeyIndex, "
+                         "both KVIndex layouts, or all three")
     a = ap.parse_args()
-    for compact in {"dict": (False,), "compact": (True,), "both": (False, True)}[a.layout]:
-        print(f"== KVIndex(compact={compact})")
-        bench_ingest(200_000 if a.quick else 2_000_000, compact)
-        bench_score(iters=200 if a.quick else 2000, compact=compact)
+    layouts = {"both": ("dict", "compact"), "all": ("dict", "compact", "engine")}.get(a.layout, (a.layout,))
+    for layout in layouts:
+        title = {"dict": "KVIndex()", "compact": "KVIndex(compact=True)", "engine": "EngineKeyIndex"}[layout]
+        print(f"== {title}")
+        bench_ingest(200_000 if a.quick else 2_000_000, layout)
+        for hasher in (("native", "xxhash", "sha256_cbor") if layout == "engine" else ("native",)):
+            if layout == "engine":
+                print(f"-- scoring with BlockHasher({hasher!r})")
+            bench_score(iters=200 if a.quick else 2000, layout=layout, hasher=hasher)
         n = 100_000 if a.quick else 1_000_000
         for sharers in (1, 8, 64):
-            bench_memory(n, sharers, compact)
+            bench_memory(n, sharers, layout)
 
 
 if __name__ == "__main__":

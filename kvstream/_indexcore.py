@@ -279,19 +279,23 @@ class _IndexCore:
                 end[slot] = n
             tier_end[0] = end
         elif not others and not spec:
-            i = 0
+            # Sources leave the prefix at up to n distinct blocks (replicas holding one
+            # prompt's prefixes to different lengths): note (block, leavers) in the loop
+            # and expand the bits once afterwards, with no generator per block.
+            drops = []
             for i, rk in enumerate(keys):
                 na = active & gpu.get(rk, 0)
                 if na != active:
-                    for slot in _bits(active ^ na):
-                        end[slot] = i
+                    drops.append((i, active ^ na))
                     active = na
                     if not active:
                         break
-            else:
-                i = n
-            for slot in _bits(active):
-                end[slot] = n
+            drops.append((n, active))
+            for i, x in drops:
+                while x:
+                    b = x & -x
+                    end[b.bit_length() - 1] = i
+                    x ^= b
             tier_end[0] = end
         else:
             t_active = [0] * len(held)
@@ -347,6 +351,7 @@ class _IndexCore:
         media = self._media
         out: dict[str, SourceMatch] = {}
         gpu_end = tier_end[0]
+        one_tier = not others and not spec
         for s in self._src:
             if s is None:
                 continue
@@ -358,6 +363,9 @@ class _IndexCore:
                 b -= b % per
             if not b:
                 out[s.name] = SourceMatch(s.name, 0, 0, {}, {}, s.stale)
+                continue
+            if one_tier:  # the GPU prefix is the prefix
+                out[s.name] = SourceMatch(s.name, b, b * R, {"GPU": b}, {"GPU": b}, s.stale)
                 continue
             tb = {}
             for t, te in enumerate(tier_end):
@@ -437,16 +445,20 @@ class _IndexCore:
         gpu = self._held[0]
         n = len(keys)
         if active:
+            drops = []
             for i, rk in enumerate(keys):
                 na = active & gpu.get(rk, 0)
                 if na != active:
-                    for slot in _bits(active ^ na):
-                        ends[slot] = i
+                    drops.append((i, active ^ na))
                     active = na
                     if not active:
                         break
-            for slot in _bits(active):
-                ends[slot] = n
+            drops.append((n, active))
+            for i, x in drops:
+                while x:
+                    b = x & -x
+                    ends[b.bit_length() - 1] = i
+                    x ^= b
         # PrefixLoadPolicy.__call__ and rank() for a GPU-only match: the same arithmetic,
         # in the same order, so values (and ties) are bit-identical; the best is the
         # smallest (-value, (queue, running, kv_usage), name).
