@@ -475,3 +475,36 @@ def test_random_prompts_score_the_same_as_kvindex() -> None:
     for p in base:
         a, b = ek.match(p), kv.match(p)
         assert {n: m.blocks for n, m in a.items()} == {n: m.blocks for n, m in b.items()}
+
+
+# -- behind the async Router, on real sockets ---------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_router_routes_by_engine_hashes_from_real_publishers(tmp_path) -> None:
+    from kvstream.router import Router
+    from kvstream.transport import KVEventsConfig, Publisher, SourceSpec
+
+    def cfg(name: str) -> KVEventsConfig:
+        return KVEventsConfig(publisher="zmq", endpoint=f"ipc://{tmp_path}/{name}.sock",
+                              replay_endpoint=f"ipc://{tmp_path}/{name}-replay.sock")
+
+    salted, plain = P(1000, 4), P(5000, 4)
+    async with Publisher(cfg("a")) as pa, Publisher(cfg("b")) as pb:
+        specs = [SourceSpec(pa.endpoint, pa.replay_endpoint, name="a"),
+                 SourceSpec(pb.endpoint, pb.replay_endpoint, name="b")]
+        async with Router(specs, index=new(), speculative_ttl_s=1.0) as router:
+            pa.publish(KVEventBatch(1.0, [stored(H(salted, cache_salt="t1"), salted)]))
+            pb.publish(KVEventBatch(1.0, [stored(H(plain)[:3], plain[: 3 * BS])]))
+            await router.wait_applied("a", 0)
+            await router.wait_applied("b", 0)
+            assert router.route(salted, salt="t1").best == "a"
+            res = router.route(plain, loads={"a": Load(queue=1)})
+            assert res.best == "b" and res.matches["b"].blocks == 3 and res.matches["a"].blocks == 0
+            pb.publish(KVEventBatch(2.0, [BlockRemoved(H(plain)[:1], "GPU")]))
+            await router.wait_applied("b", 1)
+            # Only the speculation (the route just chose b) still claims the prefix.
+            m = router.index.match(plain)["b"]
+            assert m.blocks == 4 and m.tier_blocks == {} and m.speculative_blocks
+            router.index.expire(float("inf"))
+            assert router.index.match(plain)["b"].blocks == 0
