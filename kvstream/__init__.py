@@ -52,6 +52,7 @@ from kvstream.transport import (
     Subscriber,
 )
 from kvstream.index import KVIndex
+from kvstream.engine_index import EngineKeyIndex
 from kvstream.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch
 from kvstream.router import Router, apply_item
 from kvstream.sim.engine import EngineConfig
@@ -118,6 +119,7 @@ __all__ = [
     "SourceStale",
     "Subscriber",
     "KVIndex",
+    "EngineKeyIndex",
     "Load",
     "Policy",
     "PrefixLoadPolicy",
