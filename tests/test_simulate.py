@@ -85,18 +85,18 @@ def test_simulate_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.Captu
     assert data["meta"]["requests"] == 120
 
 
-def test_simulate_cli_wire_flag_gives_the_same_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_cli_wire_and_router_index_flags_give_the_same_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["simulate", "--requests", "80", "--duration", "3", "--engines", "2", "--policies", "kv-aware", "--quiet"]
     outs = []
-    for extra in ([], ["--wire"]):
+    for extra in ([], ["--wire"], ["--router-index", "token"]):
         out = tmp_path / f"r{len(extra)}.json"
         assert main([*args, *extra, "--json", str(out)]) == 0
         capsys.readouterr()
         data = json.loads(out.read_text())
-        assert data["meta"]["wire"] is bool(extra)
+        assert data["meta"]["wire"] is ("--wire" in extra)
         outs.append([{k: v for k, v in r.items() if "wall" not in k}
                      for r in data["results"]])
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_simulate_cli_reports_bad_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -132,3 +132,34 @@ def test_mooncake_events_through_the_codec_give_the_same_run(mooncake_trace: Pat
     assert a.deterministic() == b.deterministic()
     assert direct.index.state() == wired.index.state()
     assert a.events > 10_000 and a.hit_rate > 0
+
+
+@pytest.mark.parametrize("policy", ["kv-aware", "kv-load", "prefix-only"])
+def test_engine_keyed_and_token_keyed_routers_make_the_same_decisions(policy: str) -> None:
+    from dataclasses import replace
+
+    from kvstream.engine_index import EngineKeyIndex
+    from kvstream.index import KVIndex
+    from kvstream.sim.run import SimRun
+
+    for cfg in (SMALL, SimConfig(engines=3, engine=SMALL.engine, router_lag_s=0.3, seed=7)):
+        eng = SimRun(_workload(), policy, replace(cfg, router_index="engine"))
+        tok = SimRun(_workload(), policy, replace(cfg, router_index="token"))
+        assert isinstance(eng.index, EngineKeyIndex) and isinstance(tok.index, KVIndex)
+        a, b = eng.run(), tok.run()
+        assert a.deterministic() == b.deterministic()
+        assert a.hit_rate > 0
+
+
+def test_mooncake_engine_keyed_router_gives_the_same_run(mooncake_trace: Path) -> None:
+    from dataclasses import replace
+
+    reqs = load_mooncake(mooncake_trace, limit=1200)
+    cfg = SimConfig(engines=8, engine=EngineConfig(num_blocks=256, block_size=512, token_granularity=32))
+    a, b = (compare(reqs, ["kv-aware"], replace(cfg, router_index=m))[0] for m in ("engine", "token"))
+    assert a.deterministic() == b.deterministic() and a.hit_rate > 0
+
+
+def test_engine_keyed_router_needs_engine_sized_router_blocks() -> None:
+    with pytest.raises(WorkloadError, match="router_index='token'"):
+        SimConfig(engine=SMALL.engine, router_block_size=SMALL.engine.sim_block_size * 2)

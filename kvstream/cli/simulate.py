@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_engine_args(p)
     p.add_argument("--engines", default="8", help="engine count, or a comma list for a grid (default 8)")
+    p.add_argument("--router-index", choices=("engine", "token"), default="engine",
+                   help="router matches by the engines' block hashes (engine, default, faster) or by its own "
+                        "token keys (token); same decisions")
     p.add_argument("--wire", action="store_true",
                    help="round-trip every batch through the wire codec before the router (slower; same results)")
     p.add_argument("--router-lag", type=float, default=0.0, metavar="S",
@@ -159,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
         ec = engine_config(args)
         reqs, meta = load_workload(args)
         cfg = SimConfig(engines=counts[0], engine=ec, router_lag_s=args.router_lag, seed=args.seed,
-                        wire=args.wire)
+                        wire=args.wire, router_index=args.router_index)
     except (WorkloadError, KVCachePlanningError, OSError, ValueError) as exc:
         print(f"kvstream simulate: {exc}", file=sys.stderr)
         return 2
@@ -175,7 +178,8 @@ def _run(args: argparse.Namespace) -> int:
     print(format_table(results))
     print(f"\n{len(reqs)} requests x {len(results)} runs in {wall:.2f}s wall "
           f"(block {ec.block_size} tokens, granularity {ec.token_granularity}, {ec.num_blocks} blocks/engine)")
-    meta.update(engine=_engine_meta(ec), seed=args.seed, router_lag_s=args.router_lag, wire=args.wire)
+    meta.update(engine=_engine_meta(ec), seed=args.seed, router_lag_s=args.router_lag, wire=args.wire,
+                router_index=args.router_index)
     if args.json:
         write_json(args.json, results, meta)
         print(f"wrote {args.json}")

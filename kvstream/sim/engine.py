@@ -129,9 +129,11 @@ class Prepared:
         total_tokens: prompt + output length (simulated tokens).
         router_keys: the router's keys of the prompt when the router block is the engine
             block (filled in by the first run that routes with them; None before).
+        engine_keys: the prompt's engine block hashes in the events' int form, for an
+            engine-keyed router index (filled in on first use; None before).
     """
 
-    __slots__ = ("prompt_tokens", "output", "block_hashes", "total_tokens", "router_keys")
+    __slots__ = ("prompt_tokens", "output", "block_hashes", "total_tokens", "router_keys", "engine_keys")
 
     def __init__(self, req: SimRequest, config: EngineConfig, hasher: SegmentHasher) -> None:
         g = config.token_granularity
@@ -149,6 +151,7 @@ class Prepared:
         self.block_hashes = hasher.hashes(segs, tokens=toks)
         self.total_tokens = len(toks)
         self.router_keys: list[int] | None = None
+        self.engine_keys: list[int] | None = None
 
 
 class SimRequestState:

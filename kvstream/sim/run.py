@@ -30,7 +30,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+from kvstream.engine_index import EngineKeyIndex
 from kvstream.events import EventDecoder, EventEncoder, KVEventBatch
+from kvstream.hashing import to_external_list
 from kvstream.index import KVIndex
 from kvstream.scoring import Load
 from kvstream.sim.blocks import SegmentHasher
@@ -62,6 +64,12 @@ class SimConfig:
         wire: round-trip every batch through the real encoder and decoder before the
             index (slower; results are identical, the codec is tested on its own against
             vLLM captures). False: the index gets the allocator's event objects.
+        router_index: ``"engine"`` (default): the router matches by the engines' own block
+            hashes (:class:`~kvstream.engine_index.EngineKeyIndex`; it knows the engines'
+            algorithm and seed, as every simulated engine shares them); ``"token"``: the
+            router computes its own keys from the events' tokens
+            (:class:`~kvstream.index.KVIndex`, as for engines it knows nothing about).
+            Routing decisions, and so results, are identical (tested); "engine" is faster.
     """
 
     engines: int = 4
@@ -70,8 +78,17 @@ class SimConfig:
     router_lag_s: float = 0.0
     seed: int = 0
     wire: bool = False
+    router_index: str = "engine"
 
     def __post_init__(self) -> None:
+        if self.router_index not in ("engine", "token"):
+            raise WorkloadError(f"router_index must be 'engine' or 'token', got {self.router_index!r}")
+        if (self.router_index == "engine" and self.router_block_size is not None
+                and self.router_block_size != self.engine.sim_block_size):
+            raise WorkloadError(
+                f"router_block_size={self.router_block_size} differs from the engines' block "
+                f"({self.engine.sim_block_size} simulated tokens): an engine-keyed router matches whole "
+                "engine blocks; use router_index='token' for another router block size")
         if self.engines < 1:
             raise WorkloadError(f"engines must be >= 1, got {self.engines}")
         if self.router_lag_s < 0:
@@ -108,7 +125,9 @@ class SimRun:
         self._src = [source_name(i) for i in range(config.engines)]
         self.names = {name: i for i, name in enumerate(self._src)}
         self._R = config.router_block_size or ec.sim_block_size
-        self.index = KVIndex(router_block_size=self._R)
+        self._engine_keyed = config.router_index == "engine"
+        self.index: KVIndex | EngineKeyIndex = (
+            EngineKeyIndex(ec.block_hasher()) if self._engine_keyed else KVIndex(router_block_size=self._R))
         # Router keys can be memoized per engine block hash when a router block is an
         # engine block (the default).
         self._keys_memo = self._R == ec.sim_block_size
@@ -190,9 +209,18 @@ class SimRun:
         if not pol.uses_index:
             return pol.choose(loads)
         index = self.index
-        # The router sees the prompt's tokens and computes its own keys from them: the same
-        # keys as index.keys(tokens), memoized per prefix when router and engine blocks agree.
-        if prepared is not None and self._keys_memo:
+        # The router sees the prompt's tokens and computes its keys from them: the same keys
+        # as index.keys(tokens), memoized per request (engine hashes are computed once per
+        # request anyway) or per prefix (router keys, when router and engine blocks agree).
+        if self._engine_keyed:
+            if prepared is None:
+                keys = index.keys(tokens)
+            else:
+                keys = prepared.engine_keys
+                if keys is None:
+                    n = len(tokens) // self._R
+                    keys = prepared.engine_keys = to_external_list(prepared.block_hashes[:n])
+        elif prepared is not None and self._keys_memo:
             keys = prepared.router_keys
             if keys is None:
                 keys = prepared.router_keys = self.hasher.router_keys(
