@@ -79,6 +79,46 @@ class _IndexCore:
     _spec: dict[Any, int]
     _spec_n: dict[tuple[int, Any], int]
     _spec_q: deque[tuple[float, int, list[Any]]]
+    # (engine hash, source slot, tier) -> {group: copies}, only where a holding is not
+    # exactly one copy in group 0 (the common case costs no record).
+    _copies: dict[tuple[Any, int, int], dict[int, int]]
+
+    def _add_copy_record(self, key: tuple[Any, int, int], g: int, held: bool) -> bool:
+        """Count one more copy of group ``g`` for a (hash, source, tier) ``key``.
+
+        ``held``: the source already holds the hash in that tier. Returns True when the
+        caller must still mark the holding (it was not held before)."""
+        if held:
+            cp = self._copies.get(key)
+            if cp is None:
+                cp = self._copies[key] = {0: 1}
+            cp[g] = cp.get(g, 0) + 1
+            return False
+        if g:
+            self._copies[key] = {g: 1}
+        return True
+
+    def _take_copy(self, key: tuple[Any, int, int], g: int) -> int:
+        """Remove one copy of group ``g`` for a held (hash, source, tier) ``key``.
+
+        Returns 0 when there is no such copy (nothing changed), 1 when copies remain (the
+        holding stays), 2 when it was the last one (the caller releases the holding)."""
+        cp = self._copies.get(key)
+        if cp is None:
+            return 0 if g else 2
+        n = cp.get(g, 0)
+        if not n:
+            return 0
+        if n > 1:
+            cp[g] = n - 1
+        else:
+            del cp[g]
+        if cp:
+            if cp == {0: 1}:
+                del self._copies[key]
+            return 1
+        del self._copies[key]
+        return 2
 
     def _map(self) -> Any:
         raise NotImplementedError

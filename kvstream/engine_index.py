@@ -346,15 +346,8 @@ class EngineKeyIndex(_IndexCore):
         """Add one physical copy of ``eh`` in (source, tier, group)."""
         h = self._held[t]
         m = h.get(eh, 0)
-        if m & s.bit:
-            key = (eh, s.slot, t)
-            cp = self._copies.get(key)
-            if cp is None:
-                cp = self._copies[key] = {0: 1}
-            cp[g] = cp.get(g, 0) + 1
+        if (m & s.bit or g) and not self._add_copy_record((eh, s.slot, t), g, bool(m & s.bit)):
             return
-        if g:
-            self._copies[(eh, s.slot, t)] = {g: 1}
         h[eh] = m | s.bit if m else s.bit
         s.count[t] += 1
 
@@ -364,24 +357,9 @@ class EngineKeyIndex(_IndexCore):
         m = h.get(eh, 0)
         if not m & s.bit:
             return False
-        key = (eh, s.slot, t)
-        cp = self._copies.get(key)
-        if cp is None:
-            if g:
-                return False
-        else:
-            n = cp.get(g, 0)
-            if not n:
-                return False
-            if n > 1:
-                cp[g] = n - 1
-            else:
-                del cp[g]
-            if cp:
-                if cp == {0: 1}:
-                    del self._copies[key]
-                return True
-            del self._copies[key]
+        left = self._take_copy((eh, s.slot, t), g)
+        if left != 2:
+            return left == 1
         m ^= s.bit
         if m:
             h[eh] = m

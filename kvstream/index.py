@@ -554,16 +554,8 @@ class KVIndex(_IndexCore):
         rk0 = v if type(v) is int else v[-1]
         m = held.get(rk0, 0)
         self.stats.stored_blocks += 1
-        if m & bit:
-            key = (eh, s.slot, t)
-            cp = self._copies.get(key)
-            if cp is None:
-                cp = {0: 1}
-                self._copies[key] = cp
-            cp[g] = cp.get(g, 0) + 1
+        if (m & bit or g) and not self._add_copy_record((eh, s.slot, t), g, bool(m & bit)):
             return
-        if g != 0:
-            self._copies[(eh, s.slot, t)] = {g: 1}
         if type(v) is int:
             held[rk0] = m | bit
         else:
@@ -719,23 +711,9 @@ class KVIndex(_IndexCore):
         rks = (v,) if type(v) is int else v
         if not held.get(rks[-1], 0) & bit:
             return False
-        key = (eh, s.slot, t)
-        cp = self._copies.get(key)
-        if cp is not None:
-            n = cp.get(g, 0)
-            if not n:
-                return False
-            if n > 1:
-                cp[g] = n - 1
-            else:
-                del cp[g]
-            if cp:
-                if cp == {0: 1}:
-                    del self._copies[key]
-                return True
-            del self._copies[key]
-        elif g != 0:
-            return False
+        left = self._take_copy((eh, s.slot, t), g)
+        if left != 2:
+            return left == 1
         self._release(s, eh, rks, t, d)
         return True
 
