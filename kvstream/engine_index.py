@@ -32,8 +32,6 @@ GPU tier only; stale, clear and remove per source; optional memory bound and TTL
 from __future__ import annotations
 
 import logging
-import sys
-from array import array
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -41,7 +39,7 @@ from typing import Any, Iterable, Sequence
 
 from kvstream._indexcore import IndexError_, _bits, _IndexCore, _sort_key, _Source
 from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvstream.hashing import BlockHasher, LoRA, MMItem, RequestBlockHasher
+from kvstream.hashing import BlockHasher, LoRA, MMItem, RequestBlockHasher, to_external_list
 
 __all__ = ["EngineKeyIndex", "EngineIndexStats", "BYTES_PER_ENGINE_BLOCK"]
 
@@ -55,7 +53,6 @@ source holding the same block adds a bit of the shared mask (an int object of ~3
 per block once more than 8 sources share it). Used by :meth:`EngineKeyIndex.estimated_bytes`."""
 _BYTES_PER_COPY_RECORD = 300
 _BYTES_PER_TOUCHED = 32  # one set entry per block stored in the current TTL generation
-_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 @dataclass(slots=True)
@@ -485,14 +482,7 @@ class EngineKeyIndex(_IndexCore):
             digests = rh.block_hashes
         if self._form == "bytes":
             return digests
-        if not digests:
-            return []
-        # The low 64 bits of every digest, read big-endian (vLLM's int form), in one pass.
-        words = array("Q", b"".join(digests))
-        if _LITTLE_ENDIAN:
-            words.byteswap()
-        w = hasher.digest_size // 8
-        return words[w - 1 :: w].tolist()
+        return to_external_list(digests)
 
     def engine_hashes(
         self,

@@ -847,6 +847,7 @@ class RequestBlockHasher:
 # --------------------------------------------------------------------------------------
 # External (wire) form.
 
+_LITTLE_ENDIAN = sys.byteorder == "little"
 _U64 = struct.Struct(">Q")
 
 
@@ -867,6 +868,18 @@ def to_external(digest: bytes, form: str = "int") -> int | bytes:
 def to_external_list(digests: Sequence[bytes], form: str = "int") -> list[int] | list[bytes]:
     """:func:`to_external` over a list of digests (one call per batch, not per hash)."""
     if form == "int":
+        if not digests:
+            return []
+        size = len(digests[0])
+        w, r = divmod(size, 8)
+        if r == 0 and w and all(len(d) == size for d in digests):
+            joined = b"".join(digests)
+            # Equal-size digests (the normal case): every 64-bit word at once, keep the last
+            # word of each digest, read big-endian.
+            words = array("Q", joined)
+            if _LITTLE_ENDIAN:
+                words.byteswap()
+            return words[w - 1 :: w].tolist()
         unpack = _U64.unpack_from
         return [unpack(d, len(d) - 8)[0] for d in digests]
     if form == "bytes":

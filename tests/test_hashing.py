@@ -535,3 +535,13 @@ def test_other_bad_arguments_say_what_to_do():
         hash_function("native")
     with pytest.raises(AttributeError, match="immutable"):
         h.block_size = 8  # type: ignore[misc]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([8, 16, 32, 12]).flatmap(lambda n: st.binary(min_size=n, max_size=n)), max_size=20))
+def test_external_list_equals_per_digest_conversion(digests):
+    from kvstream.hashing import to_external, to_external_list
+
+    assert to_external_list(digests) == [to_external(d) for d in digests]
+    same = [d for d in digests if len(d) == 32]
+    assert to_external_list(same) == [int.from_bytes(d[-8:], "big") for d in same]
