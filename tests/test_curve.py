@@ -48,7 +48,8 @@ async def test_trusted_subscriber_reads_live_and_replay_and_strangers_read_nothi
             await anyio.sleep(0.05)
             specs = [SourceSpec(pub.endpoint, pub.replay_endpoint, name="ok", curve=trusted),
                      SourceSpec(pub.endpoint, pub.replay_endpoint, name="stranger", curve=other)]
-            async with Subscriber(specs, replay_timeout_s=0.3, max_retries=0) as sub:
+            # Retries: under load the tcp + CURVE handshake can outlast one replay timeout.
+            async with Subscriber(specs, replay_timeout_s=0.5, max_retries=3) as sub:
                 items = await collect(sub, lambda it: any(isinstance(i, SourceLive) and i.source == "ok" for i in it))
                 # Publish until a live batch lands (the tcp+CURVE join takes a moment).
                 i = 1
