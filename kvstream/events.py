@@ -260,23 +260,19 @@ class EventDecoder:
             # Try the shape that worked last time first: a stream rarely changes shape.
             if self._prefer_array:
                 try:
-                    b = self._array.decode(payload)
+                    return self._from_array_batch(self._array.decode(payload))
                 except msgspec.ValidationError:
-                    b = None
-                if b is not None:
-                    return KVEventBatch(b.ts, [_from_array(e) for e in b.events], b.data_parallel_rank)
-                b = self._map.decode(payload)
+                    pass
+                batch: KVEventBatch = self._map.decode(payload)
                 self._prefer_array = False
-                return b
+                return batch
             try:
-                b = self._map.decode(payload)
+                return self._map.decode(payload)  # type: ignore[no-any-return]
             except msgspec.ValidationError:
-                b = None
-            if b is not None:
-                return b
-            b = self._array.decode(payload)
+                pass
+            batch = self._from_array_batch(self._array.decode(payload))
             self._prefer_array = True
-            return KVEventBatch(b.ts, [_from_array(e) for e in b.events], b.data_parallel_rank)
+            return batch
         except msgspec.ValidationError:
             # Mixed shapes, an unknown event type or a genuinely bad event: go event by
             # event, which also gives the error a precise location.
@@ -285,6 +281,10 @@ class EventDecoder:
             raise EventDecodeError(f"not valid msgpack: {exc}", payload_len=n) from None
         except Exception as exc:  # noqa: BLE001 - the decoder raises one type only
             raise EventDecodeError(f"{type(exc).__name__}: {exc}", payload_len=n) from None
+
+    @staticmethod
+    def _from_array_batch(b: _ArrayBatch) -> KVEventBatch:
+        return KVEventBatch(b.ts, [_from_array(e) for e in b.events], b.data_parallel_rank)
 
     def _decode_per_event(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:
         n = len(payload)
