@@ -267,7 +267,7 @@ class EventDecoder:
                 self._prefer_array = False
                 return batch
             try:
-                return self._map.decode(payload)  # type: ignore[no-any-return]
+                return self._map.decode(payload)
             except msgspec.ValidationError:
                 pass
             batch = self._from_array_batch(self._array.decode(payload))

@@ -133,7 +133,7 @@ def _encode_int(n: int) -> bytes:
 _TOKEN_CACHE_LIMIT = 1 << 18
 
 
-class _TokenTable(dict):  # type: ignore[type-arg]
+class _TokenTable(dict):
     """int token id -> its canonical CBOR bytes, filled lazily (no import-time cost)."""
 
     __slots__ = ()
@@ -217,7 +217,7 @@ def _check_algorithm(algorithm: object) -> str:
             f"unknown block hash algorithm {algorithm!r}; use one of "
             f"{', '.join(ALGORITHMS)} (the first four match vLLM's --prefix-caching-hash-algo)"
         )
-    return algorithm  # type: ignore[return-value]
+    return algorithm
 
 
 def hash_function(algorithm: str) -> Callable[[Any], bytes]:
@@ -326,6 +326,11 @@ class BlockHasher:
     extra_key_style: str
     root: bytes
     digest_size: int
+    _serialize: Callable[[Any], bytes] | None
+    _digest: Callable[[bytes], bytes]
+    _cbor: bool
+    _array_head: bytes
+    _chain_prefix: bytes
 
     def __init__(
         self,
@@ -470,6 +475,7 @@ class BlockHasher:
         """Reference path: vLLM's serializer on the real tuple (pickle algorithms, fallbacks)."""
         bs = self.block_size
         serialize = self._serialize
+        assert serialize is not None  # every algorithm but "native" has one; native never comes here
         digest = self._digest
         out: list[bytes] = []
         prev = parent

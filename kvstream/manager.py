@@ -171,10 +171,10 @@ class KVCacheManager:
         by later tokens can only be cached if the list already holds their hashes (give
         the whole prompt+output chain up front, or pass None to hash here).
         """
-        if type(prompt_token_ids) is array and prompt_token_ids.typecode == "I":  # type: ignore[attr-defined]
+        if type(prompt_token_ids) is array and prompt_token_ids.typecode == "I":
             # Kept as an array('I') copy (one memcpy; no int objects, nothing for the cycle
             # collector): long simulated prompts are given this way.
-            tokens: Any = prompt_token_ids[:]  # type: ignore[index]
+            tokens: Any = prompt_token_ids[:]
         else:
             tokens = list(prompt_token_ids)
         if not tokens:

@@ -199,11 +199,11 @@ class FreeBlockQueue:
 
     def blocks(self) -> list[KVCacheBlock]:
         """Every free block, head (next evicted) first. O(n); for tests and snapshots."""
-        out = []
+        out: list[KVCacheBlock] = []
         blk = self.head.next_free
         tail = self.tail
         while blk is not tail:
-            out.append(blk)
+            out.append(blk)  # type: ignore[arg-type]  # linked blocks up to the tail sentinel are never None
             blk = blk.next_free  # type: ignore[union-attr]
         return out
 
@@ -264,7 +264,10 @@ class BlockPool:
             raise BlockPoolError(f"event_style must be '0.33' or '0.11', got {event_style!r}")
         if free_order not in ("v0.33", "v0.11"):
             raise BlockPoolError(f"free_order must be 'v0.33' or 'v0.11', got {free_order!r}")
-        meta = tuple(tuple(m) for m in kv_cache_event_metadata)
+        # tuple(m) turns a caller's [kind, window] list into a pair (checked just below);
+        # mypy only sees a variable-length tuple.
+        meta: tuple[tuple[str | None, int | None], ...] = tuple(
+            tuple(m) for m in kv_cache_event_metadata)  # type: ignore[misc]
         if not meta or any(len(m) != 2 for m in meta):
             raise BlockPoolError(
                 "kv_cache_event_metadata needs one (spec_kind, sliding_window) pair per KV cache "
@@ -372,7 +375,7 @@ class BlockPool:
                     del v[blk.block_id]  # type: ignore[union-attr]
                     idx[h] = v if len(v) > 1 else next(iter(v.values()))
                 if self.enable_kv_cache_events:
-                    self._events.append(BlockRemoved([blk.ext_hash], self.medium, self._gidx[g]))  # type: ignore[union-attr]
+                    self._events.append(BlockRemoved([blk.ext_hash], self.medium, self._gidx[g]))  # type: ignore[union-attr, list-item]
                     blk.origin = None  # type: ignore[union-attr]
                 blk.block_hash = None  # type: ignore[union-attr]
             blk.ref_cnt = 1  # type: ignore[union-attr]
@@ -401,7 +404,7 @@ class BlockPool:
                     if v is not blk:  # duplicate copies: drop only this one
                         del v[blk.block_id]  # type: ignore[union-attr]
                         idx[h] = v if len(v) > 1 else next(iter(v.values()))
-                    emit(removed([blk.ext_hash], medium, gidx[g]))  # type: ignore[union-attr]
+                    emit(removed([blk.ext_hash], medium, gidx[g]))  # type: ignore[union-attr, list-item]
                     blk.block_hash = None  # type: ignore[union-attr]
                     blk.origin = None  # type: ignore[union-attr]
                 blk.ref_cnt = 1  # type: ignore[union-attr]
@@ -731,10 +734,10 @@ class BlockPool:
             if j in done:
                 continue
             b = blocks[j]
-            v = idx.pop(b.block_hash)  # type: ignore[arg-type]
+            v = idx.pop(b.block_hash)
             if v is not b:
                 del v[b.block_id]
-                idx[b.block_hash] = v if len(v) > 1 else next(iter(v.values()))  # type: ignore[index]
+                idx[b.block_hash] = v if len(v) > 1 else next(iter(v.values()))
             b.block_hash = None
             b.origin = None
         if blk.is_null:
@@ -773,7 +776,7 @@ class BlockPool:
         ek = src.extra_keys
         # The schema types each entry as a tuple (what a decoder yields); the hasher's wire
         # form is a list.
-        extra = ([None if e is None else tuple(e) for e in ek[start:end]] if ek is not None
+        extra: list[tuple[Any, ...] | None] = ([None if e is None else tuple(e) for e in ek[start:end]] if ek is not None
                  else [None] * (end - start))
         kind, window = self.kv_cache_event_metadata[g]
         return BlockStored(ext, parent, tok, bs, src.lora_id, self.medium, src.lora_name,
@@ -834,7 +837,9 @@ class BlockPool:
             bs = ev.block_size
             ek = ev.extra_keys
             out.append(BlockStored(
-                [blk.ext_hash], ev.parent_block_hash if k == 0 else ev.block_hashes[k - 1],
+                # ext_hash is set whenever a block is cached with events on.
+                [blk.ext_hash],  # type: ignore[list-item]
+                ev.parent_block_hash if k == 0 else ev.block_hashes[k - 1],
                 ev.token_ids[k * bs:(k + 1) * bs], bs, ev.lora_id, ev.medium, ev.lora_name,
                 None if ek is None else [ek[k]], ev.group_idx, ev.kv_cache_spec_kind,
                 ev.kv_cache_spec_sliding_window))
