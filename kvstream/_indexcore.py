@@ -66,7 +66,8 @@ class _IndexCore:
 
     __slots__ = ()
 
-    # Set by subclasses (slots or class attributes).
+    # Set by subclasses (slots or class attributes). mypy checks assignments against this
+    # class's empty __slots__, hence the [misc] ignores where the base rebinds _live.
     _R: int
     _compact: bool
     _slot_of: dict[str, int]
@@ -173,7 +174,7 @@ class _IndexCore:
         s.count = [0] * len(self._media)
         self._src[slot] = s
         self._slot_of[name] = slot
-        self._live |= s.bit
+        self._live |= s.bit  # type: ignore[misc]
         return s
 
     def _known(self, name: str) -> _Source:
@@ -197,9 +198,9 @@ class _IndexCore:
     def _set_stale(self, s: _Source, stale: bool) -> None:
         s.stale = stale
         if stale:
-            self._live &= ~s.bit
+            self._live &= ~s.bit  # type: ignore[misc]
         else:
-            self._live |= s.bit
+            self._live |= s.bit  # type: ignore[misc]
 
     def source_info(self, source: str) -> SourceInfo:
         """What the index holds for ``source`` (:class:`SourceInfo`)."""

@@ -230,17 +230,19 @@ class EngineKeyIndex(_IndexCore):
         B = self._R
         etype = self._etype
         for ev in batch.events:
+            # type() is, not isinstance (speed): mypy does not narrow ev on it, hence the
+            # [union-attr] ignores below.
             cls = type(ev)
             if cls is BlockRemoved:
-                medium = ev.medium
+                medium = ev.medium  # type: ignore[union-attr]
                 if medium == "GPU" or medium is None:
                     t, h = 0, gpu
                 else:
                     t = self._tier(medium)
                     h = held[t]
-                g = ev.group_idx
+                g = ev.group_idx  # type: ignore[union-attr]
                 n = 0
-                for eh in ev.block_hashes:
+                for eh in ev.block_hashes:  # type: ignore[union-attr]
                     m = h.get(eh, 0)
                     # The common case: exactly one copy in group 0 (no copy record).
                     if m & bit and not g and not (copies and (eh, slot, t) in copies):
@@ -257,11 +259,11 @@ class EngineKeyIndex(_IndexCore):
                     count[t] -= n
                     st.removed_blocks += n
             elif cls is BlockStored:
-                hs = ev.block_hashes
+                hs = ev.block_hashes  # type: ignore[union-attr]
                 if not hs:
                     continue
-                bsz = ev.block_size
-                if bsz != B and (bsz or ev.token_ids):
+                bsz = ev.block_size  # type: ignore[union-attr]
+                if bsz != B and (bsz or ev.token_ids):  # type: ignore[union-attr]
                     # Tier-only events (CPU offload) carry block_size 0 and no tokens.
                     self._foreign(s, "block_size", len(hs),
                                   f"BlockStored with block_size {bsz}, but this EngineKeyIndex hashes "
@@ -273,14 +275,14 @@ class EngineKeyIndex(_IndexCore):
                     self._foreign(s, "hash_form", len(hs),
                                   f"block hashes are {type(hs[0]).__name__}, but hash_form={self._form!r}; "
                                   "no prompt can match them (set hash_form to what the engines send)")
-                medium = ev.medium
+                medium = ev.medium  # type: ignore[union-attr]
                 if medium == "GPU" or medium is None:
                     t, h = 0, gpu
                 else:
                     t = self._tier(medium)
                     h = held[t]
-                g = ev.group_idx or 0
-                if (ev.parent_block_hash is None and self._reannounce and h.get(hs[0], 0) & bit
+                g = ev.group_idx or 0  # type: ignore[union-attr]
+                if (ev.parent_block_hash is None and self._reannounce and h.get(hs[0], 0) & bit  # type: ignore[union-attr]
                         and self._holds_all(s, hs, t, g)):
                     st.reannounced_blocks += len(hs)
                     continue

@@ -204,7 +204,8 @@ class KVIndex(_IndexCore):
         self._live = 0  # mask of sources that score (not stale)
         self._media: list[str] = []
         self._tier_of: dict[str, int] = {}
-        self._held: list[dict[int, int]] = []  # per tier: router key -> source mask
+        # Per tier: router key -> source mask; a dict[int, int], or a U64Map when compact.
+        self._held: list[Any] = []
         for m in ("GPU", "CPU"):
             self._new_tier(m)
         self._young: Any = self._map()  # engine hash -> key (int) or keys (tuple)
@@ -283,8 +284,9 @@ class KVIndex(_IndexCore):
             cls = type(ev)
             if cls is BlockRemoved:
                 # Inline the GPU pool's common case: one hash, group 0, one copy.
-                hs = ev.block_hashes
-                if (len(hs) == 1 and not ev.group_idx and (ev.medium == "GPU" or ev.medium is None)
+                # type() is, not isinstance: mypy does not narrow on it (hence the ignores).
+                hs = ev.block_hashes  # type: ignore[union-attr]
+                if (len(hs) == 1 and not ev.group_idx and (ev.medium == "GPU" or ev.medium is None)  # type: ignore[union-attr]
                         and not (copies and (hs[0], slot, 0) in copies)):
                     eh = hs[0]
                     rk = young.get(eh)
@@ -400,6 +402,7 @@ class KVIndex(_IndexCore):
         added = 0
         step = 4 * R * per
         start = 0
+        v: int | tuple[int, ...]  # a block's router key, or its keys when per > 1
         if fast and not others and not old and not unl and not waiting and not compact:
             # The common case (one key per block, one tier, nothing unlinked or aging):
             # new blocks whose keys no other hash of the family holds are installed here;
