@@ -12,10 +12,10 @@ This module imports nothing of kvstream's: it is a file format, not a protocol.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator
 
 __all__ = ["CaptureChannel", "CaptureRecord", "CaptureFormatError", "read_capture",
@@ -88,13 +88,13 @@ def iter_capture(f: BinaryIO) -> Iterator[CaptureRecord]:
         offset = pos
 
 
-def read_capture(path: str | Path) -> list[CaptureRecord]:
+def read_capture(path: str | os.PathLike[str]) -> list[CaptureRecord]:
     """Read a whole capture file (raises :class:`CaptureFormatError` if damaged)."""
     with open(path, "rb") as f:
         return list(iter_capture(f))
 
 
-def write_capture(path: str | Path, records: Iterable[tuple[int, Iterable[bytes]]]) -> None:
+def write_capture(path: str | os.PathLike[str], records: Iterable[tuple[int, Iterable[bytes]]]) -> None:
     """Write ``(channel, frames)`` records as a ``KVSTRM01`` capture."""
     with open(path, "wb") as f:
         f.write(CAPTURE_MAGIC)

@@ -365,6 +365,7 @@ class SegmentCursor:
             xxh3 = _xxh3
             sources = self.sources
             topics = self.topics
+            rec: LogRecord
             while pos < end:
                 if end - pos < 8:
                     self._damage(base + pos, f"truncated record header ({end - pos} of 8 bytes)", base + end)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeGuard, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -45,10 +45,11 @@ def log_items(records: Iterable[LogRecord], *, decoder: EventDecoder | None = No
                     on_decode_error(r, exc)
                 continue
             yield SourceBatch(r.source, r.seq, r.topic, r.payload, batch, r.replayed)
-        elif r.kind == "reset":
-            yield SourceReset(r.source, r.reason, r.seq)
-        elif r.kind == "stale":
-            yield SourceStale(r.source, r.reason, _int(r.first_missing_seq), _int(r.resume_seq))
+        # Not a LogMessage, so a LogControl (mypy cannot narrow on that, hence the ignores).
+        elif r.kind == "reset":  # type: ignore[union-attr]
+            yield SourceReset(r.source, r.reason, r.seq)  # type: ignore[union-attr]
+        elif r.kind == "stale":  # type: ignore[union-attr]
+            yield SourceStale(r.source, r.reason, _int(r.first_missing_seq), _int(r.resume_seq))  # type: ignore[union-attr]
         else:
             yield SourceLive(r.source, _int(r.seq))
 
@@ -103,6 +104,9 @@ class PacingStats:
                 "max_us": m * 1e6}
 
 
+_Rec = TypeVar("_Rec", bound=LogRecord)
+
+
 class Pacer:
     """Sends records at their recorded relative times, scaled by ``speed``.
 
@@ -123,7 +127,7 @@ class Pacer:
         self.clock = clock
         self.stats = PacingStats()
 
-    async def run(self, records: Iterable[LogRecord], send: Callable[[LogRecord], Any],
+    async def run(self, records: Iterable[_Rec], send: Callable[[_Rec], Any],
                   *, yield_every: int = 256) -> PacingStats:
         """Call ``send(record)`` for each record at its time; returns :attr:`stats`.
         ``send`` may return an awaitable (awaited, e.g. for back-pressure)."""
@@ -177,12 +181,13 @@ async def replay_to_publishers(records: Iterable[LogRecord], publishers: Mapping
     limits = {src: (max_queued if max_queued is not None else max(1, p.config.max_queue_size // 2))
               for src, p in publishers.items()}
 
-    def wanted(rec: LogRecord) -> bool:
+    def wanted(rec: LogRecord) -> TypeGuard[LogMessage]:
         if rec.source not in sends:
             return False
         if type(rec) is not LogMessage:
-            if rec.kind == "reset":
-                if rec.reason == "snapshot" and rec.seq is not None:
+            # A LogControl (mypy cannot narrow on that, hence the ignores).
+            if rec.kind == "reset":  # type: ignore[union-attr]
+                if rec.reason == "snapshot" and rec.seq is not None:  # type: ignore[union-attr]
                     # The snapshot's batches (tagged seq - 1) never were live frames.
                     last[rec.source] = rec.seq - 1
                 else:
