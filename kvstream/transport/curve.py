@@ -142,7 +142,8 @@ class ZapHandler:
         """Answer ZAP requests until cancelled (edge-triggered FD: drain, then wait)."""
         sock = self._auth.zap_socket
         while True:
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            # getsockopt is typed int | bytes; EVENTS is an int option.
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
                 try:
                     msg = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:

@@ -35,22 +35,25 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import anyio
 import anyio.lowlevel
 import zmq
 
-from kvstream.events import AllBlocksCleared, EventEncoder, KVCacheEvent, KVEventBatch
+from kvstream.events import AllBlocksCleared, AnyEvent, EventEncoder, KVEventBatch
 from kvstream.framing import END_SEQ, END_SEQ_BYTES, FrameError, encode_seq, parse_replay_request
 from kvstream.transport._ratelog import RateLimitedLog
 from kvstream.transport.config import KVEventsConfig, check_rank_endpoints, should_bind
+
+if TYPE_CHECKING:
+    from kvstream.transport.curve import ZapHandler
 
 __all__ = ["Publisher", "PublisherStats", "QueueFullError", "PublisherClosedError"]
 
 log = logging.getLogger(__name__)
 
-SnapshotProvider = Callable[[], "Sequence[KVCacheEvent]"]
+SnapshotProvider = Callable[[], "Sequence[AnyEvent]"]
 
 
 class QueueFullError(RuntimeError):
@@ -160,7 +163,7 @@ class Publisher:
         self._open = False
         self._pub: zmq.Socket | None = None
         self._router: zmq.Socket | None = None
-        self._zap = None
+        self._zap: ZapHandler | None = None
         self._denied_at_close = 0
         self._stack: contextlib.AsyncExitStack | None = None
         self._jobs: deque[_ReplayJob] = deque()
@@ -408,7 +411,8 @@ class Publisher:
         assert sock is not None
         jobs = self._jobs
         while True:
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            # getsockopt is typed int | bytes; EVENTS is an int option.
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:

@@ -349,7 +349,8 @@ class Subscriber:
                 try:
                     frames = recv(nb)
                 except zmq.Again:
-                    if sock.getsockopt(_EVENTS) & _POLLIN:
+                    # getsockopt is typed int | bytes; EVENTS is an int option.
+                    if sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
                         continue
                     break
                 if len(frames) != 3 or len(frames[1]) != 8:
@@ -461,7 +462,7 @@ class Subscriber:
         name = t.name
         while True:
             n = 0
-            while d.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while d.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]  # an int option
                 try:
                     frames = d.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -501,6 +502,6 @@ class Subscriber:
             src.wait_scope = None
             if t.generation != gen:
                 return "abandoned"
-            if scope.cancelled_caught and not (d.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+            if scope.cancelled_caught and not (d.getsockopt(zmq.EVENTS) & zmq.POLLIN):  # type: ignore[arg-type, operator]
                 return "timeout"
 
