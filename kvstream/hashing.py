@@ -27,7 +27,7 @@ import struct
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal, NamedTuple, Sequence, get_args
+from typing import Any, Callable, Iterable, Literal, NamedTuple, Sequence, get_args, overload
 
 import cbor2
 import xxhash
@@ -871,6 +871,12 @@ def to_external(digest: bytes, form: str = "int") -> int | bytes:
     raise HashingError(f"unknown external form {form!r}; use 'int' or 'bytes'")
 
 
+@overload
+def to_external_list(digests: Sequence[bytes], form: Literal["int"] = ...) -> list[int]: ...
+@overload
+def to_external_list(digests: Sequence[bytes], form: Literal["bytes"]) -> list[bytes]: ...
+@overload
+def to_external_list(digests: Sequence[bytes], form: str) -> list[int] | list[bytes]: ...
 def to_external_list(digests: Sequence[bytes], form: str = "int") -> list[int] | list[bytes]:
     """:func:`to_external` over a list of digests (one call per batch, not per hash)."""
     if form == "int":

@@ -164,6 +164,7 @@ class SegmentHasher:
         # hashed in one call into `bulk` (hashes of blocks `base`, `base + 1`, ...), and the
         # rest of the walk only records them in the memos.
         bulk: list[bytes] | None = None
+        hs: list[bytes] | None  # a run of block hashes (None: not memoized yet)
         base = 0
         carry: list[tuple[int, int, int]] = []  # (key, start, end) pieces of a partial block
         carry_len = 0

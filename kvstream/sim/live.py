@@ -23,6 +23,7 @@ import anyio
 
 from kvstream.eventlog.recorder import Recorder
 from kvstream.eventlog.writer import LogWriter
+from kvstream.engine_index import EngineKeyIndex
 from kvstream.events import KVEventBatch
 from kvstream.index import KVIndex
 from kvstream.router import Router, apply_item
@@ -58,7 +59,7 @@ class LiveResult:
     """What a live run produced: its metrics, the router's index and where the log is."""
 
     result: PolicyResult
-    router_index: KVIndex
+    router_index: KVIndex | EngineKeyIndex
     log_path: Path
     batches_published: int
     batches_recorded: int

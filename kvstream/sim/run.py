@@ -212,6 +212,7 @@ class SimRun:
         # The router sees the prompt's tokens and computes its keys from them: the same keys
         # as index.keys(tokens), memoized per request (engine hashes are computed once per
         # request anyway) or per prefix (router keys, when router and engine blocks agree).
+        keys: list[Any] | None
         if self._engine_keyed:
             if prepared is None:
                 keys = index.keys(tokens)

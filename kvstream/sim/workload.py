@@ -195,7 +195,7 @@ def segments_u16(segments: Iterable[Segment]) -> bytes:
     request instead of one array operation per segment."""
     global _cached_tokens
     cache = _U16
-    parts = []
+    parts: list[bytes] = []
     append = parts.append
     x = _xxh3_128
     new = 0
@@ -341,9 +341,8 @@ def iter_mooncake(
                 h = next(h for h in ids if not 0 <= h < _MAX_TRACE_ID)
                 raise _line_error(path, lineno, f"hash id {h} out of range [0, 2**60)")
             last = rec.input_length - (need - 1) * MOONCAKE_BLOCK_TOKENS
-            ids[-1] = (ids[-1], last)
             # (id, 512) pairs built by zip/repeat at C speed; the cut last block appended.
-            prompt = tuple(zip(ids, repeat(MOONCAKE_BLOCK_TOKENS, need - 1))) + (ids[-1],)
+            prompt = tuple(zip(ids, repeat(MOONCAKE_BLOCK_TOKENS, need - 1))) + ((ids[-1], last),)
             yield SimRequest(
                 count,
                 rec.timestamp / 1000.0,
