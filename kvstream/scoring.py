@@ -116,7 +116,7 @@ class PrefixLoadPolicy:
         ow = self.other_tier_weight
         for m in matches:
             # m.weighted(tw, ow) inlined (same sum, same order: one call less per source).
-            w = 0
+            w: float = 0
             for med, c in m.served.items():
                 w += c * tw.get(med, ow)
             prefix = w / n_blocks if n_blocks else 0.0

@@ -295,7 +295,7 @@ def _print_table(plan: Any, source: str, mem: dict[str, Any], args: argparse.Nam
 
     if plan.groups:
         print()
-        table = [("group", "kind", "layers", "block", "page B", "blocks/request")]
+        table: list[tuple[str, ...]] = [("group", "kind", "layers", "block", "page B", "blocks/request")]
         for i, g in enumerate(plan.groups):
             per_layer = isinstance(g.spec, UniformTypeSpec)
             table.append((

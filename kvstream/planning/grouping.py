@@ -171,11 +171,13 @@ def _merge_identical(specs: list[LayerSpec]) -> LayerSpec | None:
     if isinstance(first, FullAttentionSpec):
         if any(type(s) is not type(first) for s in specs):
             return None
+        # All of first's type, so FullAttentionSpecs (a narrowing mypy cannot follow).
+        fulls: list[FullAttentionSpec] = specs  # type: ignore[assignment]
         base = replace(first, sliding_window=None, attention_chunk_size=None)
-        if any(replace(s, sliding_window=None, attention_chunk_size=None) != base for s in specs):
+        if any(replace(s, sliding_window=None, attention_chunk_size=None) != base for s in fulls):
             return None
-        windows = {s.sliding_window for s in specs if s.sliding_window is not None}
-        chunks = {s.attention_chunk_size for s in specs if s.attention_chunk_size is not None}
+        windows = {s.sliding_window for s in fulls if s.sliding_window is not None}
+        chunks = {s.attention_chunk_size for s in fulls if s.attention_chunk_size is not None}
         if len(windows) > 1 or len(chunks) > 1 or (windows and chunks):
             return None
         return replace(
@@ -281,8 +283,8 @@ def group_layers(specs: Mapping[str, LayerSpec], *, hybrid: bool = True) -> Grou
         return Grouping("uniform_spec", (group,), specs, len(names), (), tuple(warnings))
 
     if _is_uniform_type(values):
-        spec = UniformTypeSpec(tuple(specs.items()))
-        group = KVCacheGroup(tuple(names), spec)
+        uniform = UniformTypeSpec(tuple(specs.items()))
+        group = KVCacheGroup(tuple(names), uniform)
         return Grouping("uniform_type", (group,), specs, len(names), (), tuple(warnings))
 
     page_sizes = {s.page_size_bytes for s in values}

@@ -205,6 +205,7 @@ def _layer_kinds(cfg: Mapping[str, Any], n: int) -> list[str]:
 def _mamba_spec(cfg: Mapping[str, Any], tp: int, dtype: str, block_size: int) -> MambaSpec:
     model_type = str(cfg.get("model_type", ""))
     hidden = _need_int(cfg, "hidden_size", "d_model")
+    shapes: tuple[tuple[int, ...], ...]
     if model_type in _MAMBA2_TYPES:
         heads = _need_int(cfg, "num_heads", "mamba_n_heads")
         head_dim = _need_int(cfg, "head_dim", "mamba_d_head")
