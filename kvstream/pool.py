@@ -776,8 +776,9 @@ class BlockPool:
         ek = src.extra_keys
         # The schema types each entry as a tuple (what a decoder yields); the hasher's wire
         # form is a list.
-        extra: list[tuple[Any, ...] | None] = ([None if e is None else tuple(e) for e in ek[start:end]] if ek is not None
-                 else [None] * (end - start))
+        extra: list[tuple[Any, ...] | None] = (
+            [None if e is None else tuple(e) for e in ek[start:end]] if ek is not None
+            else [None] * (end - start))
         kind, window = self.kv_cache_event_metadata[g]
         return BlockStored(ext, parent, tok, bs, src.lora_id, self.medium, src.lora_name,
                            extra, g, kind, window)
