@@ -163,3 +163,21 @@ def test_mooncake_engine_keyed_router_gives_the_same_run(mooncake_trace: Path) -
 def test_engine_keyed_router_needs_engine_sized_router_blocks() -> None:
     with pytest.raises(WorkloadError, match="router_index='token'"):
         SimConfig(engine=SMALL.engine, router_block_size=SMALL.engine.sim_block_size * 2)
+
+
+def test_model_config_sizes_engines_and_a_config_without_context_length_is_a_clear_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.conftest import REPO
+
+    cfg = REPO / "examples" / "configs" / "llama-3-8b.json"
+    args = ["simulate", "--requests", "30", "--engines", "2", "--policies", "kv-aware", "--quiet",
+            "--kv-memory-gib", "2", "--json", str(tmp_path / "r.json")]
+    assert main([*args, "--model-config", str(cfg)]) == 0
+    blocks = json.loads((tmp_path / "r.json").read_text())["meta"]["engine"]["num_blocks"]
+    assert blocks == 2 * (1 << 30) // (32 * 2 * 16 * 8 * 128 * 2)  # layers x K,V x block x heads x dim x bf16
+    capsys.readouterr()
+    bare = json.loads(cfg.read_text())
+    bare.pop("max_position_embeddings")
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    assert main([*args, "--model-config", str(tmp_path / "bare.json")]) == 2
+    assert "no context length" in capsys.readouterr().err

@@ -128,16 +128,19 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def _blocks_from_model(path: str, block_size: int, gib: float) -> int:
-    from kvstream.planning import plan_kv_cache, specs_from_hf_config
+    from kvstream.planning import KVCachePlanningError, plan_kv_cache, specs_from_hf_config
     from kvstream.planning.hf_config import model_max_len
 
     with open(path, encoding="utf-8") as fh:
         cfg = json.load(fh)
     specs = specs_from_hf_config(cfg, block_size=block_size)
-    # FIXME: a config without a context length gives None here, and planning then fails
-    # with a TypeError; cli/plan.py asks for --max-model-len instead.
-    plan = plan_kv_cache(specs, int(gib * (1 << 30)), model_max_len(cfg))  # type: ignore[arg-type]
-    return plan.num_blocks
+    max_len = model_max_len(cfg)
+    if max_len is None:
+        raise KVCachePlanningError(
+            f"{path} gives no context length (max_position_embeddings or similar), which sizing "
+            "needs to check that one request fits; add it to the config, or use --blocks instead "
+            "of --model-config")
+    return plan_kv_cache(specs, int(gib * (1 << 30)), max_len).num_blocks
 
 
 def parse_policies(text: str) -> list[str]:
