@@ -61,6 +61,29 @@ def _bits(x: int) -> Iterable[int]:
 
 
 
+def _gpu_prefix_ends(gpu: Any, keys: Sequence[Any], active: int, ends: Any) -> None:
+    """Walk ``keys`` through one tier's ``key -> source mask`` map and set ``ends[slot]``
+    to the number of leading keys each source in ``active`` holds.
+
+    Sources leave the prefix at up to len(keys) distinct blocks (replicas holding one
+    prompt's prefixes to different lengths): the loop notes (block, leavers) and the bits
+    are expanded once afterwards, with no generator per block."""
+    drops = []
+    for i, rk in enumerate(keys):
+        na = active & gpu.get(rk, 0)
+        if na != active:
+            drops.append((i, active ^ na))
+            active = na
+            if not active:
+                break
+    drops.append((len(keys), active))
+    for i, x in drops:
+        while x:
+            b = x & -x
+            ends[b.bit_length() - 1] = i
+            x ^= b
+
+
 class _IndexCore:
     """Base of the router indexes (see the module docstring); not used directly."""
 
@@ -320,23 +343,7 @@ class _IndexCore:
                 end[slot] = n
             tier_end[0] = end
         elif not others and not spec:
-            # Sources leave the prefix at up to n distinct blocks (replicas holding one
-            # prompt's prefixes to different lengths): note (block, leavers) in the loop
-            # and expand the bits once afterwards, with no generator per block.
-            drops = []
-            for i, rk in enumerate(keys):
-                na = active & gpu.get(rk, 0)
-                if na != active:
-                    drops.append((i, active ^ na))
-                    active = na
-                    if not active:
-                        break
-            drops.append((n, active))
-            for i, x in drops:
-                while x:
-                    b = x & -x
-                    end[b.bit_length() - 1] = i
-                    x ^= b
+            _gpu_prefix_ends(gpu, keys, active, end)
             tier_end[0] = end
         else:
             t_active = [0] * len(held)
@@ -486,20 +493,7 @@ class _IndexCore:
         gpu = self._held[0]
         n = len(keys)
         if active:
-            drops = []
-            for i, rk in enumerate(keys):
-                na = active & gpu.get(rk, 0)
-                if na != active:
-                    drops.append((i, active ^ na))
-                    active = na
-                    if not active:
-                        break
-            drops.append((n, active))
-            for i, x in drops:
-                while x:
-                    b = x & -x
-                    ends[b.bit_length() - 1] = i
-                    x ^= b
+            _gpu_prefix_ends(gpu, keys, active, ends)
         # PrefixLoadPolicy.__call__ and rank() for a GPU-only match: the same arithmetic,
         # in the same order, so values (and ties) are bit-identical; the best is the
         # smallest (-value, (queue, running, kv_usage), name).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import anyio
 import pytest
 
 from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
@@ -23,10 +22,6 @@ pytestmark = pytest.mark.anyio
 
 BS = 16
 
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 def _prompt(base: int, n_blocks: int) -> list[int]:

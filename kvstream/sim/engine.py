@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from kvstream.hashing import BlockHasher
 from kvstream.manager import KVCacheManager, KVRequest

@@ -26,7 +26,7 @@ from kvstream.eventlog.writer import LogWriter
 from kvstream.engine_index import EngineKeyIndex
 from kvstream.events import KVEventBatch
 from kvstream.index import KVIndex
-from kvstream.router import Router, apply_item
+from kvstream.router import Router
 from kvstream.scoring import Load
 from kvstream.sim.blocks import SegmentHasher
 from kvstream.sim.engine import EngineConfig, EngineModel, Prepared, SimRequestState
