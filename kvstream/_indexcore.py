@@ -144,6 +144,17 @@ class _IndexCore:
         del self._copies[key]
         return 2
 
+    _gen_start: float | None
+    _ttl: float | None
+
+    def _generation_ended(self, now: float) -> bool:
+        """TTL bookkeeping shared by the indexes: True when the current generation (``ttl_s``
+        seconds, started by the first call) is over and the caller must rotate."""
+        if self._gen_start is None:
+            self._gen_start = now  # type: ignore[misc]  # a slot of the subclasses
+            return False
+        return now - self._gen_start >= self._ttl  # type: ignore[operator]
+
     def _map(self) -> Any:
         raise NotImplementedError
 

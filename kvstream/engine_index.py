@@ -393,10 +393,7 @@ class EngineKeyIndex(_IndexCore):
     # -- TTL and memory bound ----------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        if self._gen_start is None:
-            self._gen_start = now
-            return
-        if now - self._gen_start < self._ttl:  # type: ignore[operator]
+        if not self._generation_ended(now):
             return
         # Rotate: blocks not stored during the generation that ends expire.
         touched = self._touched

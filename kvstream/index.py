@@ -775,10 +775,7 @@ class KVIndex(_IndexCore):
     # -- TTL and memory bound ----------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        if self._gen_start is None:
-            self._gen_start = now
-            return
-        if now - self._gen_start < self._ttl:  # type: ignore[operator]
+        if not self._generation_ended(now):
             return
         # Rotate: blocks not re-stored for a whole generation expire.
         expired = list(self._old)
