@@ -340,6 +340,25 @@ class Publisher:
             next(self._seq)
         self._enqueue(seq, payload, 0, full)
 
+    def send_verbatim(self, payload: bytes, seq: int, topic: bytes) -> None:
+        """Send one live message exactly as given, outside the seq and replay machinery:
+        any topic and any 64-bit ``seq`` (re-publishing a recording whose messages this
+        publisher could not have produced itself: a second topic, seq ``2**64 - 1``). Not
+        kept for replay. Only while nothing is queued (else :class:`QueueFullError`; wait
+        until :attr:`queued` is 0), so messages keep their order."""
+        if not self._open or self._pub is None:
+            raise PublisherClosedError("send_verbatim() needs an open publisher: use `async with Publisher(...) as pub:`")
+        if self._queue:
+            raise QueueFullError(f"{len(self._queue)} batches are still queued; send_verbatim() keeps order, "
+                                 "so wait until `queued` is 0")
+        if not 0 <= seq <= END_SEQ:
+            raise ValueError(f"seq must fit 64 bits unsigned, got {seq}")
+        more = zmq.SNDMORE | zmq.NOBLOCK
+        self._pub.send(bytes(topic), more)
+        self._pub.send(encode_seq(seq), more)
+        self._pub.send(payload, zmq.NOBLOCK)
+        self.stats.sent += 1
+
     def _queue_full(self) -> bool:
         """Whether the send queue is full; raises under the ``"raise"`` policy."""
         q = self._queue
