@@ -164,3 +164,60 @@ def test_a_zstd_bomb_is_rejected_before_it_is_decompressed(tmp_path, declared_ra
     first, rss_mib = r.stdout.strip().splitlines()
     assert first.startswith("0 ") and "declares" in first
     assert int(rss_mib) < 160  # decompressing would have touched 256 MiB
+
+
+# -- replay sends what was recorded ------------------------------------------------------
+
+def test_replay_sends_a_second_topic_and_the_largest_seq_as_recorded(tmp_path):
+    import tempfile
+
+    import anyio
+    import zmq
+
+    from kvstream.eventlog.replay import replay_to_publishers
+    from kvstream.transport import KVEventsConfig, Publisher
+
+    top = (1 << 64) - 1
+    recs = ([LogMessage(i, "e0", b"kv@a", i, b"p%d" % i) for i in range(3)]
+            + [LogMessage(3, "e0", b"kv@b", 3, b"other topic"), LogMessage(4, "e0", b"kv@a", 4, b"p4"),
+               LogMessage(5, "e0", b"kv@a", top, b"the end-marker seq")])
+    path = _write(tmp_path / "odd.kvlog", recs)
+    records, damage = read_log(path)
+    assert records == recs and damage == []
+
+    async def go(d):
+        cfg = KVEventsConfig(publisher="zmq", endpoint=f"ipc://{d}/r.pub", topic="kv@a")
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.linger = 0
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        got = []
+        try:
+            async with Publisher(cfg) as pub:
+                sub.connect(pub.endpoint)
+                with anyio.fail_after(10):  # readiness: a warm-up frame arrives
+                    while True:
+                        pub.send_verbatim(b"", 0, b"kv@warm-up")
+                        await anyio.sleep(0.01)
+                        try:
+                            sub.recv_multipart(zmq.NOBLOCK)
+                            break
+                        except zmq.Again:
+                            pass
+                st = await replay_to_publishers(records, {"e0": pub}, speed=None)
+                with anyio.fail_after(10):
+                    while len(got) < len(recs):
+                        try:
+                            f = sub.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            await anyio.sleep(0.001)
+                            continue
+                        if f[0] != b"kv@warm-up":
+                            got.append((f[0], int.from_bytes(f[1], "big"), f[2]))
+        finally:
+            sub.close()
+        return st, got
+
+    with tempfile.TemporaryDirectory(prefix="kvodd") as d:
+        st, got = anyio.run(go, d)
+    assert st.sent == len(recs)
+    assert got == [(r.topic, r.seq, r.payload) for r in recs]
