@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -23,7 +24,9 @@ _COMMANDS: tuple[str, ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every sub-command registered."""
-    parser = argparse.ArgumentParser(
+    from kvstream.cli._common import CLIParser
+
+    parser = CLIParser(
         prog="kvstream",
         description=(
             "KV cache tooling for LLM serving engines: a vLLM-compatible prefix-caching "
@@ -31,28 +34,67 @@ def build_parser() -> argparse.ArgumentParser:
             "planning and a routing simulator."
         ),
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="store_true",
+                        help="print kvstream's version and its dependencies' versions, then exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CLIParser)
     for name in _COMMANDS:
         module = importlib.import_module(f"kvstream.cli.{name}")
         module.register(sub)
     return parser
 
 
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or ``[exc]``."""
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return [exc]
+    return [leaf for e in inner for leaf in _leaves(e)]
+
+
+def _quiet_stdout() -> None:
+    # The reader went away (`kvstream ... | head`): send what is still buffered nowhere,
+    # so that the interpreter's final flush does not print a BrokenPipeError.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstream`` console script; returns the process exit code."""
+    from kvstream.cli._common import CLIError, configure_logging, version_lines
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.version:
+        print("\n".join(version_lines()))
+        return 0
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 0
+    configure_logging(getattr(args, "log_level", None))
+    name = f"kvstream {args.command}"
     try:
         return int(func(args) or 0)
+    except CLIError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `kvstream ... | head`
+        _quiet_stdout()
         return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    except BaseException as exc:  # noqa: BLE001 - exception groups from task groups
+        leaves = _leaves(exc)
+        if leaves == [exc]:
+            raise
+        if all(isinstance(e, BrokenPipeError) for e in leaves):
+            _quiet_stdout()
+            return 0
+        if all(isinstance(e, KeyboardInterrupt) for e in leaves):
+            print(f"{name}: interrupted", file=sys.stderr)
+            return 130
+        raise
