@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from typing import Sequence
 
@@ -43,27 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) exception groups, or ``[exc]``."""
-    inner = getattr(exc, "exceptions", None)
-    if not isinstance(inner, tuple):
-        return [exc]
-    return [leaf for e in inner for leaf in _leaves(e)]
-
-
-def _quiet_stdout() -> None:
-    # The reader went away (`kvstream ... | head`): send what is still buffered nowhere,
-    # so that the interpreter's final flush does not print a BrokenPipeError.
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstream`` console script; returns the process exit code."""
-    from kvstream.cli._common import CLIError, configure_logging, version_lines
+    from kvstream.cli._common import CLIError, configure_logging, exception_leaves, quiet_stdout, version_lines
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -85,14 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `kvstream ... | head`
-        _quiet_stdout()
+        quiet_stdout()
         return 0
     except BaseException as exc:  # noqa: BLE001 - exception groups from task groups
-        leaves = _leaves(exc)
+        leaves = exception_leaves(exc)
         if leaves == [exc]:
             raise
         if all(isinstance(e, BrokenPipeError) for e in leaves):
-            _quiet_stdout()
+            quiet_stdout()
             return 0
         if all(isinstance(e, KeyboardInterrupt) for e in leaves):
             print(f"{name}: interrupted", file=sys.stderr)

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
+from kvstream.eventlog.summary import format_hash
+
 __all__ = [
     "CLIParser",
     "CLIError",
@@ -28,6 +30,8 @@ __all__ = [
     "format_hash",
     "version_lines",
     "LOG_LEVELS",
+    "exception_leaves",
+    "quiet_stdout",
 ]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -110,20 +114,6 @@ def add_hash_format(p: argparse.ArgumentParser) -> None:
                         "byte hashes) or as unsigned integers")
 
 
-def format_hash(h: Any, form: str = "hex", *, short: bool = False) -> Any:
-    """A block hash as shown by the CLI: ``"hex"`` (a string: 16 digits for an int, every
-    byte for a bytes hash) or ``"int"`` (an int; a bytes hash read big-endian).
-    ``short``: the first 16 hex digits only (text lines)."""
-    if isinstance(h, (bytes, bytearray)):
-        if form == "int":
-            return int.from_bytes(h, "big")
-        s = bytes(h).hex()
-        return s[:16] if short else s
-    if isinstance(h, int):
-        return h if form == "int" else f"{h:016x}"
-    return str(h)
-
-
 def version_lines() -> list[str]:
     """kvstream's version and every dependency's (required, then optional with the extra
     that brings it), one per line, as the installed package's metadata declares them."""
@@ -156,3 +146,21 @@ def version_lines() -> list[str]:
             v += f" (libzmq {zmq.zmq_version()})"
         lines.append(f"  {name} {v}{note}")
     return lines
+
+
+def exception_leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or ``[exc]``."""
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return [exc]
+    return [leaf for e in inner for leaf in exception_leaves(e)]
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null: its reader went away (``kvstream ... | head``), and the
+    interpreter's last flush must not print a BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

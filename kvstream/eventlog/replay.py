@@ -140,27 +140,32 @@ class Pacer:
         speed = self.speed
         checkpoint = anyio.lowlevel.checkpoint
         n = 0
-        for rec in records:
-            if speed is not None:
-                if base is None:
-                    base = rec.recv_ns
-                target = t0 + (rec.recv_ns - base) / 1e9 / speed
-                wait = target - clock()
-                if wait > self.coarse:
-                    await anyio.sleep(wait - self.coarse / 2)
-                while clock() < target:
+        try:
+            for rec in records:
+                if speed is not None:
+                    if base is None:
+                        base = rec.recv_ns
+                    target = t0 + (rec.recv_ns - base) / 1e9 / speed
+                    wait = target - clock()
+                    if wait > self.coarse:
+                        await anyio.sleep(wait - self.coarse / 2)
+                    while clock() < target:
+                        await checkpoint()
+                    r = send(rec)
+                    late(clock() - target)
+                else:
+                    r = send(rec)
+                if r is not None:
+                    await r
+                n += 1
+                if speed is None and n % yield_every == 0:
+                    st.sent += yield_every
+                    n = 0
                     await checkpoint()
-                r = send(rec)
-                late(clock() - target)
-            else:
-                r = send(rec)
-            if r is not None:
-                await r
-            n += 1
-            if speed is None and n % yield_every == 0:
-                await checkpoint()
-        st.sent += n
-        st.elapsed += clock() - t0
+        finally:
+            # Also when cancelled: `sent` says how far a replay got.
+            st.sent += n
+            st.elapsed += clock() - t0
         return st
 
 
