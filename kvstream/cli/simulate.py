@@ -151,17 +151,25 @@ def kv_scoring(args: argparse.Namespace) -> Any:
     """The kv-aware policy's scoring with the weights the flags set (None: defaults)."""
     from kvstream.routing.scoring import PrefixLoadPolicy
 
-    given = {"prefix_weight": getattr(args, "kv_overlap_score_weight", None),
-             "queue_weight": getattr(args, "queue_weight", None),
-             "running_weight": getattr(args, "running_weight", None),
-             "kv_weight": getattr(args, "kv_usage_weight", None)}
-    given = {k: v for k, v in given.items() if v is not None}
-    return PrefixLoadPolicy(**given) if given else None
+    flags = {"prefix_weight": "kv_overlap_score_weight", "queue_weight": "queue_weight",
+             "running_weight": "running_weight", "kv_weight": "kv_usage_weight"}
+    given: dict[str, float] = {}
+    for field, flag in flags.items():
+        v = getattr(args, flag, None)
+        if v is not None:
+            given[field] = float(v)
+    return PrefixLoadPolicy(**given) if given else None  # type: ignore[arg-type]
 
 
 def load_workload(args: argparse.Namespace, *, default_requests: int = 2000, default_duration: float = 20.0) -> tuple[list[Any], dict[str, Any]]:
     """The workload the options describe, and a description of it for the JSON meta."""
-    from kvstream.sim.workload import SyntheticConfig, compress_arrivals, load_mooncake, synthetic_workload
+    from kvstream.sim.workload import (
+        SyntheticConfig,
+        WorkloadError,
+        compress_arrivals,
+        load_mooncake,
+        synthetic_workload,
+    )
 
     if args.trace:
         reqs = load_mooncake(args.trace, limit=args.limit)

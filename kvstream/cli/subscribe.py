@@ -132,9 +132,9 @@ def print_item(item: Any, as_json: bool, out: TextIO, hashes: str = "hex") -> No
         b = item.batch
         for ev in b.events:
             if as_json:
-                rec = {"source": item.source, "seq": item.seq, "rank": b.data_parallel_rank, "ts": b.ts,
+                row = {"source": item.source, "seq": item.seq, "rank": b.data_parallel_rank, "ts": b.ts,
                        "replayed": item.replayed, "event": _event_json(ev, hashes)}
-                out.write(json.dumps(rec) + "\n")
+                out.write(json.dumps(row) + "\n")
             else:
                 flag = " (replay)" if item.replayed else ""
                 out.write(f"{item.source} #{item.seq} r{b.data_parallel_rank} {_event_text(ev, hashes)}{flag}\n")
@@ -152,7 +152,7 @@ def print_item(item: Any, as_json: bool, out: TextIO, hashes: str = "hex") -> No
         out.write(json.dumps(rec) + "\n")
     else:
         rest = " ".join(f"{k}={v}" for k, v in rec.items() if k not in ("source", "notice"))
-        out.write(f"# {item.source} {rec['notice'].upper()} {rest}\n")
+        out.write(f"# {item.source} {str(rec['notice']).upper()} {rest}\n")
 
 
 def _run(args: argparse.Namespace) -> int:

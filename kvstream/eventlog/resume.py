@@ -88,7 +88,7 @@ class ResumeFilter:
                 t.digests.clear()
                 t.last = -1
                 if r.reason == "snapshot" and r.seq is not None:  # type: ignore[union-attr]
-                    t.last = r.seq - 1  # type: ignore[union-attr]
+                    t.last = r.seq - 1
         return f
 
     @property
