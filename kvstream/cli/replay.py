@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from kvstream.cli._common import add_log_level, non_negative_float
 
@@ -127,36 +128,43 @@ async def _replay(args, specs, records, sources, first, speed):
 
     pacer = Pacer(speed)
     interrupted = False
-    async with AsyncExitStack() as stack:
-        pubs = {}
-        for src, spec in zip(sources, specs):
-            m = first[src]
-            cfg = KVEventsConfig(publisher="zmq", endpoint=spec.endpoint, replay_endpoint=spec.replay_endpoint,
-                                 topic=m.topic.decode("utf-8", "replace"))
-            try:
-                pubs[src] = await stack.enter_async_context(Publisher(cfg, bind=True))
-            except zmq.ZMQError as exc:
-                raise zmq.ZMQError(exc.errno, f"{spec.endpoint}"
-                                   + (f" or {spec.replay_endpoint}" if spec.replay_endpoint else "")
-                                   + f" ({exc.strerror})") from None
-            print(f"{src} -> {pubs[src].endpoint}" + (f" (replay {pubs[src].replay_endpoint})"
-                                                      if spec.replay_endpoint else ""), file=sys.stderr)
-        async with anyio.create_task_group() as tg:
+    error: Exception | None = None
+    async with anyio.create_task_group() as tg:
 
-            async def on_signal() -> None:
-                nonlocal interrupted
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        interrupted = True
-                        tg.cancel_scope.cancel()
-                        return
+        async def on_signal(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+            nonlocal interrupted
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                task_status.started()
+                async for _ in signals:
+                    interrupted = True
+                    tg.cancel_scope.cancel()
+                    return
 
-            async def run() -> None:
+        # Ctrl-C is ours from before the first socket is bound.
+        await tg.start(on_signal)
+        try:
+            async with AsyncExitStack() as stack:
+                pubs = {}
+                for src, spec in zip(sources, specs):
+                    m = first[src]
+                    cfg = KVEventsConfig(publisher="zmq", endpoint=spec.endpoint,
+                                         replay_endpoint=spec.replay_endpoint,
+                                         topic=m.topic.decode("utf-8", "replace"))
+                    try:
+                        pubs[src] = await stack.enter_async_context(Publisher(cfg, bind=True))
+                    except zmq.ZMQError as exc:
+                        raise zmq.ZMQError(exc.errno, f"{spec.endpoint}"
+                                           + (f" or {spec.replay_endpoint}" if spec.replay_endpoint else "")
+                                           + f" ({exc.strerror})") from None
+                    print(f"{src} -> {pubs[src].endpoint}" + (f" (replay {pubs[src].replay_endpoint})"
+                                                              if spec.replay_endpoint else ""), file=sys.stderr)
                 await anyio.sleep(args.wait_s)
                 await replay_to_publishers(records, pubs, speed=speed, pacer=pacer)
                 await anyio.sleep(args.hold_s)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(on_signal)
-            tg.start_soon(run)
+        except zmq.ZMQError as exc:
+            error = exc  # raised below, outside the task group (which would wrap it)
+        finally:
+            tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
     return pacer.stats, interrupted

@@ -300,6 +300,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
     done: list[Any] = []
+    total = len(policies) * len(counts)
 
     def progress(r: Any) -> None:
         done.append(r)
@@ -307,10 +308,12 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {r.policy:<13} {r.engines:>3} engines: hit {100 * r.hit_rate:5.1f}%  "
                   f"TTFT p50 {r.ttft_p50_s:.3f}s  ({r.requests_per_wall_s:,.0f} req/s wall)", file=sys.stderr)
 
+    if not args.quiet:
+        print(f"simulating {len(reqs)} requests: {total} run(s) ({len(policies)} policies x "
+              f"{len(counts)} engine count(s)); Ctrl-C stops and prints the finished runs", file=sys.stderr)
     t0 = time.perf_counter()
     hasher = SegmentHasher(ec.block_hasher())
     prepared: dict[int, Any] = {}
-    total = len(policies) * len(counts)
     try:
         ceiling = reuse_ceiling(reqs, ec, hasher=hasher, prepared=prepared)
         results = compare(reqs, policies, cfg, engine_counts=counts, progress=progress,
