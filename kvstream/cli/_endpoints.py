@@ -20,6 +20,7 @@ def parse_source(text: str, replay: str | None = None, name: str | None = None) 
     """Parse one endpoint argument into a :class:`SourceSpec`; ``replay``/``name`` are
     defaults (from separate flags) that the text may override. Raises ``ValueError``
     saying what is wrong and the accepted syntax."""
+    flag_replay, flag_name = replay, name
     head, sep, rest = text.partition("://")
     if sep and "=" in head:
         name, text = text.split("=", 1)
@@ -39,6 +40,15 @@ def parse_source(text: str, replay: str | None = None, name: str | None = None) 
             replay, positional = o, 1
         else:
             raise ValueError(f"unexpected {o!r} in {text!r}; expected {SYNTAX}")
+    # --replay/--name pair with the ENDPOINT in the same position: one that meets an
+    # endpoint naming its own is a misplaced flag, not a default to override silently.
+    if flag_replay is not None and replay != flag_replay:
+        raise ValueError(f"{pub!r} gets two replay endpoints ({replay!r} in the endpoint, {flag_replay!r} "
+                         "from --replay); --replay pairs with the ENDPOINT in the same position, so give "
+                         "each endpoint its own, e.g. tcp://h:5557,replay=tcp://h:5558")
+    if flag_name is not None and name != flag_name:
+        raise ValueError(f"{pub!r} gets two names ({name!r} in the endpoint, {flag_name!r} from --name); "
+                         "--name pairs with the ENDPOINT in the same position")
     if "://" not in pub:
         raise ValueError(f"{pub!r} is not an endpoint; write it as tcp://HOST:PORT (expected {SYNTAX})")
     if name == "":

@@ -161,6 +161,11 @@ def _run(args: argparse.Namespace) -> int:
     from kvstream.cli._endpoints import check_connect_endpoint, curve_client_from_args, parse_source
     from kvstream.errors import KVStreamError
 
+    for flag, given in (("--replay", args.replay), ("--name", args.name)):
+        if len(given) > len(args.endpoints):
+            print(f"kvstream subscribe: {len(given)} {flag} flags for {len(args.endpoints)} endpoint(s); each "
+                  f"{flag} pairs with the ENDPOINT in the same position", file=sys.stderr)
+            return 2
     specs = []
     for i, ep in enumerate(args.endpoints):
         replay = args.replay[i] if i < len(args.replay) else None

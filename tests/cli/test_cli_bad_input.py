@@ -63,6 +63,11 @@ BAD = {
     "subscribe-3-byte-key": (["subscribe", "tcp://127.0.0.1:5557", "--curve-server-key", "{d}/three_bytes.key"],
                              ["three_bytes.key"]),
     "record-http": (["record", "http://h:1", "-o", "{d}/never.kvlog"], ["'http' is not supported"]),
+    "subscribe-misplaced-replay": (["subscribe", "tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558",
+                                    "tcp://127.0.0.1:6557", "--replay", "tcp://127.0.0.1:6558"],
+                                   ["two replay endpoints", "same position"]),
+    "subscribe-extra-replay": (["subscribe", "tcp://127.0.0.1:5557", "--replay", "tcp://127.0.0.1:5558",
+                                "--replay", "tcp://127.0.0.1:5559"], ["2 --replay flags for 1 endpoint"]),
     "subscribe-negative-count": (["subscribe", "tcp://127.0.0.1:5557", "--count", "-1"], ["--count"]),
     # simulate: ranges, choices, outputs, empty inputs
     "simulate-md5": (["simulate", "--hash-algo", "md5"], ["invalid choice: 'md5'"]),
