@@ -22,6 +22,7 @@ from typing import Any
 
 from kvstream.cli._common import (
     CLIError,
+    add_log_level,
     check_output_path,
     non_negative_float,
     positive_float,
@@ -65,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="plot hit rate and TTFT by policy (.png/.svg/.pdf; needs kvstream[plot])")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    add_log_level(p)
     p.set_defaults(func=_run)
 
 

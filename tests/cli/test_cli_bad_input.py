@@ -165,3 +165,11 @@ def test_ctrl_c_in_simulate_keeps_the_finished_runs(tmp_path):
     assert "interrupted; the table above shows the" in err and "nothing was written" in err
     assert "kv-aware" in out  # the finished runs
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("command", ["subscribe", "record", "replay", "simulate"])
+def test_every_long_running_command_takes_log_level(command):
+    r = _run(command, "--help")
+    assert "--log-level" in r.stdout
+    bad = _run(command, "--log-level", "loud")
+    assert bad.returncode == 2 and "invalid choice: 'loud'" in bad.stderr
