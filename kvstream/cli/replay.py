@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvstream.cli._common import add_log_level, non_negative_float
+from kvstream.cli._common import CLIError, add_log_level, non_negative_float
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,12 +57,16 @@ def _run(args: argparse.Namespace) -> int:
     from kvstream.eventlog.format import LogFormatError, LogMessage
 
     try:
+        # What the command line says is checked first (exit status 2), the log after (1).
         speed = parse_speed(args.speed)
         specs = [parse_source(ep) for ep in args.publish]
         for spec in specs:
             check_bind_endpoint(spec.endpoint, "--publish")
             if spec.replay_endpoint:
                 check_bind_endpoint(spec.replay_endpoint, "--publish (replay endpoint)")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    try:
         from kvstream.cli.inspect import _records
 
         records_iter, reader = _records(args.log)
@@ -74,9 +78,9 @@ def _run(args: argparse.Namespace) -> int:
         sources = args.source or list(first)
         missing = [s for s in sources if s not in first]
         if missing:
-            raise ValueError(f"no messages from source(s) {missing} in the log; sources: {list(first)}")
+            raise CLIError(f"no messages from source(s) {missing} in the log; sources: {list(first)}")
         if len(sources) != len(args.publish):
-            raise ValueError(
+            raise CLIError(
                 f"the log has {len(sources)} source(s) to replay ({', '.join(sources)}) but "
                 f"{len(args.publish)} --publish endpoint(s) were given; give one --publish per source, "
                 f"or pick sources with --source (e.g. --source {sources[0]})"
