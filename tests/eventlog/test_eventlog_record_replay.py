@@ -235,7 +235,9 @@ def test_timed_replay_keeps_relative_timing(short_tmp):
 
     st = anyio.run(go)
     assert len(sent) == 2000 and 0.19 < st.elapsed < 0.4
-    assert st.percentile(0.5) < 0.001
+    # Never early, and late by much less than the 0.2 s span even on a loaded machine (the
+    # sub-millisecond figure on an idle one is bench/bench_eventlog.py's to measure).
+    assert min(st.lateness) >= 0 and st.percentile(0.5) < 0.02
     fast = anyio.run(lambda: Pacer(10.0).run(recs, sent.append))
     assert fast.elapsed < 0.1
 
