@@ -161,9 +161,13 @@ async def _replay(args, specs, records, sources, first, speed):
                                            + (f" or {spec.replay_endpoint}" if spec.replay_endpoint else "")
                                            + f" ({exc.strerror})") from None
                     print(f"{src} -> {pubs[src].endpoint}" + (f" (replay {pubs[src].replay_endpoint})"
-                                                              if spec.replay_endpoint else ""), file=sys.stderr)
+                                                              if spec.replay_endpoint else ""),
+                          file=sys.stderr, flush=True)
                 await anyio.sleep(args.wait_s)
                 await replay_to_publishers(records, pubs, speed=speed, pacer=pacer)
+                if args.hold_s > 0:
+                    print(f"sent {pacer.stats.sent} batches; answering replay requests for {args.hold_s:g} s more",
+                          file=sys.stderr, flush=True)
                 await anyio.sleep(args.hold_s)
         except zmq.ZMQError as exc:
             error = exc  # raised below, outside the task group (which would wrap it)
