@@ -41,8 +41,22 @@ class SourceInfo:
     """Per medium, how many engine blocks (hashes) the source holds (unlinked included)."""
 
 
+REANNOUNCE_RULES = ("count", "detect", "session")
+"""``reannounce`` settings, by code 0, 1, 2 (see :class:`kvstream.routing.index.KVIndex`)."""
+
+
+def _reannounce_code(rule: str) -> int:
+    try:
+        return REANNOUNCE_RULES.index(rule)
+    except ValueError:
+        raise IndexUsageError(
+            f"reannounce must be one of {REANNOUNCE_RULES} (see docs/router.md, report-mode "
+            f"re-announcements), got {rule!r}"
+        ) from None
+
+
 class _Source:
-    __slots__ = ("name", "slot", "bit", "stale", "per", "block_size", "count")
+    __slots__ = ("name", "slot", "bit", "stale", "per", "block_size", "count", "reannounce")
 
     def __init__(self, name: str, slot: int) -> None:
         self.name = name
@@ -52,6 +66,7 @@ class _Source:
         self.per: int | None = None  # router blocks per engine block
         self.block_size: int | None = None
         self.count: list[int] = []  # per tier: engine hashes held
+        self.reannounce = 2  # the re-announcement rule's code (REANNOUNCE_RULES)
 
 
 def _bits(x: int) -> Iterable[int]:
@@ -206,6 +221,7 @@ class _IndexCore:
             out.append(sn._Source(
                 s.name, s.stale, sn.cursor_of(cursors, s.name), s.block_size, s.per,
                 [sn._Tier(m, sn.pack_u64(p), o) for m, (p, o) in tiers.items()],
+                REANNOUNCE_RULES[s.reannounce],
             ))
         keys, unlinked = self._dump_keys(held)
         return sn.encode(sn._Snapshot(
@@ -260,6 +276,8 @@ class _IndexCore:
                     rows.extend(td.rows)
                     self._load_rows(s, t, rows, prepared)
                 self._set_stale(s, sd.stale)
+                if sd.reannounce is not None:
+                    s.reannounce = _reannounce_code(sd.reannounce)
             self._load_done(prepared)
         finally:
             setattr(self, "stats", saved)  # loading is not ingest
@@ -333,6 +351,7 @@ class _IndexCore:
             self._src.append(None)
         s = _Source(name, slot)
         s.count = [0] * len(self._media)
+        s.reannounce = self._reannounce  # type: ignore[attr-defined]  # the index default
         self._src[slot] = s
         self._slot_of[name] = slot
         self._live |= s.bit  # type: ignore[misc]
@@ -343,6 +362,13 @@ class _IndexCore:
         if slot is None:
             raise IndexUsageError(f"unknown source {name!r}; known sources: {self.sources}")
         return self._src[slot]  # type: ignore[return-value]
+
+    def configure_source(self, source: str, *, reannounce: str) -> None:
+        """Set ``source``'s re-announcement rule from what its engine announced (e.g.
+        ``"count"`` for an engine that never re-announces, ``"detect"`` for one whose
+        requests all use ``kv_cache_report_mode="full"``); registers unknown sources.
+        See ``reannounce`` of :class:`~kvstream.routing.index.KVIndex`."""
+        self._source(source).reannounce = _reannounce_code(reannounce)
 
     def clear_source(self, source: str) -> None:
         """Drop everything ``source`` holds, in every medium, and un-stale it (a restart or
