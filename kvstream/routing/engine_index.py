@@ -72,6 +72,9 @@ class EngineIndexStats:
     """Blocks of report-mode re-announcements, which add no copy."""
     rejected_events: int = 0
     """Events of an unknown type, skipped."""
+    rejected_media: int = 0
+    """Blocks stored in a medium beyond the index's media bounds (``MAX_MEDIA``,
+    ``MAX_MEDIA_PER_SOURCE``), skipped."""
     foreign_block_size: int = 0
     """Blocks rejected because their ``BlockStored.block_size`` is not the hasher's."""
     foreign_hash_form: int = 0
@@ -236,7 +239,10 @@ class EngineKeyIndex(_IndexCore):
                 if medium == "GPU" or medium is None:
                     t, h = 0, gpu
                 else:
-                    t = self._tier(medium)
+                    t = self._tier_of.get(medium, -1)
+                    if t < 0:
+                        st.unknown_removed += len(ev.block_hashes)  # type: ignore[union-attr]
+                        continue
                     h = held[t]
                 g = ev.group_idx  # type: ignore[union-attr]
                 n = 0
@@ -277,7 +283,10 @@ class EngineKeyIndex(_IndexCore):
                 if medium == "GPU" or medium is None:
                     t, h = 0, gpu
                 else:
-                    t = self._tier(medium)
+                    t = self._store_tier(s, medium)
+                    if t < 0:
+                        st.rejected_media += len(hs)
+                        continue
                     h = held[t]
                 g = ev.group_idx or 0  # type: ignore[union-attr]
                 ra = s.reannounce

@@ -96,6 +96,9 @@ class IndexStats:
     """Blocks of report-mode re-announcements, which add no copy (see :class:`KVIndex`)."""
     rejected_events: int = 0
     """Malformed events skipped (bad token counts, unreadable extra keys)."""
+    rejected_media: int = 0
+    """Blocks stored in a medium beyond the index's media bounds (``MAX_MEDIA``,
+    ``MAX_MEDIA_PER_SOURCE``), skipped."""
     unkeyable_blocks: int = 0
     """Blocks whose engine block size is not a multiple of the router block size."""
     unlinked_blocks: int = 0
@@ -348,7 +351,10 @@ class KVIndex(_IndexCore):
         n = len(hashes)
         if n == 0:
             return
-        t = self._tier(ev.medium)
+        t = self._store_tier(s, ev.medium)
+        if t < 0:
+            self.stats.rejected_media += n
+            return
         g = ev.group_idx or 0
         toks = ev.token_ids
         if not toks:
@@ -658,7 +664,10 @@ class KVIndex(_IndexCore):
                     del self._waiting[u.parent]
 
     def _removed(self, s: _Source, ev: BlockRemoved) -> None:
-        t = self._tier(ev.medium)
+        t = self._tier_of.get(ev.medium or "GPU", -1)
+        if t < 0:
+            self.stats.unknown_removed += len(ev.block_hashes)
+            return
         g = ev.group_idx or 0
         young = self._young
         held = self._held[t]
