@@ -34,7 +34,11 @@ Rules (``E`` is the next seq to yield, ``H`` the highest seq seen on the live so
 * **Idle probes.** vLLM sends no heartbeat: when a source has been quiet for
   ``probe_after_s`` after live traffic, the tracker asks for a replay from the anchor. An
   anchor and end marker means up to date; more batches are a lost tail, applied; another
-  anchor is a restart. One probe per quiet period, so idle sources cost nothing.
+  anchor is a restart. While the source stays quiet the wait doubles up to
+  ``probe_max_s`` (a burst lost whole re-arms nothing), so an idle source costs one tiny
+  request every ``probe_max_s`` seconds. A
+  reconnect of the live socket (:meth:`SourceTracker.on_reconnect`: the publisher may have
+  restarted and published nothing we received) probes at once.
 * **States.** ``connecting`` until the first live message or replay answer; ``recovering``
   while a (non-probe) request is outstanding; ``stale`` after unrecoverable loss until a
   reset; else ``live``.
@@ -167,7 +171,8 @@ class SourceTracker:
     answer. ``max_replies``: replies to one request. ``max_retries``: requests asked again
     without progress before the loss is taken as final (``backoff_s`` seconds, doubling,
     between them). ``probe_after_s``: quiet seconds after live traffic before an idle probe
-    (None: no probes). ``topic``: the subscriber's topic filter (a prefix); ``source_topic``:
+    (None: no probes); while the source stays quiet the wait doubles up to ``probe_max_s``
+    (None: a single probe per quiet period). ``topic``: the subscriber's topic filter (a prefix); ``source_topic``:
     the publisher's topic if known (labels vLLM 0.11 replies, which carry none, until a live
     message shows it).
     """
@@ -176,12 +181,13 @@ class SourceTracker:
                  "max_replies", "max_retries", "backoff_s", "probe_after_s", "topic_filter",
                  "topic", "expected", "live_high", "held", "held_bytes", "inflight", "stale",
                  "connected", "out", "counters", "generation", "_attempts", "_ring", "_ring_lo",
-                 "_ring_hi", "_last_live", "_probe_armed")
+                 "_ring_hi", "_last_live", "_probe_armed", "_recheck", "probe_max_s", "_probe_gap")
 
     def __init__(self, name: str, *, has_replay: bool, max_held: int = 100_000,
                  max_held_bytes: int = 64 << 20, max_snapshot_bytes: int = 256 << 20,
                  max_replies: int = 1_000_000, max_retries: int = 3, backoff_s: float = 0.05,
-                 probe_after_s: float | None = 0.5, topic: bytes = b"",
+                 probe_after_s: float | None = 0.5, probe_max_s: float | None = 10.0,
+                 topic: bytes = b"",
                  source_topic: bytes | None = None) -> None:
         self.name = name
         self.has_replay = has_replay
@@ -192,6 +198,8 @@ class SourceTracker:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.probe_after_s = probe_after_s
+        self.probe_max_s = probe_max_s
+        self._probe_gap = probe_after_s or 0.0
         self.topic_filter = topic
         self.topic: bytes | None = source_topic
         """The publisher's topic: from its live messages, else as configured, else None."""
@@ -219,6 +227,7 @@ class SourceTracker:
         self._ring_hi = 0
         self._last_live = 0.0
         self._probe_armed = False
+        self._recheck = False
 
     # -- state -------------------------------------------------------------------------
 
@@ -267,6 +276,7 @@ class SourceTracker:
         self.connected = True
         self._last_live = now
         self._probe_armed = True
+        self._probe_gap = self.probe_after_s or 0.0
         if seq <= self.live_high:
             self._restart(seq)
         self.live_high = seq
@@ -417,21 +427,59 @@ class SourceTracker:
         if self.inflight is None:
             self.out.append(SourceLive(self.name, self.expected - 1))
 
+    def _connect(self) -> None:
+        # Probe from now on, even before any live traffic: a first burst lost whole would
+        # re-arm nothing.
+        self.connected = True
+        self._probe_armed = True
+
     # -- probes ------------------------------------------------------------------------
 
     def probe_at(self) -> float | None:
         """When (same clock as ``now``) an idle probe is due, or None if none is."""
-        if (not self.has_replay or not self._probe_armed or self.probe_after_s is None
-                or self.inflight is not None or self.expected == 0):
+        if not self.has_replay or self.inflight is not None or not self.connected:
             return None
-        return self._last_live + self.probe_after_s
+        if self._recheck:
+            return self._last_live
+        if not self._probe_armed or self.probe_after_s is None:
+            return None
+        return self._last_live + self._probe_gap
+
+    def on_reconnect(self, now: float) -> None:
+        """The live socket reconnected at ``now``: the publisher may be a new instance
+        (that published nothing we received yet). A barrier: held live messages are
+        dropped (a replay fetches them again from whoever publishes now), an outstanding
+        request is abandoned, and the anchor is verified before anything else is yielded."""
+        self._last_live = now
+        if not self.has_replay:
+            return
+        self._clear_held()
+        self._abandon()
+        self._attempts = 0
+        if not self.connected or self.expected == 0:
+            self.inflight = Request(REPLAY, JOIN, 0)
+        elif self._known(self.expected - 1) is None:
+            # Nothing to compare with (just after a snapshot or a stale jump): the new
+            # connection may be a new instance, so rebuild from it.
+            self._restart(self.expected)
+        else:
+            self.counters.probes += 1
+            self.inflight = self._anchored(PROBE)
 
     def on_tick(self, now: float) -> None:
         """The clock reached ``now``: send the idle probe if it is due."""
         at = self.probe_at()
         if at is None or now < at:
             return
-        self._probe_armed = False
+        self._recheck = False
+        # Quiet on: probe again after twice the wait, up to probe_max_s (None: only once).
+        # A burst lost whole (nothing arrived to re-arm the probe) is found that way.
+        gap = self._probe_gap
+        self._last_live = now
+        if self.probe_max_s is None or self.probe_after_s is None:
+            self._probe_armed = False
+        else:
+            self._probe_gap = min(2 * gap, max(self.probe_max_s, self.probe_after_s))
         self.counters.probes += 1
         self.inflight = self._anchored(PROBE)
 
@@ -444,7 +492,8 @@ class SourceTracker:
         req = self.inflight
         if req is None or not req.sent:
             return
-        self.connected = True
+        if not self.connected:
+            self._connect()
         req.replies += 1
         if req.replies > self.max_replies:
             self._overflow(req, f"more than {self.max_replies} replies to one request")
@@ -462,7 +511,17 @@ class SourceTracker:
             return
         if req.first is None:
             req.first = seq
-            if seq == req.start and req.start < self.expected:
+            anchored = req.check is not None or req.purpose == ANCHOR
+            if anchored and seq != req.start:
+                # No anchor first: nothing in this reply can be trusted to continue what
+                # was yielded (a new instance, or a publisher that no longer buffers it).
+                self._abandon()
+                if seq < req.start:
+                    self._restart(seq)
+                else:
+                    self._beyond_buffer()
+                return
+            if seq == req.start and anchored:
                 # The anchor: the same bytes prove the same publisher instance.
                 h = hash(payload)
                 if req.check is None:
@@ -498,10 +557,16 @@ class SourceTracker:
         req = self.inflight
         if req is None or not req.sent:
             return
-        self.connected = True
+        if not self.connected:
+            self._connect()
         self.inflight = None
         if req.kind == SNAPSHOT:
             self._end_snapshot(req)
+            return
+        if req.first is None and (self.live_high >= req.start or any(s >= req.start for s in self.held)):
+            # The publisher has nothing from ``start`` on, yet we saw later seqs live: it
+            # is not the instance that sent them.
+            self._restart(req.start)
             return
         if req.start < req.e0 and not req.checked:
             # The anchor is not in the reply: a new instance that has not reached it (or
@@ -543,12 +608,16 @@ class SourceTracker:
         self._attempts = 0
         if req.purpose in (PROBE, VERIFY) and e == req.e0:
             return  # nothing was missing: no news for the consumer
+        if req.purpose == PROBE:
+            # The probe found a lost tail: the channel is losing messages, look again soon.
+            self._probe_gap = self.probe_after_s or 0.0
         self._live_again()
 
     def _beyond_buffer(self) -> None:
         """The publisher no longer has the missing batches: a snapshot, else stale."""
         self._attempts = 0
-        self.inflight = Request(SNAPSHOT, GAP, self.expected, e0=self.expected)
+        req = self.inflight = Request(SNAPSHOT, GAP, self.expected, e0=self.expected)
+        req.check = self.live_high  # seen live before the snapshot was asked for
 
     def _end_snapshot(self, req: Request) -> None:
         if not req.snap:
@@ -558,6 +627,11 @@ class SourceTracker:
             return
         r = req.snap_tag
         assert r is not None
+        if req.check is not None and r <= req.check:
+            # The snapshot's publisher had not yet published a seq we received live
+            # before asking: another instance (it restarted). Rebuild from it.
+            self._restart(r)
+            return
         self.out.append(SourceReset(self.name, "snapshot", r))
         c = self.counters
         for topic, payload, batch in req.snap:
@@ -596,12 +670,11 @@ class SourceTracker:
             # slowly; the source stays "connecting".
             c.retries += 1
             delay = min(self.backoff_s * (2 ** (self._attempts - 1)), _BACKOFF_CAP_S)
-            if req.kind == SNAPSHOT or req.purpose in (JOIN, ANCHOR):
+            e = self.expected
+            if req.kind == SNAPSHOT or (req.purpose == ANCHOR and e == req.e0) or e == 0:
                 nxt = Request(req.kind, req.purpose, req.start, req.check, delay, req.e0)
-                if req.purpose == ANCHOR and self.expected > req.e0:
-                    nxt = self._anchored(GAP, delay)
             else:
-                nxt = self._anchored(req.purpose, delay)
+                nxt = self._anchored(GAP if req.purpose in (JOIN, ANCHOR) else req.purpose, delay)
             self.inflight = nxt
             return
         self.inflight = None
