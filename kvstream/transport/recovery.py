@@ -242,8 +242,10 @@ class SourceTracker:
             return "recovering"
         return "stale" if self.stale else "live"
 
-    def start(self) -> None:
-        """Ask for everything the publisher still buffers (joining mid-stream)."""
+    def start(self, now: float = 0.0) -> None:
+        """Ask for everything the publisher still buffers (joining mid-stream); ``now``
+        starts the probe clock."""
+        self._last_live = now
         if self.has_replay and self.inflight is None:
             self.inflight = Request(REPLAY, JOIN, 0)
 

@@ -43,6 +43,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecodeError, EventDecoder
 from kvstream.errors import LocalProtocolError
@@ -56,6 +57,8 @@ __all__ = ["Subscriber", "SourceSpec", "SourceHealth"]
 
 log = logging.getLogger(__name__)
 _EVENTS = int(zmq.EVENTS)
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 _POLLIN = int(zmq.POLLIN)
 # Hand items to the consumer after this many messages or events, whichever comes first:
 # decoded batches held in bulk survive young-generation GC passes and get expensive.
@@ -106,7 +109,8 @@ class SourceHealth:
 
 
 class _Source:
-    __slots__ = ("spec", "tracker", "sub", "dealer", "dealer_gen", "scope", "wake", "wait_scope", "curve")
+    __slots__ = ("spec", "tracker", "sub", "dealer", "dealer_gen", "scope", "wake", "wait_scope", "curve",
+                 "monitor", "handshakes", "auth_failures")
 
     def __init__(self, spec: SourceSpec, tracker: SourceTracker, curve: CurveClientConfig | None) -> None:
         self.spec = spec
@@ -118,6 +122,9 @@ class _Source:
         self.wake = anyio.Event()
         self.wait_scope: anyio.CancelScope | None = None
         self.curve = curve
+        self.monitor: zmq.Socket | None = None
+        self.handshakes = 0
+        self.auth_failures = 0
 
 
 def _item_bytes(item: Any) -> int:
@@ -427,11 +434,20 @@ class Subscriber:
             raise EndpointError(f"cannot connect to {spec.endpoint!r}: {exc}; write it as "
                                 "tcp://HOST:PORT (port 1-65535), ipc://PATH or inproc://NAME") from None
         src.sub = sub
+        if spec.replay_endpoint is not None:
+            # Reconnects of the live socket: the publisher may have restarted (see
+            # SourceTracker.on_reconnect). Failed handshakes (CURVE) are logged.
+            src.monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
         self._sources[name] = src
-        tracker.start()
+        tracker.start(time.monotonic())
         self._tg.start_soon(self._run_source, src, name=f"kvstream-source-{name}")
 
     def _close_source(self, src: _Source) -> None:
+        if src.monitor is not None:
+            if src.sub is not None and not src.sub.closed:
+                src.sub.disable_monitor()
+            src.monitor.close(linger=0)
+            src.monitor = None
         for s in (src.sub, src.dealer):
             if s is not None and not s.closed:
                 s.close(linger=0)
@@ -445,6 +461,8 @@ class Subscriber:
                     tg.start_soon(self._live_loop, src)
                     if src.spec.replay_endpoint is not None:
                         tg.start_soon(self._replay_loop, src)
+                    if src.monitor is not None:
+                        tg.start_soon(self._monitor_loop, src)
         finally:
             # Closed only once no task waits on their FDs any more.
             self._close_source(src)
@@ -517,6 +535,29 @@ class Subscriber:
             self._after(src, gen, received)
             await self._wait_space()
             await anyio.wait_readable(sock.FD)
+
+    async def _monitor_loop(self, src: _Source) -> None:
+        mon = src.monitor
+        assert mon is not None
+        t = src.tracker
+        while True:
+            while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
+                try:
+                    msg = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                ev = msg["event"]
+                if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    src.handshakes += 1
+                    if src.handshakes > 1:
+                        gen = t.generation
+                        t.on_reconnect(time.monotonic())
+                        self._after(src, gen)
+                elif ev != zmq.EVENT_DISCONNECTED:
+                    src.auth_failures += 1
+                    self._rlog.warning("handshake:" + t.name, "%s: handshake with %s failed (%s): "
+                                       "check the CURVE keys", t.name, src.spec.endpoint, ev)
+            await anyio.wait_readable(mon.FD)
 
     # -- replay ------------------------------------------------------------------------
 

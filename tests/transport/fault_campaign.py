@@ -238,7 +238,7 @@ class World:
     def join(self, name: str) -> None:
         t = SourceTracker(name, has_replay=True, max_retries=3, backoff_s=0.05, probe_after_s=PROBE)
         self.trackers[name] = t
-        t.start()
+        t.start(self.now)
         self._pump(name)
 
     def _pump(self, name: str) -> None:

@@ -30,7 +30,8 @@ async def test_subscriber_yields_exactly_the_recorded_batches_recovering_through
         async with anyio.create_task_group() as tg:
             tg.start_soon(peer.serve)
             spec = SourceSpec(peer.pub_ep, peer.replay_ep, name="vllm")
-            async with Subscriber([spec], topic="kv@peer@model", replay_timeout_s=2.0) as sub:
+            # No idle probes: the recovery must come from the gap, through the recorded exchange.
+            async with Subscriber([spec], topic="kv@peer@model", replay_timeout_s=2.0, probe_after_s=None) as sub:
                 await peer.wait_subscriber()
                 # The join-time replay (from 0) finds an empty buffer: caught up at -1.
                 first = await collect(sub, lambda it: isinstance(it[-1], SourceLive))

@@ -109,14 +109,15 @@ def test_replay_that_starts_late_falls_back_to_snapshot_then_stale_when_unsuppor
     t = SourceTracker("s", has_replay=True)
     _live(t, 0)
     _live(t, 10)
-    # 0..4 rotated out of the publisher's buffer: the anchor (0) is not in the reply.
+    # 0..4 rotated out of the publisher's buffer: the anchor (0) is not in the reply, so
+    # nothing in it is trusted (it could be a new instance's).
     _serve(t, {s: s for s in range(5, 11)})
     req = _sent(t)
     assert req.kind == "snapshot"
     t.on_reply_end()  # end marker only: unsupported (what vLLM answers)
     stale = [i for i in t.out if isinstance(i, SourceStale)]
-    assert len(stale) == 1 and (stale[0].first_missing_seq, stale[0].resume_seq) == (1, 5)
-    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 5, 6, 7, 8, 9, 10]
+    assert len(stale) == 1 and (stale[0].first_missing_seq, stale[0].resume_seq) == (1, 10)
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 10]
     assert t.state == "stale"
 
 
@@ -124,18 +125,31 @@ def test_snapshot_reply_resets_fetches_its_anchor_and_resumes_after_its_seq():
     t = SourceTracker("s", has_replay=True)
     _live(t, 0)
     _live(t, 10)
-    _serve(t, {7: 7, 8: 8, 9: 9, 10: 10})
+    _serve(t, {7: 7, 8: 8, 9: 9, 10: 10})  # the anchor (0) is gone: snapshot
     _sent(t)
-    _reply(t, 9, h=100)  # snapshot batches, tagged R = 9
-    _reply(t, 9, h=101)
+    _reply(t, 11, h=100)  # snapshot batches, tagged R = 11 (the publisher's next seq)
+    _reply(t, 11, h=101)
     _live(t, 11)  # arrives while the snapshot is being answered
     t.on_reply_end()
-    assert _kinds(t.out)[1:] == [("SourceReset", 9), ("SourceBatch", 8), ("SourceBatch", 8)]
+    assert _kinds(t.out)[1:] == [("SourceReset", 11), ("SourceBatch", 10), ("SourceBatch", 10)]
     req = t.inflight
-    assert (req.kind, req.start, req.purpose) == ("replay", 8, "anchor")  # the bytes of R - 1
-    _serve(t, {8: 8, 9: 9, 10: 10, 11: 11})
-    assert [i.seq for i in t.out if isinstance(i, SourceBatch)][-3:] == [9, 10, 11]
-    assert t.state == "live" and not t.stale
+    assert (req.kind, req.start, req.purpose) == ("replay", 10, "anchor")  # the bytes of R - 1
+    _serve(t, {10: 10, 11: 11})
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)][-1:] == [11]
+    assert t.state == "live" and not t.stale and t.counters.duplicates == 1
+
+
+def test_a_snapshot_tagged_below_a_seq_seen_live_is_another_instance():
+    """Item 3: the snapshot's publisher had not yet published a seq we had received."""
+    t = SourceTracker("s", has_replay=True)
+    _live(t, 0)
+    _live(t, 10)
+    _serve(t, {7: 7})
+    _sent(t)
+    _reply(t, 3, h=100)  # a restarted engine at seq 3 answers
+    t.on_reply_end()
+    assert ("SourceReset", 3) in _kinds(t.out) and t.counters.restarts == 1
+    assert t.inflight.purpose == "join"
 
 
 def test_without_replay_endpoint_a_gap_marks_the_source_stale():
