@@ -635,6 +635,9 @@ class Subscriber:
             else:
                 c.snapshots += 1
             outcome = await self._receive_replies(src, d, gen)
+            # Whatever happened (an abandoned request may have produced items, e.g. a
+            # stale mark on an overflow), publish the tracker's items.
+            self._after(src, gen)
         if outcome == "timeout" and t.inflight is req:
             self._rlog.warning("timeout:" + t.name, "%s: no complete answer to a %s request from %s "
                                "within %.1fs", t.name, req.kind, src.spec.replay_endpoint,
