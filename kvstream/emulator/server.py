@@ -23,7 +23,7 @@ import msgspec
 
 from kvstream.emulator.core import EmulatedEngine, EmulatorConfig, Generation
 from kvstream.events import KVEventBatch
-from kvstream.proxy.openai import OpenAIError, parse_json_body, prompt_token_ids, requested_model
+from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids, requested_model
 from kvstream.proxy.tokenize import PromptTokenizer
 from kvstream.transport.config import KVEventsConfig
 from kvstream.transport.publisher import Publisher
@@ -87,9 +87,7 @@ class EngineServer:
                 if eng.wakeup > self._clock():
                     continue
             events, touched = eng.step(self._clock())
-            if events and self.publisher is not None:
-                self.publisher.publish(KVEventBatch(time.time(), events, 0))
-                self.batches_published += 1
+            self._publish(events)
             for gen in touched:
                 ev = gen.waker
                 if ev is not None:
@@ -119,7 +117,23 @@ class EngineServer:
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/reset_prefix_cache", self._reset, methods=["POST"]),
         ])
+
+    async def _reset(self, request: Any) -> Any:
+        from starlette.responses import Response
+
+        # vLLM's dev endpoint: refuses (and changes nothing) while requests hold blocks.
+        if not self.engine.model.manager.reset_prefix_cache():
+            body = error_body(400, "the prefix cache cannot be reset while requests are running; retry when idle")
+            return Response(_enc.encode(body), status_code=400, media_type="application/json")
+        self._publish(self.engine.model.manager.take_events())
+        return Response(status_code=200)
+
+    def _publish(self, events: list[Any]) -> None:
+        if events and self.publisher is not None:
+            self.publisher.publish(KVEventBatch(time.time(), events, 0))
+            self.batches_published += 1
 
     async def _health(self, request: Any) -> Any:
         from starlette.responses import Response
@@ -160,6 +174,10 @@ class EngineServer:
             ("vllm:generation_tokens", "counter", "Number of generation tokens processed.", c["generation_tokens"]),
             ("vllm:request_success", "counter", "Count of successfully processed requests.", c["finished"]),
         ]
+        pub = self.publisher
+        lines.append(("kvstream:kv_event_batches_published", "counter",
+                      "KV event batches published (the last seq is this minus 1).",
+                      pub.next_seq if pub is not None else 0))
         out = []
         for name, kind, help_, value in lines:
             out.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n")
