@@ -151,8 +151,16 @@ class KVProxy:
         return _json(200 if up else 503, {"status": "ok" if up else "no engine is up", "engines_up": len(up)})
 
     async def _engines(self, request: Any) -> Any:
-        health = {n: h.state for n, h in self.router.health().items()}
-        return _json(200, self.core.view(time.monotonic(), health))
+        streams = self.router.health()
+        index = self.router.index
+        view: dict[str, Any] = {}
+        for n in self.core.engines:
+            info = index.source_info(n)
+            h = streams.get(n)
+            view[n] = {"state": h.state if h is not None else "not followed", "stale": info.stale,
+                       "blocks": info.blocks, "applied_seq": self.router.applied_seq(n),
+                       "restarts": h.counters.get("restarts", 0) if h is not None else 0}
+        return _json(200, self.core.view(time.monotonic(), view))
 
     async def _prom(self, request: Any) -> Any:
         from starlette.responses import Response

@@ -153,7 +153,8 @@ class ProxyCore:
             self.total.add(predicted, realized)
 
     def view(self, now: float, health: dict[str, Any]) -> dict[str, Any]:
-        """The ``/v1/engines`` JSON body; ``health``: per engine its event stream state."""
+        """The ``/v1/engines`` JSON body; ``health``: per engine what the router knows of
+        its event stream and index (any JSON value)."""
         out = []
         for n, s in self.engines.items():
             h = health.get(n)
