@@ -241,7 +241,8 @@ class EmulatedEngine:
         req = SimRequest(self._next, now, (), 0, n_out, prompt_len=n_in)
         self._next += 1
         state = SimRequestState(req, 0, now)
-        if not self.model.submit(state, now, _Prepared(ids, output, hashes)):
+        # _Prepared has every attribute submit() reads of a sim Prepared (duck-typed).
+        if not self.model.submit(state, now, _Prepared(ids, output, hashes)):  # type: ignore[arg-type]
             raise OpenAIError(
                 400, f"the request needs {-(-(n_in + n_out) // cfg.block_size)} KV blocks but the engine has "
                 f"{cfg.num_gpu_blocks - 1}; send a shorter prompt or max_tokens", "prompt")

@@ -22,7 +22,7 @@ import anyio
 import msgspec
 
 from kvstream.emulator.core import EmulatedEngine, EmulatorConfig, Generation
-from kvstream.events import KVEventBatch
+from kvstream.wire.events import KVEventBatch
 from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids, requested_model
 from kvstream.proxy.tokenize import PromptTokenizer
 from kvstream.transport.config import KVEventsConfig

@@ -31,12 +31,12 @@ from typing import Any, AsyncIterator, Sequence
 import anyio
 import msgspec
 
-from kvstream.index import KVIndex
+from kvstream.routing.index import KVIndex
 from kvstream.proxy.core import ProxyCore, Upstream
 from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids
 from kvstream.proxy.tokenize import PromptTokenizer
-from kvstream.router import Router
-from kvstream.scoring import PrefixLoadPolicy
+from kvstream.routing.router import Router
+from kvstream.routing.scoring import PrefixLoadPolicy
 from kvstream.transport.subscriber import SourceSpec
 
 __all__ = ["KVProxy", "POLICIES", "ENGINE_HEADER"]

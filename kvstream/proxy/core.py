@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from kvstream.scoring import Load
+from kvstream.routing.scoring import Load
 
 __all__ = ["Accuracy", "ProxyCore", "Upstream", "UpstreamState"]
 

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import msgspec
 
+from kvstream.errors import RemoteProtocolError
 from kvstream.proxy.tokenize import ChatTemplateError, PromptTokenizer
 
 __all__ = [
@@ -37,7 +38,7 @@ _TYPES = {
 }
 
 
-class OpenAIError(Exception):
+class OpenAIError(RemoteProtocolError):
     """A request the server refuses, with its HTTP ``status`` (4xx: the client's fault)."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
@@ -140,7 +141,7 @@ def prompt_token_ids(body: Mapping[str, Any], kind: str, tokenizer: PromptTokeni
             raise OpenAIError(400, "text prompts need a tokenizer (start with --tokenizer) or send token ids",
                               "prompt")
         ids = tokenizer.encode(prompt, add_special_tokens=True)
-    elif _is_ids(prompt):
+    elif isinstance(prompt, list) and _is_ids(prompt):
         ids = list(prompt)
     else:
         raise OpenAIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",

@@ -26,6 +26,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
+from kvstream.errors import LocalProtocolError, RemoteProtocolError
+
 __all__ = [
     "ByteTokenizer",
     "ChatTemplateError",
@@ -38,11 +40,11 @@ __all__ = [
 ]
 
 
-class TokenizerError(ValueError):
+class TokenizerError(LocalProtocolError, ValueError):
     """A tokenizer (files or folder) cannot be loaded; the message names the path and the fix."""
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(RemoteProtocolError, ValueError):
     """A chat request cannot be rendered: no template, a template syntax error, or the
     template itself refused the messages (``raise_exception``). Bad *input* from the
     client, reported as HTTP 400."""

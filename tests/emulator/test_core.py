@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvstream.emulator.core import EmulatedEngine, EmulatorConfig, Generation
-from kvstream.events import BlockStored
+from kvstream.wire.events import BlockStored
 from kvstream.proxy.openai import OpenAIError
 
 
