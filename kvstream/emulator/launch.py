@@ -41,6 +41,7 @@ class Proc:
         self.events: str | None = None
         self.replay: str | None = None
         self.ready_line = ""
+        self._kind = ""
 
     @property
     def pid(self) -> int:
@@ -73,6 +74,20 @@ class Proc:
     def _close(self) -> None:
         if self.popen.stdout is not None and not self.popen.stdout.closed:
             self.popen.stdout.close()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> "Proc":
+        """Wait for the ready line (raises :class:`LaunchError`) and read the addresses."""
+        if self.url:
+            return self
+        if self._kind == "engine":
+            m = _wait_ready(self, r"ready (http://\S+)(?: events (\S+) replay (\S+))?", timeout_s)
+            self.events, self.replay = m.group(2), m.group(3)
+            if self.replay == "None":
+                self.replay = None
+        else:
+            m = _wait_ready(self, r"ready (http://\S+)", timeout_s)
+        self.url = m.group(1)
+        return self
 
     def log_tail(self, n: int = 2000) -> str:
         """The last ``n`` characters of its stderr log."""
@@ -133,33 +148,35 @@ def _spawn(name: str, argv: Sequence[str], log_dir: str | None) -> Proc:
 
 def start_engine(name: str, *, port: int = 0, events: str | None = "tcp://127.0.0.1:*",
                  replay: str | None = "tcp://127.0.0.1:*", extra: Sequence[str] = (), log_dir: str | None = None,
-                 timeout_s: float = 30.0) -> Proc:
+                 timeout_s: float = 30.0, wait: bool = True) -> Proc:
     """Start ``kvstream engine`` on loopback (``port`` 0: a free one) publishing KV events
     on ``events``/``replay`` (wildcard ports by default; None: no events). ``extra``: more
-    ``kvstream engine`` options. Returns once it is ready."""
+    ``kvstream engine`` options. Returns once it is ready (``wait=False``: at once; call
+    :meth:`Proc.wait_ready` later, to start several in parallel)."""
     argv = ["kvstream", "engine", "--host", "127.0.0.1", "--port", str(port), *extra]
     if events:
         cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                "replay_endpoint": replay, "topic": ""}
         argv += ["--kv-events-config", json.dumps(cfg)]
     proc = _spawn(name, argv, log_dir)
-    m = _wait_ready(proc, r"ready (http://\S+)(?: events (\S+) replay (\S+))?", timeout_s)
-    proc.url = m.group(1)
-    proc.events, proc.replay = m.group(2), m.group(3)
-    if proc.replay == "None":
-        proc.replay = None
+    proc._kind = "engine"
+    if wait:
+        proc.wait_ready(timeout_s)
     return proc
 
 
 def start_proxy(engines: Sequence[Proc], *, port: int = 0, policy: str = "kv-aware", block_size: int = 16,
-                extra: Sequence[str] = (), log_dir: str | None = None, timeout_s: float = 30.0) -> Proc:
+                extra: Sequence[str] = (), log_dir: str | None = None, timeout_s: float = 30.0,
+                wait: bool = True) -> Proc:
     """Start the KV-aware proxy in front of ``engines`` (their names, URLs and event
-    endpoints). Returns once it is ready."""
+    endpoints). Returns once it is ready (``wait=False``: at once)."""
     argv = ["kvstream.proxy", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
             "--block-size", str(block_size), *extra]
     for e in engines:
         spec = ",".join(x for x in (e.url, e.events, e.replay) if x)
         argv += ["--engine", f"{e.name}={spec}"]
     proc = _spawn(f"proxy-{policy}", argv, log_dir)
-    proc.url = _wait_ready(proc, r"ready (http://\S+)", timeout_s).group(1)
+    proc._kind = "proxy"
+    if wait:
+        proc.wait_ready(timeout_s)
     return proc
