@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -111,3 +112,16 @@ def test_cli_refuses_bad_configuration_with_one_line(capsys: pytest.CaptureFixtu
     assert "unknown KVEventsConfig keys ['endpont']" in capsys.readouterr().err
     assert main(["engine", "--model-config", "/nonexistent.json", "--gpu-memory", "80"]) == 2
     assert "cannot read --model-config" in capsys.readouterr().err
+
+
+def test_model_config_sizes_the_cache_as_kvstream_plan_does(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstream.cli import build_parser
+    from kvstream.cli.engine import build_config
+
+    cfg_path = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "llama-3-8b.json")
+    common = [cfg_path, "--gpu-memory", "80GiB", "--model-weights-gib", "15"]
+    assert main(["plan", *common, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["num_blocks"]
+    args = build_parser().parse_args(["engine", "--model-config", *common])
+    cfg = build_config(args)
+    assert cfg.num_gpu_blocks == planned and cfg.max_model_len == 8192
