@@ -130,7 +130,7 @@ async def run_demo(cfg: DemoConfig, result: DemoResult,
             await anyio.to_thread.run_sync(p.wait_ready)
         if on_started is not None:
             on_started(engines, proxies)
-        specs = [SourceSpec(e.events, e.replay, name=e.name) for e in engines]
+        specs = [SourceSpec(e.events or "", e.replay, name=e.name) for e in engines]
         result.sources = [e.name for e in engines]
         recorded: dict[str, int] = {}
 

@@ -13,13 +13,13 @@ import argparse
 import sys
 from typing import Sequence
 
+from kvstream.proxy.core import Upstream
+
 __all__ = ["main", "parse_upstream"]
 
 
-def parse_upstream(text: str) -> "object":
+def parse_upstream(text: str) -> Upstream:
     """An :class:`~kvstream.proxy.core.Upstream` from ``NAME=URL[,EVENTS[,REPLAY]]``."""
-    from kvstream.proxy.core import Upstream
-
     name, sep, rest = text.partition("=")
     parts = [p.strip() for p in rest.split(",")] if sep else []
     if not name or not parts or not parts[0].startswith(("http://", "https://")):
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ups = [parse_upstream(e) for e in args.engine]
         tok = load_tokenizer(args.tokenizer, chat_template=args.chat_template) if args.tokenizer else None
-        proxy = KVProxy(ups, tokenizer=tok, block_size=args.block_size, policy=args.policy,  # type: ignore[arg-type]
+        proxy = KVProxy(ups, tokenizer=tok, block_size=args.block_size, policy=args.policy,
                         speculate_s=args.speculate, max_attempts=args.max_attempts, backoff_s=args.backoff)
     except (ValueError, TokenizerError) as exc:
         print(f"kvstream proxy: {exc}", file=sys.stderr)
