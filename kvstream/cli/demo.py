@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -152,18 +153,36 @@ def _run(args: argparse.Namespace) -> int:
         print(("\r\033[K" + line) if tty else line, end=end, flush=True)
 
     result = DemoResult()
+
+    async def guarded() -> None:
+        # Ctrl-C (or SIGTERM) cancels the run wherever it is, starting processes included;
+        # run_demo stops every process it started before returning.
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        result.interrupted = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            await run_demo(cfg, result, show)
+            tg.cancel_scope.cancel()
+
     try:
-        anyio.run(lambda: run_demo(cfg, result, show))
-    except KeyboardInterrupt:
+        anyio.run(guarded)
+    except KeyboardInterrupt:  # before the signal watcher was in place
+        result.interrupted = True
+    except (LaunchError, OSError, RuntimeError, TimeoutError) as exc:
+        print(f"kvstream demo: {exc}", file=sys.stderr)
+        return 1
+    if result.interrupted:
         if tty:
             print()
         kept = (f"kept {result.log_path} ({result.batches_recorded} event batches recorded so far)"
                 if result.batches_recorded else "nothing was recorded yet")
         print(f"kvstream demo: interrupted; {kept}; engines and proxies stopped", file=sys.stderr)
         return 130
-    except (LaunchError, OSError, RuntimeError, TimeoutError) as exc:
-        print(f"kvstream demo: {exc}", file=sys.stderr)
-        return 1
     return _report(result, cfg, args)
 
 

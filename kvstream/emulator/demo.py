@@ -122,12 +122,12 @@ async def run_demo(cfg: DemoConfig, result: DemoResult,
             engines.append(start_engine(f"engine-{i}", events=ev[0], replay=ev[1], extra=opts, log_dir=str(logs),
                                         wait=False))
         for e in engines:
-            await anyio.to_thread.run_sync(e.wait_ready)
+            await anyio.to_thread.run_sync(e.wait_ready, abandon_on_cancel=True)
         for pol in POLICIES:
             proxies.append(start_proxy(engines, policy=pol, block_size=cfg.block_size, log_dir=str(logs),
                                        wait=False))
         for p in proxies:
-            await anyio.to_thread.run_sync(p.wait_ready)
+            await anyio.to_thread.run_sync(p.wait_ready, abandon_on_cancel=True)
         if on_started is not None:
             on_started(engines, proxies)
         specs = [SourceSpec(e.events or "", e.replay, name=e.name) for e in engines]
