@@ -1,0 +1,100 @@
+"""A real engine for the service tests, run as its own process: kvstream's allocator
+(``BlockPool`` + ``KVCacheManager``) publishing its real events with kvstream's
+``Publisher`` (PUB + replay on loopback, ports chosen by the OS), and a vLLM-style
+``/metrics`` endpoint (plain asyncio HTTP) exporting the load the test sets.
+
+Protocol: one JSON command per stdin line, one JSON answer per stdout line.
+
+* start: prints ``{"pub": EP, "replay": EP, "http": URL}``;
+* ``{"admit": [tokens...], "id": "r1"}`` caches the prompt's blocks -> ``{"seq": N}``;
+* ``{"free": "r1"}`` frees a request (its blocks stay cached until evicted) -> ``{"seq": N}``;
+* ``{"load": {"running": 3, "waiting": 5, "kv": 0.5}}`` -> ``{"ok": true}``;
+* end of stdin: exits.
+
+``seq`` is the last published batch's seq (-1 if the step changed nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import anyio
+
+from kvstream.engine import AsyncKVCacheManager
+from kvstream.hashing import BlockHasher
+from kvstream.manager import KVCacheManager
+from kvstream.pool import BlockPool
+from kvstream.transport import KVEventsConfig, Publisher
+
+BLOCK_SIZE = 16
+LOAD = {"running": 0, "waiting": 0, "kv": 0.0}
+
+
+def _metrics_text() -> bytes:
+    labels = '{engine="0",model_name="test-model"}'
+    return (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{labels} {float(LOAD['running'])}\n"
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f"vllm:num_requests_waiting{labels} {float(LOAD['waiting'])}\n"
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f"vllm:kv_cache_usage_perc{labels} {float(LOAD['kv'])}\n"
+        "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n"
+        "# TYPE vllm:prompt_tokens_total counter\n"
+        f"vllm:prompt_tokens_total{labels} 1234.0\n"
+    ).encode()
+
+
+async def _http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        line = await reader.readline()
+        while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+            pass
+        if line.startswith(b"GET /metrics"):
+            body, status = _metrics_text(), b"200 OK"
+        else:
+            body, status = b"not found\n", b"404 Not Found"
+        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        await writer.drain()
+    finally:
+        writer.close()
+
+
+async def main() -> None:
+    pool = BlockPool(num_gpu_blocks=4096, block_size=BLOCK_SIZE)
+    manager = KVCacheManager(pool, BlockHasher("sha256_cbor", BLOCK_SIZE, seed="0"))
+    cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv")
+    server = await asyncio.start_server(_http, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reqs = {}
+    stdin = anyio.wrap_file(sys.stdin)
+    async with server, Publisher(cfg) as pub, AsyncKVCacheManager(manager, pub.publish) as kv:
+        pub.snapshot_provider = kv.snapshot_events
+        print(json.dumps({"pub": pub.endpoint, "replay": pub.replay_endpoint, "http": f"http://127.0.0.1:{port}"}),
+              flush=True)
+        async for line in stdin:
+            cmd = json.loads(line)
+            if "load" in cmd:
+                LOAD.update(cmd["load"])
+                print(json.dumps({"ok": True}), flush=True)
+                continue
+            if "admit" in cmd:
+                req = manager.new_request(cmd["id"], cmd["admit"])
+                if not manager.admit(req):
+                    print(json.dumps({"error": "no room"}), flush=True)
+                    continue
+                reqs[cmd["id"]] = req
+            elif "free" in cmd:
+                manager.free(reqs.pop(cmd["free"]))
+            batch = await kv.step_done()
+            print(json.dumps({"seq": pub.next_seq - 1 if batch is not None else -1}), flush=True)
+
+
+if __name__ == "__main__":
+    anyio.run(main)
