@@ -52,29 +52,42 @@ class EngineSpec:
 
 
 def parse_engine(text: str) -> EngineSpec:
-    """Parse one ENGINE argument (:data:`ENGINE_SYNTAX`). Raises :class:`ConfigError`."""
-    from kvstream.cli._endpoints import parse_source
-
+    """Parse one ENGINE argument (:data:`ENGINE_SYNTAX`): the ``subscribe``/``record``
+    endpoint forms (``[NAME=]PUB[,REPLAY]``, options ``replay=``, ``name=``) plus
+    ``http=URL``. Raises :class:`ConfigError` saying what is wrong."""
     if not isinstance(text, str) or not text:
         raise ConfigError(f"an engine must be a non-empty string like {ENGINE_SYNTAX}, got {text!r}")
-    parts = text.split(",")
-    http = None
-    rest = []
-    for p in parts:
-        if p.startswith("http="):
-            url = p[len("http="):]
-            if http is not None:
-                raise ConfigError(f"two http= parts in {text!r}; give one base URL per engine")
-            if not (url.startswith("http://") or url.startswith("https://")) or len(url) <= len("http://"):
-                raise ConfigError(f"http= must be an http:// or https:// base URL, got {url!r} in {text!r}")
-            http = url.rstrip("/")
+    name: str | None = None
+    body = text
+    head, sep, _ = text.partition("://")
+    if sep and "=" in head:
+        name, body = text.split("=", 1)
+    parts = body.split(",")
+    pub, replay, http = parts[0], None, None
+    for o in parts[1:]:
+        key, eq, value = o.partition("=")
+        if eq and "://" not in key:
+            if key not in ("replay", "name", "http") or not value:
+                raise ConfigError(f"bad option {o!r} in {text!r}; expected {ENGINE_SYNTAX}")
+            if key == "replay":
+                replay = value
+            elif key == "name":
+                name = value
+            else:
+                if http is not None:
+                    raise ConfigError(f"two http= parts in {text!r}; give one base URL per engine")
+                if not value.startswith(("http://", "https://")) or len(value) <= len("http://"):
+                    raise ConfigError(f"http= must be an http:// or https:// base URL, got {value!r} in {text!r}")
+                http = value.rstrip("/")
+        elif "://" in o and replay is None:
+            replay = o
         else:
-            rest.append(p)
-    try:
-        src = parse_source(",".join(rest))
-    except ValueError as exc:
-        raise ConfigError(f"bad engine {text!r}: {exc}; expected {ENGINE_SYNTAX}") from None
-    return EngineSpec(src, http)
+            raise ConfigError(f"unexpected {o!r} in {text!r}; expected {ENGINE_SYNTAX}")
+    if "://" not in pub:
+        raise ConfigError(f"{pub!r} is not an endpoint; write it as tcp://HOST:PORT (expected {ENGINE_SYNTAX})")
+    if name == "":
+        raise ConfigError(f"empty engine name in {text!r}")
+    return EngineSpec(SourceSpec(pub, replay or None, name or None), http)
 
 
 class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_defaults=True):
@@ -127,7 +140,7 @@ class ServeConfig:
         index_ttl: seconds a block lives after its last store (``--index-ttl``).
         speculate_ttl: seconds a ``"speculate": true`` insert lives (``--speculate-ttl``).
         prefix_weight, queue_weight, running_weight, kv_weight: the scoring weights of
-            :class:`~kvstream.scoring.PrefixLoadPolicy`.
+            :class:`~kvstream.routing.scoring.PrefixLoadPolicy`.
         register_token_file: a file holding the bearer token that ``/register`` and
             ``/unregister`` require (None: no token) (``--register-token-file``).
         topic: topic prefix to subscribe to (``--topic``).

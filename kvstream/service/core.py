@@ -23,10 +23,10 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import msgspec
 
 from kvstream.hashing import MMItem
-from kvstream.index import KVIndex
-from kvstream.routekeys import RouterKeyError
-from kvstream.router import AnyIndex, apply_item
-from kvstream.scoring import Load, PrefixLoadPolicy
+from kvstream.routing.index import KVIndex
+from kvstream.routing.keys import RouterKeyError
+from kvstream.routing.router import AnyIndex, apply_item
+from kvstream.routing.scoring import Load, PrefixLoadPolicy
 from kvstream.service.config import EngineSpec, ServeConfig
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.service.load import LoadBoard

@@ -7,10 +7,12 @@ import re
 
 import msgspec
 
+from kvstream.errors import LocalProtocolError, RemoteProtocolError
+
 __all__ = ["ApiError", "ConfigError", "from_msgspec"]
 
 
-class ApiError(ValueError):
+class ApiError(RemoteProtocolError, ValueError):
     """A request the service refuses; becomes ``{"error": {"code", "message", "where"}}``
     with HTTP ``status`` (always 4xx).
 
@@ -31,7 +33,7 @@ class ApiError(ValueError):
         return _ENC.encode({"error": {"code": self.code, "message": self.message, "where": self.where}})
 
 
-class ConfigError(ValueError):
+class ConfigError(LocalProtocolError, ValueError):
     """A bad command-line flag or config file; the message says what, where and the fix."""
 
 

@@ -19,7 +19,7 @@ from typing import Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstream.scoring import Load
+from kvstream.routing.scoring import Load
 
 __all__ = ["Scrape", "LoadBoard", "parse_vllm_metrics", "RUNNING", "WAITING", "KV_USAGE"]
 

@@ -16,9 +16,9 @@ Isolation: every registration lands in the index of its (model, tenant, block si
 additional salt, LoRA) group; a query reads only the groups of its model, tenant and block
 size whose LoRA is the query's (or the base model) and whose salt is the query's
 ``cache_salt`` (or none). Publishers of type ``Mooncake`` (RFC #1527 events, standard
-hash) are indexed by their ``seq_hashes`` (:class:`~kvstream.engine_index.EngineKeyIndex`),
+hash) are indexed by their ``seq_hashes`` (:class:`~kvstream.routing.engine_index.EngineKeyIndex`),
 and ``/query`` computes the standard hash of the tokens; ``vLLM`` and ``SGLang`` publishers
-are indexed by tokens (:class:`~kvstream.index.KVIndex`), so their own hash algorithm and
+are indexed by tokens (:class:`~kvstream.routing.index.KVIndex`), so their own hash algorithm and
 seed do not matter, and ``/query_by_hash`` matches their engine hashes.
 """
 
@@ -32,12 +32,12 @@ import msgspec
 from msgspec import Meta, Struct
 from starlette.requests import Request
 
-from kvstream.engine_index import EngineKeyIndex
+from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.hashing import BlockHasher
-from kvstream.routekeys import RouterKeyError
+from kvstream.routing.keys import RouterKeyError
 from kvstream.service.core import ServiceCore
 from kvstream.service.errors import ApiError, from_msgspec
-from kvstream.service.mooncake_hash import MooncakeHasher
+from kvstream.hashing.mooncake import MooncakeHasher
 from kvstream.service.schema import ENCODER, TokenId
 from kvstream.transport.subscriber import SourceSpec
 

@@ -20,7 +20,7 @@ import anyio.to_thread
 
 from kvstream.service.core import ServiceCore
 from kvstream.service.load import parse_vllm_metrics
-from kvstream.service.mooncake_events import AnyFormatDecoder
+from kvstream.wire.mooncake import AnyFormatDecoder
 from kvstream.transport.subscriber import Subscriber
 
 __all__ = ["ServiceRuntime"]

@@ -22,10 +22,10 @@ import sys
 
 import anyio
 
-from kvstream.engine import AsyncKVCacheManager
+from kvstream.allocator.shell import AsyncKVCacheManager
 from kvstream.hashing import BlockHasher
-from kvstream.manager import KVCacheManager
-from kvstream.pool import BlockPool
+from kvstream.allocator.manager import KVCacheManager
+from kvstream.allocator.pool import BlockPool
 from kvstream.transport import KVEventsConfig, Publisher
 
 BLOCK_SIZE = 16

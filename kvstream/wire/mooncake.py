@@ -4,14 +4,14 @@ event schema, alongside vLLM's.
 On the wire a batch is the same three ZMQ frames as vLLM's (topic, big-endian seq,
 msgpack payload); the payload is ``[timestamp, [event, ...], dp_rank]`` where each event
 is a map with ``event_type`` (``stored``, ``removed``, ``cleared``), ``seq_hashes`` (rolling
-XXH3-64 sequence hashes, see :mod:`kvstream.service.mooncake_hash`), ``parent_hash``,
+XXH3-64 sequence hashes, see :mod:`kvstream.hashing.mooncake`), ``parent_hash``,
 ``base_block_idx``, optional ``token_ids`` and ``block_size``, lowercase ``medium``
 (``gpu``, ``cpu``, ``disk``...), ``backend_id``, ``lora_name``... Publishers that also emit
 vLLM's legacy aliases (``block_hashes``, ``parent_block_hash``) are accepted too.
 
-Mapping: ``stored`` -> :class:`~kvstream.events.BlockStored` (hashes = ``seq_hashes``,
-medium upper-cased), ``removed`` -> :class:`~kvstream.events.BlockRemoved`, ``cleared``
--> :class:`~kvstream.events.AllBlocksCleared`. Timestamps in milliseconds (as the RFC
+Mapping: ``stored`` -> :class:`~kvstream.wire.events.BlockStored` (hashes = ``seq_hashes``,
+medium upper-cased), ``removed`` -> :class:`~kvstream.wire.events.BlockRemoved`, ``cleared``
+-> :class:`~kvstream.wire.events.AllBlocksCleared`. Timestamps in milliseconds (as the RFC
 writes them) become seconds.
 
 :class:`AnyFormatDecoder` decodes either format: vLLM's first (the common case costs
@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from kvstream.events import (
+from kvstream.wire.events import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     AllBlocksCleared,
     AnyEvent,
@@ -109,7 +109,7 @@ def _convert(i: int, ev: MooncakeEvent) -> AnyEvent:
 
 
 def decode_mooncake_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
-    """Decode one RFC #1527 payload. Raises :class:`~kvstream.events.EventDecodeError`."""
+    """Decode one RFC #1527 payload. Raises :class:`~kvstream.wire.events.EventDecodeError`."""
     try:
         b = _DEC.decode(payload)
     except msgspec.ValidationError as exc:
@@ -122,7 +122,7 @@ def decode_mooncake_batch(payload: bytes | bytearray | memoryview) -> KVEventBat
 
 
 class AnyFormatDecoder:
-    """Decodes vLLM payloads (any vintage, :class:`~kvstream.events.EventDecoder`) and RFC
+    """Decodes vLLM payloads (any vintage, :class:`~kvstream.wire.events.EventDecoder`) and RFC
     #1527 payloads: vLLM first; when it rejects a payload, RFC #1527; when both reject it,
     vLLM's error is raised (the usual peer). Same interface as ``EventDecoder``."""
 

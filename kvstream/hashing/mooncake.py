@@ -21,12 +21,14 @@ from typing import Sequence
 
 import xxhash
 
+from kvstream.errors import LocalProtocolError
+
 __all__ = ["MooncakeHasher", "MooncakeHashError"]
 
 _PAIR = struct.Struct("<QQ")
 
 
-class MooncakeHashError(ValueError):
+class MooncakeHashError(LocalProtocolError, ValueError):
     """A bad argument to the hasher (block size, seed, token id out of range)."""
 
 
