@@ -9,6 +9,8 @@ Protocol: one JSON command per stdin line, one JSON answer per stdout line.
 * ``{"admit": [tokens...], "id": "r1"}`` caches the prompt's blocks -> ``{"seq": N}``;
 * ``{"free": "r1"}`` frees a request (its blocks stay cached until evicted) -> ``{"seq": N}``;
 * ``{"load": {"running": 3, "waiting": 5, "kv": 0.5}}`` -> ``{"ok": true}``;
+* ``{"rfc": [event maps], "dp_rank": 0}`` publishes one RFC #1527 batch
+  ``[timestamp ms, events, dp_rank]`` as the test wrote it -> ``{"seq": N}``;
 * end of stdin: exits.
 
 ``seq`` is the last published batch's seq (-1 if the step changed nothing).
@@ -19,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 
 import anyio
+import msgspec
 
 from kvstream.allocator.shell import AsyncKVCacheManager
 from kvstream.hashing import BlockHasher
@@ -83,6 +87,12 @@ async def main() -> None:
             if "load" in cmd:
                 LOAD.update(cmd["load"])
                 print(json.dumps({"ok": True}), flush=True)
+                continue
+            if "rfc" in cmd:
+                seq = pub.next_seq
+                pub.publish_raw(msgspec.msgpack.encode([int(time.time() * 1000), cmd["rfc"], cmd.get("dp_rank", 0)]),
+                                seq)
+                print(json.dumps({"seq": seq}), flush=True)
                 continue
             if "admit" in cmd:
                 req = manager.new_request(cmd["id"], cmd["admit"])
