@@ -95,16 +95,19 @@ class ServiceRuntime:
             while True:
                 targets = [(n, e.http) for n, e in self.core.engines.items() if e.http]
                 if targets:
-                    with anyio.move_on_after(interval):
-                        async with anyio.create_task_group() as tg:
-                            for name, url in targets:
-                                tg.start_soon(self._scrape_one, client, name, url)
+                    async with anyio.create_task_group() as tg:
+                        for name, url in targets:
+                            tg.start_soon(self._scrape_one, client, name, url, timeout)
                 await anyio.sleep(interval)
 
-    async def _scrape_one(self, client: Any, name: str, url: str) -> None:
+    async def _scrape_one(self, client: Any, name: str, url: str, timeout: float) -> None:
         core = self.core
         try:
-            r = await client.get(url + "/metrics")
+            r = None
+            with anyio.move_on_after(timeout):
+                r = await client.get(url + "/metrics")
+            if r is None:
+                raise TimeoutError(f"no answer from {url}/metrics within {timeout:g}s")
             if r.status_code != 200:
                 raise ValueError(f"HTTP {r.status_code} from {url}/metrics")
             if len(r.content) > _SCRAPE_MAX_BYTES:
