@@ -30,7 +30,7 @@ from kvstream.routing.scoring import Load, PrefixLoadPolicy
 from kvstream.service.config import EngineSpec, ServeConfig
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.service.load import LoadBoard
-from kvstream.service.schema import ENCODER, EngineScore, RouteRequest, RouteResponse
+from kvstream.service.schema import ENCODER, EngineScore, LoadIn, RouteRequest, RouteResponse
 from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale
 from kvstream.transport.subscriber import SourceHealth, SourceSpec
 from kvstream.observe.metrics import EngineSnapshot, IndexSnapshot, ServiceMetrics
@@ -76,6 +76,7 @@ class Engine:
 
 
 _ROUTE = msgspec.json.Decoder(RouteRequest)
+_LOAD = msgspec.json.Decoder(LoadIn)
 
 
 class ServiceCore:
@@ -314,7 +315,14 @@ class ServiceCore:
                 raise ApiError(422, "unknown_engine", f"loads names engine {name!r}, which this index does "
                                f"not follow; engines: {sorted(n for n, x in self.engines.items() if x.index == index)}",
                                f"$.loads.{name}")
-            out[name] = Load(ld.queue, ld.running, ld.kv_usage)
+            try:
+                li = _LOAD.decode(ld)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                err = from_msgspec(exc)
+                where = f"$.loads.{name}" + (err.where or "$")[1:]
+                raise ApiError(422, "bad_field", err.message.replace(f"(at {err.where})", f"(at {where})"),
+                               where) from None
+            out[name] = Load(li.queue, li.running, li.kv_usage)
         return out
 
     def route(self, body: bytes) -> bytes:

@@ -54,7 +54,7 @@ Name = Annotated[str, Meta(min_length=1, max_length=256)]
 Opt = Annotated[str, Meta(max_length=256)]
 BlockSize = Annotated[int, Meta(ge=1, le=1 << 20)]
 Rank = Annotated[int, Meta(ge=0, le=1 << 16)]
-U64 = Annotated[int, Meta(ge=0)]  # msgspec rejects ints past 2**64 - 1 itself
+U64 = Annotated[int, Meta(ge=0)]  # the upper bound is checked by hand (msgspec bounds are int64)
 
 
 class RegisterRequest(Struct):
@@ -274,6 +274,11 @@ class MooncakeAPI:
         if hashes is None:
             raise ApiError(422, "bad_field", "give seq_hashes (rolling sequence hashes, in prefix order)",
                            "$.seq_hashes")
+        field = "seq_hashes" if q.seq_hashes is not None else "block_hash"
+        for i, h in enumerate(hashes):
+            if h > 0xFFFF_FFFF_FFFF_FFFF:
+                raise ApiError(422, "bad_field", f"{field}[{i}] is {h}, not an unsigned 64-bit hash",
+                               f"$.{field}[{i}]")
         if len(hashes) * q.block_size > self.core.config.max_prompt_tokens:
             raise ApiError(413, "too_large", f"{len(hashes)} hashes of {q.block_size} tokens are over the limit of "
                            f"{self.core.config.max_prompt_tokens} tokens (--max-prompt-tokens)", "$.seq_hashes")

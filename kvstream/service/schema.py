@@ -49,7 +49,7 @@ class RouteRequest(Struct, forbid_unknown_fields=True):
     lora_name: Annotated[str, Meta(max_length=1024)] | None = None
     cache_salt: Annotated[str, Meta(max_length=1024)] | None = None
     mm_hashes: list[MMHash] | None = None
-    loads: dict[str, LoadIn] | None = None
+    loads: dict[str, msgspec.Raw] | None = None  # each a LoadIn, decoded by name (errors name the engine)
     speculate: bool = False
 
 
