@@ -62,7 +62,7 @@ class EngineProc:
     def __init__(self, name: str) -> None:
         self.name = name
         self.err = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "engine_proc.py")], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "engine_proc.py"), name], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.err, text=True,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         info = json.loads(read_line(self.proc, err=self.err))

@@ -13,6 +13,8 @@ Protocol: one JSON command per stdin line, one JSON answer per stdout line.
   ``[timestamp ms, events, dp_rank]`` as the test wrote it -> ``{"seq": N}``;
 * end of stdin: exits.
 
+Any HTTP request other than ``GET /metrics`` gets ``{"served_by": NAME}`` (NAME: argv[1]).
+
 ``seq`` is the last published batch's seq (-1 if the step changed nothing).
 """
 
@@ -33,6 +35,7 @@ from kvstream.allocator.pool import BlockPool
 from kvstream.transport import KVEventsConfig, Publisher
 
 BLOCK_SIZE = 16
+NAME = sys.argv[1] if len(sys.argv) > 1 else "engine"
 LOAD = {"running": 0, "waiting": 0, "kv": 0.0}
 
 
@@ -57,12 +60,16 @@ def _metrics_text() -> bytes:
 async def _http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         line = await reader.readline()
-        while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-            pass
+        length = 0
+        while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            if h.lower().startswith(b"content-length:"):
+                length = int(h.split(b":", 1)[1])
+        if length:
+            await reader.readexactly(length)
         if line.startswith(b"GET /metrics"):
             body, status = _metrics_text(), b"200 OK"
-        else:
-            body, status = b"not found\n", b"404 Not Found"
+        else:  # anything else: say who served it (the gateway example checks the choice)
+            body, status = json.dumps({"served_by": NAME}).encode(), b"200 OK"
         writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
         await writer.drain()
