@@ -59,13 +59,19 @@ def register(sub: Any) -> None:
     p.add_argument("--topic", help="topic prefix to subscribe to (default: all)")
     p.add_argument("--replay-timeout", type=float, metavar="SECONDS", help="replay request timeout (default 2)")
     p.add_argument("--mooncake-seed", type=int, metavar="S", help="seed of the RFC #1527 standard hash (default 0)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="worker processes sharing the port (SO_REUSEPORT); each follows every engine and keeps "
+                        "its own index (default 1). Engines added with /register reach one worker only: use "
+                        "--config for engines when N > 1")
+    p.add_argument("--model-name", help="model the configured engines serve, for the Mooncake /query API "
+                   "(default: default)")
     p.set_defaults(func=run)
 
 
 _FLAGS = ("host", "port", "log_format", "log_level", "tokenizer", "load_interval", "max_prompt_tokens",
           "max_body_bytes", "router_block_size", "index_max_bytes", "index_ttl", "speculate_ttl",
           "prefix_weight", "queue_weight", "running_weight", "kv_weight", "register_token_file", "topic",
-          "replay_timeout", "mooncake_seed")
+          "replay_timeout", "mooncake_seed", "model_name")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,25 +116,37 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstream serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_format, cfg.log_level)
+    workers = getattr(args, "workers", 1) or 1
+    if workers < 1:
+        print(f"kvstream serve: --workers must be at least 1, got {workers}", file=sys.stderr)
+        return 2
     try:
-        sock = _bind(cfg.host, cfg.port)
+        sock = _bind(cfg.host, cfg.port, listen=workers == 1, reuseport=workers > 1)
     except OSError as exc:
         print(f"kvstream serve: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
         return 2
+    if workers > 1:
+        return _supervise(cfg, tok, sock, _flags(args), list(args.engines), workers)
     import anyio
 
     with contextlib.closing(sock):
-        anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), backend="asyncio")
+        anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, backend="asyncio")
     return 0
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, *, listen: bool = True, reuseport: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose
+    # proto says TCP, and a header write followed by a body write would otherwise wait
+    # for the client's delayed ACK (40 ms per request).
+    s = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuseport:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind((host, port))
-        s.listen(2048)
+        if listen:
+            s.listen(2048)
         s.setblocking(False)
     except BaseException:
         s.close()
@@ -136,12 +154,75 @@ def _bind(host: str, port: int) -> socket.socket:
     return s
 
 
+def _supervise(cfg: Any, tok: Any, holder: socket.socket, flags: dict[str, Any], cli_engines: list[str],
+               workers: int) -> int:
+    """Fork ``workers`` processes, each listening on the same port with SO_REUSEPORT (the
+    kernel spreads connections over them); forward SIGHUP/SIGINT/SIGTERM to them; exit
+    when they all have. ``holder`` reserves the port (bound, never listening)."""
+    import os
+
+    host, port = holder.getsockname()[:2]
+    ready_r, ready_w = os.pipe()
+    pids = []
+    for _ in range(workers):
+        pid = os.fork()
+        if pid == 0:  # the worker
+            os.close(ready_r)
+            holder.close()
+            code = 1
+            try:
+                sock = _bind(host, port, reuseport=True)
+                import anyio
+
+                with contextlib.closing(sock):
+                    anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, backend="asyncio")
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported, then the worker exits
+                log.exception("worker %d failed", os.getpid())
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    os.close(ready_w)
+    got = b""
+    while len(got) < workers:
+        chunk = os.read(ready_r, workers)
+        if not chunk:
+            break
+        got += chunk
+    os.close(ready_r)
+    holder.close()
+    shown = f"[{host}]" if ":" in host else host
+    if len(got) == workers:
+        print(f"kvstream serve: listening on http://{shown}:{port} ({len(cfg.engines)} engines, {workers} workers)",
+              flush=True)
+    def forward(sig: int, frame: Any) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    worst = 0
+    for pid in pids:
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        worst = max(worst, os.waitstatus_to_exitcode(status) if status else 0)
+    return 0 if worst == 0 else 1
+
+
 @contextlib.contextmanager
 def _no_signal_capture() -> Iterator[None]:
     yield  # kvstream serve handles SIGINT/SIGTERM itself (uvicorn would re-raise them)
 
 
-async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any], cli_engines: list[str]) -> None:
+async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any], cli_engines: list[str],
+                 ready_fd: int | None) -> None:
     import anyio
     import uvicorn
 
@@ -164,9 +245,15 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         tg.start_soon(serve_then_stop)
         while not server.started:  # uvicorn sets it once the lifespan ran and it accepts
             await anyio.sleep(0.01)
-        host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
-        print(f"kvstream serve: listening on http://{shown}:{port} ({len(core.engines)} engines)", flush=True)
+        if ready_fd is None:
+            host, port = sock.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"kvstream serve: listening on http://{shown}:{port} ({len(core.engines)} engines)", flush=True)
+        else:  # a worker: tell the supervisor
+            import os
+
+            os.write(ready_fd, b"!")
+            os.close(ready_fd)
         with anyio.open_signal_receiver(signal.SIGHUP, signal.SIGINT, signal.SIGTERM) as signals:
             async for sig in signals:
                 if sig == signal.SIGHUP:

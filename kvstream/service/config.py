@@ -112,6 +112,7 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     topic: str | UnsetType = UNSET
     replay_timeout: float | UnsetType = UNSET
     mooncake_seed: int | UnsetType = UNSET
+    model_name: str | UnsetType = UNSET
     peers: list[str] | UnsetType = UNSET
 
 
@@ -147,6 +148,9 @@ class ServeConfig:
         replay_timeout: seconds of silence before a replay request is retried.
         mooncake_seed: seed ``S`` of the standard XXH3-64 hash (RFC #1527) for Mooncake
             publishers (``--mooncake-seed``).
+        model_name: the model the configured engines serve: the Mooncake ``/query`` API
+            answers for them under this ``model``, tenant ``default``, ``block_size`` =
+            ``router_block_size`` (``--model-name``).
         peers: replicas to load the index from at startup (``--peers``).
         config_file: the TOML file the rest came from, if any (``--config``).
     """
@@ -172,6 +176,7 @@ class ServeConfig:
     topic: str = ""
     replay_timeout: float = 2.0
     mooncake_seed: int = 0
+    model_name: str = "default"
     peers: list[str] | None = None
     config_file: str | None = None
 

@@ -35,7 +35,7 @@ from starlette.requests import Request
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.hashing import BlockHasher
 from kvstream.routing.keys import RouterKeyError
-from kvstream.service.core import ServiceCore
+from kvstream.service.core import DEFAULT_INDEX, ServiceCore
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.hashing.mooncake import MooncakeHasher
 from kvstream.service.schema import ENCODER, TokenId
@@ -139,6 +139,9 @@ class MooncakeAPI:
         # (model, tenant, block_size, salt, lora) -> index name, per publisher kind
         self._groups: dict[tuple[str, str, int, str, str], dict[str, str]] = {}
         self._hashers: dict[int, MooncakeHasher] = {}
+        # The configured engines answer /query as one vLLM group of the configured model.
+        cfg = core.config
+        self._groups[(cfg.model_name, "default", cfg.router_block_size, "", "")] = {"vLLM": DEFAULT_INDEX}
 
     # -- auth ------------------------------------------------------------------------
 
@@ -227,8 +230,8 @@ class MooncakeAPI:
     def _instances(self, tenant: str, instance: str | None) -> None:
         if instance is None:
             return
-        for e in self.core.engines.values():
-            if e.meta.get("instance_id") == instance and e.meta.get("tenant_id") == tenant:
+        for name, e in self.core.engines.items():
+            if e.meta.get("instance_id", name) == instance and e.meta.get("tenant_id", "default") == tenant:
                 return
         raise ApiError(404, "unknown_instance", f"instance {instance!r} is not registered under tenant {tenant!r}",
                        "$.instance_id")
