@@ -51,7 +51,7 @@ def workload(engines: int, docs: int, tokens: int, seed: int = 7) -> tuple[list[
     """(documents, per engine the document indexes it holds). Documents share a 1,024-token
     system prefix in groups of 8 so prompts hit several engines with different depths."""
     rng = random.Random(seed)
-    pool = engines * docs // 3
+    pool = max(engines * docs // 3, docs)
     prefixes = [[rng.randrange(1, 120_000) for _ in range(1024)] for _ in range(pool // 8 + 1)]
     documents = [prefixes[i // 8] + [rng.randrange(1, 120_000) for _ in range(tokens - 1024)] for i in range(pool)]
     held = [rng.sample(range(pool), docs) for _ in range(engines)]
@@ -149,7 +149,7 @@ class Service:
                                           "--block-size", str(BS), "--model-name", "bench", "--workers", workers_arg],
                                          stdout=log, stderr=log, text=True)
             self.url = f"http://127.0.0.1:{port}"
-        self.client = httpx.Client(base_url=self.url, timeout=30)
+        self.client = httpx.Client(base_url=self.url, timeout=30, headers={"Content-Type": "application/json"})
         end = time.monotonic() + 60
         while True:
             try:
@@ -158,7 +158,9 @@ class Service:
             except httpx.TransportError:
                 pass
             if time.monotonic() > end or self.proc.poll() is not None:
-                raise SystemExit(f"{kind} did not come up (see the log)")
+                log.flush()
+                tail = Path(log.name).read_text()[-3000:] if hasattr(log, "name") else ""
+                raise SystemExit(f"{kind} did not come up:\n{tail}")
             time.sleep(0.05)
 
     def query_body(self, tokens: list[int]) -> bytes:
@@ -175,7 +177,8 @@ class Service:
             return {k: v["longest_matched"] // BS for k, v in doc["default"].items()}
         out = {}
         for inst, ranks in doc.get("scores", {}).items():
-            out[f"e{inst}"] = max(ranks.values()) if isinstance(ranks, dict) else ranks
+            tokens = max(ranks.values()) if isinstance(ranks, dict) else ranks
+            out[f"e{inst}"] = tokens // BS  # Dynamo 1.6 scores in tokens
         return out
 
     def close(self) -> None:

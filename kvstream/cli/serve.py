@@ -130,8 +130,18 @@ def run(args: argparse.Namespace) -> int:
     import anyio
 
     with contextlib.closing(sock):
-        anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, backend="asyncio")
+        anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, backend="asyncio",
+                  backend_options=_loop_options())
     return 0
+
+
+def _loop_options() -> dict[str, Any]:
+    """uvloop when installed (``pip install kvstream[fast]``): a faster event loop."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return {}
+    return {"use_uvloop": True}
 
 
 def _bind(host: str, port: int, *, listen: bool = True, reuseport: bool = False) -> socket.socket:
@@ -175,7 +185,8 @@ def _supervise(cfg: Any, tok: Any, holder: socket.socket, flags: dict[str, Any],
                 import anyio
 
                 with contextlib.closing(sock):
-                    anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, backend="asyncio")
+                    anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, backend="asyncio",
+                              backend_options=_loop_options())
                 code = 0
             except BaseException:  # noqa: BLE001 - reported, then the worker exits
                 log.exception("worker %d failed", os.getpid())

@@ -113,7 +113,6 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     replay_timeout: float | UnsetType = UNSET
     mooncake_seed: int | UnsetType = UNSET
     model_name: str | UnsetType = UNSET
-    peers: list[str] | UnsetType = UNSET
 
 
 FILE_KEYS = tuple(_File.__struct_encode_fields__)
@@ -151,7 +150,6 @@ class ServeConfig:
         model_name: the model the configured engines serve: the Mooncake ``/query`` API
             answers for them under this ``model``, tenant ``default``, ``block_size`` =
             ``router_block_size`` (``--model-name``).
-        peers: replicas to load the index from at startup (``--peers``).
         config_file: the TOML file the rest came from, if any (``--config``).
     """
 
@@ -177,7 +175,6 @@ class ServeConfig:
     replay_timeout: float = 2.0
     mooncake_seed: int = 0
     model_name: str = "default"
-    peers: list[str] | None = None
     config_file: str | None = None
 
     def check(self) -> "ServeConfig":
@@ -207,9 +204,6 @@ class ServeConfig:
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
             raise ConfigError(f"tokenizer {self.tokenizer!r} does not exist; give a local tokenizer.json "
                               "or a model folder holding one (nothing is downloaded)")
-        for p in self.peers or ():
-            if not (p.startswith("http://") or p.startswith("https://")):
-                raise ConfigError(f"peers must be http:// URLs of running replicas, got {p!r}")
         return self
 
     def register_token(self) -> str | None:

@@ -10,7 +10,8 @@
 * ``POST /query`` (``model``, ``token_ids``, ``block_size``, ``lora_name``, ``tenant_id``,
   ``instance_id``, ``cache_salt``) and ``POST /query_by_hash`` (``seq_hashes`` instead of
   ``token_ids``) -> ``{tenant: {instance: {"longest_matched": N, "GPU": n, "CPU": n,
-  "DISK": n, "DP": {"0": n, ...}}}}``, all in tokens.
+  "DISK": n, "DP": {"0": n, ...}}}}``, all in tokens; instances with no cached prefix are
+  left out (absent means 0).
 
 Isolation: every registration lands in the index of its (model, tenant, block size,
 additional salt, LoRA) group; a query reads only the groups of its model, tenant and block
@@ -312,24 +313,33 @@ class MooncakeAPI:
             return None
         row = result.get(inst)
         if row is None:
-            row = result[inst] = {"longest_matched": 0, **{m: 0 for m in MEDIA}, "DP": {}}
+            row = result[inst] = {"longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "DP": {}}
         return row, str(e.meta.get("dp_rank", 0))
 
     def _merge(self, result: dict[str, dict[str, Any]], matches: dict[str, Any], B: int, only: str | None) -> None:
+        # Instances with no cached prefix are left out (as Dynamo does): absent means 0.
         for source, m in matches.items():
+            if not m.blocks:
+                continue
             got = self._row(result, source, only)
             if got is None:
                 continue
             row, rank = got
             tokens = m.blocks * B
-            row["longest_matched"] = max(row["longest_matched"], tokens)
+            if tokens > row["longest_matched"]:
+                row["longest_matched"] = tokens
             for med, nb in m.tier_blocks.items():
-                row[med] = max(row.get(med) or 0, nb * B)
-            row["DP"][rank] = max(row["DP"].get(rank, 0), tokens)
+                if nb * B > (row.get(med) or 0):
+                    row[med] = nb * B
+            dp = row["DP"]
+            if tokens > dp.get(rank, 0):
+                dp[rank] = tokens
 
     def _merge_longest(self, result: dict[str, dict[str, Any]], blocks: dict[str, int], B: int,
                        only: str | None) -> None:
         for source, n in blocks.items():
+            if not n:
+                continue
             got = self._row(result, source, only)
             if got is None:
                 continue
