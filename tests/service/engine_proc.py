@@ -9,6 +9,8 @@ Protocol: one JSON command per stdin line, one JSON answer per stdout line.
 * ``{"admit": [tokens...], "id": "r1"}`` caches the prompt's blocks -> ``{"seq": N}``;
 * ``{"free": "r1"}`` frees a request (its blocks stay cached until evicted) -> ``{"seq": N}``;
 * ``{"load": {"running": 3, "waiting": 5, "kv": 0.5}}`` -> ``{"ok": true}``;
+* ``{"raw": HEX, "seq": N}`` publishes an encoded vLLM payload as batch ``N`` (default: the
+  next seq; a lower one is a new engine incarnation, as after a restart) -> ``{"seq": N}``;
 * ``{"rfc": [event maps], "dp_rank": 0}`` publishes one RFC #1527 batch
   ``[timestamp ms, events, dp_rank]`` as the test wrote it -> ``{"seq": N}``;
 * end of stdin: exits.
@@ -94,6 +96,11 @@ async def main() -> None:
             if "load" in cmd:
                 LOAD.update(cmd["load"])
                 print(json.dumps({"ok": True}), flush=True)
+                continue
+            if "raw" in cmd:
+                seq = cmd.get("seq", pub.next_seq)
+                pub.publish_raw(bytes.fromhex(cmd["raw"]), seq)
+                print(json.dumps({"seq": seq}), flush=True)
                 continue
             if "rfc" in cmd:
                 seq = pub.next_seq
