@@ -63,6 +63,9 @@ def register(sub: Any) -> None:
                    help="worker processes sharing the port (SO_REUSEPORT); each follows every engine and keeps "
                         "its own index (default 1). Engines added with /register reach one worker only: use "
                         "--config for engines when N > 1")
+    p.add_argument("--peers", nargs="+", action="extend", metavar="URL",
+                   help="running replicas (http://host:port): load the index from the first that answers "
+                        "GET /v1/dump, then follow the engines from there (put it after the engines)")
     p.add_argument("--model-name", help="model the configured engines serve, for the Mooncake /query API "
                    "(default: default)")
     p.set_defaults(func=run)
@@ -71,7 +74,7 @@ def register(sub: Any) -> None:
 _FLAGS = ("host", "port", "log_format", "log_level", "tokenizer", "load_interval", "max_prompt_tokens",
           "max_body_bytes", "router_block_size", "index_max_bytes", "index_ttl", "speculate_ttl",
           "prefix_weight", "queue_weight", "running_weight", "kv_weight", "register_token_file", "topic",
-          "replay_timeout", "mooncake_seed", "model_name")
+          "replay_timeout", "mooncake_seed", "model_name", "peers")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:

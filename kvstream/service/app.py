@@ -103,9 +103,13 @@ def routes(core: ServiceCore) -> list[BaseRoute]:
     async def metrics(request: Request) -> Response:
         return Response(core.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def dump(request: Request) -> Response:
+        return Response(core.dump(), media_type="application/msgpack")
+
     return [
         Route("/v1/route", _post(core, core.route, "route"), methods=["POST"]),
         Route("/v1/engines", engines, methods=["GET"]),
+        Route("/v1/dump", dump, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -137,7 +141,7 @@ def create_app(core: ServiceCore, *, runtime: bool = True, **subscriber_options:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
-            msg += "; paths: /v1/route, /v1/engines, /healthz, /readyz, /metrics, /register, " \
+            msg += "; paths: /v1/route, /v1/engines, /v1/dump, /healthz, /readyz, /metrics, /register, " \
                    "/unregister, /query, /query_by_hash"
         return _error(core, ApiError(exc.status_code, code, msg), None)
 

@@ -113,6 +113,7 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     replay_timeout: float | UnsetType = UNSET
     mooncake_seed: int | UnsetType = UNSET
     model_name: str | UnsetType = UNSET
+    peers: list[str] | UnsetType = UNSET
 
 
 FILE_KEYS = tuple(_File.__struct_encode_fields__)
@@ -150,6 +151,9 @@ class ServeConfig:
         model_name: the model the configured engines serve: the Mooncake ``/query`` API
             answers for them under this ``model``, tenant ``default``, ``block_size`` =
             ``router_block_size`` (``--model-name``).
+        peers: base URLs of running replicas; at startup the first that answers
+            ``GET /v1/dump`` gives the index and each engine's last applied seq
+            (``--peers``).
         config_file: the TOML file the rest came from, if any (``--config``).
     """
 
@@ -175,6 +179,7 @@ class ServeConfig:
     replay_timeout: float = 2.0
     mooncake_seed: int = 0
     model_name: str = "default"
+    peers: list[str] | None = None
     config_file: str | None = None
 
     def check(self) -> "ServeConfig":
@@ -201,6 +206,9 @@ class ServeConfig:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ConfigError(f"engine names must be unique, {dup} given twice; name them NAME=tcp://...")
+        for p in self.peers or ():
+            if not p.startswith(("http://", "https://")):
+                raise ConfigError(f"peers must be http:// URLs of running replicas, got {p!r}")
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
             raise ConfigError(f"tokenizer {self.tokenizer!r} does not exist; give a local tokenizer.json "
                               "or a model folder holding one (nothing is downloaded)")

@@ -105,7 +105,12 @@ class ServiceCore:
         self._route_of: dict[str, AnyIndex] = {}
         self._leaving: dict[str, AnyIndex] = {}
         self._sub: SubscriberLike | None = None
+        self._resume: dict[str, int] = {}
+        self.resumed: dict[str, int] = {}
+        """Per engine, the seq a loaded replica dump resumed it from."""
         self.items_applied = 0
+        self.items_skipped = 0
+        """Batches not applied because a loaded replica dump already held them."""
         for e in config.engines:
             self.add_engine(e.source, DEFAULT_INDEX, http=e.http)
 
@@ -189,6 +194,16 @@ class ServiceCore:
         """Apply one subscriber item to its engine's index (the runtime's pump calls this)."""
         cls = type(item)
         name = item.source
+        if self._resume and name in self._resume:
+            if cls is SourceBatch and item.seq <= self._resume[name]:
+                self.items_skipped += 1  # the loaded dump already holds it
+                e0 = self.engines.get(name)
+                if e0 is not None:
+                    e0.reached = True
+                    self.applied[name] = item.seq
+                return
+            if cls is SourceBatch or cls is SourceReset:
+                del self._resume[name]  # past the dump, or the state is being rebuilt
         ix = self._leaving.get(name) or self._route_of.get(name)
         if ix is None:
             return  # an engine removed before the subscriber knew it
@@ -226,6 +241,34 @@ class ServiceCore:
             return "connecting"
         return health.state if health is not None else "connecting"
 
+    # -- replicas ----------------------------------------------------------------------
+
+    def dump(self) -> bytes:
+        """``GET /v1/dump``: the default index as an index snapshot
+        (:mod:`kvstream.routing.snapshot`), each engine's cursor the seq of the last batch
+        applied from it."""
+        return self.indexes[DEFAULT_INDEX].dump(cursors=dict(self.applied))
+
+    def load_dump(self, data: bytes) -> dict[str, int]:
+        """Load a replica's :meth:`dump` into the default index, before following the
+        engines: engines of this service that the dump holds take its state, and batches
+        up to its cursor are then skipped as they arrive. Sources the dump holds that this
+        service does not follow are dropped. Returns ``{engine: seq}`` resumed from.
+        Raises ``SnapshotError`` (the index unchanged) for bytes it cannot load."""
+        ix = self.indexes[DEFAULT_INDEX]
+        cursors = ix.load_source(data)
+        out = {}
+        for name, cur in cursors.items():
+            e = self.engines.get(name)
+            if e is None or e.index != DEFAULT_INDEX:
+                ix.remove_source(name)
+            elif type(cur) is int:
+                out[name] = cur
+        self._resume.update(out)
+        self.resumed.update(out)
+        self.applied.update(out)
+        return out
+
     # -- GET handlers ------------------------------------------------------------------
 
     def _health(self) -> dict[str, SourceHealth]:
@@ -254,6 +297,7 @@ class ServiceCore:
                 "http": e.http,
                 "last_seq": h.last_seq if h is not None else -1,
                 "applied_seq": self.applied.get(name),
+                "resumed_seq": self.resumed.get(name),
                 "lag_s": c.get("lag_s", 0.0),
                 "gaps": c.get("gaps", 0),
                 "replays": c.get("replays", 0),

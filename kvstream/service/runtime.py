@@ -53,6 +53,8 @@ class ServiceRuntime:
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> "ServiceRuntime":
+        if self.core.config.peers:
+            await self._load_from_peers(self.core.config.peers)
         await self._sub.__aenter__()
         try:
             self.core.attach(self._sub)
@@ -76,6 +78,24 @@ class ServiceRuntime:
         finally:
             self.core.attach(None)
             await self._sub.__aexit__(None, None, None)
+
+    async def _load_from_peers(self, peers: list[str]) -> None:
+        """Load the index from the first replica whose ``/v1/dump`` answers (10 s each)."""
+        import httpx
+
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            for url in peers:
+                try:
+                    r = await client.get(url.rstrip("/") + "/v1/dump")
+                    r.raise_for_status()
+                    resumed = self.core.load_dump(r.content)
+                except Exception as exc:  # noqa: BLE001 - try the next peer; none: start cold
+                    log.warning("could not load the index from %s: %s", url, exc)
+                    continue
+                log.info("loaded the index from %s (%d bytes): %d engines resume past their dumped seq",
+                         url, len(r.content), len(resumed), extra={"resumed": resumed})
+                return
+        log.warning("no peer answered; starting from the engines' replay buffers")
 
     async def _pump(self) -> None:
         apply = self.core.apply
