@@ -31,7 +31,7 @@ from kvstream.service.config import EngineSpec, ServeConfig
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.service.load import LoadBoard
 from kvstream.service.schema import ENCODER, EngineScore, LoadIn, RouteRequest, RouteResponse
-from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale
+from kvstream.transport.items import SourceBatch, SourceReset
 from kvstream.transport.subscriber import SourceHealth, SourceSpec
 from kvstream.observe.metrics import EngineSnapshot, IndexSnapshot, ServiceMetrics
 
@@ -56,17 +56,14 @@ class Engine:
     """One followed engine.
 
     ``index``: the name of the index its events go to; ``http``: its base URL (for load
-    scrapes); ``meta``: what registration said about it (Mooncake fields); ``reached``:
-    the engine has answered (a batch, or a replay reply) since it was added: until then it
-    is ``connecting``.
+    scrapes); ``meta``: what registration said about it (Mooncake fields); ``added_at``:
+    when it was added (seconds, the core's clock).
     """
 
     spec: SourceSpec
     index: str
     http: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
-    reached: bool = False
-    last_stale: bool = False
     added_at: float = 0.0
 
     @property
@@ -197,9 +194,7 @@ class ServiceCore:
         if self._resume and name in self._resume:
             if cls is SourceBatch and item.seq <= self._resume[name]:
                 self.items_skipped += 1  # the loaded dump already holds it
-                e0 = self.engines.get(name)
-                if e0 is not None:
-                    e0.reached = True
+                if name in self.engines:
                     self.applied[name] = item.seq
                 return
             if cls is SourceBatch or cls is SourceReset:
@@ -217,8 +212,6 @@ class ServiceCore:
         if cls is SourceBatch:
             if e is not None:
                 self.applied[name] = item.seq
-                e.reached = True
-                e.last_stale = False
         elif cls is SourceReset:
             if item.reason == "removed":
                 self._leaving.pop(name, None)
@@ -228,17 +221,10 @@ class ServiceCore:
                     new.add_source(name)
             elif e is not None:
                 self.applied.pop(name, None)
-        elif cls is SourceStale:
-            if e is not None:
-                e.last_stale = True
-        elif cls is SourceLive and e is not None and not e.last_stale:
-            e.reached = True
 
     def state_of(self, name: str, health: SourceHealth | None) -> str:
-        """``connecting`` (not reached yet), ``live``, ``recovering`` or ``stale``."""
-        e = self.engines[name]
-        if not e.reached:
-            return "connecting"
+        """``connecting`` (nothing heard from it yet), ``live``, ``recovering`` or
+        ``stale``: the subscriber's state of the engine's stream."""
         return health.state if health is not None else "connecting"
 
     # -- replicas ----------------------------------------------------------------------
