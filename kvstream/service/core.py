@@ -105,6 +105,8 @@ class ServiceCore:
         self._resume: dict[str, int] = {}
         self.resumed: dict[str, int] = {}
         """Per engine, the seq a loaded replica dump resumed it from."""
+        self.mooncake: Any = None
+        """The :class:`~kvstream.service.mooncake.MooncakeAPI` over this core, once routes exist."""
         self.items_applied = 0
         self.items_skipped = 0
         """Batches not applied because a loaded replica dump already held them."""
