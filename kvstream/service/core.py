@@ -201,7 +201,9 @@ class ServiceCore:
                 return
             if cls is SourceBatch or cls is SourceReset:
                 del self._resume[name]  # past the dump, or the state is being rebuilt
-        ix = self._leaving.get(name) or self._route_of.get(name)
+        ix = self._leaving.get(name)
+        if ix is None:
+            ix = self._route_of.get(name)
         if ix is None:
             return  # an engine removed before the subscriber knew it
         e = self.engines.get(name) if name not in self._leaving else None
