@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import signal
 
+import httpx
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.service.conftest import wait_for
@@ -116,3 +118,23 @@ def test_speculate_makes_the_next_similar_prompt_follow_the_first(engines, serve
     other = _prompt(40_000, 4)
     srv.route(token_ids=other, loads={"e0": {"queue": 1}})
     assert srv.route(token_ids=other)["matched_tokens"] == 0
+
+
+def test_workers_share_the_port_and_each_follows_every_engine(engines, serve) -> None:
+    e0, e1 = engines("e0"), engines("e1")
+    doc = _prompt(60_000, 5)
+    e1.admit(doc, "r")
+    srv = serve(e0.arg, e1.arg, "--load-interval", "0", "--workers", "2")
+    assert "2 workers" in srv.listening
+
+    def all_caught_up() -> bool:
+        # new connections land on either worker: ask until several in a row agree
+        for _ in range(6):
+            with httpx.Client(base_url=srv.url) as c:
+                r = c.post("/v1/route", json={"token_ids": doc})
+                if r.json()["engine"] != "e1" or r.json()["matched_tokens"] != 5 * BS:
+                    return False
+        return True
+
+    wait_for(all_caught_up, "both workers to hold e1's blocks")
+    assert srv.close() == 0
