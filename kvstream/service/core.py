@@ -368,6 +368,10 @@ class ServiceCore:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise from_msgspec(exc) from None
         tokens = self.tokens_of(req.token_ids, req.prompt)
+        if req.lora_name is not None and req.lora_id is not None:
+            raise ApiError(422, "bad_field", "give lora_name (vLLM >= 0.26) or lora_id (vLLM 0.11), not both",
+                           "$.lora_id")
+        lora = req.lora_name if req.lora_name is not None else req.lora_id
         requested = self.check_loads(req.loads, DEFAULT_INDEX)
         ix: Any = self.indexes[DEFAULT_INDEX]
         mm = None
@@ -376,7 +380,7 @@ class ServiceCore:
         now = self.clock()
         ix.expire(now)
         try:
-            keys = ix.keys(tokens, req.lora_name, req.cache_salt, mm)
+            keys = ix.keys(tokens, lora, req.cache_salt, mm)
         except RouterKeyError as exc:
             raise ApiError(422, "bad_field", str(exc), "$.mm_hashes") from None
         loads = self.loads.effective(requested)
