@@ -164,6 +164,7 @@ class Service:
             except httpx.TransportError:
                 pass
             if time.monotonic() > end or self.proc.poll() is not None:
+                self.close()  # never leave the service running behind a failed start
                 log.flush()
                 tail = Path(log.name).read_text()[-3000:] if hasattr(log, "name") else ""
                 raise SystemExit(f"{kind} did not come up:\n{tail}")
