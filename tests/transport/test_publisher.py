@@ -9,6 +9,7 @@ import anyio
 import pytest
 import zmq
 
+from kvstream.errors import LocalProtocolError
 from kvstream.wire.events import AllBlocksCleared, BlockStored, KVEventBatch, decode_batch
 from kvstream.wire.framing import END_SEQ_BYTES, decode_seq, encode_seq
 from kvstream.transport import (
@@ -81,6 +82,37 @@ def test_dp_rank_offsets_endpoints_like_vllm():
     cfg = KVEventsConfig(endpoint="tcp://*:25557", replay_endpoint="tcp://*:25657")
     assert check_rank_endpoints(cfg, 1) == ("tcp://*:25558", "tcp://*:25658")
     assert cfg.endpoint == "tcp://*:25557"  # the caller's config is not mutated
+
+
+def test_port_zero_at_a_dp_rank_follows_the_selected_vllm_release():
+    from kvstream.compat import VLLM_0_11, VLLM_0_33
+
+    # vLLM 0.33 (the default) keeps an ephemeral :0 at every rank; 0.11 adds the rank to it.
+    assert offset_endpoint("tcp://*:0", 2) == "tcp://*:0"
+    assert offset_endpoint("tcp://*:0", 2, VLLM_0_33) == "tcp://*:0"
+    assert offset_endpoint("tcp://*:0", 2, VLLM_0_11) == "tcp://*:2"
+    assert offset_endpoint("tcp://*:0", 2, "0.11") == "tcp://*:2"
+    assert offset_endpoint("tcp://*:0", 0, VLLM_0_11) == "tcp://*:0"
+    # Other ports are offset under both releases.
+    assert offset_endpoint("tcp://*:7000", 2, VLLM_0_33) == offset_endpoint("tcp://*:7000", 2, VLLM_0_11) == "tcp://*:7002"
+    both_zero = KVEventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    assert both_zero.vllm_version == "0.33" and both_zero.vllm is VLLM_0_33
+    assert check_rank_endpoints(both_zero, 3) == ("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    old = dataclasses.replace(both_zero, vllm_version="v0.11.0")
+    assert old.vllm_version == "0.11"
+    assert check_rank_endpoints(old, 0) == ("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")  # rank 0: ephemeral
+    with pytest.raises(EndpointError, match="rank 1 would publish on port 1, which is the replay port of rank 1"):
+        check_rank_endpoints(old, 1)  # 0.11 puts both sockets of rank 1 on port 1
+    with pytest.raises(LocalProtocolError, match="unknown vLLM version '0.2'"):
+        KVEventsConfig(vllm_version="0.2")
+
+
+async def test_rank_above_zero_binds_ephemeral_ports_under_vllm_0_33(ctx):
+    cfg = KVEventsConfig(endpoint="tcp://*:0", replay_endpoint="tcp://*:0")  # "*": bind, like vLLM
+    with anyio.fail_after(5):
+        async with Publisher(cfg, data_parallel_rank=2) as a, Publisher(cfg, data_parallel_rank=3) as b:
+            ports = {ep.rsplit(":", 1)[1] for ep in (a.endpoint, a.replay_endpoint, b.endpoint, b.replay_endpoint)}
+    assert len(ports) == 4 and "0" not in ports
 
 
 def test_pub_port_colliding_with_a_replay_port_is_a_startup_error():
