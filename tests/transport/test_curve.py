@@ -3,6 +3,8 @@ read nothing; a subscriber refuses a server that lacks the expected key."""
 
 from __future__ import annotations
 
+import re
+
 import anyio
 import pytest
 
@@ -109,3 +111,80 @@ def test_bad_key_lengths_are_explained():
             apply_client(s, CurveClientConfig(server_public_key=b"short", secret_key=b"x" * 40, public_key=b"y" * 40))
     finally:
         s.close(0)
+
+
+def test_write_keypair_makes_the_secret_file_private_whatever_the_umask(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        pub_file, sec_file = write_keypair(tmp_path, "engine")
+        (tmp_path / "again.key_secret").write_text("stale")
+        os.chmod(tmp_path / "again.key_secret", 0o666)  # an existing file is tightened too
+        _, sec_again = write_keypair(tmp_path, "again")
+    finally:
+        os.umask(old)
+    assert os.stat(sec_file).st_mode & 0o777 == 0o600
+    assert os.stat(sec_again).st_mode & 0o777 == 0o600
+    assert os.stat(pub_file).st_mode & 0o777 == 0o644
+    public, secret = read_keypair(sec_file)
+    assert read_keypair(pub_file) == (public, None) and len(secret) == 40
+    import zmq.auth  # the files stay readable by zmq.auth's own loader
+
+    assert zmq.auth.load_certificate(str(sec_file)) == (public, secret)
+
+
+def test_a_secret_file_others_can_read_is_refused_with_the_fix_unless_allowed(tmp_path, caplog):
+    import os
+
+    from kvstream.errors import LocalProtocolError
+    from kvstream.transport.curve import InsecureKeyFileError
+
+    pub_file, sec_file = write_keypair(tmp_path, "engine")
+    for mode in (0o644, 0o640, 0o604):
+        os.chmod(sec_file, mode)
+        with pytest.raises(InsecureKeyFileError) as err:
+            read_keypair(sec_file)
+        assert str(sec_file) in str(err.value) and f"{mode:04o}" in str(err.value)
+        assert f"chmod 600 {sec_file}" in str(err.value)
+        assert isinstance(err.value, LocalProtocolError) and err.value.mode == mode
+    with caplog.at_level("WARNING"):
+        assert read_keypair(sec_file, allow_insecure=True)[1] is not None
+    assert "chmod 600" in caplog.text
+    os.chmod(pub_file, 0o666)
+    assert read_keypair(pub_file)[1] is None  # a public key is no secret
+    assert read_public_keys([tmp_path]) == (read_keypair(pub_file)[0],)
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"abc", "has no public-key line (3 bytes)"),
+    (b"", "has no public-key line (0 bytes)"),
+    (b"\xff\xfe\x00garbage\n", "has no public-key line"),
+    (b'curve\n    public-key = "short"\n', "public-key is not a 40-character z85 key (got 5 characters)"),
+    (b'curve\n    public-key = "' + b"~" * 40 + b'"\n', "public-key is not a 40-character z85 key"),
+    (b"x" * 70_000, "over 65536 bytes"),
+])
+def test_a_malformed_key_file_is_a_typed_error_naming_the_file(tmp_path, content, says):
+    from kvstream.errors import LocalProtocolError
+    from kvstream.transport.curve import KeyFileError
+
+    f = tmp_path / "bad.key"
+    f.write_bytes(content)
+    with pytest.raises(KeyFileError, match=re.escape(says)) as err:
+        read_keypair(f)
+    assert str(f) in str(err.value) and err.value.path == f
+    assert isinstance(err.value, LocalProtocolError)
+
+
+def test_a_secret_key_that_does_not_match_its_public_key_is_refused(tmp_path):
+    import os
+
+    from kvstream.transport.curve import KeyFileError
+
+    a_pub, a_sec = generate_keypair()
+    b_pub, _ = generate_keypair()
+    f = tmp_path / "mixed.key_secret"
+    f.write_text(f'curve\n    public-key = "{b_pub.decode()}"\n    secret-key = "{a_sec.decode()}"\n')
+    os.chmod(f, 0o600)
+    with pytest.raises(KeyFileError, match="does not belong to its public-key"):
+        read_keypair(f)
