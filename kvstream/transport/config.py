@@ -109,10 +109,30 @@ class KVEventsConfig:
     ``stats.live_dropped``); subscribers see a gap and fetch it by replay. ``"raise"``:
     :meth:`Publisher.publish` raises :class:`QueueFullError` and the batch is not published."""
     max_replay_jobs: int = 64
-    """Replay/snapshot requests served concurrently; more are ignored and counted
+    """Replay/snapshot requests answered concurrently (at most one per requester); others
+    wait (see ``max_pending_replays``)."""
+    max_pending_replays: int = 1024
+    """Requests waiting for a free job slot; more are ignored and counted
     (``stats.replay_rejected``), the requester's retry comes later."""
     replay_chunk: int = 256
-    """Replay messages sent per turn before live publishing gets the loop back."""
+    """Replay messages sent to one requester per round before the next requester's turn."""
+    replay_slice_s: float = 0.002
+    """Seconds of event-loop time the replay server takes per turn before yielding (bounds
+    how late an engine loop sharing the event loop can be made by replays)."""
+    replay_hwm: int = 10_000
+    """ZMQ send high-water mark of the replay socket (messages per requester)."""
+    replay_client_max_bytes: int = 4 * 1024 * 1024
+    """Reply bytes one requester may have queued in ZMQ and not yet read (plus one message)."""
+    replay_max_bytes: int = 64 * 1024 * 1024
+    """Reply bytes all requesters together may have queued in ZMQ and not yet read."""
+    replay_client_timeout_s: float = 5.0
+    """Seconds a requester may read nothing while its replay waits on it; then the replay
+    is dropped (``stats.replay_stalled``)."""
+    snapshot_reuse_s: float = 0.1
+    """Snapshot requests within this many seconds of the last call of the snapshot provider
+    share its state (tagged with its seq; the requester replays what followed)."""
+    max_snapshot_states: int = 2
+    """Distinct snapshot states held at once (each about the size of the pool's state)."""
     snapshot_batch_events: int = 512
     """Events per batch in a snapshot reply."""
     linger_s: float = 1.0
@@ -139,8 +159,13 @@ class KVEventsConfig:
             raise ValueError(f"encoding must be 'map' or 'array', got {self.encoding!r}")
         if self.queue_full not in QUEUE_FULL_POLICIES:
             raise ValueError(f"queue_full must be one of {QUEUE_FULL_POLICIES}, got {self.queue_full!r}")
-        if self.max_replay_jobs < 1 or self.replay_chunk < 1 or self.snapshot_batch_events < 1:
-            raise ValueError("max_replay_jobs, replay_chunk and snapshot_batch_events must be >= 1")
+        for name in ("max_replay_jobs", "max_pending_replays", "replay_chunk", "snapshot_batch_events",
+                     "replay_hwm", "replay_client_max_bytes", "replay_max_bytes", "max_snapshot_states"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("replay_slice_s", "replay_client_timeout_s", "snapshot_reuse_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         self.vllm_version = _version(self.vllm_version).name  # raises naming the known releases
 
     @property

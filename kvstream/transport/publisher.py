@@ -20,20 +20,19 @@ Wire (identical to vLLM's ``ZmqEventPublisher``):
 
 Concurrency: :meth:`Publisher.publish` assigns the seq, encodes, stores the batch in the
 replay buffer and appends the frames to a bounded deque; a sender task drains it to the
-PUB socket with non-blocking low-level sends. A replay task waits for the ROUTER's FD to
-become readable (ZMQ FDs are edge-triggered: it drains while ``EVENTS & POLLIN``) and
-serves replays in chunks of ``replay_chunk`` messages, yielding to the sender between
-chunks, so a replay never holds up live publishing for long. Every task belongs to the
-task group owned by ``async with``; leaving it sends what is queued, then closes.
+PUB socket with non-blocking low-level sends. The replay server (:mod:`._replay`) answers
+the ROUTER in turns of at most ``replay_slice_s`` seconds and bounds what requesters can
+make it hold (jobs, bytes, time; nobody needs credentials to reach a replay port), so
+neither replays nor floods of requests hold up the engine loop or live publishing for long.
+Every task belongs to the task group owned by ``async with``; leaving it sends what is
+queued, then closes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import logging
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -42,9 +41,10 @@ import anyio.lowlevel
 import zmq
 
 from kvstream.errors import LocalProtocolError
-from kvstream.wire.events import AllBlocksCleared, AnyEvent, EventEncoder, KVEventBatch
-from kvstream.wire.framing import END_SEQ, END_SEQ_BYTES, FrameError, encode_seq, parse_replay_request
+from kvstream.wire.events import AnyEvent, EventEncoder, KVEventBatch
+from kvstream.wire.framing import END_SEQ, encode_seq
 from kvstream.transport._ratelog import RateLimitedLog
+from kvstream.transport._replay import ReplayServer
 from kvstream.transport.config import KVEventsConfig, check_rank_endpoints, should_bind
 
 if TYPE_CHECKING:
@@ -72,8 +72,8 @@ class PublisherStats:
 
     __slots__ = ("published", "events", "sent", "live_dropped", "queue_full_errors",
                  "replay_requests", "replay_batches_sent", "replay_rejected", "replay_aborted",
-                 "malformed_requests", "snapshot_requests", "snapshot_batches_sent",
-                 "snapshot_errors", "tap_errors")
+                 "replay_stalled", "replay_recycles", "malformed_requests", "snapshot_requests",
+                 "snapshot_batches_sent", "snapshot_provider_calls", "snapshot_errors", "tap_errors")
 
     def __init__(self) -> None:
         self.published = 0
@@ -91,15 +91,23 @@ class PublisherStats:
         self.replay_batches_sent = 0
         """Batches sent as replay replies."""
         self.replay_rejected = 0
-        """Requests ignored because ``max_replay_jobs`` replays were already running."""
+        """Requests ignored because ``max_pending_replays`` requests were already waiting, or
+        the requester already had 4 requests running or waiting."""
         self.replay_aborted = 0
         """Replays abandoned because the requester disconnected."""
+        self.replay_stalled = 0
+        """Replays dropped because the requester read nothing for ``replay_client_timeout_s``."""
+        self.replay_recycles = 0
+        """Times the replay socket was closed and bound again because requesters that do not
+        read held more than half of ``replay_max_bytes``."""
         self.malformed_requests = 0
         """Requests on the ROUTER that were not ``[identity, b"", 8-byte start]``."""
         self.snapshot_requests = 0
         """Snapshot requests received."""
         self.snapshot_batches_sent = 0
         """Batches sent as snapshot replies."""
+        self.snapshot_provider_calls = 0
+        """Times the snapshot provider was called (concurrent requests share one state)."""
         self.snapshot_errors = 0
         """Snapshot requests answered with the end marker alone because the provider failed."""
         self.tap_errors = 0
@@ -108,16 +116,6 @@ class PublisherStats:
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""
         return {k: getattr(self, k) for k in self.__slots__}
-
-
-class _ReplayJob:
-    __slots__ = ("ident", "frames", "pos", "snapshot")
-
-    def __init__(self, ident: bytes, frames: list[tuple[bytes, bytes]], snapshot: bool) -> None:
-        self.ident = ident
-        self.frames = frames  # (seq frame, payload); the end marker follows them
-        self.pos = 0
-        self.snapshot = snapshot
 
 
 class Publisher:
@@ -163,11 +161,12 @@ class Publisher:
         self._wake: anyio.Event | None = None
         self._open = False
         self._pub: zmq.Socket | None = None
-        self._router: zmq.Socket | None = None
         self._zap: ZapHandler | None = None
         self._denied_at_close = 0
         self._stack: contextlib.AsyncExitStack | None = None
-        self._jobs: deque[_ReplayJob] = deque()
+        self._epoch = 0  # bumped when the replay buffer restarts (publish_raw)
+        self._replay: ReplayServer | None = None
+        self._log = log
         self._rlog = RateLimitedLog(log)
         self.stats = PublisherStats()
         """Counters (:class:`PublisherStats`)."""
@@ -196,8 +195,8 @@ class Publisher:
         try:
             tg = await stack.enter_async_context(anyio.create_task_group())
             tg.start_soon(self._sender)
-            if self._router is not None:
-                tg.start_soon(self._replay_loop)
+            if self._replay is not None:
+                tg.start_soon(self._replay.run)
             if self._zap is not None:
                 tg.start_soon(self._zap.run)
         except BaseException:
@@ -243,21 +242,39 @@ class Publisher:
         else:
             pub.connect(self._pub_ep)
         if self._replay_ep is not None:
-            r = self._router = ctx.socket(zmq.ROUTER)
-            # A whole replay plus its end marker must fit; ROUTER_MANDATORY turns "peer pipe
-            # full" into EAGAIN (we retry later) instead of a silent drop.
-            r.sndhwm = 2 * (cfg.buffer_steps + 1) + 1024
+            self._replay = ReplayServer(self, self._make_router)
+            self.replay_endpoint = self._replay.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _make_router(self) -> zmq.Socket:
+        """A new replay ROUTER bound to the replay endpoint (the resolved one once bound, so
+        a recycled socket keeps its port)."""
+        cfg, ctx = self.config, self._ctx
+        assert ctx is not None
+        r = ctx.socket(zmq.ROUTER)
+        try:
+            # ROUTER_MANDATORY turns "peer pipe full" into EAGAIN (retried later) instead of
+            # a silent drop; the replay server bounds what each peer may hold in bytes.
+            r.sndhwm = cfg.replay_hwm
             r.router_mandatory = 1
             r.linger = int(cfg.linger_s * 1000)
-            if curve is not None:
-                _curve.apply_server(r, curve)
-            r.bind(self._replay_ep)
-            self.replay_endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
+            r.copy_threshold = 0  # copy=False really is zero-copy: trackers see every reply
+            if cfg.curve is not None:
+                from kvstream.transport import curve as _curve
+
+                _curve.apply_server(r, cfg.curve)
+            ep = self.replay_endpoint if self._replay is not None else self._replay_ep
+            assert ep is not None
+            r.bind(ep)
+        except BaseException:
+            r.close(0)
+            raise
+        return r
 
     def _close_sockets(self, linger_ms: int) -> None:
-        for s in (self._pub, self._router):
-            if s is not None and not s.closed:
-                s.close(linger=linger_ms)
+        if self._pub is not None and not self._pub.closed:
+            self._pub.close(linger=linger_ms)
+        if self._replay is not None:
+            self._replay.close(linger_ms)
         if self._zap is not None:
             self._denied_at_close = self._zap.denied
             self._zap.close()
@@ -288,6 +305,18 @@ class Publisher:
     def auth_denied(self) -> int:
         """Subscribers refused by the CURVE allow-list so far (0 without one)."""
         return self._zap.denied if self._zap is not None else self._denied_at_close
+
+    @property
+    def replay_inflight_bytes(self) -> int:
+        """Replay reply bytes handed to ZMQ that requesters have not yet read (bounded by
+        ``replay_max_bytes`` plus one message per running replay; 0 without replay)."""
+        return self._replay.inflight_bytes if self._replay is not None else 0
+
+    @property
+    def replay_jobs(self) -> tuple[int, int]:
+        """``(running, waiting)`` replay/snapshot requests."""
+        r = self._replay
+        return (r.jobs, r.pending) if r is not None else (0, 0)
 
     @property
     def queued(self) -> int:
@@ -335,6 +364,7 @@ class Publisher:
         full = self._queue_full()
         if seq != self._next_seq:
             self._buffer.clear()
+            self._epoch += 1  # running replays end here; their requesters see the new seqs
             self._seq = itertools.count(seq + 1)
         else:
             next(self._seq)
@@ -404,125 +434,3 @@ class Publisher:
                 continue
             ev = self._wake = anyio.Event()
             await ev.wait()
-
-    # -- replay ------------------------------------------------------------------------
-
-    async def _replay_loop(self) -> None:
-        sock = self._router
-        assert sock is not None
-        jobs = self._jobs
-        while True:
-            # getsockopt is typed int | bytes; EVENTS is an int option.
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_request(frames)
-            if not jobs:
-                await anyio.wait_readable(sock.FD)
-                continue
-            progressed = self._serve_round()
-            if progressed:
-                await anyio.lowlevel.checkpoint()
-            else:
-                # Every requester's pipe is full: give them time to read.
-                with anyio.move_on_after(0.002):
-                    await anyio.wait_readable(sock.FD)
-
-    def _on_request(self, frames: list[bytes]) -> None:
-        st = self.stats
-        try:
-            ident, start = parse_replay_request(frames)
-        except FrameError as exc:
-            st.malformed_requests += 1
-            self._rlog.warning("malformed", "ignoring malformed replay request (%d frames): %s", len(frames), exc)
-            return
-        if len(self._jobs) >= self.config.max_replay_jobs:
-            st.replay_rejected += 1
-            self._rlog.warning("rejected", "ignoring replay request: %d replays already running "
-                               "(max_replay_jobs)", len(self._jobs))
-            return
-        if start is None:
-            st.snapshot_requests += 1
-            self._jobs.append(_ReplayJob(ident, self._snapshot_frames(), True))
-            return
-        st.replay_requests += 1
-        buf = self._buffer
-        first = self._next_seq - len(buf)
-        skip = max(0, start - first)
-        frames_out = list(itertools.islice(buf, skip, None)) if skip < len(buf) else []
-        self._jobs.append(_ReplayJob(ident, frames_out, False))
-
-    def _snapshot_frames(self) -> list[tuple[bytes, bytes]]:
-        provider = self._snapshot_provider
-        if provider is None:
-            return []
-        try:
-            events = list(provider())
-        except Exception:  # noqa: BLE001 - a provider bug must not end the publisher
-            self.stats.snapshot_errors += 1
-            log.exception("snapshot provider failed; answering the snapshot request with the end marker only")
-            return []
-        # Read R after the provider ran: a provider that flushes pending events publishes
-        # them first, and the snapshot then includes them.
-        tag = encode_seq(self._next_seq)
-        if not events or not isinstance(events[0], AllBlocksCleared):
-            events.insert(0, AllBlocksCleared())
-        n = self.config.snapshot_batch_events
-        ts = time.time()
-        rank = self.data_parallel_rank
-        enc = self._encoder.encode
-        out = []
-        for i in range(0, len(events), n):
-            out.append((tag, enc(KVEventBatch(ts, events[i:i + n], rank))))
-        return out
-
-    def _serve_round(self) -> bool:
-        """Send up to ``replay_chunk`` messages of each running job; True if any progress."""
-        sock = self._router
-        assert sock is not None
-        jobs, chunk, topic = self._jobs, self.config.replay_chunk, self._topic
-        with_topic = self.config.replay_topic_frame
-        more = zmq.SNDMORE | zmq.NOBLOCK
-        st = self.stats
-        send = sock.send
-        progressed = False
-        for _ in range(len(jobs)):
-            job = jobs.popleft()
-            frames, ident = job.frames, job.ident
-            n = len(frames)
-            budget = chunk
-            try:
-                while budget and job.pos <= n:
-                    if job.pos < n:
-                        seqb, payload = frames[job.pos]
-                        t = topic
-                    else:
-                        seqb, payload, t = END_SEQ_BYTES, b"", b""
-                    # With ROUTER_MANDATORY a full pipe raises EAGAIN on the identity frame,
-                    # before anything of the message is queued.
-                    send(ident, more)
-                    send(b"", more)
-                    if with_topic:
-                        send(t, more)
-                    send(seqb, more)
-                    send(payload, zmq.NOBLOCK)
-                    if job.pos < n:
-                        if job.snapshot:
-                            st.snapshot_batches_sent += 1
-                        else:
-                            st.replay_batches_sent += 1
-                    job.pos += 1
-                    budget -= 1
-                    progressed = True
-            except zmq.Again:
-                pass  # the requester's pipe is full; resume this job next round
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EHOSTUNREACH:
-                    raise
-                st.replay_aborted += 1  # the requester is gone
-                continue
-            if job.pos <= n:
-                jobs.append(job)
-        return progressed
