@@ -8,7 +8,8 @@ the publisher spend is bounded:
   requests, starting jobs, sending replies), then yields to the event loop, so an engine
   loop sharing it is never held up for longer than about one turn, whatever arrives.
 * **Jobs.** At most ``max_replay_jobs`` requests are served at once, one per requester
-  (ZMQ routing identity, i.e. per connection); further requests wait in a FIFO of at most
+  (ZMQ routing identity, i.e. per connection); a job keeps its slot until its requester
+  has read the whole reply. Further requests wait in a FIFO of at most
   ``max_pending_replays`` (at most :data:`PER_CLIENT_QUEUE` per requester, served in
   order, as vLLM serves them); beyond that they are ignored and counted.
 * **Bytes.** Replies are accounted in bytes from the moment they are handed to ZMQ until
@@ -219,8 +220,7 @@ class ReplayServer:
             pub._rlog.warning("malformed", "ignoring malformed replay request (%d frames): %s", len(frames), exc)
             return
         queued = self._per_client.get(ident, 0)
-        if queued >= PER_CLIENT_QUEUE or (len(self._pending) >= self._cfg.max_pending_replays
-                                          and (ident in self._active or len(self._jobs) >= self._cfg.max_replay_jobs)):
+        if queued >= PER_CLIENT_QUEUE or len(self._pending) >= self._cfg.max_pending_replays:
             st.replay_rejected += 1
             pub._rlog.warning("rejected", "ignoring replay request: %d running, %d waiting, %d from this "
                               "requester (max_replay_jobs, max_pending_replays)", len(self._jobs),
@@ -344,14 +344,24 @@ class ReplayServer:
                 job = jobs.popleft()
                 if job.poll():
                     job.last_progress = now
+                if job.done:
+                    # Answered; the slot stays taken until the requester has read it all.
+                    if job.inflight:
+                        jobs.append(job)
+                    else:
+                        self._finish(job)
+                    continue
                 budget = chunk
                 ended = False
                 while budget:
                     seqb, payload, end = self._next_reply(job)
                     size = len(payload) + _OVERHEAD
-                    if job.inflight and (job.inflight + size > per_max or total + size > all_max):
-                        break  # wait for this requester (or everyone) to read
-                    track = end or job.since_ckpt + size >= ckpt
+                    blocked = job.inflight and (job.inflight + size > per_max or total + size > all_max)
+                    if blocked and not job.since_ckpt:
+                        break  # wait until this requester (or everyone) has read some
+                    # A job about to wait sends one more reply, tracked, so that it learns
+                    # when its requester has read up to there (hence "plus one message").
+                    track = blocked or end or job.since_ckpt + size >= ckpt
                     try:
                         send(job.ident, more)
                     except zmq.Again:
@@ -384,7 +394,6 @@ class ReplayServer:
                     budget -= 1
                     if end:
                         job.done = True
-                        ended = True
                         break
                     if job.snapshot is not None:
                         job.pos += 1
@@ -392,6 +401,8 @@ class ReplayServer:
                     else:
                         job.cursor += 1
                         st.replay_batches_sent += 1
+                    if not budget & 15 and clock() > deadline:
+                        break
                 if ended:
                     self._finish(job)
                 else:
@@ -436,7 +447,9 @@ class ReplayServer:
             job = jobs.popleft()
             if job.poll() or not job.inflight:
                 job.last_progress = now  # read something, or waits on others, not on its reader
-            if now - job.last_progress > timeout:
+            if job.done and not job.inflight:
+                self._finish(job)
+            elif now - job.last_progress > timeout:
                 st.replay_stalled += 1
                 self._pub._rlog.warning("stalled", "dropping a replay requester that read nothing for %.1f s "
                                         "(replay_client_timeout_s)", timeout)

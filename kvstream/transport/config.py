@@ -108,7 +108,7 @@ class KVEventsConfig:
     batch still gets its seq and enters the replay buffer but is not sent live (counted in
     ``stats.live_dropped``); subscribers see a gap and fetch it by replay. ``"raise"``:
     :meth:`Publisher.publish` raises :class:`QueueFullError` and the batch is not published."""
-    max_replay_jobs: int = 64
+    max_replay_jobs: int = 256
     """Replay/snapshot requests answered concurrently (at most one per requester); others
     wait (see ``max_pending_replays``)."""
     max_pending_replays: int = 1024
