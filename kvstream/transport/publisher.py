@@ -30,8 +30,9 @@ queued, then closes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import itertools
+import struct
 import logging
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -42,7 +43,7 @@ import zmq
 
 from kvstream.errors import LocalProtocolError
 from kvstream.wire.events import AnyEvent, EventEncoder, KVEventBatch
-from kvstream.wire.framing import END_SEQ, encode_seq
+from kvstream.wire.framing import END_SEQ
 from kvstream.transport._ratelog import RateLimitedLog
 from kvstream.transport._replay import ReplayServer
 from kvstream.transport.config import KVEventsConfig, check_rank_endpoints, should_bind
@@ -55,6 +56,17 @@ __all__ = ["Publisher", "PublisherStats", "QueueFullError", "PublisherClosedErro
 log = logging.getLogger(__name__)
 
 SnapshotProvider = Callable[[], "Sequence[AnyEvent]"]
+
+_pack_seq = struct.Struct(">Q").pack  # the seq frame (kvstream.wire.framing.encode_seq, inlined)
+_socket_send = zmq.backend.Socket.send  # pyzmq's send without the sugar layer's extra checks
+
+
+def _asyncio_call_soon() -> Callable[..., asyncio.Handle] | None:
+    """The running asyncio loop's ``call_soon`` (None on other event loops)."""
+    try:
+        return asyncio.get_running_loop().call_soon
+    except RuntimeError:
+        return None
 
 
 class QueueFullError(LocalProtocolError, RuntimeError):
@@ -152,13 +164,16 @@ class Publisher:
         self._own_ctx = False
         self._encoder = EventEncoder(cfg.encoding)
         self._topic = cfg.topic.encode("utf-8")
-        self._seq = itertools.count()
+        self._encode = self._encoder.encode
         self._next_seq = 0
         self._buffer: deque[tuple[bytes, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._queue: deque[tuple[bytes, bytes]] = deque()
         self._max_queue = cfg.max_queue_size
         self._raise_when_full = cfg.queue_full == "raise"
         self._wake: anyio.Event | None = None
+        self._kicked = False  # a flush is arranged for this loop turn
+        self._call_soon: Callable[..., asyncio.Handle] | None = None
+        self._tick_handle: asyncio.Handle | None = None
         self._open = False
         self._pub: zmq.Socket | None = None
         self._zap: ZapHandler | None = None
@@ -190,11 +205,13 @@ class Publisher:
         except BaseException:
             self._close_sockets(0)
             raise
+        self._call_soon = _asyncio_call_soon()
         stack = contextlib.AsyncExitStack()
         await stack.__aenter__()
         try:
             tg = await stack.enter_async_context(anyio.create_task_group())
-            tg.start_soon(self._sender)
+            if self._call_soon is None:
+                tg.start_soon(self._sender)
             if self._replay is not None:
                 tg.start_soon(self._replay.run)
             if self._zap is not None:
@@ -209,6 +226,9 @@ class Publisher:
 
     async def __aexit__(self, *exc: object) -> None:
         self._open = False
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
         assert self._stack is not None
         self._tg.cancel_scope.cancel()
         try:
@@ -331,16 +351,35 @@ class Publisher:
         batch for replay and queues it. When ``max_queue_size`` batches are already waiting,
         applies ``config.queue_full`` (see :class:`KVEventsConfig`).
         """
+        # The hot path of the engine loop: everything inline, no per-call allocation beyond
+        # the payload, the seq frame and the tuple that holds both.
         if not self._open:
             raise PublisherClosedError("publish() needs an open publisher: use `async with Publisher(...) as pub:`")
-        if not batch.events:
+        events = batch.events
+        if not events:
             return None
-        full = self._queue_full()
+        q = self._queue
+        full = len(q) >= self._max_queue
+        if full and self._raise_when_full:
+            self._refuse_full()
         if batch.data_parallel_rank is None:
             batch.data_parallel_rank = self.data_parallel_rank
-        payload = self._encoder.encode(batch)
-        seq = next(self._seq)
-        self._enqueue(seq, payload, len(batch.events), full)
+        payload = self._encode(batch)
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        item = (_pack_seq(seq), payload)
+        self._buffer.append(item)
+        st = self.stats
+        st.published += 1
+        st.events += len(events)
+        if self._tap is not None:
+            self._call_tap(seq, payload)
+        if full:
+            self._drop_live(seq)
+        else:
+            q.append(item)
+            if not self._kicked:
+                self._kick()
         return seq
 
     def publish_raw(self, payload: bytes, seq: int, *, topic: bytes | None = None) -> None:
@@ -361,76 +400,95 @@ class Publisher:
             )
         if not 0 <= seq < END_SEQ:
             raise ValueError(f"seq must be in [0, 2**64 - 1), got {seq}")
-        full = self._queue_full()
-        if seq != self._next_seq:
-            self._buffer.clear()
-            self._epoch += 1  # running replays end here; their requesters see the new seqs
-            self._seq = itertools.count(seq + 1)
-        else:
-            next(self._seq)
-        self._enqueue(seq, payload, 0, full)
-
-    def _queue_full(self) -> bool:
-        """Whether the send queue is full; raises under the ``"raise"`` policy."""
         q = self._queue
         full = len(q) >= self._max_queue
         if full and self._raise_when_full:
-            self.stats.queue_full_errors += 1
-            raise QueueFullError(
-                f"{len(q)} batches are waiting to be sent (max_queue_size={self._max_queue}); "
-                "the batch was not published. Raise max_queue_size or use queue_full='replay_only'."
-            )
-        return full
-
-    def _enqueue(self, seq: int, payload: bytes, n_events: int, full: bool) -> None:
-        q = self._queue
+            self._refuse_full()
+        if seq != self._next_seq:
+            self._buffer.clear()
+            self._epoch += 1  # running replays end here; their requesters see the new seqs
         self._next_seq = seq + 1
-        seqb = encode_seq(seq)
-        self._buffer.append((seqb, payload))
-        st = self.stats
-        st.published += 1
-        st.events += n_events
-        tap = self._tap
-        if tap is not None:
-            try:
-                tap(seq, self._topic, payload)
-            except Exception:  # noqa: BLE001 - a broken tap must not break publishing
-                st.tap_errors += 1
-                self._rlog.warning("tap", "publisher tap failed for seq %d", seq, exc_info=True)
+        item = (_pack_seq(seq), payload)
+        self._buffer.append(item)
+        self.stats.published += 1
+        if self._tap is not None:
+            self._call_tap(seq, payload)
         if full:
-            st.live_dropped += 1
-            self._rlog.warning("queue_full", "publisher queue full (%d batches): seq %d goes to the "
-                               "replay buffer only", len(q), seq)
-            return
-        q.append((seqb, payload))
-        w = self._wake
-        if w is not None:
-            self._wake = None
-            w.set()
+            self._drop_live(seq)
+        else:
+            q.append(item)
+            if not self._kicked:
+                self._kick()
+
+    def _refuse_full(self) -> None:
+        q = self._queue
+        self.stats.queue_full_errors += 1
+        raise QueueFullError(
+            f"{len(q)} batches are waiting to be sent (max_queue_size={self._max_queue}); "
+            "the batch was not published. Raise max_queue_size or use queue_full='replay_only'."
+        )
+
+    def _call_tap(self, seq: int, payload: bytes) -> None:
+        assert self._tap is not None
+        try:
+            self._tap(seq, self._topic, payload)
+        except Exception:  # noqa: BLE001 - a broken tap must not break publishing
+            self.stats.tap_errors += 1
+            self._rlog.warning("tap", "publisher tap failed for seq %d", seq, exc_info=True)
+
+    def _drop_live(self, seq: int) -> None:
+        self.stats.live_dropped += 1
+        self._rlog.warning("queue_full", "publisher queue full (%d batches): seq %d goes to the "
+                           "replay buffer only", len(self._queue), seq)
+
+    def _kick(self) -> None:
+        """Arrange for the queue to be sent once the engine's current callback returns:
+        every batch published in one loop turn goes out in one flush."""
+        self._kicked = True
+        call_soon = self._call_soon
+        if call_soon is not None:
+            self._tick_handle = call_soon(self._on_tick)
+        elif self._wake is not None:
+            self._wake.set()
+
+    def _on_tick(self) -> None:
+        # A loop callback owned by the publisher (its handle is cancelled on exit); sends
+        # are non-blocking, so it cannot wait or fail on a slow subscriber.
+        self._kicked = False
+        self._tick_handle = None
+        self._flush(1024)
+        if self._queue and self._open:
+            self._kick()  # bounded bursts: other callbacks run in between
 
     def _flush(self, limit: int | None = None) -> None:
         """Send up to ``limit`` queued batches (all if None) with non-blocking frame sends."""
         pub, q, topic = self._pub, self._queue, self._topic
         if pub is None or pub.closed:
             return
-        send, more, nb = pub.send, zmq.SNDMORE | zmq.NOBLOCK, zmq.NOBLOCK
+        send, more, nb = _socket_send, zmq.SNDMORE | zmq.NOBLOCK, zmq.NOBLOCK
         n = len(q) if limit is None else min(limit, len(q))
         popleft = q.popleft
         for _ in range(n):
             seqb, payload = popleft()
             # PUB never blocks: past the HWM, ZMQ drops for the slow subscriber itself.
-            send(topic, more)
-            send(seqb, more)
-            send(payload, nb, copy=len(payload) < 65536)
+            # Payloads are copied into ZMQ (cheaper than zero-copy below 64 KiB, pyzmq's
+            # own threshold); large ones go zero-copy.
+            send(pub, topic, more)
+            send(pub, seqb, more)
+            if len(payload) < 65536:
+                send(pub, payload, nb)
+            else:
+                send(pub, payload, nb, copy=False)
         self.stats.sent += n
 
     async def _sender(self) -> None:
+        """The sender on event loops other than asyncio's (no ``call_soon``): woken by
+        :meth:`_kick` through an event."""
         q = self._queue
         while True:
-            if q:
-                # Bounded bursts: the replay task and the engine get the loop in between.
-                self._flush(1024)
-                await anyio.lowlevel.checkpoint()
-                continue
-            ev = self._wake = anyio.Event()
-            await ev.wait()
+            self._wake = anyio.Event()
+            if not q:
+                await self._wake.wait()
+            self._kicked = False
+            self._flush(1024)
+            await anyio.lowlevel.checkpoint()
