@@ -16,10 +16,12 @@ the publisher spend is bounded:
   ZMQ has written them to the kernel: every so often a reply is sent zero-copy with a
   :class:`zmq.MessageTracker`, and since one peer's messages leave in order, a finished
   tracker releases everything sent before it. A requester may have at most
-  ``replay_client_max_bytes`` unreleased (plus one message), all requesters together at most
-  ``replay_max_bytes``.
+  ``replay_client_max_bytes`` unreleased, all requesters together at most
+  ``replay_max_bytes``, each plus at most one reply per running job (the one a job sends,
+  tracked, before it waits, so that it learns when its requester has read).
 * **Requesters that don't read.** A job that cannot send anything for
-  ``replay_client_timeout_s`` is dropped (``stats.replay_stalled``). Its bytes stay counted
+  ``replay_client_timeout_s`` (a tenth of it while more than 90% of ``replay_max_bytes`` are
+  held) is dropped (``stats.replay_stalled``). Its bytes stay counted
   until ZMQ releases them (the peer reads or disconnects); if dropped requesters hold more
   than half of ``replay_max_bytes``, the ROUTER socket is closed and bound again
   (``stats.replay_recycles``), which frees every queue at once; honest requesters whose
@@ -57,6 +59,9 @@ PER_CLIENT_QUEUE = 4
 
 _OVERHEAD = 64
 """Bytes counted per reply on top of its frames (ZMQ's per-message bookkeeping)."""
+
+_CKPT_BYTES = 64 * 1024
+"""At most this many reply bytes are sent between two tracked replies."""
 
 _BLOCKED_POLL_S = 0.002
 """How often blocked jobs are looked at again (ZMQ signals no per-peer writability)."""
@@ -143,7 +148,9 @@ class ReplayServer:
         self._active: set[bytes] = set()
         self._zombies: list[_Job] = []  # dropped or finished jobs whose bytes ZMQ still holds
         self._snapshots: list[_Snapshot] = []  # alive states, newest last
-        self._ckpt_bytes = max(1, cfg.replay_client_max_bytes // 8)
+        # Track a reply at least every _CKPT_BYTES: the finer, the sooner bytes are known
+        # to be read (and a reading requester is seen to make progress).
+        self._ckpt_bytes = max(1, min(cfg.replay_client_max_bytes // 8, _CKPT_BYTES))
 
     # -- gauges --------------------------------------------------------------------------
 
@@ -356,7 +363,8 @@ class ReplayServer:
                 while budget:
                     seqb, payload, end = self._next_reply(job)
                     size = len(payload) + _OVERHEAD
-                    blocked = job.inflight and (job.inflight + size > per_max or total + size > all_max)
+                    # A reply larger than a whole budget still goes out alone (no deadlock).
+                    blocked = (job.inflight and job.inflight + size > per_max) or (total and total + size > all_max)
                     if blocked and not job.since_ckpt:
                         break  # wait until this requester (or everyone) has read some
                     # A job about to wait sends one more reply, tracked, so that it learns
@@ -441,6 +449,10 @@ class ReplayServer:
         """Drop requesters that stopped reading; True if the socket must be recycled."""
         now = time.monotonic()
         timeout = self._cfg.replay_client_timeout_s
+        if self.inflight_bytes > self._cfg.replay_max_bytes * 0.9:
+            # Memory is nearly all held: requesters that read nothing are what keeps honest
+            # ones waiting, so they get a tenth of the usual patience.
+            timeout /= 10
         st = self._pub.stats
         jobs = self._jobs
         for _ in range(len(jobs)):
@@ -451,7 +463,7 @@ class ReplayServer:
                 self._finish(job)
             elif now - job.last_progress > timeout:
                 st.replay_stalled += 1
-                self._pub._rlog.warning("stalled", "dropping a replay requester that read nothing for %.1f s "
+                self._pub._rlog.warning("stalled", "dropping a replay requester that read nothing for %.2f s "
                                         "(replay_client_timeout_s)", timeout)
                 self._finish(job)
             else:
