@@ -57,6 +57,12 @@ log = logging.getLogger(__name__)
 
 SnapshotProvider = Callable[[], "Sequence[AnyEvent]"]
 
+_MAX_SUBSCRIPTION_BYTES = 4096
+"""Longest subscription message accepted from a SUB (a topic prefix plus one byte)."""
+
+_SUBSCRIPTION_POLL_S = 0.1
+"""Sends on the XPUB can consume the wake-up of its edge-triggered FD: look this often."""
+
 _pack_seq = struct.Struct(">Q").pack  # the seq frame (kvstream.wire.framing.encode_seq, inlined)
 _socket_send = zmq.backend.Socket.send  # pyzmq's send without the sugar layer's extra checks
 
@@ -85,7 +91,8 @@ class PublisherStats:
     __slots__ = ("published", "events", "sent", "live_dropped", "queue_full_errors",
                  "replay_requests", "replay_batches_sent", "replay_rejected", "replay_aborted",
                  "replay_stalled", "replay_recycles", "malformed_requests", "snapshot_requests",
-                 "snapshot_batches_sent", "snapshot_provider_calls", "snapshot_errors", "tap_errors")
+                 "snapshot_batches_sent", "snapshot_provider_calls", "snapshot_errors", "tap_errors",
+                 "subscriptions", "unsubscriptions")
 
     def __init__(self) -> None:
         self.published = 0
@@ -124,6 +131,11 @@ class PublisherStats:
         """Snapshot requests answered with the end marker alone because the provider failed."""
         self.tap_errors = 0
         """Exceptions raised by the ``tap`` callback (logged, never raised to the caller)."""
+        self.subscriptions = 0
+        """Subscribe messages received from SUB sockets (one per topic prefix per subscriber
+        that joined; a reconnecting subscriber subscribes again)."""
+        self.unsubscriptions = 0
+        """Unsubscribe messages received (a subscriber that left or dropped a prefix)."""
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""
@@ -172,6 +184,7 @@ class Publisher:
         self._raise_when_full = cfg.queue_full == "raise"
         self._wake: anyio.Event | None = None
         self._kicked = False  # a flush is arranged for this loop turn
+        self._subscribed: anyio.Event | None = None
         self._call_soon: Callable[..., asyncio.Handle] | None = None
         self._tick_handle: asyncio.Handle | None = None
         self._open = False
@@ -216,6 +229,7 @@ class Publisher:
                 tg.start_soon(self._replay.run)
             if self._zap is not None:
                 tg.start_soon(self._zap.run)
+            tg.start_soon(self._watch_subscriptions)
         except BaseException:
             await stack.aclose()
             self._close_sockets(0)
@@ -226,6 +240,8 @@ class Publisher:
 
     async def __aexit__(self, *exc: object) -> None:
         self._open = False
+        if self._subscribed is not None:
+            self._subscribed.set()  # waiters see the publisher closed
         if self._tick_handle is not None:
             self._tick_handle.cancel()
             self._tick_handle = None
@@ -251,7 +267,11 @@ class Publisher:
             if curve.allowed_clients is not None:
                 self._zap = _curve.ZapHandler(ctx, curve.allowed_clients)
                 self._zap.start()
-        pub = self._pub = ctx.socket(zmq.PUB)
+        # An XPUB is a PUB on the wire (same frames to every SUB) that also hands us the
+        # subscriptions, so readiness ("a subscriber has joined") is observable.
+        pub = self._pub = ctx.socket(zmq.XPUB)
+        pub.xpub_verbose = 1  # every subscribe, not only a topic's first
+        pub.maxmsgsize = _MAX_SUBSCRIPTION_BYTES
         pub.sndhwm = cfg.hwm
         pub.linger = int(cfg.linger_s * 1000)
         if curve is not None:
@@ -299,6 +319,43 @@ class Publisher:
             self._denied_at_close = self._zap.denied
             self._zap.close()
             self._zap = None
+
+    # -- subscribers -------------------------------------------------------------------
+
+    async def wait_subscribed(self, count: int = 1) -> None:
+        """Wait until ``stats.subscriptions`` reaches ``count``: a SUB that connected has told
+        this publisher its topic filter, so everything published from now on reaches it
+        (ZMQ's "slow joiner" is over). Wrap it in ``anyio.fail_after`` for a deadline."""
+        while self.stats.subscriptions < count:
+            if not self._open:
+                raise PublisherClosedError("wait_subscribed() needs an open publisher")
+            ev = self._subscribed = self._subscribed or anyio.Event()
+            await ev.wait()
+
+    async def _watch_subscriptions(self) -> None:
+        pub = self._pub
+        assert pub is not None
+        st = self.stats
+        while True:
+            got = False
+            for _ in range(256):  # bounded per turn: a subscription flood cannot hold the loop
+                try:
+                    msg = pub.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                got = True
+                if msg[:1] == b"\x01":
+                    st.subscriptions += 1
+                elif msg[:1] == b"\x00":
+                    st.unsubscriptions += 1
+            if got:
+                ev, self._subscribed = self._subscribed, None
+                if ev is not None:
+                    ev.set()
+                await anyio.lowlevel.checkpoint()
+                continue
+            with anyio.move_on_after(_SUBSCRIPTION_POLL_S):
+                await anyio.wait_readable(pub.FD)
 
     # -- publishing --------------------------------------------------------------------
 
