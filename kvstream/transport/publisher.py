@@ -135,7 +135,7 @@ class PublisherStats:
         """Subscribe messages received from SUB sockets (one per topic prefix per subscriber
         that joined; a reconnecting subscriber subscribes again)."""
         self.unsubscriptions = 0
-        """Unsubscribe messages received (a subscriber that left or dropped a prefix)."""
+        """Unsubscribe messages received (a prefix that no subscriber holds any more)."""
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""

@@ -36,6 +36,11 @@ def _cfg(server: tuple[bytes, bytes], allowed: tuple[bytes, ...] | None) -> KVEv
                                                   allowed_clients=allowed))
 
 
+async def wait_state() -> None:
+    """One step of polling a state (callers hold a deadline)."""
+    await anyio.sleep(0.01)
+
+
 async def test_trusted_subscriber_reads_live_and_replay_and_strangers_read_nothing(tmp_path):
     server = generate_keypair()
     pub_file, sec_file = write_keypair(tmp_path, "router")
@@ -47,42 +52,44 @@ async def test_trusted_subscriber_reads_live_and_replay_and_strangers_read_nothi
     with anyio.fail_after(10):
         async with Publisher(_cfg(server, (trusted_pub,))) as pub:
             pub.publish(_batch(0))  # before anyone joined: needs the (encrypted) replay
-            await anyio.sleep(0.05)
             specs = [SourceSpec(pub.endpoint, pub.replay_endpoint, name="ok", curve=trusted),
                      SourceSpec(pub.endpoint, pub.replay_endpoint, name="stranger", curve=other)]
             # Retries: under load the tcp + CURVE handshake can outlast one replay timeout.
             async with Subscriber(specs, replay_timeout_s=0.5, max_retries=3) as sub:
                 items = await collect(sub, lambda it: any(isinstance(i, SourceLive) and i.source == "ok" for i in it))
-                # Publish until a live batch lands (the tcp+CURVE join takes a moment).
-                i = 1
-                while not batches_of(items, "ok")[1:]:
-                    pub.publish(_batch(i))
-                    i += 1
-                    await anyio.sleep(0.1)
-                    items += sub.get_nowait()
+                # Only the trusted subscriber gets past the ZAP handler and subscribes.
+                await pub.wait_subscribed(1)
+                pub.publish(_batch(1))
+                items += await collect(sub, lambda it: bool(batches_of(it, "ok")))
                 # The stranger's replay requests go unanswered (refused by the ZAP handler).
                 while sub.health()["stranger"].counters["timeouts"] < 1:
-                    await anyio.sleep(0.1)
+                    await wait_state()
                 items += sub.get_nowait()
                 health = sub.health()
     got = [b.seq for b in batches_of(items, "ok")]
-    assert got == list(range(len(got))) and len(got) >= 2
+    assert got == [0, 1]
     assert batches_of(items, "stranger") == []
     assert health["stranger"].counters["timeouts"] >= 1
-    assert pub.auth_denied >= 1
+    assert pub.auth_denied >= 1 and pub.stats.subscriptions == 1
 
 
 async def test_subscriber_refuses_a_server_without_the_expected_key():
     real, impostor = generate_keypair(), generate_keypair()
     client = generate_keypair()
     expects_real = CurveClientConfig(server_public_key=real[0], secret_key=client[1], public_key=client[0])
+    expects_impostor = CurveClientConfig(server_public_key=impostor[0], secret_key=client[1], public_key=client[0])
     with anyio.fail_after(10):
         async with Publisher(_cfg(impostor, None)) as pub:  # any client allowed, but wrong server key
-            async with Subscriber([SourceSpec(pub.endpoint, name="s", curve=expects_real)]) as sub:
-                await anyio.sleep(0.3)
+            specs = [SourceSpec(pub.endpoint, name="fooled", curve=expects_real),
+                     SourceSpec(pub.endpoint, name="control", curve=expects_impostor)]
+            async with Subscriber(specs) as sub:
+                # The control subscriber (same client, the key this server really has) joins;
+                # the other one's handshake was refused at the same time, so it never will.
+                await pub.wait_subscribed(1)
                 pub.publish(_batch(0))
-                await anyio.sleep(0.3)
-                assert batches_of(sub.get_nowait()) == []
+                items = await collect(sub, lambda it: bool(batches_of(it, "control")))
+                items += sub.get_nowait()
+    assert batches_of(items, "fooled") == [] and pub.stats.subscriptions == 1
 
 
 async def test_curve_with_any_client_encrypts_without_an_allow_list():
@@ -91,12 +98,9 @@ async def test_curve_with_any_client_encrypts_without_an_allow_list():
     with anyio.fail_after(10):
         async with Publisher(_cfg(server, None)) as pub:
             async with Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")], curve=cc) as sub:
-                await collect(sub, lambda it: isinstance(it[-1], SourceLive))
-                items: list = []
-                while not batches_of(items):  # until the tcp+CURVE join completes
-                    pub.publish(_batch(5))
-                    await anyio.sleep(0.1)
-                    items += sub.get_nowait()
+                await pub.wait_subscribed(1)  # the tcp + CURVE join is complete
+                pub.publish(_batch(5))
+                items = await collect(sub, lambda it: bool(batches_of(it)))
     assert batches_of(items)[0].batch.events[0].block_hashes == [5]
 
 
