@@ -18,7 +18,10 @@ Sections (each prints kvstream and its reference):
    ticking every 2 ms (one batch per tick): lateness of that loop (wall clock and the part
    spent running other code on its thread), the replay bytes held in ZMQ, the process's RSS
    growth, and whether an honest requester got its whole replay.
-4. (``--subscriber``) kvstream's own Subscriber (with decode) at the receiving end.
+4. (``--only subscriber``) kvstream's own Subscriber (decode, recovery) at the receiving
+   end: 100-event batches and 1-event batches at full rate, steady rates with no replay
+   endpoint (any loss would show as a gap), and the per-message receive cost of
+   ``zmq.asyncio`` against the transport's NOBLOCK + ``wait_readable`` pattern.
 
 Run: ``.venv/bin/python bench/bench_stream.py [--quick] [--only cost,e2e,abuse,subscriber]``.
 Numbers are printed; nothing is asserted (tests assert behaviour, not speed).
@@ -407,33 +410,38 @@ def section_abuse(quick: bool) -> None:
 
 # -- 4. kvstream's Subscriber at the receiving end ----------------------------------------
 
-async def _sub_publisher(port: int, n: int, n_events: int) -> None:
-    cfg = KVEventsConfig(endpoint=f"tcp://*:{port}", hwm=0, max_queue_size=1_000_000, buffer_steps=200_000)
+async def _sub_publisher(port: int, rport: int, n: int, n_events: int, rate: float) -> None:
+    cfg = KVEventsConfig(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}" if rport else None,
+                         hwm=1_000_000, max_queue_size=1_000_000, buffer_steps=200_000)
     batches = [KVEventBatch(1.7e9, step_events(i, n_events)) for i in range(256)]
     async with Publisher(cfg) as pub:
-        await _wait_go()
+        with anyio.fail_after(30):
+            await pub.wait_subscribed(1)  # the subscriber has joined
+        t0 = time.perf_counter()
         for i in range(0, n, 64):
             for k in range(i, min(i + 64, n)):
                 b = batches[k & 255]
-                pub.publish(KVEventBatch(b.ts, b.events))
+                pub.publish(KVEventBatch(time.time(), b.events))
+            if rate:
+                ahead = (i + 64) / rate - (time.perf_counter() - t0)
+                if ahead > 0:
+                    await anyio.sleep(ahead)
+                    continue
             await anyio.sleep(0)
         while pub.queued:
             await anyio.sleep(0.01)
-        await anyio.sleep(1.0)
+        await anyio.sleep(2.0)  # answer late replays, let ZMQ flush
 
 
-async def _sub_run(n: int, n_events: int) -> dict[str, Any]:
-    port = _free_port()
-    proc = await anyio.open_process([sys.executable, __file__, "--child", "sub", str(port), str(n), str(n_events)],
-                                    stdout=None, stderr=None)
+async def _sub_run(n: int, n_events: int, rate: float, replay: bool) -> dict[str, Any]:
+    port, rport = _free_port(), (_free_port() if replay else 0)
+    proc = await anyio.open_process([sys.executable, __file__, "--child", "sub", str(port), str(rport), str(n),
+                                     str(n_events), str(rate)], stdout=None, stderr=None)
     got = events = 0
     first = last = None
     try:
-        spec = SourceSpec(f"tcp://127.0.0.1:{port}", name="bench")
-        async with Subscriber([spec], rcvhwm=0, max_buffered_items=100_000) as sub:
-            await anyio.sleep(1.0)
-            assert proc.stdin is not None
-            await proc.stdin.send(b"go\n")
+        spec = SourceSpec(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}" if rport else None, name="bench")
+        async with Subscriber([spec], rcvhwm=1_000_000, max_buffered_items=100_000) as sub:
             with anyio.move_on_after(60):
                 async for item in sub:
                     if type(item) is SourceBatch:
@@ -447,16 +455,68 @@ async def _sub_run(n: int, n_events: int) -> dict[str, Any]:
     finally:
         await proc.wait()
     dt = (last or 0) - (first or 0)
-    return {"batches": got, "batches_per_s": round(got / dt) if dt > 0 else None,
-            "events_per_s": round(events / dt) if dt > 0 else None, "gaps": gaps}
+    return {"batches": got, "batches_per_s": round(got / dt) if dt > 0 else 0,
+            "events_per_s": round(events / dt) if dt > 0 else 0, "gaps": gaps}
+
+
+async def _recv_cost(n: int) -> dict[str, float]:
+    """Per-message receive cost in this process: zmq.asyncio's awaitable recv_multipart
+    versus the transport's pattern (plain socket, NOBLOCK receives until EAGAIN, then
+    anyio.wait_readable on the edge-triggered FD). Messages are queued up front on ipc."""
+    import zmq.asyncio
+
+    out = {}
+    frames = [b"kv", (1).to_bytes(8, "big"), b"x" * 200]
+    with tempfile.TemporaryDirectory() as d:
+        for mode in ("zmq.asyncio", "nonblocking+wait_readable"):
+            ep = f"ipc://{os.path.join(d, mode[:3])}.sock"
+            ctx = zmq.asyncio.Context() if mode == "zmq.asyncio" else zmq.Context()
+            push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+            push.sndhwm = pull.rcvhwm = 0
+            pull.bind(ep)
+            push.connect(ep)
+            for _ in range(n):
+                r = push.send_multipart(frames)
+                if mode == "zmq.asyncio":
+                    await r  # type: ignore[misc]
+            await anyio.sleep(0.3)
+            t0 = time.perf_counter()
+            got = 0
+            if mode == "zmq.asyncio":
+                while got < n:
+                    await pull.recv_multipart()  # type: ignore[misc]
+                    got += 1
+            else:
+                while got < n:
+                    try:
+                        pull.recv_multipart(zmq.NOBLOCK)
+                        got += 1
+                    except zmq.Again:
+                        if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator]
+                            await anyio.wait_readable(pull.FD)
+            out[mode] = round((time.perf_counter() - t0) / n * 1e6, 2)
+            push.close(0)
+            pull.close(0)
+            ctx.term()
+    return out
 
 
 def section_subscriber(quick: bool) -> None:
-    print("\n## 4. kvstream Publisher -> kvstream Subscriber (decode, recovery), loopback tcp")
-    for n, ne in ((50_000 if quick else 200_000, 5), (10_000 if quick else 30_000, 100)):
-        r = anyio.run(_sub_run, n, ne)
-        print(f"  {ne}-event batches: {r['batches_per_s']:,} batches/s ({r['events_per_s']:,} events/s), "
-              f"received {r['batches']:,}/{n:,}, gaps {r['gaps']}")
+    scale = 0.2 if quick else 1.0
+    print("\n## 4. kvstream Publisher -> kvstream Subscriber (decode, recovery), loopback tcp, publisher in a child")
+    print(f"  receive cost per message (us): {anyio.run(_recv_cost, int(100_000 * scale))}")
+    nb = int(50_000 * scale)
+    r = anyio.run(_sub_run, nb, 100, 0.0, True)
+    print(f"  batched (100 events/batch), max rate: {r['events_per_s']:,} events/s ({r['batches_per_s']:,} batches/s), {r}")
+    nu = int(500_000 * scale)
+    r = anyio.run(_sub_run, nu, 1, 0.0, True)
+    print(f"  unbatched (1 event/batch), max rate: {r['batches_per_s']:,} batches/s, {r}")
+    ns = int(250_000 * scale)
+    r = anyio.run(_sub_run, ns, 1, 50_000.0, False)
+    print(f"  steady 50,000 batches/s unbatched, no replay: received {r['batches']:,}/{ns:,}, gaps={r['gaps']}")
+    ns = int(25_000 * scale)
+    r = anyio.run(_sub_run, ns, 100, 5_000.0, False)
+    print(f"  steady 500,000 events/s batched, no replay: received {r['batches']:,}/{ns:,} batches, gaps={r['gaps']}")
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -486,7 +546,7 @@ def _child(args: list[str]) -> None:
         # thread included; the last messages may still be in flight).
         print(json.dumps({"cpu_s": _CPU[1] - _CPU[0]}))
     elif what == "sub":
-        anyio.run(_sub_publisher, int(args[1]), int(args[2]), int(args[3]))
+        anyio.run(_sub_publisher, int(args[1]), int(args[2]), int(args[3]), int(args[4]), float(args[5]))
 
 
 SECTIONS: dict[str, Callable[[bool], None]] = {
