@@ -11,7 +11,9 @@ the publisher spend is bounded:
   (ZMQ routing identity, i.e. per connection); a job keeps its slot until its requester
   has read the whole reply. Further requests wait in a FIFO of at most
   ``max_pending_replays`` (at most :data:`PER_CLIENT_QUEUE` per requester, served in
-  order, as vLLM serves them); beyond that they are ignored and counted.
+  order, as vLLM serves them; requesters' first requests go before anyone's next ones);
+  beyond that they are ignored and counted, except that a requester's first request takes
+  the place of the newest of another requester's next ones (``stats.replay_evicted``).
 * **Bytes.** Replies are accounted in bytes from the moment they are handed to ZMQ until
   ZMQ has written them to the kernel: every so often a reply is sent zero-copy with a
   :class:`zmq.MessageTracker`, and since one peer's messages leave in order, a finished
@@ -143,7 +145,8 @@ class ReplayServer:
         cfg = pub.config
         self._cfg = cfg
         self._jobs: deque[_Job] = deque()
-        self._pending: deque[tuple[bytes, int | None]] = deque()
+        self._first: deque[tuple[bytes, int | None]] = deque()  # requesters' first requests
+        self._more: deque[tuple[bytes, int | None]] = deque()  # their next ones
         self._per_client: dict[bytes, int] = {}  # requests running or waiting, per identity
         self._active: set[bytes] = set()
         self._zombies: list[_Job] = []  # dropped or finished jobs whose bytes ZMQ still holds
@@ -167,7 +170,7 @@ class ReplayServer:
     @property
     def pending(self) -> int:
         """Requests waiting for a free job slot."""
-        return len(self._pending)
+        return len(self._first) + len(self._more)
 
     def close(self, linger_ms: int) -> None:
         """Close the ROUTER socket."""
@@ -194,7 +197,7 @@ class ReplayServer:
                 await anyio.lowlevel.checkpoint()
             elif sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
                 await anyio.lowlevel.checkpoint()
-            elif self._jobs or self._zombies or self._pending:
+            elif self._jobs or self._zombies or self._first or self._more:
                 # Blocked on slow readers: look again soon, or when a request arrives.
                 with anyio.move_on_after(_BLOCKED_POLL_S):
                     await anyio.wait_readable(sock.FD)
@@ -227,38 +230,63 @@ class ReplayServer:
             pub._rlog.warning("malformed", "ignoring malformed replay request (%d frames): %s", len(frames), exc)
             return
         queued = self._per_client.get(ident, 0)
-        if queued >= PER_CLIENT_QUEUE or len(self._pending) >= self._cfg.max_pending_replays:
+        cap = self._cfg.max_pending_replays
+        if not queued and self.pending >= cap and self._more:
+            # A requester's first request takes the place of another's second to fourth.
+            victim = self._more.pop()[0]
+            self._release(victim)
+            st.replay_evicted += 1
+        if queued >= PER_CLIENT_QUEUE or self.pending >= cap:
             st.replay_rejected += 1
             pub._rlog.warning("rejected", "ignoring replay request: %d running, %d waiting, %d from this "
                               "requester (max_replay_jobs, max_pending_replays)", len(self._jobs),
-                              len(self._pending), queued)
+                              self.pending, queued)
             return
         if start is None:
             st.snapshot_requests += 1
         else:
             st.replay_requests += 1
         self._per_client[ident] = queued + 1
-        self._pending.append((ident, start))
+        (self._more if queued else self._first).append((ident, start))
+
+    def _release(self, ident: bytes) -> None:
+        """One request of ``ident`` is done (answered, dropped or evicted)."""
+        n = self._per_client.get(ident, 1) - 1
+        if n > 0:
+            self._per_client[ident] = n
+        else:
+            self._per_client.pop(ident, None)
 
     def _start_pending(self) -> None:
-        pending, active = self._pending, self._active
+        """Start waiting requests while job slots are free: requesters' first requests
+        before anyone's next ones; one requester's requests in the order they came."""
+        jobs, active, first = self._jobs, self._active, self._first
         cap = self._cfg.max_replay_jobs
-        if not pending or len(self._jobs) >= cap:
+        while first and len(jobs) < cap:
+            ident, start = first[0]
+            job = self._new_job(ident, start)
+            if job is None:
+                return  # too many snapshot states alive: wait (and keep the order)
+            first.popleft()
+            active.add(ident)
+            jobs.append(job)
+        more = self._more
+        if not more or len(jobs) >= cap:
             return
         keep: deque[tuple[bytes, int | None]] = deque()
-        while pending and len(self._jobs) < cap:
-            ident, start = pending.popleft()
+        while more and len(jobs) < cap:
+            ident, start = more.popleft()
             if ident in active:
                 keep.append((ident, start))  # served after the running one, in order
                 continue
             job = self._new_job(ident, start)
             if job is None:
-                keep.append((ident, start))  # too many snapshot states alive: wait
-                continue
+                keep.append((ident, start))
+                break
             active.add(ident)
-            self._jobs.append(job)
-        keep.extend(pending)
-        self._pending = keep
+            jobs.append(job)
+        keep.extend(more)
+        self._more = keep
 
     def _new_job(self, ident: bytes, start: int | None) -> _Job | None:
         pub = self._pub
@@ -423,11 +451,7 @@ class ReplayServer:
         """The job's last reply went out (or its requester left): free its slot."""
         ident = job.ident
         self._active.discard(ident)
-        n = self._per_client.get(ident, 1) - 1
-        if n > 0:
-            self._per_client[ident] = n
-        else:
-            self._per_client.pop(ident, None)
+        self._release(ident)
         snap = job.snapshot
         if snap is not None:
             job.snapshot = None
@@ -490,7 +514,8 @@ class ReplayServer:
         for job in list(self._jobs):
             self._finish(job)
         self._jobs.clear()
-        self._pending.clear()
+        self._first.clear()
+        self._more.clear()
         self._per_client.clear()
         self._active.clear()
         self._zombies = []

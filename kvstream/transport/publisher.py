@@ -90,7 +90,7 @@ class PublisherStats:
 
     __slots__ = ("published", "events", "sent", "live_dropped", "queue_full_errors",
                  "replay_requests", "replay_batches_sent", "replay_rejected", "replay_aborted",
-                 "replay_stalled", "replay_recycles", "malformed_requests", "snapshot_requests",
+                 "replay_evicted", "replay_stalled", "replay_recycles", "malformed_requests", "snapshot_requests",
                  "snapshot_batches_sent", "snapshot_provider_calls", "snapshot_errors", "tap_errors",
                  "subscriptions", "unsubscriptions")
 
@@ -114,6 +114,10 @@ class PublisherStats:
         the requester already had 4 requests running or waiting."""
         self.replay_aborted = 0
         """Replays abandoned because the requester disconnected."""
+        self.replay_evicted = 0
+        """Waiting requests dropped (unanswered) to make room for another requester's first
+        request when ``max_pending_replays`` were waiting; counted in ``replay_requests`` or
+        ``snapshot_requests`` too."""
         self.replay_stalled = 0
         """Replays dropped because the requester read nothing for ``replay_client_timeout_s``."""
         self.replay_recycles = 0
