@@ -23,9 +23,9 @@ the publisher spend is bounded:
   tracked, before it waits, so that it learns when its requester has read).
 * **Requesters that don't read.** A job that cannot send anything for
   ``replay_client_timeout_s`` (a tenth of it while more than 90% of ``replay_max_bytes`` are
-  held) is dropped (``stats.replay_stalled``). Its bytes stay counted
-  until ZMQ releases them (the peer reads or disconnects); if dropped requesters hold more
-  than half of ``replay_max_bytes``, the ROUTER socket is closed and bound again
+  held) is dropped (``stats.replay_stalled``). Its bytes stay counted until ZMQ releases
+  them (the peer reads or disconnects); if dropped requesters hold more than half of
+  ``replay_max_bytes`` (or are more than 4,096), the ROUTER socket is closed and bound again
   (``stats.replay_recycles``), which frees every queue at once; honest requesters whose
   reply was cut time out and ask again.
 * **Snapshots.** The state a snapshot request gets is computed once and shared: requests
@@ -64,6 +64,9 @@ _OVERHEAD = 64
 
 _CKPT_BYTES = 64 * 1024
 """At most this many reply bytes are sent between two tracked replies."""
+
+_MAX_ZOMBIES = 4096
+"""Dropped requesters whose replies ZMQ still holds, at most (then the socket is recycled)."""
 
 _BLOCKED_POLL_S = 0.002
 """How often blocked jobs are looked at again (ZMQ signals no per-peer writability)."""
@@ -503,7 +506,9 @@ class ReplayServer:
             self._drop_unused_snapshots()
         # Pipes of dropped requesters cannot be emptied one by one; past half of the global
         # budget, start the socket afresh.
-        return sum(z.inflight for z in self._zombies) > self._cfg.replay_max_bytes // 2
+        zombies = self._zombies
+        return (len(zombies) > _MAX_ZOMBIES
+                or sum(z.inflight for z in zombies) > self._cfg.replay_max_bytes // 2)
 
     async def _recycle(self) -> None:
         """Close the ROUTER (dropping every queued reply) and bind a new one."""
