@@ -33,7 +33,7 @@ import msgspec
 
 from kvstream.routing.index import KVIndex
 from kvstream.proxy.core import ProxyCore, Upstream
-from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids
+from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids, read_body
 from kvstream.proxy.tokenize import PromptTokenizer
 from kvstream.routing.router import Router
 from kvstream.routing.scoring import PrefixLoadPolicy
@@ -48,6 +48,7 @@ POLICIES = ("kv-aware", "round-robin")
 """Routing policies: by cached prefix and load, or the round-robin baseline."""
 
 MAX_BODY_BYTES = 16 << 20
+_MAX_EVENT_BYTES = 1 << 20  # the most one SSE event may buffer before it is passed on as is
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
 _HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
@@ -225,7 +226,7 @@ class KVProxy:
         from starlette.responses import Response, StreamingResponse
 
         try:
-            body = parse_json_body(await request.body(), MAX_BODY_BYTES)
+            body = parse_json_body(await read_body(request, MAX_BODY_BYTES), MAX_BODY_BYTES)
             candidates, predicted = self._route(body, kind)
         except OpenAIError as exc:
             return _json(exc.status, exc.body())
@@ -319,6 +320,9 @@ class KVProxy:
                             if strip_usage and not obj.get("choices"):
                                 continue
                     out.append(event)
+                if len(buf) > _MAX_EVENT_BYTES:  # not SSE framing we know: pass it on unparsed
+                    out.append(buf)
+                    buf = b""
                 if out:
                     yield b"".join(out)
             if buf:

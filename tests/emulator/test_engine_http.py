@@ -66,8 +66,10 @@ def test_bad_requests_get_vllm_shaped_json_errors(engine: Proc) -> None:
         unknown = c.post("/v1/completions", json={"model": "gpt-17", "prompt": [1, 2]})
         oversized = c.post("/v1/completions", json={"prompt": [1] * 2040, "max_tokens": 16})
         no_prompt = c.post("/v1/chat/completions", json={"messages": []})
+        huge = c.post("/v1/completions", content=b" " * (17 << 20), headers={"content-type": "application/json"})
     for r, status, kind in ((malformed, 400, "BadRequestError"), (unknown, 404, "NotFoundError"),
-                            (oversized, 400, "BadRequestError"), (no_prompt, 400, "BadRequestError")):
+                            (oversized, 400, "BadRequestError"), (no_prompt, 400, "BadRequestError"),
+                            (huge, 413, "BadRequestError")):
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
