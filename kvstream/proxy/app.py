@@ -2,8 +2,8 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are tokenized locally
 (:mod:`kvstream.proxy.tokenize`; ``prompt`` token ids need no tokenizer), scored against
-every engine's cached prefixes and the requests in flight, and forwarded with ``httpx`` to
-the best engine. Streaming responses are passed through event by event as they arrive;
+every engine's cached prefixes and the requests in flight, and forwarded to the best
+engine over kept-alive HTTP/1.1 connections (:mod:`kvstream.proxy.upstream`). Streaming responses are passed through event by event as they arrive;
 other responses as they are; the engine's status code and error body come back unchanged.
 Every proxied response carries ``x-kvstream-engine: NAME``.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from typing import Any, AsyncIterator, Sequence
+from urllib.parse import urlsplit
 
 import anyio
 import msgspec
@@ -35,6 +36,7 @@ from kvstream.routing.index import KVIndex
 from kvstream.proxy.core import ProxyCore, Upstream
 from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids, read_body
 from kvstream.proxy.tokenize import PromptTokenizer
+from kvstream.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvstream.routing.router import Router
 from kvstream.routing.scoring import PrefixLoadPolicy
 from kvstream.transport.subscriber import SourceSpec
@@ -101,29 +103,27 @@ class KVProxy:
                              **(subscriber_options or {}))
         for u in upstreams:  # engines without a stream still get routed (by load)
             self.router.index.add_source(u.name)
-        self._connect_timeout_s = connect_timeout_s
-        self._client: Any = None
+        self._pools: dict[str, UpstreamPool] = {}
+        self._prefix: dict[str, str] = {}
+        for u in upstreams:
+            url = urlsplit(u.base_url)
+            if url.scheme != "http" or not url.hostname:
+                raise ValueError(f"engine {u.name}: base URL {u.base_url!r} must be http://HOST:PORT[/PATH]")
+            self._pools[u.name] = UpstreamPool(url.hostname, url.port or 80, connect_timeout_s=connect_timeout_s)
+            self._prefix[u.name] = url.path.rstrip("/")
         self._metrics = _Metrics()
         self.app = self._build_app()
 
     async def __aenter__(self) -> "KVProxy":
-        import httpx
-
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=self._connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        try:
-            await self.router.__aenter__()
-        except BaseException:
-            await self._client.aclose()
-            raise
+        await self.router.__aenter__()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         try:
             await self.router.__aexit__(*exc)
         finally:
-            await self._client.aclose()
+            for pool in self._pools.values():
+                await pool.aclose()
 
     # -- routes ---------------------------------------------------------------------------
 
@@ -169,17 +169,19 @@ class KVProxy:
         return Response(self._metrics.render(self.core), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _models(self, request: Any) -> Any:
-        import httpx
         from starlette.responses import Response
 
         for name in self.core.candidates(list(self.core.engines), time.monotonic()):
-            url = self.core.engines[name].upstream.base_url + "/v1/models"
             try:
-                r = await self._client.get(url)
-            except httpx.TransportError as exc:
+                r = await self._pools[name].request("GET", self._prefix[name] + "/v1/models", b"", [])
+                try:
+                    content = await r.read()
+                finally:
+                    await r.aclose()
+            except UpstreamError as exc:
                 self._failed(name, exc)
                 continue
-            return Response(r.content, status_code=r.status_code, media_type="application/json",
+            return Response(content, status_code=r.status_code, media_type="application/json",
                             headers={ENGINE_HEADER: name})
         return _json(503, error_body(503, "no engine is reachable"))
 
@@ -222,7 +224,6 @@ class KVProxy:
         return self.core.candidates(ranking, time.monotonic()), predicted
 
     async def _proxy(self, request: Any, path: str, kind: str) -> Any:
-        import httpx
         from starlette.responses import Response, StreamingResponse
 
         try:
@@ -238,20 +239,18 @@ class KVProxy:
                 body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
                 strip_usage = True
         payload = _enc.encode(body)
-        headers = {"content-type": "application/json"}
+        headers = [(b"content-type", b"application/json")]
         auth = request.headers.get("authorization")
         if auth:
-            headers["authorization"] = auth
+            headers.append((b"authorization", auth.encode("latin-1")))
         errors: list[str] = []
         for attempt, name in enumerate(candidates):
-            up = self.core.engines[name].upstream
             self.core.started(name)
             sent = False
             try:
-                req = self._client.build_request("POST", up.base_url + path, content=payload, headers=headers)
-                resp = await self._client.send(req, stream=True)
+                resp = await self._pools[name].request("POST", self._prefix[name] + path, payload, headers)
                 sent = True
-            except httpx.TransportError as exc:
+            except UpstreamError as exc:
                 self._failed(name, exc)
                 errors.append(f"{name}: {type(exc).__name__}")
                 if attempt + 1 < len(candidates):
@@ -260,14 +259,15 @@ class KVProxy:
             finally:
                 if not sent:
                     self.core.finished(name)
-            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+            out_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in resp.headers
+                           if k.lower().decode("latin-1") not in _HOP}
             out_headers[ENGINE_HEADER] = name
             self._metrics.requests.setdefault((name, resp.status_code), 0)
             self._metrics.requests[(name, resp.status_code)] += 1
             if not stream or resp.status_code != 200:
                 try:
-                    content = await resp.aread()
-                except httpx.TransportError as exc:
+                    content = await resp.read()
+                except UpstreamError as exc:
                     self._failed(name, exc)
                     self.core.finished(name)
                     await resp.aclose()
@@ -293,14 +293,12 @@ class KVProxy:
         if predicted is not None and realized is not None:
             self._metrics.observe(name, predicted, realized)
 
-    async def _pass_through(self, name: str, resp: Any, predicted: int | None, strip_usage: bool
+    async def _pass_through(self, name: str, resp: UpstreamResponse, predicted: int | None, strip_usage: bool
                             ) -> AsyncIterator[bytes]:
-        import httpx
-
         buf = b""
         realized: int | None = None
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.aiter_bytes():
                 buf += chunk
                 out = []
                 while True:
@@ -327,7 +325,7 @@ class KVProxy:
                     yield b"".join(out)
             if buf:
                 yield buf
-        except httpx.TransportError as exc:
+        except UpstreamError as exc:
             self._failed(name, exc)
             return
         finally:
