@@ -15,6 +15,7 @@ another engine safe).
 
 from __future__ import annotations
 
+import socket
 from collections import deque
 from typing import AsyncIterator
 
@@ -131,6 +132,9 @@ class UpstreamPool:
                 stream = await anyio.connect_tcp(self.host, self.port)
         except (OSError, TimeoutError) as exc:
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc}", before_response=True) from None
+        sock = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+        if sock is not None:  # small writes (one SSE event) must not wait for an ACK
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Conn(stream)
 
     async def _next_event(self, conn: _Conn, *, before_response: bool) -> object:
