@@ -133,14 +133,23 @@ class KVProxy:
 
         return Starlette(routes=self.routes())
 
-    def routes(self) -> list[Any]:
-        """The proxy's Starlette routes (to mount them in another app)."""
+    def openai_routes(self) -> list[Any]:
+        """The OpenAI-compatible routes alone (``/v1/completions``, ``/v1/chat/completions``,
+        ``/v1/models``): what another service adds to its own app to proxy requests."""
         from starlette.routing import Route
 
         return [
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+        ]
+
+    def routes(self) -> list[Any]:
+        """Every route of the standalone proxy: :meth:`openai_routes` plus ``/v1/engines``,
+        ``/metrics`` and ``/health``."""
+        from starlette.routing import Route
+
+        return self.openai_routes() + [
             Route("/v1/engines", self._engines, methods=["GET"]),
             Route("/metrics", self._prom, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
