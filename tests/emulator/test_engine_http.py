@@ -127,3 +127,15 @@ def test_model_config_sizes_the_cache_as_kvstream_plan_does(capsys: pytest.Captu
     args = build_parser().parse_args(["engine", "--model-config", *common])
     cfg = build_config(args)
     assert cfg.num_gpu_blocks == planned and cfg.max_model_len == 8192
+
+
+def test_event_port_in_use_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"})
+        assert main(["engine", "--port", "0", "--kv-events-config", cfg]) == 2
+    assert "cannot open the KV event sockets" in capsys.readouterr().err
