@@ -16,7 +16,7 @@ from kvstream.emulator.launch import Proc, start_engine
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    with start_engine("e0", extra=["--prefill-tokens-per-s", "4000", "--decode-tokens-per-s", "100",
+    with start_engine("e0", extra=["--prefill-tokens-per-s", "2000", "--decode-tokens-per-s", "100",
                                    "--max-model-len", "2048", "--num-gpu-blocks", "256"],
                       log_dir=str(tmp_path_factory.mktemp("logs"))) as proc:
         yield proc
@@ -90,7 +90,7 @@ def test_models_health_and_vllm_metric_names(engine: Proc) -> None:
 
 
 def test_time_to_first_token_skips_the_cached_prefix(engine: Proc) -> None:
-    prompt = list(range(5000, 6200))  # 1200 tokens: 0.3 s of prefill at 4000 tokens/s
+    prompt = list(range(5000, 6200))  # 1200 tokens: 0.6 s of prefill at 2000 tokens/s
 
     def ttft(c: httpx.Client) -> float:
         t0 = time.perf_counter()
@@ -103,7 +103,7 @@ def test_time_to_first_token_skips_the_cached_prefix(engine: Proc) -> None:
     with httpx.Client(base_url=engine.url) as c:
         cold = ttft(c)
         warm = ttft(c)
-    assert cold >= 0.3
+    assert cold >= 0.6
     assert warm < cold / 2
 
 
