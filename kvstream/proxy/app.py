@@ -26,13 +26,14 @@ Other routes: ``GET /v1/models`` (forwarded to an engine that is up), ``GET /v1/
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import anyio
 import msgspec
 
 from kvstream.routing.index import KVIndex
+from kvstream.proxy.backends import RouterBackend, RoutingBackend, ServiceBackend
 from kvstream.proxy.core import ProxyCore, Upstream
 from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids, read_body
 from kvstream.proxy.tokenize import PromptTokenizer
@@ -60,6 +61,13 @@ def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> Any:
     from starlette.responses import Response
 
     return Response(_enc.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def _check_url(name: str, url: str) -> Any:
+    u = urlsplit(url)
+    if u.scheme != "http" or not u.hostname:
+        raise ValueError(f"engine {name}: base URL {url!r} must be http://HOST:PORT[/PATH]")
+    return u
 
 
 def _cached_tokens(usage: Any) -> int | None:
@@ -90,40 +98,86 @@ class KVProxy:
     def __init__(self, upstreams: Sequence[Upstream], *, tokenizer: PromptTokenizer | None = None,
                  block_size: int = 16, policy: str = "kv-aware", speculate_s: float | None = None,
                  max_attempts: int = 3, backoff_s: float = 1.0, connect_timeout_s: float = 2.0,
-                 subscriber_options: dict[str, Any] | None = None) -> None:
+                 subscriber_options: dict[str, Any] | None = None,
+                 backend: RoutingBackend | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.core = ProxyCore(upstreams, backoff_s=backoff_s, max_attempts=max_attempts)
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.policy = policy
-        specs = [SourceSpec(u.events, u.replay, name=u.name) for u in upstreams if u.events]
-        self.router = Router(specs, index=KVIndex(router_block_size=block_size),
-                             policy=PrefixLoadPolicy(), speculative_ttl_s=speculate_s,
-                             **(subscriber_options or {}))
-        for u in upstreams:  # engines without a stream still get routed (by load)
-            self.router.index.add_source(u.name)
-        self._pools: dict[str, UpstreamPool] = {}
-        self._prefix: dict[str, str] = {}
+        self.speculate = speculate_s is not None
         for u in upstreams:
-            url = urlsplit(u.base_url)
-            if url.scheme != "http" or not url.hostname:
-                raise ValueError(f"engine {u.name}: base URL {u.base_url!r} must be http://HOST:PORT[/PATH]")
-            self._pools[u.name] = UpstreamPool(url.hostname, url.port or 80, connect_timeout_s=connect_timeout_s)
-            self._prefix[u.name] = url.path.rstrip("/")
+            _check_url(u.name, u.base_url)
+        if backend is None:
+            specs = [SourceSpec(u.events, u.replay, name=u.name) for u in upstreams if u.events]
+            scoring = PrefixLoadPolicy()
+            router = Router(specs, index=KVIndex(router_block_size=block_size), policy=scoring,
+                            speculative_ttl_s=speculate_s, **(subscriber_options or {}))
+            for u in upstreams:  # engines without a stream still get routed (by load)
+                router.index.add_source(u.name)
+            backend = RouterBackend(router, {u.name: u.base_url for u in upstreams}, scoring)
+        self.backend = backend
+        self._connect_timeout_s = connect_timeout_s
+        self._pools: dict[str, tuple[str, UpstreamPool, str]] = {}
         self._metrics = _Metrics()
         self.app = self._build_app()
 
+    @classmethod
+    def for_service(cls, core: Any, *, tokenizer: PromptTokenizer | None = None, policy: str = "kv-aware",
+                    speculate: bool = False, max_attempts: int = 3, backoff_s: float = 1.0,
+                    connect_timeout_s: float = 2.0) -> "KVProxy":
+        """The proxy mode of ``kvstream serve``: route with the service's core (its default
+        index, weights and load board) and forward to its engines' ``http=`` URLs. The
+        service runs the subscriber; mount :meth:`openai_routes` in its app, add
+        :meth:`engine_view` to its ``/v1/engines`` and :meth:`metrics_text` to its
+        ``/metrics``, and hold ``async with proxy`` while serving (it closes the pools)."""
+        proxy = cls([], tokenizer=tokenizer, block_size=core.config.router_block_size, policy=policy,
+                    speculate_s=core.config.speculate_ttl if speculate else None, max_attempts=max_attempts,
+                    backoff_s=backoff_s, connect_timeout_s=connect_timeout_s, backend=ServiceBackend(core))
+        return proxy
+
     async def __aenter__(self) -> "KVProxy":
-        await self.router.__aenter__()
+        await self.backend.__aenter__()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         try:
-            await self.router.__aexit__(*exc)
+            await self.backend.__aexit__(*exc)
         finally:
-            for pool in self._pools.values():
+            for _, pool, _ in self._pools.values():
                 await pool.aclose()
+
+    @property
+    def router(self) -> Any:
+        """The standalone proxy's :class:`Router` (None in the service's proxy mode)."""
+        return getattr(self.backend, "router", None)
+
+    def _sync_upstreams(self) -> Mapping[str, str]:
+        urls = self.backend.upstreams()
+        for name, url in urls.items():
+            self.core.ensure(name, url)
+        return urls
+
+    def _pool(self, name: str) -> tuple[UpstreamPool, str]:
+        url = self.core.engines[name].upstream.base_url
+        hit = self._pools.get(name)
+        if hit is None or hit[0] != url:
+            u = _check_url(name, url)
+            pool = UpstreamPool(u.hostname or "", u.port or 80, connect_timeout_s=self._connect_timeout_s)
+            hit = (url, pool, u.path.rstrip("/"))
+            self._pools[name] = hit
+        return hit[1], hit[2]
+
+    def engine_view(self, name: str) -> dict[str, Any]:
+        """The proxy's part of ``name``'s ``/v1/engines`` entry (in flight, failures,
+        mark-down, routing accuracy): ``{"proxy": {...}}``, or ``{}`` if never proxied to."""
+        v = self.core.engine_view(name, time.monotonic())
+        return {"proxy": v} if v else {}
+
+    def metrics_text(self) -> bytes:
+        """The proxy's Prometheus metrics (accuracy histograms, in flight, requests, failovers)."""
+        return self._metrics.render(self.core)
 
     # -- routes ---------------------------------------------------------------------------
 
@@ -161,28 +215,22 @@ class KVProxy:
         return _json(200 if up else 503, {"status": "ok" if up else "no engine is up", "engines_up": len(up)})
 
     async def _engines(self, request: Any) -> Any:
-        streams = self.router.health()
-        index = self.router.index
-        view: dict[str, Any] = {}
-        for n in self.core.engines:
-            info = index.source_info(n)
-            h = streams.get(n)
-            view[n] = {"state": h.state if h is not None else "not followed", "stale": info.stale,
-                       "blocks": info.blocks, "applied_seq": self.router.applied_seq(n),
-                       "restarts": h.counters.get("restarts", 0) if h is not None else 0}
+        self._sync_upstreams()
+        view = {n: self.backend.stream_view(n) for n in self.core.engines}
         return _json(200, self.core.view(time.monotonic(), view))
 
     async def _prom(self, request: Any) -> Any:
         from starlette.responses import Response
 
-        return Response(self._metrics.render(self.core), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(self.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _models(self, request: Any) -> Any:
         from starlette.responses import Response
 
-        for name in self.core.candidates(list(self.core.engines), time.monotonic()):
+        for name in self.core.candidates(list(self._sync_upstreams()), time.monotonic()):
+            pool, prefix = self._pool(name)
             try:
-                r = await self._pools[name].request("GET", self._prefix[name] + "/v1/models", b"", [])
+                r = await pool.request("GET", prefix + "/v1/models", b"", [])
                 try:
                     content = await r.read()
                 finally:
@@ -204,7 +252,15 @@ class KVProxy:
 
     def _failed(self, name: str, exc: BaseException) -> None:
         self.core.failed(name, f"{type(exc).__name__}: {exc}"[:300], time.monotonic())
-        self.router.index.mark_stale(name, True)
+        self.backend.mark_failed(name)
+
+    def _started(self, name: str) -> None:
+        self.core.started(name)
+        self.backend.started(name)
+
+    def _finished(self, name: str) -> None:
+        self.core.finished(name)
+        self.backend.finished(name)
 
     def _route(self, body: dict[str, Any], kind: str) -> tuple[list[str], dict[str, int]]:
         """Candidates best first, and per engine the predicted cached prompt tokens."""
@@ -215,21 +271,22 @@ class KVProxy:
             if self.tokenizer is not None:
                 raise
             tokens = None  # a text prompt without a tokenizer: route by load only
-        loads = self.core.loads()
+        urls = self._sync_upstreams()
+        loads = self.backend.loads() or self.core.loads()
         predicted: dict[str, int] = {}
+        ranking: list[str]
         if tokens:
-            res = self.router.route(tokens, loads) if self.policy == "kv-aware" else \
-                self.router.index.score(tokens, loads=loads)
+            res = self.backend.score(tokens, loads, self.policy == "kv-aware" and self.speculate)
             # The engine never reuses the prompt's last token: its hit is capped below it.
             cap = (len(tokens) - 1) // self.block_size * self.block_size
             predicted = {n: min(m.tokens, cap) for n, m in res.matches.items()}
-            ranking = res.ranking
+            ranking = [n for n in res.ranking if n in urls]
         else:
-            ranking = sorted(self.core.engines, key=lambda n: loads[n].running)
+            ranking = sorted(urls, key=lambda n: loads[n].running if n in loads else 0)
         if self.policy == "round-robin":
             ranking = self.core.round_robin()
         else:
-            ranking = ranking + [n for n in self.core.engines if n not in ranking]
+            ranking = ranking + [n for n in urls if n not in ranking]
         return self.core.candidates(ranking, time.monotonic()), predicted
 
     async def _proxy(self, request: Any, path: str, kind: str) -> Any:
@@ -254,10 +311,11 @@ class KVProxy:
             headers.append((b"authorization", auth.encode("latin-1")))
         errors: list[str] = []
         for attempt, name in enumerate(candidates):
-            self.core.started(name)
+            pool, prefix = self._pool(name)
+            self._started(name)
             sent = False
             try:
-                resp = await self._pools[name].request("POST", self._prefix[name] + path, payload, headers)
+                resp = await pool.request("POST", prefix + path, payload, headers)
                 sent = True
             except UpstreamError as exc:
                 self._failed(name, exc)
@@ -267,7 +325,7 @@ class KVProxy:
                 continue
             finally:
                 if not sent:
-                    self.core.finished(name)
+                    self._finished(name)
             out_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in resp.headers
                            if k.lower().decode("latin-1") not in _HOP}
             out_headers[ENGINE_HEADER] = name
@@ -278,12 +336,12 @@ class KVProxy:
                     content = await resp.read()
                 except UpstreamError as exc:
                     self._failed(name, exc)
-                    self.core.finished(name)
+                    self._finished(name)
                     await resp.aclose()
                     return _json(502, error_body(502, f"engine {name} dropped the connection while answering"),
                                  {ENGINE_HEADER: name})
                 await resp.aclose()
-                self.core.finished(name)
+                self._finished(name)
                 realized = None
                 if resp.status_code == 200:
                     try:
@@ -339,7 +397,7 @@ class KVProxy:
             return
         finally:
             await resp.aclose()
-            self.core.finished(name)
+            self._finished(name)
         self._answered(name, predicted, realized)
 
 

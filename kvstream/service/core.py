@@ -108,6 +108,11 @@ class ServiceCore:
         self._resume: dict[str, int] = {}
         self.resumed: dict[str, int] = {}
         """Per engine, the seq a loaded replica dump resumed it from."""
+        self.engine_view_extras: list[Callable[[str], dict[str, Any]]] = []
+        """Seam for layers on top (the proxy mode): each adds keys to an engine's
+        ``/v1/engines`` entry."""
+        self.metrics_extras: list[Callable[[], bytes]] = []
+        """Seam for layers on top (the proxy mode): more Prometheus text for ``/metrics``."""
         self.items_applied = 0
         self.items_skipped = 0
         """Batches not applied because a loaded replica dump already held them."""
@@ -310,6 +315,7 @@ class ServiceCore:
                 "blocks": blocks,
                 "load": self.loads.view(name, now),
                 **({"meta": e.meta} if e.meta else {}),
+                **{k: v for extra in self.engine_view_extras for k, v in extra(name).items()},
             })
         return ENCODER.encode({"engines": out})
 
