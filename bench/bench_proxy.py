@@ -1,7 +1,8 @@
 """Time to first byte through the KV-aware proxy vs calling the engine directly.
 
-Starts one emulated engine (``kvstream engine``) and the proxy in front of it (``python -m
-kvstream.proxy``, KV-aware, following the engine's KV events). For each target (the engine
+Starts one emulated engine (``kvstream engine``) and the proxy in front of it (``kvstream
+serve --proxy``, or with ``--via proxy`` the standalone ``python -m kvstream.proxy``;
+KV-aware, following the engine's KV events). For each target (the engine
 directly, then the proxy, alternating over ``--rounds``), a background process keeps 64
 streams open against it (each client sends a streaming completion of 40 tokens at 20
 tokens/s, about 2 s, reads it to the end and sends the next: about 1,300 server-sent
@@ -29,7 +30,7 @@ import time
 import anyio
 import httpx
 
-from kvstream.emulator.launch import start_engine, start_proxy
+from kvstream.emulator.launch import start_engine, start_proxy, start_serve_proxy
 
 
 async def _load(url: str, streams: int, seconds: float, tokens: int) -> None:
@@ -91,6 +92,8 @@ def main() -> None:
     p.add_argument("--decode", type=float, default=20.0, help="engine decode tokens/s per sequence")
     p.add_argument("--seconds", type=float, default=8.0, help="background load per round (s)")
     p.add_argument("--ramp", type=float, default=2.0, help="seconds of background load before probing")
+    p.add_argument("--via", choices=("serve", "proxy"), default="serve",
+                   help="kvstream serve --proxy (default) or the standalone python -m kvstream.proxy")
     p.add_argument("--background", metavar="URL", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.background:
@@ -100,7 +103,10 @@ def main() -> None:
     engine = start_engine("engine-0", log_dir=logs, extra=[
         "--decode-tokens-per-s", str(args.decode), "--prefill-tokens-per-s", "1e9", "--max-num-seqs", "256",
         "--num-gpu-blocks", "65536"])
-    proxy = start_proxy([engine], log_dir=logs)
+    if args.via == "serve":
+        proxy = start_serve_proxy([engine], log_dir=logs, extra=["--log-level", "warning"])
+    else:
+        proxy = start_proxy([engine], log_dir=logs)
     try:
         direct: list[float] = []
         proxied: list[float] = []
@@ -115,7 +121,8 @@ def main() -> None:
     print(f"TTFB of {len(direct)} probe requests per target, with {args.streams} streams open "
           f"({args.tokens} tokens at {args.decode:g} tokens/s each)")
     print(f"  {'':<24}{'p50 (ms)':>10}{'p90 (ms)':>10}{'mean (ms)':>11}")
-    for name, xs in (("engine directly", direct), ("through kvstream proxy", proxied)):
+    via = "through serve --proxy" if args.via == "serve" else "through kvstream.proxy"
+    for name, xs in (("engine directly", direct), (via, proxied)):
         print(f"  {name:<24}{1000 * _pct(xs, 0.5):>10.2f}{1000 * _pct(xs, 0.9):>10.2f}"
               f"{1000 * statistics.fmean(xs):>11.2f}")
     added = 1000 * (_pct(proxied, 0.5) - _pct(direct, 0.5))
