@@ -107,7 +107,9 @@ async def _record_live(tmp, log_path):
                         Publisher(cfgs["e2"], snapshot_provider=engines["e2"].snapshot) as p2, \
                         Publisher(cfgs["e3"]) as p3:
                     async with Publisher(cfgs["e0"]) as p0:
-                        await anyio.sleep(0.3)  # let the SUB sockets connect
+                        with anyio.fail_after(10):  # every SUB socket has joined its publisher
+                            for p in (p0, p1, p2, p3):
+                                await p.wait_subscribed()
                         for _ in range(30):
                             for name, p in (("e0", p0), ("e1", p1), ("e2", p2), ("e3", p3)):
                                 step(p, name)
@@ -116,15 +118,20 @@ async def _record_live(tmp, log_path):
                         for name, p in (("e1", p1), ("e2", p2), ("e3", p3)):
                             for _ in range(30):
                                 step(p, name)
-                        await anyio.sleep(0.05)
+                        with anyio.fail_after(10):  # what survived the overflow is sent
+                            while p1.queued or p2.queued or p3.queued:
+                                await anyio.sleep(0.001)
                         # One more live batch each: the subscriber sees the hole behind it.
                         for name, p in (("e1", p1), ("e2", p2), ("e3", p3)):
                             step(p, name)
-                        await anyio.sleep(0.3)
+                        with anyio.fail_after(10):  # the first e0 has been heard to its end
+                            while want["e0"] < 29:
+                                await anyio.sleep(0.001)
                     # e0 restarts: a new engine on the same endpoints, seq from 0 again.
                     engines["e0"] = _Engine(99)
                     async with Publisher(cfgs["e0"]) as p0b:
-                        await anyio.sleep(0.4)  # the SUB reconnects
+                        with anyio.fail_after(10):  # the SUB has reconnected and re-subscribed
+                            await p0b.wait_subscribed()
                         for _ in range(10):
                             step(p0b, "e0")
                             await anyio.sleep(0.002)
@@ -170,15 +177,16 @@ def test_replay_into_index_matches_the_live_index(short_tmp):
     assert again.state() == fresh.state()
 
 
-async def _sub_frames(endpoint, n, started):
+async def _sub_frames(pub, n, started):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.SUB)
     s.setsockopt(zmq.SUBSCRIBE, b"")
     s.linger = 0
-    s.connect(endpoint)
+    s.connect(pub.endpoint)
     frames = []
     try:
-        await anyio.sleep(0.3)
+        with anyio.fail_after(10):  # readiness: the publisher has our subscription
+            await pub.wait_subscribed()
         started.set()
         with anyio.fail_after(10):
             while len(frames) < n:
@@ -210,7 +218,7 @@ def test_golden_capture_replays_onto_a_socket_as_identical_frames(golden_dir, sh
         started = anyio.Event()
         async with Publisher(cfg) as pub, anyio.create_task_group() as tg:
             async def consume():
-                got["frames"] = await _sub_frames(cfg.endpoint, len(live), started)
+                got["frames"] = await _sub_frames(pub, len(live), started)
 
             tg.start_soon(consume)
             await started.wait()
