@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvstream.cli._common import CLIError, add_log_level, non_negative_float
+from kvstream.cli._common import CLIError, add_log_level, non_negative_float, non_negative_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speed", default="1x", help="1x (recorded timing), 10x, 0.5x ..., or max (default 1x)")
     p.add_argument("--wait-s", type=non_negative_float, default=0.5,
                    help="seconds to wait after binding before publishing (subscribers connect)")
+    p.add_argument("--wait-subscribers", type=non_negative_int, default=0, metavar="N",
+                   help="before publishing (and before --wait-s), wait until N subscribers have "
+                        "subscribed to every --publish endpoint (default 0: do not wait)")
     p.add_argument("--hold-s", type=non_negative_float, default=1.0,
                    help="seconds to keep the sockets open after the last message (late replay requests)")
     add_log_level(p)
@@ -163,6 +166,11 @@ async def _replay(args, specs, records, sources, first, speed):
                     print(f"{src} -> {pubs[src].endpoint}" + (f" (replay {pubs[src].replay_endpoint})"
                                                               if spec.replay_endpoint else ""),
                           file=sys.stderr, flush=True)
+                if args.wait_subscribers:
+                    print(f"waiting for {args.wait_subscribers} subscriber(s) on each endpoint",
+                          file=sys.stderr, flush=True)
+                    for p in pubs.values():
+                        await p.wait_subscribed(args.wait_subscribers)
                 await anyio.sleep(args.wait_s)
                 await replay_to_publishers(records, pubs, speed=speed, pacer=pacer)
                 if args.hold_s > 0:

@@ -120,8 +120,8 @@ def test_record_and_replay_commands_round_trip_a_golden_capture_over_real_socket
     out = tmp_path / "rec.kvlog"
     py = [sys.executable, "-m", "kvstream"]
     replayer = subprocess.Popen(py + ["replay", str(cap), "--publish", f"{pub},{rep}", "--speed", "max",
-                                      "--wait-s", "0.3", "--hold-s", "3"], stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)
+                                      "--wait-subscribers", "1", "--wait-s", "0", "--hold-s", "3"],
+                                stderr=subprocess.PIPE, text=True)
     recorder = subprocess.Popen(py + ["record", f"e={pub},{rep}", "-o", str(out), "--quiet"],
                                 stderr=subprocess.PIPE, text=True)
     try:
