@@ -79,7 +79,7 @@ def test_a_restarted_engine_loses_its_blocks_and_lost_batches_are_replayed(engin
     new = list(range(77_000, 77_000 + BS))
     _raw(e0, [_stored([99], new)], seq=0)
     seq = _raw(e0, [_stored([98], list(range(78_000, 78_000 + BS)))])
-    srv.wait_applied("e0", seq)
+    srv.wait_applied("e0", seq, restarts=1)
     engine = srv.engines()["e0"]
     assert engine["restarts"] == 1 and engine["blocks"] == {"GPU": 2}
     assert [srv.route(token_ids=t)["matched_tokens"] for t in old] == [0] * 5  # no false hits
