@@ -84,6 +84,10 @@ async def run_flood(cfg: KVEventsConfig, mode: str, n: int, k: int, *, snapshot_
                             events[ev["event"]] = ev
                         if "flood" in events:
                             break
+                    # Enough samples for a p99 (a loaded machine ticks less often than every
+                    # tick_s, so a short flood may end first).
+                    while len(lat.wall) <= 50:
+                        await anyio.sleep(tick_s)
                 stop.set()
             gc.unfreeze()
             stats = pub.stats.as_dict()
