@@ -45,9 +45,23 @@ class _TextFormatter(logging.Formatter):
         return super().format(record)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not the one it was
+    created with: a command run in-process with stderr redirected (tests, embedding) must
+    not leave a handler writing to a closed stream behind it."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup_logging(fmt: str = "text", level: str = "info") -> None:
     """Send the ``kvstream`` and ``uvicorn`` loggers to stderr in ``fmt`` at ``level``."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else _TextFormatter())
     lvl = getattr(logging, level.upper())
     for name in ("kvstream", "uvicorn", "uvicorn.error"):
