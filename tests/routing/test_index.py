@@ -203,13 +203,13 @@ def test_malformed_event_is_skipped_and_counted() -> None:
 
 
 def test_memory_bound_drops_least_recently_stored_first() -> None:
-    bound = 200 * KVIndex().bytes_per_block
+    bound = 64 * 1024
     idx = KVIndex(max_bytes=bound)
-    for i in range(400):
+    for i in range(2000):
         apply(idx, "e", stored([1000 + i], P(10_000 * i, 1)))
-    assert idx.estimated_bytes() <= bound
+        assert idx.estimated_bytes() <= bound
     assert idx.stats.evicted_blocks > 0
-    assert idx.match(P(10_000 * 399, 1))["e"].blocks == 1
+    assert idx.match(P(10_000 * 1999, 1))["e"].blocks == 1
     assert idx.match(P(0, 1))["e"].blocks == 0
 
 
