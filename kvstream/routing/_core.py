@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from kvstream.errors import LocalProtocolError
-from kvstream.routing.scoring import _NO_LOAD, Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
+from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
 
 __all__ = ["IndexUsageError", "SourceInfo"]
 
@@ -696,36 +696,19 @@ class _IndexCore:
         n = len(keys)
         if active:
             _gpu_prefix_ends(gpu, keys, active, ends)
-        # PrefixLoadPolicy.__call__ and rank() for a GPU-only match: the same arithmetic,
-        # in the same order, so values (and ties) are bit-identical; the best is the
-        # smallest (-value, (queue, running, kv_usage), name).
-        wg = pol.tier_weights.get("GPU", pol.other_tier_weight)
-        pw, qw, rw, kw = pol.prefix_weight, pol.queue_weight, pol.running_weight, pol.kv_weight
-        top: Any = None
+        prefixes = []
         for s in src:
             if s is None:
                 continue
-            name = s.name
             b = ends[s.slot]
             per = s.per
             if per is not None and per > 1:
                 b -= b % per
-            prefix = b * wg / n if b else 0.0
-            ld = loads.get(name, _NO_LOAD)
-            q, r, kv = ld.queue, ld.running, ld.kv_usage
-            cand = (-(pw * prefix - qw * q - rw * r - kw * kv), (q, r, kv), name)
-            if top is None or cand < top:
-                top = cand
+            prefixes.append((s.name, b))
         slot_of = self._slot_of
-        for name, ld in loads.items():
-            if name in slot_of:
-                continue
-            # A source named only in the loads: no cached prefix.
-            q, r, kv = ld.queue, ld.running, ld.kv_usage
-            cand = (-(pw * 0.0 - qw * q - rw * r - kw * kv), (q, r, kv), name)
-            if top is None or cand < top:
-                top = cand
-        return None if top is None else top[2]
+        # A source named only in the loads has no cached prefix.
+        prefixes.extend((name, 0) for name in loads if name not in slot_of)
+        return pol.best_gpu_prefix(prefixes, loads, n)
 
 
 
