@@ -145,11 +145,12 @@ class KVIndex(_IndexCore):
         router_block_size: tokens per router block (default 16). It must divide every
             engine's block size for that engine's blocks to be keyed by tokens; pick the
             gcd of your engines' block sizes.
-        max_bytes: optional memory bound (bytes, estimated with measured per-entry costs,
-            see :meth:`estimated_bytes`). When a batch leaves the index above it, entries
-            are dropped until it is under 90 % of the bound, in this order: unlinked blocks
-            (oldest first), then keyed blocks least recently stored first (the TTL's older
-            generation first). A dropped block disappears from every source and tier.
+        max_bytes: optional memory bound (bytes of heap, an upper bound measured as
+            :meth:`estimated_bytes`). When a batch leaves the index above it, entries are
+            dropped until it is under 90 % of the bound and the tables are shrunk, in this
+            order: unlinked blocks (oldest first), the TTL's older generation, then the
+            block table in its order (oldest first; positions freed by removals are
+            reused). A dropped block disappears from every source and tier.
         ttl_s: optional time to live (seconds) of a block after its last ``BlockStored``
             from any source; a block is dropped between ``ttl_s`` and ``2 * ttl_s`` after
             it (two generations). Time is the ``now`` given to :meth:`apply_batch`
