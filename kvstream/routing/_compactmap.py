@@ -1,18 +1,21 @@
-"""A compact, insertion-ordered ``int -> int`` map: the router index's block table
-(engine hash -> router key).
+"""A compact ``int -> int`` map: the router index's block table (engine hash -> router key).
 
 CPython spends ~42 bytes of dict entry plus a 32-40 byte int object per 64-bit key at
 10**6 entries. :class:`U64Map` keeps keys in ``[1, 2**64)`` and values in ``[0, 2**64)`` in
-two ``array('Q')`` columns (16 bytes per entry, in insertion order) and a power-of-two
-``array('i')`` open-addressing index over them (4 bytes per slot, load <= 3/4), the same
-layout as CPython's own dict, but without per-entry objects: ~25 bytes per entry at 10**6.
+two ``array('Q')`` columns (16 bytes per entry) and a power-of-two ``array('i')``
+open-addressing index over them (4 bytes per slot, load <= 3/4, linear probing, deletion
+by moving the rest of the cluster back, so there are no tombstones), the layout of
+CPython's own dict but without per-entry objects: ~25 bytes per entry at 10**6. A column
+position freed by a deletion is reused by the next insert, so churn never forces a
+rebuild; iteration follows the columns (insertion order, except for reused positions).
 Anything else (key 0, bytes keys, tuple values) goes to a plain dict beside it, so the map
 accepts whatever a dict would.
 
 The price is Python-level probing: a method call costs ~0.2-0.4 us instead of ~0.05 us
 for a dict, so the index's hot loops probe the columns inline (the layout is part of
 this module's contract: ``idx``, ``ks``, ``vs``, ``mask``, ``shift``, ``n``, and the
-``_EMPTY``/``_DUMMY`` markers; :meth:`U64Map.grow_if_full` before an inline insert).
+``free``, ``used`` and the ``_EMPTY`` marker; :meth:`U64Map.room` before an inline insert,
+:meth:`U64Map._kill` to delete).
 It implements the dict API the index uses (``get``, ``in``, item assignment, ``del``,
 ``pop``, iteration, ``items``, ``len``). Iteration yields array entries in insertion
 order, then the fallback dict's. This module imports nothing of kvstream's.
@@ -32,12 +35,12 @@ dict instead: keys are engine hashes mixed by a multiply (sequential or crafted 
 still spread), and a peer that sends hashes crafted to collide only fills a dict."""
 _M64 = (1 << 64) - 1
 _EMPTY = -1
-_DUMMY = -2  # a deleted slot: probing continues past it
+_DUMMY = -2  # never written now (deletion shifts the cluster back); probes still skip it
 _MISSING: Any = object()
 
 
 class U64Map:
-    """Insertion-ordered map with a dict's API subset; see the module docstring."""
+    """A map with a dict's API subset; see the module docstring."""
 
     __slots__ = ("idx", "ks", "vs", "shift", "mask", "n", "used", "free", "other")
 
