@@ -113,15 +113,17 @@ class KVCacheBlock:
 class _Origin:
     """The request-side lists a run of blocks is cached from (for one cache_full_blocks call)."""
 
-    __slots__ = ("token_ids", "block_hashes", "extra_keys", "lora_id", "lora_name")
+    __slots__ = ("token_ids", "block_hashes", "extra_keys", "lora_id", "lora_name", "session_id")
 
     def __init__(self, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes],
-                 extra_keys: Sequence[Any] | None, lora_id: int | None, lora_name: str | None) -> None:
+                 extra_keys: Sequence[Any] | None, lora_id: int | None, lora_name: str | None,
+                 session_id: str | None = None) -> None:
         self.token_ids = token_ids
         self.block_hashes = block_hashes
         self.extra_keys = extra_keys
         self.lora_id = lora_id
         self.lora_name = lora_name
+        self.session_id = session_id
 
 
 class FreeBlockQueue:
@@ -618,6 +620,7 @@ class BlockPool:
         lora_id: int | None = None,
         lora_name: str | None = None,
         extra_keys: Sequence[Any] | None = None,
+        session_id: str | None = None,
     ) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
@@ -632,6 +635,7 @@ class BlockPool:
             lora_id, lora_name: the request's LoRA, for the event.
             extra_keys: the request's per-block wire extra keys (``BlockStored.extra_keys``
                 entries, indexed like ``block_hashes``), or None.
+            session_id: the request's session (vLLM 0.33's ``BlockStored.session_id``), or None.
 
         Emits one ``BlockStored`` for the run; its parent is ``block_hashes[num_cached_blocks
         - 1]`` (None when the run starts at block 0). A block that already holds this very
@@ -639,7 +643,7 @@ class BlockPool:
         :class:`BlockPoolError` before anything changes. The lists are only read during
         the call: what :meth:`snapshot_events` needs later is kept in the emitted event.
         """
-        src = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name)
+        src = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name, session_id)
                if self.enable_kv_cache_events else None)
         self._check_run(blocks, block_hashes, token_ids, num_cached_blocks, num_full_blocks, kv_cache_group_id)
         if num_cached_blocks < num_full_blocks and self.enable_caching:
@@ -650,8 +654,8 @@ class BlockPool:
         """:meth:`cache_full_blocks` for an object that carries the request's lists.
 
         ``source`` needs the attributes ``blocks``, ``block_hashes``, ``token_ids``,
-        ``extra_keys``, ``lora_id`` and ``lora_name`` (as :class:`kvstream.allocator.manager.KVRequest`
-        has); it is read during the call only.
+        ``extra_keys``, ``lora_id``, ``lora_name`` and ``session_id`` (as
+        :class:`kvstream.allocator.manager.KVRequest` has); it is read during the call only.
         """
         blocks = source.blocks
         hashes = source.block_hashes
@@ -836,7 +840,53 @@ class BlockPool:
         return BlockStored(block_hashes=ext, parent_block_hash=parent, token_ids=tok, block_size=bs,
                            lora_id=src.lora_id, medium=self.medium, lora_name=src.lora_name,
                            extra_keys=extra, group_idx=g, kv_cache_spec_kind=kind,
-                           kv_cache_spec_sliding_window=window)
+                           kv_cache_spec_sliding_window=window, session_id=src.session_id)
+
+    def announce_cached_prefix(self, source: Any, num_blocks: int, kv_cache_group_id: int = 0) -> None:
+        """Re-announce the first ``num_blocks`` blocks of ``source`` as one ``BlockStored``.
+
+        vLLM 0.33's ``kv_cache_report_mode="full"``: a request's prefix-cache hits are
+        announced again (parent None, their tokens, extra keys and session), without any
+        change to the pool, so a consumer learns which cached blocks the request reuses.
+        ``source`` is read as by :meth:`cache_blocks_of` (its ``blocks`` are not used).
+        Emits nothing with events off or for ``num_blocks == 0``.
+        """
+        if not self.enable_kv_cache_events or num_blocks <= 0:
+            return
+        hashes = source.block_hashes
+        if not 0 <= kv_cache_group_id < len(self._index) or num_blocks > len(hashes) or (
+                len(source.token_ids) < num_blocks * self.block_size):
+            raise BlockPoolError(
+                f"cannot announce {num_blocks} cached blocks in group {kv_cache_group_id}: the "
+                f"request has {len(hashes)} hashes and {len(source.token_ids)} tokens; the pool "
+                f"has {len(self._index)} group(s)"
+            )
+        ext: list[Any] = to_external_list(hashes[:num_blocks], self.hash_form)
+        self._events.append(self._stored(0, num_blocks, kv_cache_group_id, source, ext, ()))
+
+    def offload_events(self, medium: str, *, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (),
+                       group_idx: int | None = 0) -> None:
+        """Record a KV connector's events for another tier (``medium``, e.g. ``"CPU"``).
+
+        vLLM 0.33's offloading connector reports, after the GPU pool's events of a step, one
+        ``BlockRemoved`` carrying every hash the tier evicted and one placeholder
+        ``BlockStored`` per hash it stored (no tokens, ``block_size`` 0, no parent): that
+        is the shape recorded here, removals first if both are given. ``stored`` and
+        ``removed`` are digests; they take the pool's ``hash_form``. The pool's own blocks
+        are not touched.
+        """
+        if not isinstance(medium, str) or not medium:
+            raise BlockPoolError(f"medium must be a non-empty str such as 'CPU', got {medium!r}")
+        if not self.enable_kv_cache_events:
+            return
+        form = self.hash_form
+        if removed:
+            gone: list[Any] = to_external_list(removed, form)
+            self._events.append(BlockRemoved(block_hashes=gone, medium=medium, group_idx=group_idx))
+        for e in to_external_list(stored, form):
+            self._events.append(BlockStored(
+                block_hashes=[e], parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+                medium=medium, lora_name=None, group_idx=group_idx))
 
     # -- cache-wide operations --------------------------------------------------------------
 
@@ -899,7 +949,7 @@ class BlockPool:
                 token_ids=ev.token_ids[k * bs:(k + 1) * bs], block_size=bs, lora_id=ev.lora_id,
                 medium=ev.medium, lora_name=ev.lora_name, extra_keys=None if ek is None else [ek[k]],
                 group_idx=ev.group_idx, kv_cache_spec_kind=ev.kv_cache_spec_kind,
-                kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window))
+                kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window, session_id=ev.session_id))
         return out
 
     # -- checking --------------------------------------------------------------------------
