@@ -33,6 +33,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Iterable, Sequence
 
+from kvstream.compat import VllmVersion, version
 from kvstream.errors import LocalProtocolError
 from kvstream.hashing import BlockHasher, LoRA, MMItem, RequestBlockHasher
 from kvstream.allocator.prefix_stats import PrefixCacheStats, PrefixCachingMetrics
@@ -140,8 +141,10 @@ class KVCacheManager:
         reserve_full_prompt: admit a request only if its *whole* prompt fits, even when
             this step schedules only a chunk of it (vLLM 0.33's default,
             ``scheduler_reserve_full_isl=True``). False: only the scheduled chunk must fit
-            (vLLM 0.11).
+            (vLLM 0.11). Default: the release's, else True.
         max_recent_requests: window of :attr:`metrics` (requests).
+        release: a :class:`~kvstream.compat.VllmVersion` (or its name) giving the defaults
+            of ``hasher`` (its hash rules and extra-key style) and ``reserve_full_prompt``.
 
     Attributes: ``pool``, ``hasher``, ``requests`` (running requests by id), ``stats``
     (cumulative :class:`PrefixCacheStats`), ``metrics`` (:class:`PrefixCachingMetrics`
@@ -157,11 +160,16 @@ class KVCacheManager:
         hasher: BlockHasher | None = None,
         *,
         kv_cache_group_id: int = 0,
-        reserve_full_prompt: bool = True,
+        reserve_full_prompt: bool | None = None,
         max_recent_requests: int = 1000,
+        release: VllmVersion | str | None = None,
     ) -> None:
+        rel = version(release) if isinstance(release, str) else release
+        if reserve_full_prompt is None:
+            reserve_full_prompt = rel.reserve_full_prompt if rel is not None else True
         if hasher is None:
-            hasher = BlockHasher("sha256_cbor", pool.block_size)
+            hasher = (rel.hasher("sha256_cbor", pool.block_size) if rel is not None
+                      else BlockHasher("sha256_cbor", pool.block_size))
         if hasher.block_size != pool.block_size:
             raise KVCacheManagerError(
                 f"the hasher hashes blocks of {hasher.block_size} tokens but the pool's blocks hold "

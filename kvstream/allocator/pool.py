@@ -27,6 +27,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Iterable, Literal, Sequence
 
+from kvstream.compat import VllmVersion, version
 from kvstream.errors import LocalProtocolError
 from kvstream.wire.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvstream.hashing import to_external, to_external_list
@@ -294,6 +295,8 @@ class BlockPool:
             hashed blocks at the tail. ``"v0.11"``: every freed block goes to the tail.
         kv_cache_event_metadata: one ``(spec_kind, sliding_window)`` per KV cache group;
             its length is the number of groups (group ids ``0..n-1``).
+        release: a :class:`~kvstream.compat.VllmVersion` (or its name, ``"0.11"``) whose
+            ``event_style`` and ``free_order`` apply where those are not given.
 
     Hot-path methods do no per-block allocation beyond the result lists.
     """
@@ -312,10 +315,16 @@ class BlockPool:
         enable_kv_cache_events: bool = True,
         hash_form: HashForm = "int",
         medium: str = MEDIUM_GPU,
-        event_style: EventStyle = "0.33",
-        free_order: FreeOrder = "v0.33",
+        event_style: EventStyle | None = None,
+        free_order: FreeOrder | None = None,
         kv_cache_event_metadata: Sequence[tuple[str | None, int | None]] = DEFAULT_EVENT_METADATA,
+        release: VllmVersion | str | None = None,
     ) -> None:
+        rel = version(release) if isinstance(release, str) else release
+        if event_style is None:
+            event_style = rel.event_style if rel is not None else "0.33"
+        if free_order is None:
+            free_order = rel.free_order if rel is not None else "v0.33"
         if type(num_gpu_blocks) is not int or num_gpu_blocks < 2:
             raise BlockPoolError(
                 f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}"

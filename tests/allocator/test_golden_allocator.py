@@ -26,14 +26,13 @@ TS0 = 1_700_000_000.0
 # version folder -> the release, its seed, how many steps to replay, pool extras, manager options
 VERSIONS: dict[str, dict[str, Any]] = {
     "vllm-0.11.0": dict(
-        release=VLLM_0_11, seed="0", steps=24, pool={}, manager=dict(reserve_full_prompt=False),
+        release=VLLM_0_11, seed="0", steps=24, pool={},
     ),
     "vllm-0.33.0": dict(
         # Steps 24-30 cover LoRA, multimodal, CPU offload events, a second (sliding-window)
         # KV cache group, report mode "full" and session ids.
         release=VLLM_0_33, seed="vllm-none-hash", steps=31,
         pool=dict(kv_cache_event_metadata=(("full_attention", None), ("sliding_window", 64))),
-        manager=dict(reserve_full_prompt=True),
     ),
 }
 
@@ -57,12 +56,10 @@ def replay(folder: Path, opts: dict[str, Any], free_order: str | None = None):
     """
     workload = json.loads((folder / "workload.json").read_text())
     release = opts["release"]
-    pool_opts = {**release.pool_options(), **opts["pool"]}
-    if free_order is not None:
-        pool_opts["free_order"] = free_order
-    pool = BlockPool(workload["num_gpu_blocks"], workload["block_size"], **pool_opts)
+    pool = BlockPool(workload["num_gpu_blocks"], workload["block_size"], release=release, free_order=free_order,
+                     **opts["pool"])
     hasher = release.hasher("sha256_cbor", workload["block_size"], seed=opts["seed"])
-    mgrs = [KVCacheManager(pool, hasher, kv_cache_group_id=g, **opts["manager"]) for g in range(pool.num_groups)]
+    mgrs = [KVCacheManager(pool, hasher, kv_cache_group_id=g, release=release) for g in range(pool.num_groups)]
     reqs: dict[tuple[str, int], KVRequest] = {}
     for i, step in enumerate(workload["steps"][: opts["steps"]]):
         results = []
