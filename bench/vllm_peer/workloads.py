@@ -184,19 +184,20 @@ def run_vllm(vl: Any, release: str, trace: list[TraceRequest], events: bool, has
 
 
 def run_kvstream_pool(trace: list[TraceRequest], events: bool, free_order: str) -> tuple[float, dict[str, Any]]:
-    """The same driver as :func:`run_vllm` on kvstream's ``BlockPool`` (hashes precomputed)."""
+    """The same call sequence as :func:`run_vllm` on kvstream's ``BlockPool`` (hashes
+    precomputed); the cached prefix is found with ``cached_prefix`` (one call per request,
+    kvstream's API for what vLLM's manager asks ``get_cached_block`` block by block)."""
     from kvstream.allocator.pool import BlockPool
 
     pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, enable_kv_cache_events=events, free_order=free_order)
     bs = BLOCK_SIZE
-    get_cached = pool.get_cached_block
+    cached_prefix = pool.cached_prefix
     get_new = pool.get_new_blocks
     cache = pool.cache_full_blocks
     free = pool.free_blocks
     touch = pool.touch
     num_free = pool.get_num_free_blocks
     take = pool.take_events
-    groups = [0]
     running: list[list[Any]] = []  # [tokens, hashes, blocks, num_cached, outputs, i]
     nxt = 0
     n = len(trace)
@@ -208,12 +209,7 @@ def run_kvstream_pool(trace: list[TraceRequest], events: bool, free_order: str) 
             tokens = tr.prefix + tr.suffix
             hashes = tr.hashes
             ntok = len(tokens)
-            hits: list[Any] = []
-            for h in hashes[: (ntok - 1) // bs]:
-                got = get_cached(h, groups)
-                if not got:
-                    break
-                hits.append(got[0])
+            hits = cached_prefix(hashes, (ntok - 1) // bs)  # kvstream's one-call prefix lookup
             need = -(-ntok // bs) - len(hits)
             if need + sum(1 for b in hits if b.ref_cnt == 0) > num_free():
                 break

@@ -152,7 +152,7 @@ class KVCacheManager:
     """
 
     __slots__ = ("pool", "hasher", "kv_cache_group_id", "reserve_full_prompt", "requests",
-                 "stats", "metrics", "_bs", "_queue", "_index", "_step_stats")
+                 "stats", "metrics", "_bs", "_queue", "_step_stats")
 
     def __init__(
         self,
@@ -190,8 +190,6 @@ class KVCacheManager:
         self._step_stats = PrefixCacheStats()
         self._bs = pool.block_size
         self._queue = pool.free_block_queue
-        # The group's HashIndex.first: hash -> oldest cached copy (cleared in place on reset).
-        self._index = pool._index[kv_cache_group_id].first
 
     # -- requests ----------------------------------------------------------------------
 
@@ -259,17 +257,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: KVRequest) -> list[KVCacheBlock]:
         """The longest cached prefix of ``request`` (blocks), capped at ``num_tokens - 1``
         tokens so the last prompt token is always computed. Pure query."""
-        get = self._index.get
-        hashes = request.block_hashes
-        limit = min((len(request.token_ids) - 1) // self._bs, len(hashes))
-        hits: list[KVCacheBlock] = []
-        append = hits.append
-        for i in range(limit):
-            v = get(hashes[i])
-            if v is None:
-                break
-            append(v)
-        return hits
+        return self.pool.cached_prefix(request.block_hashes, (len(request.token_ids) - 1) // self._bs,
+                                       self.kv_cache_group_id)
 
     def admit(self, request: KVRequest, num_new_tokens: int | None = None, *, cache: bool = True) -> bool:
         """Start ``request``: reuse its cached prefix and allocate slots for the next tokens.
@@ -296,14 +285,8 @@ class KVCacheManager:
         bs = self._bs
         hits: list[KVCacheBlock] = []
         if self.pool.enable_caching:
-            # get_computed_blocks, inlined.
-            get = self._index.get
-            append = hits.append
-            for h in request.block_hashes[: (len(request.token_ids) - 1) // bs]:
-                v = get(h)
-                if v is None:
-                    break
-                append(v)
+            hits = self.pool.cached_prefix(request.block_hashes, (len(request.token_ids) - 1) // bs,
+                                           self.kv_cache_group_id)
         num_tokens = len(request.token_ids)
         nh = len(hits)
         computed = nh * bs
