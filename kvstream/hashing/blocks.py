@@ -938,7 +938,7 @@ def to_external_list(digests: Sequence[bytes], form: str = "int") -> list[int] |
             return []
         size = len(digests[0])
         w, r = divmod(size, 8)
-        if r == 0 and w and all(len(d) == size for d in digests):
+        if r == 0 and w and len(set(map(len, digests))) == 1:  # one C pass, no generator
             joined = b"".join(digests)
             # Equal-size digests (the normal case): every 64-bit word at once, keep the last
             # word of each digest, read big-endian.
