@@ -558,15 +558,26 @@ class BlockHasher:
         else:
             # Few blocks (a decode step) or unusual ids: cbor2 on each block's token list
             # encodes exactly what vLLM's cbor2.dumps of the token tuple does.
-            arrays = [
-                _cbor_dumps(chunk if type(chunk) is list else list(chunk))
-                for chunk in (tokens[i : i + bs] for i in range(0, n * bs, bs))
-            ]
+            dumps = cbor2.dumps
+            if n == 1:  # a decode step completed one block: no comprehension, no generator
+                chunk = tokens[:bs]
+                arrays = [dumps(chunk if type(chunk) is list else list(chunk), canonical=True)]
+            else:
+                arrays = [
+                    dumps(chunk if type(chunk) is list else list(chunk), canonical=True)
+                    for chunk in (tokens[i : i + bs] for i in range(0, n * bs, bs))
+                ]
         if extras is None and len(parent) == self.digest_size:
-            digest = self._digest
-            for arr in arrays:
-                prev = digest(chain_prefix + prev + arr + b"\xf6")
-                append(prev)
+            if self.algorithm == "sha256_cbor":
+                new = hashlib.sha256
+                for arr in arrays:
+                    prev = new(chain_prefix + prev + arr + b"\xf6").digest()
+                    append(prev)
+            else:
+                digest = self._digest
+                for arr in arrays:
+                    prev = digest(chain_prefix + prev + arr + b"\xf6")
+                    append(prev)
             return out
         digest = self._digest
         dsize = self.digest_size
@@ -877,9 +888,9 @@ class RequestBlockHasher:
                 f"{new_token_ids!r:.40}; wrap a single token as [token]"
             ) from None
         after = len(pending)
-        bs = self._bs
-        if after < bs:
+        if after < self._bs:
             return []
+        bs = self._bs
         full = after - after % bs
         chunk = pending[:full]
         del pending[:full]
