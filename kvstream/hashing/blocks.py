@@ -503,17 +503,37 @@ class BlockHasher:
         parent: bytes,
         extras: Sequence[Any] | None,
     ) -> list[bytes]:
-        """Reference path: vLLM's serializer on the real tuple (pickle algorithms, fallbacks)."""
+        """Reference path: vLLM's serializer on the real tuple (pickle algorithms, fallbacks).
+
+        The serializer and digest are called directly (no wrapper per block): for the
+        pickle algorithms this loop is the naive loop itself, so never slower than it.
+        """
         bs = self.block_size
-        serialize = self._serialize
-        assert serialize is not None  # every algorithm but "native" has one; native never comes here
-        digest = self._digest
         out: list[bytes] = []
+        append = out.append
         prev = parent
+        ser: Callable[..., bytes]
+        if self._cbor:
+            serialize = self._serialize
+            assert serialize is not None
+            for i in range(n):
+                ek = extras[i] if extras is not None else None
+                prev = self._digest(serialize((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek)))
+                append(prev)
+            return out
+        ser, proto = pickle.dumps, pickle.HIGHEST_PROTOCOL
+        if self.algorithm == "sha256":
+            new = hashlib.sha256
+            for i in range(n):
+                ek = extras[i] if extras is not None else None
+                prev = new(ser((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek), proto)).digest()
+                append(prev)
+            return out
+        digest = self._digest
         for i in range(n):
             ek = extras[i] if extras is not None else None
-            prev = digest(serialize((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek)))
-            out.append(prev)
+            prev = digest(ser((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek), proto))
+            append(prev)
         return out
 
     def _hash_cbor(
