@@ -40,6 +40,7 @@ __all__ = [
     "BlockPoolError",
     "NoFreeBlocksError",
     "FreeBlockQueue",
+    "HashIndex",
     "KVCacheBlock",
     "EventStyle",
     "FreeOrder",
