@@ -245,8 +245,9 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
 
     core = ServiceCore(cfg, tokenizer=tok)
     app = create_app(core)
+    # proxy_headers off: no handler reads the client address, and the middleware costs per call.
     ucfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", server_header=False,
-                          date_header=False, timeout_graceful_shutdown=5)
+                          date_header=False, proxy_headers=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(ucfg)
     server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
     async with anyio.create_task_group() as tg:

@@ -319,22 +319,34 @@ class MooncakeAPI:
 
     def _merge(self, result: dict[str, dict[str, Any]], matches: dict[str, Any], B: int, only: str | None) -> None:
         # Instances with no cached prefix are left out (as Dynamo does): absent means 0.
+        # Inlined (no _row call per source): up to one pass per engine on every /query.
+        engines = self.core.engines
         for source, m in matches.items():
-            if not m.blocks:
+            nb = m.blocks
+            if not nb:
                 continue
-            got = self._row(result, source, only)
-            if got is None:
+            e = engines.get(source)
+            if e is None:
                 continue
-            row, rank = got
-            tokens = m.blocks * B
-            if tokens > row["longest_matched"]:
-                row["longest_matched"] = tokens
-            for med, nb in m.tier_blocks.items():
-                if nb * B > (row.get(med) or 0):
-                    row[med] = nb * B
-            dp = row["DP"]
-            if tokens > dp.get(rank, 0):
-                dp[rank] = tokens
+            meta = e.meta
+            inst = meta.get("instance_id", source)
+            if only is not None and inst != only:
+                continue
+            tokens = nb * B
+            rank = str(meta.get("dp_rank", 0))
+            row = result.get(inst)
+            if row is None:
+                row = result[inst] = {"longest_matched": tokens, "GPU": 0, "CPU": 0, "DISK": 0,
+                                      "DP": {rank: tokens}}
+            else:
+                if tokens > row["longest_matched"]:
+                    row["longest_matched"] = tokens
+                dp = row["DP"]
+                if tokens > dp.get(rank, 0):
+                    dp[rank] = tokens
+            for med, n in m.tier_blocks.items():
+                if n * B > (row.get(med) or 0):
+                    row[med] = n * B
 
     def _merge_longest(self, result: dict[str, dict[str, Any]], blocks: dict[str, int], B: int,
                        only: str | None) -> None:
