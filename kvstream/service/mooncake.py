@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 import msgspec
 from msgspec import Meta, Struct
@@ -117,6 +117,7 @@ _REG = msgspec.json.Decoder(RegisterRequest)
 _UNREG = msgspec.json.Decoder(UnregisterRequest)
 _QUERY = msgspec.json.Decoder(QueryRequest)
 _QHASH = msgspec.json.Decoder(QueryByHashRequest)
+_ENC = msgspec.json.Encoder()
 
 
 def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
@@ -140,6 +141,10 @@ class MooncakeAPI:
         # (model, tenant, block_size, salt, lora) -> index name, per publisher kind
         self._groups: dict[tuple[str, str, int, str, str], dict[str, str]] = {}
         self._hashers: dict[int, MooncakeHasher] = {}
+        self.share: Callable[[bytes], None] | None = None
+        """Called after each ``/register`` or ``/unregister`` that succeeded over HTTP with
+        the message :meth:`apply_shared` takes (``kvstream serve --workers N``: the other
+        workers, :mod:`kvstream.service.siblings`)."""
         # The configured engines answer /query as one vLLM group of the configured model.
         cfg = core.config
         self._groups[(cfg.model_name, "default", cfg.router_block_size, "", "")] = {"vLLM": DEFAULT_INDEX}
@@ -161,6 +166,27 @@ class MooncakeAPI:
     def register(self, body: bytes) -> bytes:
         """``POST /register``."""
         r: RegisterRequest = _decode(_REG, body)
+        out = self._register(r)
+        if self.share is not None:
+            self.share(b"R" + _ENC.encode(r))
+        return out
+
+    def apply_shared(self, message: bytes) -> None:
+        """Apply a registration another worker accepted (``share``'s message); an unregister
+        of an instance this worker does not hold is a no-op."""
+        kind, body = message[:1], message[1:]
+        if kind == b"R":
+            self._register(_REG.decode(body))
+        elif kind == b"U":
+            try:
+                self._unregister(_UNREG.decode(body))
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+        else:
+            raise ValueError(f"unknown shared registration message kind {kind!r}")
+
+    def _register(self, r: RegisterRequest) -> bytes:
         kind = PUBLISHER_TYPES.get(r.type.lower())
         if kind is None:
             raise ApiError(422, "bad_field", f"type must be one of vLLM, SGLang, Mooncake; got {r.type!r}", "$.type")
@@ -204,6 +230,12 @@ class MooncakeAPI:
     def unregister(self, body: bytes) -> bytes:
         """``POST /unregister``."""
         r: UnregisterRequest = _decode(_UNREG, body)
+        out = self._unregister(r)
+        if self.share is not None:
+            self.share(b"U" + _ENC.encode(r))
+        return out
+
+    def _unregister(self, r: UnregisterRequest) -> bytes:
         core = self.core
         gone = []
         for name, e in list(core.engines.items()):

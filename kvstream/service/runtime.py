@@ -12,6 +12,8 @@ its pump, and the load scraper. One ``async with ServiceRuntime(core):`` owns th
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from typing import Any
 
 import anyio
@@ -28,6 +30,8 @@ __all__ = ["ServiceRuntime"]
 log = logging.getLogger("kvstream.service")
 
 _SCRAPE_MAX_BYTES = 8 * 1024 * 1024
+_SLICE_S = 0.005
+"""Longest run of applying batches before the pump lets HTTP calls in (seconds)."""
 
 
 class ServiceRuntime:
@@ -98,13 +102,31 @@ class ServiceRuntime:
         log.warning("no peer answered; starting from the engines' replay buffers")
 
     async def _pump(self) -> None:
+        # Apply in slices of at most _SLICE_S seconds, then let the event loop answer the
+        # HTTP calls that are waiting: a backlog of batches (a replay, a burst of 64 engines)
+        # never holds a /query for longer than one slice, and ingest still gets a slice
+        # per turn of the loop however many connections are busy. Items are taken from
+        # the subscriber only when the previous ones are applied, so its byte and item
+        # bounds still hold back the sources.
         apply = self.core.apply
         sub = self._sub
-        async for item in sub:
-            apply(item)
-            # Drain what is already waiting without a trip through the event loop each.
-            for it in sub.get_nowait():
-                apply(it)
+        clock = time.perf_counter
+        pending: deque[Any] = deque()
+        take = pending.popleft
+        while True:
+            if not pending:
+                try:
+                    pending.append(await sub.__anext__())
+                except StopAsyncIteration:
+                    return
+                pending.extend(sub.get_nowait())
+            end = clock() + _SLICE_S
+            while pending:
+                apply(take())
+                if clock() >= end:
+                    break
+            if pending:
+                await anyio.sleep(0)
 
     async def _scrape_loop(self) -> None:
         import httpx
