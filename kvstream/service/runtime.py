@@ -31,7 +31,9 @@ log = logging.getLogger("kvstream.service")
 
 _SCRAPE_MAX_BYTES = 8 * 1024 * 1024
 _SLICE_S = 0.005
-"""Longest run of applying batches before the pump lets HTTP calls in (seconds)."""
+"""Shortest run of applying waiting batches before the pump lets the loop turn (seconds)."""
+_MAX_SLICE_S = 0.025
+"""Longest run of applying waiting batches before the pump lets HTTP calls in (seconds)."""
 
 
 class ServiceRuntime:
@@ -102,17 +104,19 @@ class ServiceRuntime:
         log.warning("no peer answered; starting from the engines' replay buffers")
 
     async def _pump(self) -> None:
-        # Apply in slices of at most _SLICE_S seconds, then let the event loop answer the
-        # HTTP calls that are waiting: a backlog of batches (a replay, a burst of 64 engines)
-        # never holds a /query for longer than one slice, and ingest still gets a slice
-        # per turn of the loop however many connections are busy. Items are taken from
-        # the subscriber only when the previous ones are applied, so its byte and item
-        # bounds still hold back the sources.
+        # A fair share of the event loop: while batches wait, apply them for as long as
+        # everything else (the HTTP calls, the sources' receiving) took since the last
+        # slice, at least _SLICE_S and at most _MAX_SLICE_S seconds, then let the loop
+        # turn. So neither side starves the other under load (about half each), and a
+        # backlog (a replay, a burst from 64 engines) never holds a /query for more than
+        # _MAX_SLICE_S. Items are taken from the subscriber only once the previous ones
+        # are applied, so its item and byte bounds still hold the sources back.
         apply = self.core.apply
         sub = self._sub
         clock = time.perf_counter
         pending: deque[Any] = deque()
         take = pending.popleft
+        yielded = clock()
         while True:
             if not pending:
                 try:
@@ -120,12 +124,15 @@ class ServiceRuntime:
                 except StopAsyncIteration:
                     return
                 pending.extend(sub.get_nowait())
-            end = clock() + _SLICE_S
+                yielded = clock()  # waiting for items is not time owed to ingest
+            start = clock()
+            end = start + min(max(start - yielded, _SLICE_S), _MAX_SLICE_S)
             while pending:
                 apply(take())
                 if clock() >= end:
                     break
             if pending:
+                yielded = clock()
                 await anyio.sleep(0)
 
     async def _scrape_loop(self) -> None:
