@@ -39,7 +39,7 @@ from kvstream.routing.keys import RouterKeyError
 from kvstream.service.core import DEFAULT_INDEX, ServiceCore
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.hashing.mooncake import MooncakeHasher
-from kvstream.service.schema import ENCODER, TokenId
+from kvstream.service.schema import ENCODER
 from kvstream.transport.subscriber import SourceSpec
 
 __all__ = ["MooncakeAPI", "RegisterRequest", "UnregisterRequest", "QueryRequest", "QueryByHashRequest",
@@ -90,7 +90,7 @@ class QueryRequest(Struct):
     """``POST /query``."""
 
     model: Name
-    token_ids: list[TokenId]
+    token_ids: list[int]  # uint32 each, checked by ServiceCore.tokens_of
     block_size: BlockSize
     lora_name: Opt | None = None
     lora_id: int | None = None
