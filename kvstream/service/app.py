@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -105,7 +105,10 @@ def routes(core: ServiceCore) -> list[BaseRoute]:
         return Response(body, status, media_type=JSON)
 
     async def metrics(request: Request) -> Response:
-        return Response(core.metrics.render(), media_type=CONTENT_TYPE)
+        text = core.metrics.render()
+        for extra in core.metrics_extras:  # the proxy mode's metrics
+            text += extra()
+        return Response(text, media_type=CONTENT_TYPE)
 
     async def dump(request: Request) -> Response:
         return Response(core.dump(), media_type="application/msgpack")
@@ -213,10 +216,12 @@ class HotRoutes:
                 return b"".join(chunks)
 
 
-def create_app(core: ServiceCore, *, runtime: bool = True, **subscriber_options: Any) -> HotRoutes:
+def create_app(core: ServiceCore, *, runtime: bool = True, extra_routes: Sequence[BaseRoute] = (),
+               **subscriber_options: Any) -> HotRoutes:
     """The standalone app (:class:`HotRoutes` over Starlette). ``runtime``: the lifespan runs
     a :class:`ServiceRuntime` for ``core`` (False: the caller runs one, or none, e.g. a test
-    of the HTTP layer alone). ``subscriber_options`` go to the runtime's subscriber."""
+    of the HTTP layer alone). ``extra_routes``: more routes (the proxy mode's OpenAI API).
+    ``subscriber_options`` go to the runtime's subscriber."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -243,7 +248,7 @@ def create_app(core: ServiceCore, *, runtime: bool = True, **subscriber_options:
         return Response(ApiError(500, "internal", f"internal error: {type(exc).__name__}").body(), 500,
                         media_type=JSON)
 
-    app = Starlette(routes=routes(core), lifespan=lifespan,
+    app = Starlette(routes=routes(core) + list(extra_routes), lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     mc = core.mooncake
     return HotRoutes(app, core, {"/v1/route": (core.route, "route"), "/query": (mc.query, "query"),
