@@ -116,17 +116,14 @@ class ServeProc:
     def engines(self) -> dict[str, dict]:
         return {e["name"]: e for e in self.client.get("/v1/engines").json()["engines"]}
 
-    def wait_applied(self, name: str, seq: int, restarts: int = 0) -> dict:
-        """Wait until engine ``name`` is live with batch ``seq`` applied after its
-        ``restarts``-th restart (seqs start again at 0 after each, so a seq alone cannot
-        tell the batches of two incarnations apart)."""
+    def wait_applied(self, name: str, seq: int) -> dict:
+        """Wait until engine ``name`` is live with batch ``seq`` applied."""
         def ok() -> dict | None:
             e = self.engines().get(name)
-            if (e and e["state"] == "live" and e["restarts"] >= restarts
-                    and (e["applied_seq"] if e["applied_seq"] is not None else -1) >= seq):
+            if e and e["state"] == "live" and (e["applied_seq"] if e["applied_seq"] is not None else -1) >= seq:
                 return e
             return None
-        return wait_for(ok, f"{name} live with seq {seq} applied after {restarts} restart(s)")
+        return wait_for(ok, f"{name} live with seq {seq} applied")
 
     def route(self, **body: Any) -> dict:
         r = self.client.post("/v1/route", json=body)
