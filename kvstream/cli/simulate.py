@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -304,8 +306,20 @@ def _run(args: argparse.Namespace) -> int:
     done: list[Any] = []
     total = len(policies) * len(counts)
 
+    interrupted = False
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        # Remembered as well as raised: a KeyboardInterrupt that lands inside a C call
+        # which swallows errors (seen under CPU contention) would otherwise be lost and the
+        # remaining runs would all be simulated; progress() raises it again between runs.
+        nonlocal interrupted
+        interrupted = True
+        raise KeyboardInterrupt
+
     def progress(r: Any) -> None:
         done.append(r)
+        if interrupted:
+            raise KeyboardInterrupt
         if not args.quiet:
             print(f"  {r.policy:<13} {r.engines:>3} engines: hit {100 * r.hit_rate:5.1f}%  "
                   f"TTFT p50 {r.ttft_p50_s:.3f}s  ({r.requests_per_wall_s:,.0f} req/s wall)", file=sys.stderr)
@@ -316,6 +330,8 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     hasher = SegmentHasher(ec.block_hasher())
     prepared: dict[int, Any] = {}
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
         ceiling = reuse_ceiling(reqs, ec, hasher=hasher, prepared=prepared)
         results = compare(reqs, policies, cfg, engine_counts=counts, progress=progress,
@@ -329,6 +345,9 @@ def _run(args: argparse.Namespace) -> int:
               + (f" ({', '.join(x for x in (args.json, args.plot) if x)} not created)" if args.json or args.plot
                  else ""), file=sys.stderr)
         return 130
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGINT, previous)
     wall = time.perf_counter() - t0
     print(format_table(results, ceiling=ceiling.hit_rate))
     print(f"\nreuse ceiling: {100 * ceiling.hit_rate:.1f}% of prompt tokens (an infinite cache shared by all "
