@@ -503,36 +503,38 @@ class BlockHasher:
         parent: bytes,
         extras: Sequence[Any] | None,
     ) -> list[bytes]:
-        """Reference path: vLLM's serializer on the real tuple (pickle algorithms, fallbacks).
+        """The pickle algorithms: vLLM's exact serializer on the real tuple, one C call a block.
 
-        The serializer and digest are called directly (no wrapper per block): for the
-        pickle algorithms this loop is the naive loop itself, so never slower than it.
+        Every block's tuple comes straight out of ``zip(*[iter(tokens)] * block_size)``
+        (built in C, no list slice per block) and the serializer and digest are called
+        directly. Pickling the whole prompt once and cutting it into blocks was measured
+        and lost (see docs/hashing.md): pickle's per-token cost is the same in bulk, and
+        the bulk passes cost more than the per-call overhead they save.
         """
         bs = self.block_size
         out: list[bytes] = []
         append = out.append
         prev = parent
-        ser: Callable[..., bytes]
-        if self._cbor:
-            serialize = self._serialize
-            assert serialize is not None
-            for i in range(n):
-                ek = extras[i] if extras is not None else None
-                prev = self._digest(serialize((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek)))
+        ser, proto = pickle.dumps, pickle.HIGHEST_PROTOCOL
+        if n == 1:  # a decode step completed one block: no iterator, no zip
+            blocks: Iterable[tuple[int, ...]] = (tuple(tokens[:bs]),)
+        else:
+            blocks = zip(*[iter(tokens)] * bs)
+        if extras is not None:
+            digest = self._digest
+            for block, ek in zip(blocks, extras):
+                prev = digest(ser((prev, block, ek), proto))
                 append(prev)
             return out
-        ser, proto = pickle.dumps, pickle.HIGHEST_PROTOCOL
         if self.algorithm == "sha256":
-            new = hashlib.sha256
-            for i in range(n):
-                ek = extras[i] if extras is not None else None
-                prev = new(ser((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek), proto)).digest()
+            new = hashlib.sha256  # called directly: one Python call less per block
+            for block in blocks:
+                prev = new(ser((prev, block, None), proto)).digest()
                 append(prev)
             return out
         digest = self._digest
-        for i in range(n):
-            ek = extras[i] if extras is not None else None
-            prev = digest(ser((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek), proto))
+        for block in blocks:
+            prev = digest(ser((prev, block, None), proto))
             append(prev)
         return out
 
