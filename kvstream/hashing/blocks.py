@@ -318,6 +318,31 @@ if array("I").itemsize != 4:  # pragma: no cover - no mainstream platform
     raise ImportError("kvstream.hashing needs a 4-byte C unsigned int for native hashing")
 
 
+def _one_block_fn(algorithm: str, chain_prefix: bytes) -> Callable[[bytes, list[int]], bytes] | None:
+    """``f(parent, block)``: the hash of one full block without extra keys, for the decode path.
+
+    ``parent`` must be a digest of this algorithm's size (``chain_prefix`` assumes it);
+    ``block`` is read, not kept. The same bytes as :meth:`BlockHasher.hash_blocks`, with
+    no per-call checks: a decode step that completes a block pays one call. None for
+    ``native`` (it keeps the general path).
+    """
+    proto = pickle.HIGHEST_PROTOCOL
+    pdumps = pickle.dumps
+    cdumps = cbor2.dumps
+    sha = hashlib.sha256
+    xxh = _xxh3_128
+    if algorithm == "sha256":
+        return lambda parent, block: sha(pdumps((parent, tuple(block), None), proto)).digest()
+    if algorithm == "xxhash":
+        return lambda parent, block: xxh(pdumps((parent, tuple(block), None), proto))
+    # cbor2 encodes a list like the tuple vLLM builds (both are CBOR arrays).
+    if algorithm == "sha256_cbor":
+        return lambda parent, block: sha(chain_prefix + parent + cdumps(block, canonical=True) + b"\xf6").digest()
+    if algorithm == "xxhash_cbor":
+        return lambda parent, block: xxh(chain_prefix + parent + cdumps(block, canonical=True) + b"\xf6")
+    return None
+
+
 class BlockHasher:
     """Hashes full token blocks into chained block hashes with one fixed configuration.
 
@@ -350,6 +375,7 @@ class BlockHasher:
         "_cbor",
         "_array_head",
         "_chain_prefix",
+        "_one",
     )
 
     algorithm: str
@@ -362,6 +388,7 @@ class BlockHasher:
     _cbor: bool
     _array_head: bytes
     _chain_prefix: bytes
+    _one: Callable[[bytes, list[int]], bytes] | None
 
     def __init__(
         self,
@@ -408,6 +435,7 @@ class BlockHasher:
         s(self, "_array_head", _head(4, block_size))
         # 3-item array + bytes header of a parent of our own digest size.
         s(self, "_chain_prefix", b"\x83" + _head(2, self.digest_size))
+        s(self, "_one", _one_block_fn(algorithm, self._chain_prefix))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"BlockHasher is immutable; build a new one instead of setting {name!r}")
@@ -864,7 +892,7 @@ class RequestBlockHasher:
         lora, mm_items, cache_salt, prompt_embeds_digest: see :class:`RequestExtraKeys`.
     """
 
-    __slots__ = ("hasher", "keys", "_bs", "_plain", "_pending", "_hashes", "_wire")
+    __slots__ = ("hasher", "keys", "_bs", "_plain", "_one", "_pending", "_hashes", "_wire")
 
     def __init__(
         self,
@@ -880,6 +908,8 @@ class RequestBlockHasher:
         self.keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
         self._bs = hasher.block_size
         self._plain = self.keys.empty
+        # One-block decode steps skip hash_blocks' checks (plain requests only).
+        self._one = hasher._one if self._plain else None
         self._pending: list[int] = []
         self._hashes: list[bytes] = []
         self._wire: list[list[Any] | None] = []
@@ -910,13 +940,21 @@ class RequestBlockHasher:
                 f"{new_token_ids!r:.40}; wrap a single token as [token]"
             ) from None
         after = len(pending)
-        if after < self._bs:
-            return []
         bs = self._bs
+        if after < bs:
+            return []
+        hashes = self._hashes
+        one = self._one
+        if after == bs and hashes and one is not None:
+            # A decode step completed one block, chained from a digest of ours.
+            h = one(hashes[-1], pending)
+            pending.clear()
+            hashes.append(h)
+            self._wire.append(None)
+            return [h]
         full = after - after % bs
         chunk = pending[:full]
         del pending[:full]
-        hashes = self._hashes
         parent = hashes[-1] if hashes else None
         if self._plain:
             new = self.hasher.hash_blocks(chunk, parent)

@@ -498,6 +498,33 @@ def test_incremental_request_hasher_equals_one_shot(algorithm, style, tokens, cu
     assert rbh.wire_extra_keys == [f.wire for f in forms]
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@settings(max_examples=25, deadline=None)
+@given(block_size=st.integers(min_value=1, max_value=16), data=st.data())
+def test_token_by_token_decode_equals_one_shot(algorithm, block_size, data):
+    # A prompt, then one token per call: the decode steps that complete a block take the
+    # one-block shortcut, and must hash exactly what hash_blocks does (any token value).
+    tokens = data.draw(st.lists(pickle_ints, min_size=3 * block_size, max_size=6 * block_size))
+    prompt_len = data.draw(st.integers(min_value=0, max_value=len(tokens) - 2 * block_size))
+    h = BlockHasher(algorithm, block_size, seed="0")
+    try:
+        want = h.hash_blocks(tokens)
+    except (HashingError, ValueError, TypeError, OverflowError, cbor2.CBOREncodeError) as exc:
+        want = type(exc)
+    r = RequestBlockHasher(h)
+    try:
+        got = list(r.extend(tokens[:prompt_len]))
+        for t in tokens[prompt_len:]:
+            got += r.extend([t])
+    except (HashingError, ValueError, TypeError, OverflowError, cbor2.CBOREncodeError) as exc:
+        got = type(exc)
+    if isinstance(want, list):
+        assert got == want == r.block_hashes
+        assert r.wire_extra_keys == [None] * len(want) and r.num_tokens == len(tokens)
+    else:
+        assert not isinstance(got, list)
+
+
 def test_decode_tokens_extend_without_rehashing():
     h = BlockHasher("sha256_cbor", 16, seed="0")
     rbh = RequestBlockHasher(h)
