@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser"]
 
 # Order is the order `kvstream --help` lists them in.
 _COMMANDS: tuple[str, ...] = (
-    "demo", "simulate", "plan", "subscribe", "record", "inspect", "replay", "convert", "version",
+    "demo", "simulate", "plan", "subscribe", "record", "relay", "inspect", "replay", "convert", "version",
 )
 
 

@@ -1,0 +1,73 @@
+"""Shared nats-py plumbing: connecting, and creating or checking the stream."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from kvstream.jetstream.config import StreamSettings
+from kvstream.jetstream.errors import JetStreamConfigError, StreamMismatchError
+
+log = logging.getLogger("kvstream.jetstream")
+
+__all__ = ["connect", "ensure_stream"]
+
+
+async def connect(servers: str | Sequence[str], *, name: str, pending_bytes: int = 64 << 20,
+                  timeout_s: float = 10.0, **callbacks: Any) -> Any:
+    """A nats-py connection that, once made, reconnects forever (every 0.1 s), and logs
+    through ``kvstream.jetstream`` instead of printing. Raises
+    :class:`JetStreamConfigError` when no server answers within ``timeout_s`` seconds."""
+    import anyio
+    import nats
+
+    async def _error(exc: Exception) -> None:
+        log.debug("nats: %s", exc)
+
+    urls = [servers] if isinstance(servers, str) else list(servers)
+    try:
+        with anyio.fail_after(timeout_s):
+            return await nats.connect(urls, name=name, error_cb=callbacks.pop("error_cb", _error),
+                                      reconnect_time_wait=0.1, max_reconnect_attempts=-1,
+                                      connect_timeout=2, pending_size=pending_bytes, **callbacks)
+    except TimeoutError:
+        raise JetStreamConfigError(f"no NATS server answered at {', '.join(urls)} within {timeout_s:g}s; "
+                                   "is nats-server running (with -js) there?") from None
+
+
+async def ensure_stream(js: Any, s: StreamSettings, *, update: bool = False) -> Any:
+    """Create the stream ``s`` describes, or check the existing one: its subjects must
+    cover ``<prefix>.>`` and its storage match (else :class:`StreamMismatchError`);
+    retention and replicas are updated when ``update``, else differences are logged."""
+    from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+    from nats.js.errors import NotFoundError
+
+    cfg = StreamConfig(
+        name=s.name, subjects=[s.subjects], retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE if s.storage == "file" else StorageType.MEMORY,
+        max_age=s.max_age_s or None, max_bytes=s.max_bytes, num_replicas=s.replicas,
+        duplicate_window=s.duplicate_window_s, discard=DiscardPolicy.OLD,
+        description="KV cache events relayed by kvstream",
+    )
+    try:
+        info = await js.stream_info(s.name)
+    except NotFoundError:
+        return await js.add_stream(cfg)
+    have = info.config
+    if s.subjects not in (have.subjects or []) and ">" not in (have.subjects or []):
+        raise StreamMismatchError(f"stream {s.name} exists with subjects {have.subjects}, which do not "
+                                  f"cover {s.subjects}; pick another --stream or --subject-prefix")
+    if (have.storage.value if have.storage else "file") != s.storage:
+        raise StreamMismatchError(f"stream {s.name} exists with {have.storage} storage, not {s.storage}; "
+                                  "delete it or use another --stream")
+    differs = [(k, a, b) for k, a, b in (
+        ("replicas", have.num_replicas, s.replicas), ("max_bytes", have.max_bytes, s.max_bytes),
+        ("max_age_s", have.max_age or 0.0, s.max_age_s),
+        ("duplicate_window_s", have.duplicate_window, s.duplicate_window_s)) if a != b]
+    if differs and update:
+        cfg.subjects = have.subjects
+        return await js.update_stream(cfg)
+    for k, a, b in differs:
+        log.warning("stream %s keeps %s=%s (asked for %s; pass update=True / --update-stream to change it)",
+                    s.name, k, a, b)
+    return info
