@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vllm011_baseline import BaselineManager, BaselinePool, BaselineRequest  # noqa: E402
 
 from kvstream.hashing import BlockHasher  # noqa: E402
-from kvstream.manager import KVCacheManager  # noqa: E402
-from kvstream.pool import BlockPool  # noqa: E402
+from kvstream.allocator.manager import KVCacheManager  # noqa: E402
+from kvstream.allocator.pool import BlockPool  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8192

@@ -11,7 +11,7 @@ from typing import Any, Union
 
 import msgspec
 
-from kvstream.events import BlockStored, EventDecoder, EventEncoder, KVEventBatch
+from kvstream.wire.events import BlockStored, EventDecoder, EventEncoder, KVEventBatch
 
 
 # The baseline: structs shaped like vLLM 0.33's, decoded with one typed msgspec Decoder and

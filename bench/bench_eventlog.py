@@ -22,7 +22,7 @@ import xxhash
 from kvstream.eventlog import LogReader, LogWriter, zstd_available
 from kvstream.eventlog.format import LogMessage
 from kvstream.eventlog.replay import Pacer
-from kvstream.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvstream.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 
 def make_payloads(n: int, seed: int = 0) -> tuple[list[bytes], int]:

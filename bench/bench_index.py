@@ -11,7 +11,7 @@
 3. Memory: tracemalloc bytes per (block, source) residency at 10**6 entries, for
    distinct blocks on one source and for blocks shared by 8 and by 64 sources.
 
-``--layout engine`` runs the same three on :class:`kvstream.engine_index.EngineKeyIndex`
+``--layout engine`` runs the same three on :class:`kvstream.routing.engine_index.EngineKeyIndex`
 (keyed by engine hashes): scoring once per hasher (native, xxhash, sha256_cbor), the
 prompt's engine hashes computed inside the timed call; memory with random 64-bit hashes
 (the int objects real events carry).
@@ -26,11 +26,11 @@ import statistics
 import time
 import tracemalloc
 
-from kvstream.engine_index import EngineKeyIndex
-from kvstream.events import BlockRemoved, BlockStored, EventDecoder, KVEventBatch, encode_batch
+from kvstream.routing.engine_index import EngineKeyIndex
+from kvstream.wire.events import BlockRemoved, BlockStored, EventDecoder, KVEventBatch, encode_batch
 from kvstream.hashing import BlockHasher
-from kvstream.index import KVIndex
-from kvstream.scoring import Load
+from kvstream.routing.index import KVIndex
+from kvstream.routing.scoring import Load
 
 BS = 16
 

@@ -24,7 +24,7 @@ import time
 
 import anyio
 
-from kvstream.events import BlockStored, KVEventBatch
+from kvstream.wire.events import BlockStored, KVEventBatch
 from kvstream.transport import KVEventsConfig, Publisher, SourceBatch, SourceSpec, Subscriber
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import anyio
 
-from kvstream.engine import AsyncKVCacheManager
-from kvstream.events import BlockRemoved, BlockStored, KVEventBatch
+from kvstream.allocator.shell import AsyncKVCacheManager
+from kvstream.wire.events import BlockRemoved, BlockStored, KVEventBatch
 from kvstream.hashing import BlockHasher
-from kvstream.manager import KVCacheManager
-from kvstream.pool import BlockPool
+from kvstream.allocator.manager import KVCacheManager
+from kvstream.allocator.pool import BlockPool
 
 BLOCK_SIZE = 16
 SYSTEM = list(range(1000, 1048))  # 3 full blocks shared by every request

@@ -19,11 +19,11 @@ from collections import Counter
 
 import anyio
 
-from kvstream.events import KVEventBatch
-from kvstream.manager import KVCacheManager
-from kvstream.pool import BlockPool
-from kvstream.router import Router
-from kvstream.scoring import Load
+from kvstream.wire.events import KVEventBatch
+from kvstream.allocator.manager import KVCacheManager
+from kvstream.allocator.pool import BlockPool
+from kvstream.routing.router import Router
+from kvstream.routing.scoring import Load
 from kvstream.transport import KVEventsConfig, Publisher, SourceSpec
 
 BLOCK = 16

@@ -25,9 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvstream.capture import CaptureFormatError
+    from kvstream.wire.capture import CaptureFormatError
     from kvstream.eventlog.convert import convert_captures
-    from kvstream.framing import FrameError
+    from kvstream.wire.framing import FrameError
 
     try:
         n = convert_captures(args.captures, args.output, sources=args.source,

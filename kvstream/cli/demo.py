@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from kvstream.eventlog.reader import LogReader
     from kvstream.eventlog.replay import replay_into_index
-    from kvstream.index import KVIndex
+    from kvstream.routing.index import KVIndex
     from kvstream.planning import KVCachePlanningError
     from kvstream.sim.live import LiveProgress, run_live
     from kvstream.sim.report import format_table, write_json

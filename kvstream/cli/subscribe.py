@@ -56,7 +56,7 @@ def _short(h: Any) -> str:
 
 
 def _event_text(ev: Any) -> str:
-    from kvstream.events import BlockRemoved, BlockStored
+    from kvstream.wire.events import BlockRemoved, BlockStored
 
     if isinstance(ev, BlockStored):
         parent = _short(ev.parent_block_hash) if ev.parent_block_hash is not None else "-"

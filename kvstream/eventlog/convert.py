@@ -14,17 +14,17 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from kvstream.capture import CaptureChannel, read_capture
+from kvstream.wire.capture import CaptureChannel, read_capture
 from kvstream.eventlog.format import LogMessage
 from kvstream.eventlog.writer import LogWriter
-from kvstream.events import EventDecodeError, EventDecoder
-from kvstream.framing import parse_live, parse_replay_reply
+from kvstream.wire.events import EventDecodeError, EventDecoder
+from kvstream.wire.framing import parse_live, parse_replay_reply
 
 __all__ = ["capture_records", "convert_captures", "is_capture"]
 
 def is_capture(path: str | os.PathLike[str]) -> bool:
     """True if ``path`` is a file starting with the ``KVSTRM01`` magic."""
-    from kvstream.capture import CAPTURE_MAGIC
+    from kvstream.wire.capture import CAPTURE_MAGIC
 
     p = Path(path)
     if not p.is_file():
@@ -35,8 +35,8 @@ def is_capture(path: str | os.PathLike[str]) -> bool:
 def capture_records(path: str | os.PathLike[str], source: str) -> Iterator[LogMessage]:
     """The log records equivalent to the capture at ``path``, all from ``source``.
 
-    Raises :class:`~kvstream.capture.CaptureFormatError` if the capture is damaged and
-    :class:`~kvstream.framing.FrameError` if a message has the wrong shape.
+    Raises :class:`~kvstream.wire.capture.CaptureFormatError` if the capture is damaged and
+    :class:`~kvstream.wire.framing.FrameError` if a message has the wrong shape.
     """
     decoder = EventDecoder(unknown_events="skip")
     seen: set[int] = set()

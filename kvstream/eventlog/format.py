@@ -34,6 +34,8 @@ from typing import Any, Final, Iterator, Literal
 import msgspec
 import xxhash
 
+from kvstream.errors import RemoteProtocolError
+
 __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
@@ -113,7 +115,7 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
     return _xxh3(data) & _M32
 
 
-class LogFormatError(ValueError):
+class LogFormatError(RemoteProtocolError, ValueError):
     """A file is not a kvstream event log, or has a version or layout this reader cannot
     use. (Damage after a good header is not raised: it is reported as :class:`LogDamage`.)"""
 

@@ -20,7 +20,7 @@ import anyio
 import anyio.lowlevel
 
 from kvstream.eventlog.format import LogMessage, LogRecord
-from kvstream.events import EventDecodeError, EventDecoder
+from kvstream.wire.events import EventDecodeError, EventDecoder
 
 __all__ = ["log_items", "replay_into_index", "Pacer", "PacingStats", "replay_to_publishers"]
 
@@ -61,13 +61,13 @@ def _int(x: int | None) -> int:
 def replay_into_index(records: Iterable[LogRecord], index: Any, *,
                       apply_item: Callable[[Any, Any], Any] | None = None) -> int:
     """Apply every record of a log to ``index`` (a ``KVIndex``) through the router's
-    ``apply_item`` (default ``kvstream.router.apply_item``); returns the items applied.
+    ``apply_item`` (default ``kvstream.routing.router.apply_item``); returns the items applied.
 
     Deterministic: the same records always build the same index. Check the reader's
     ``damage`` afterwards: records after a damaged point are missing.
     """
     if apply_item is None:
-        from kvstream.router import apply_item as _apply
+        from kvstream.routing.router import apply_item as _apply
 
         apply_item = _apply
     n = 0

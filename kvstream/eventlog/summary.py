@@ -2,7 +2,7 @@
 
 Feed records in order to :meth:`LogSummary.add`; read the totals at any time. Payloads
 are decoded with the normal event codec (unknown event types are skipped and counted), so
-this needs only :mod:`kvstream.events`.
+this needs only :mod:`kvstream.wire.events`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any, Iterable
 
 from kvstream.eventlog.format import LogControl, LogMessage
-from kvstream.events import (
+from kvstream.wire.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,

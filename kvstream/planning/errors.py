@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvstream.errors import LocalProtocolError
+
 __all__ = [
     "KVCachePlanningError",
     "KVCacheGroupingError",
@@ -10,7 +12,7 @@ __all__ = [
 ]
 
 
-class KVCachePlanningError(ValueError):
+class KVCachePlanningError(LocalProtocolError, ValueError):
     """Base class: the inputs of a KV cache plan cannot produce a valid plan."""
 
 

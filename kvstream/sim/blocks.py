@@ -21,7 +21,7 @@ from array import array
 from typing import Iterator, Sequence, overload
 
 from kvstream.hashing import BlockHasher
-from kvstream.routekeys import chain_keys, namespace, pack_tokens
+from kvstream.routing.keys import chain_keys, namespace, pack_tokens
 from kvstream.sim.workload import Segment, _u16, segments_u16, widen_tokens
 
 __all__ = ["SegmentHasher", "SegmentTokens"]
@@ -257,7 +257,7 @@ class SegmentHasher:
         return self.hasher.hash_blocks(tokens[first * bs : end], prev)
 
     def router_keys(self, block_hashes: Sequence[bytes], n: int, tokens: Sequence[int]) -> list[int]:
-        """The router keys (:func:`kvstream.routekeys.prompt_keys`, no LoRA or salt, router
+        """The router keys (:func:`kvstream.routing.keys.prompt_keys`, no LoRA or salt, router
         block = this block size) of the first ``n`` blocks of a request whose engine block
         hashes are ``block_hashes`` and whose tokens are ``tokens`` (at least ``n`` blocks).
 

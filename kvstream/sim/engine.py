@@ -1,6 +1,6 @@
 """A simulated serving engine: a sans-IO discrete-event model on kvstream's allocator.
 
-:class:`EngineModel` owns a :class:`~kvstream.manager.KVCacheManager` and schedules like
+:class:`EngineModel` owns a :class:`~kvstream.allocator.manager.KVCacheManager` and schedules like
 vLLM v1's scheduler, in *virtual* time (seconds, passed in; it never reads a clock):
 
 * Each step first serves running requests in admission order (the next prefill chunk, or
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstream.hashing import BlockHasher
-from kvstream.manager import KVCacheManager, KVRequest
-from kvstream.pool import BlockPool
+from kvstream.allocator.manager import KVCacheManager, KVRequest
+from kvstream.allocator.pool import BlockPool
 from kvstream.sim.blocks import SegmentHasher
 from kvstream.sim.metrics import RunMetrics
 from kvstream.sim.workload import Segment, SimRequest, WorkloadError, segments_u16, widen_tokens

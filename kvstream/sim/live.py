@@ -4,7 +4,7 @@ The same :class:`~kvstream.sim.engine.EngineModel` cores as the virtual-time dri
 each engine is an async task that sleeps until its next step (simulated time runs at
 ``speed`` x wall time), and publishes every step's events with a real
 :class:`~kvstream.transport.publisher.Publisher` (tcp or ipc on loopback). A real
-:class:`~kvstream.router.Router` subscribes to all engines and routes each arrival from
+:class:`~kvstream.routing.router.Router` subscribes to all engines and routes each arrival from
 its index; a separate subscriber feeds a :class:`~kvstream.eventlog.recorder.Recorder`
 that writes the stream to an event log. Everything runs in one anyio task group.
 """
@@ -23,11 +23,11 @@ import anyio
 
 from kvstream.eventlog.recorder import Recorder
 from kvstream.eventlog.writer import LogWriter
-from kvstream.engine_index import EngineKeyIndex
-from kvstream.events import KVEventBatch
-from kvstream.index import KVIndex
-from kvstream.router import Router
-from kvstream.scoring import Load
+from kvstream.routing.engine_index import EngineKeyIndex
+from kvstream.wire.events import KVEventBatch
+from kvstream.routing.index import KVIndex
+from kvstream.routing.router import Router
+from kvstream.routing.scoring import Load
 from kvstream.sim.blocks import SegmentHasher
 from kvstream.sim.engine import EngineConfig, EngineModel, Prepared, SimRequestState
 from kvstream.sim.metrics import PolicyResult, RunMetrics

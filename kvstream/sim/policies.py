@@ -1,7 +1,7 @@
 """Routing policies compared by the simulator.
 
 * ``kv-aware``: kvstream's router scoring as the router ships it: ``KVIndex.score`` with
-  the default :class:`~kvstream.scoring.PrefixLoadPolicy` (the cached-prefix share of the
+  the default :class:`~kvstream.routing.scoring.PrefixLoadPolicy` (the cached-prefix share of the
   prompt, minus a small load penalty).
 * ``kv-load``: the same prefix score blended with a heavier load penalty (queue,
   running, KV usage weighted ~2.5x the defaults): trades hit rate for spread.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, Sequence
 
-from kvstream.scoring import Load, PrefixLoadPolicy
+from kvstream.routing.scoring import Load, PrefixLoadPolicy
 from kvstream.sim.workload import WorkloadError
 
 __all__ = ["POLICY_NAMES", "ALL_POLICY_NAMES", "RoutingPolicy", "make_policy"]
@@ -35,7 +35,7 @@ ALL_POLICY_NAMES: tuple[str, ...] = POLICY_NAMES + ("prefix-only",)
 _SCORING = {
     "kv-aware": PrefixLoadPolicy(),
     "kv-load": PrefixLoadPolicy(queue_weight=0.25, running_weight=0.05, kv_weight=0.5),
-    # Load enters only as the tie-breaker (kvstream.scoring.rank).
+    # Load enters only as the tie-breaker (kvstream.routing.scoring.rank).
     "prefix-only": PrefixLoadPolicy(queue_weight=0.0, running_weight=0.0, kv_weight=0.0),
 }
 
@@ -46,7 +46,7 @@ class RoutingPolicy:
     Attributes:
         name: one of :data:`ALL_POLICY_NAMES`.
         uses_index: True if the policy needs the router index's score (KV-aware ones).
-        scoring: the :mod:`kvstream.scoring` policy passed to ``KVIndex.score`` (or None).
+        scoring: the :mod:`kvstream.routing.scoring` policy passed to ``KVIndex.score`` (or None).
     """
 
     __slots__ = ("name", "uses_index", "scoring", "_rng", "_next")
@@ -69,7 +69,7 @@ class RoutingPolicy:
         """The engine index for a request.
 
         Args:
-            loads: per engine, its current :class:`~kvstream.scoring.Load`.
+            loads: per engine, its current :class:`~kvstream.routing.scoring.Load`.
             score: for KV-aware policies, a callable taking :attr:`scoring` and returning
                 the best source name (the index's ranking head), or None without sources.
             names: source name -> engine index.

@@ -11,12 +11,13 @@ from typing import Any, Sequence
 
 import msgspec
 
+from kvstream.errors import LocalProtocolError
 from kvstream.sim.metrics import PolicyResult
 
 __all__ = ["format_table", "results_json", "write_json", "plot_results", "PlotUnavailableError"]
 
 
-class PlotUnavailableError(RuntimeError):
+class PlotUnavailableError(LocalProtocolError, RuntimeError):
     """matplotlib is not installed; install ``kvstream[plot]`` (or ``pip install matplotlib``)."""
 
 

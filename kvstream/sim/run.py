@@ -6,11 +6,11 @@ reads in the simulated part:
 
 1. Arrivals and engine step ends are processed in time order (ties: engine steps before
    arrivals, then lower engine index).
-2. Every engine transition's KV events become one :class:`~kvstream.events.KVEventBatch`
-   (``ts`` = simulated time) and are applied to a :class:`~kvstream.index.KVIndex` under
+2. Every engine transition's KV events become one :class:`~kvstream.wire.events.KVEventBatch`
+   (``ts`` = simulated time) and are applied to a :class:`~kvstream.routing.index.KVIndex` under
    the engine's source name, ``router_lag_s`` simulated seconds later (0: before the next
    routing decision). By default the index gets the event objects the allocator made:
-   they are the values a subscriber decodes from the wire (``tests/test_simulate.py``
+   they are the values a subscriber decodes from the wire (``tests/sim/test_simulate.py``
    checks that both give identical results). ``SimConfig(wire=True)`` (``--wire``)
    *encodes and decodes every batch with kvstream's wire codec* on the way, as the live
    demo and real engines always do.
@@ -30,11 +30,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from kvstream.engine_index import EngineKeyIndex
-from kvstream.events import EventDecoder, EventEncoder, KVEventBatch
+from kvstream.routing.engine_index import EngineKeyIndex
+from kvstream.wire.events import EventDecoder, EventEncoder, KVEventBatch
 from kvstream.hashing import to_external_list
-from kvstream.index import KVIndex
-from kvstream.scoring import Load
+from kvstream.routing.index import KVIndex
+from kvstream.routing.scoring import Load
 from kvstream.sim.blocks import SegmentHasher
 from kvstream.sim.engine import EngineConfig, EngineModel, Prepared, SimRequestState
 from kvstream.sim.metrics import PolicyResult, RunMetrics
@@ -65,10 +65,10 @@ class SimConfig:
             index (slower; results are identical, the codec is tested on its own against
             vLLM captures). False: the index gets the allocator's event objects.
         router_index: ``"engine"`` (default): the router matches by the engines' own block
-            hashes (:class:`~kvstream.engine_index.EngineKeyIndex`; it knows the engines'
+            hashes (:class:`~kvstream.routing.engine_index.EngineKeyIndex`; it knows the engines'
             algorithm and seed, as every simulated engine shares them); ``"token"``: the
             router computes its own keys from the events' tokens
-            (:class:`~kvstream.index.KVIndex`, as for engines it knows nothing about).
+            (:class:`~kvstream.routing.index.KVIndex`, as for engines it knows nothing about).
             Routing decisions, and so results, are identical (tested); "engine" is faster.
     """
 

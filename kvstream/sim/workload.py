@@ -34,6 +34,8 @@ from typing import Iterable, Iterator, Sequence
 import msgspec
 import xxhash
 
+from kvstream.errors import LocalProtocolError
+
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "TOKEN_VOCAB",
@@ -70,7 +72,7 @@ Segment = tuple[int, int]
 """``(content_key, length)``: ``length`` tokens derived from ``content_key`` (tokens)."""
 
 
-class WorkloadError(ValueError):
+class WorkloadError(LocalProtocolError, ValueError):
     """A workload could not be loaded or built (bad trace line, bad generator setting).
 
     The message names the file and line (for traces) or the setting, the value seen and

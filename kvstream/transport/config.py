@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Final, Literal, Mapping
 
+from kvstream.errors import LocalProtocolError
+
 __all__ = [
     "KVEventsConfig",
     "CurveServerConfig",
@@ -37,7 +39,7 @@ QUEUE_FULL_POLICIES: Final = ("replay_only", "raise")
 """What :meth:`Publisher.publish` does when its send queue is full (see ``queue_full``)."""
 
 
-class EndpointError(ValueError):
+class EndpointError(LocalProtocolError, ValueError):
     """An endpoint cannot be used as configured (a local configuration error)."""
 
 

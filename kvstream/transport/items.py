@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from kvstream.events import KVEventBatch
+from kvstream.wire.events import KVEventBatch
 
 __all__ = ["SourceBatch", "SourceReset", "SourceStale", "SourceLive", "StreamItem"]
 

@@ -41,8 +41,9 @@ import anyio
 import anyio.lowlevel
 import zmq
 
-from kvstream.events import AllBlocksCleared, AnyEvent, EventEncoder, KVEventBatch
-from kvstream.framing import END_SEQ, END_SEQ_BYTES, FrameError, encode_seq, parse_replay_request
+from kvstream.errors import LocalProtocolError
+from kvstream.wire.events import AllBlocksCleared, AnyEvent, EventEncoder, KVEventBatch
+from kvstream.wire.framing import END_SEQ, END_SEQ_BYTES, FrameError, encode_seq, parse_replay_request
 from kvstream.transport._ratelog import RateLimitedLog
 from kvstream.transport.config import KVEventsConfig, check_rank_endpoints, should_bind
 
@@ -56,13 +57,13 @@ log = logging.getLogger(__name__)
 SnapshotProvider = Callable[[], "Sequence[AnyEvent]"]
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(LocalProtocolError, RuntimeError):
     """``publish`` found ``max_queue_size`` batches waiting (policy ``queue_full="raise"``);
     the batch was not published. Publish less often, batch more events per step, or raise
     ``max_queue_size``."""
 
 
-class PublisherClosedError(RuntimeError):
+class PublisherClosedError(LocalProtocolError, RuntimeError):
     """``publish`` was called outside ``async with Publisher(...)``."""
 
 
@@ -269,7 +270,7 @@ class Publisher:
         """Returns the events that rebuild the current state for a snapshot request (None:
         snapshots unsupported, answered with the end marker alone, as vLLM does). Settable
         while open, e.g. ``pub.snapshot_provider = shell.snapshot_events`` once the engine's
-        :class:`~kvstream.engine.AsyncKVCacheManager` exists."""
+        :class:`~kvstream.allocator.shell.AsyncKVCacheManager` exists."""
         return self._snapshot_provider
 
     @snapshot_provider.setter

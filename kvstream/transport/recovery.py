@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from kvstream.events import KVEventBatch
+from kvstream.wire.events import KVEventBatch
 from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale
 
 __all__ = ["SourceTracker", "Request", "SourceCounters"]

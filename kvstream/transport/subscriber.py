@@ -37,8 +37,8 @@ import anyio.abc
 import anyio.lowlevel
 import zmq
 
-from kvstream.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecodeError, EventDecoder
-from kvstream.framing import SNAPSHOT_REQUEST, FrameError, encode_seq, parse_replay_reply
+from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecodeError, EventDecoder
+from kvstream.wire.framing import SNAPSHOT_REQUEST, FrameError, encode_seq, parse_replay_reply
 from kvstream.transport._ratelog import RateLimitedLog
 from kvstream.transport.config import CurveClientConfig
 from kvstream.transport.items import SourceReset, StreamItem
@@ -117,7 +117,7 @@ class Subscriber:
     request is retried; ``max_retries``: retries per request (backoff ``backoff_s``
     doubling); ``max_buffered_items``: items waiting for the consumer before reading
     pauses; ``rcvhwm``: ZMQ receive HWM of each SUB socket (messages); ``unknown_events``
-    and ``max_payload_bytes`` go to the :class:`~kvstream.events.EventDecoder`;
+    and ``max_payload_bytes`` go to the :class:`~kvstream.wire.events.EventDecoder`;
     ``curve``: CURVE client settings for every source without its own.
     """
 

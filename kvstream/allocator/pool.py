@@ -1,0 +1,891 @@
+"""The prefix-caching block pool: physical KV blocks, their LRU free queue and hash index.
+
+Sans-IO and synchronous: calls go in, block objects and KV events come out. Semantics
+follow vLLM v1's ``BlockPool`` (names included, so engines can move over):
+
+* Block 0 is the *null block*: never cached, freed, touched or counted as free.
+* Free blocks sit in an LRU queue (an intrusive doubly linked list of ``__slots__``
+  blocks, O(1) removal from the middle). :meth:`BlockPool.get_new_blocks` pops from the
+  head; :meth:`BlockPool.free_blocks` appends at the tail in the order given, so a request
+  freed tail-first is evicted tail-first.
+* Eviction is lazy: a cached block that becomes free keeps its hash and stays findable
+  (a prefix hit can :meth:`~BlockPool.touch` it back). It loses its hash, emitting
+  ``BlockRemoved``, only when it is handed out again.
+* The hash index is keyed by (block hash, KV cache group) and keeps duplicate physical
+  copies (vLLM never de-duplicates: block tables are append-only).
+
+Hashes are opaque ``bytes`` digests here (see :mod:`kvstream.hashing`); the form they take
+on events (``int``, the low 64 bits as vLLM sends by default, or ``bytes``) is an option
+applied only when an event is built.
+
+Errors from bad calls are :class:`BlockPoolError` (the caller misused the API) and are
+raised before any state changes.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from typing import Any, Iterable, Literal, Sequence
+
+from kvstream.errors import LocalProtocolError
+from kvstream.wire.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvstream.hashing import to_external
+
+__all__ = [
+    "BlockPool",
+    "BlockPoolError",
+    "NoFreeBlocksError",
+    "FreeBlockQueue",
+    "KVCacheBlock",
+    "EventStyle",
+    "FreeOrder",
+    "HashForm",
+    "DEFAULT_EVENT_METADATA",
+]
+
+EventStyle = Literal["0.33", "0.11"]
+"""Which vLLM release's event fields the pool fills (see :class:`BlockPool`)."""
+FreeOrder = Literal["v0.33", "v0.11"]
+"""Where :meth:`BlockPool.free_blocks` puts blocks without a hash (see :class:`BlockPool`)."""
+HashForm = Literal["int", "bytes"]
+"""How block hashes appear on events: low 64 bits as an unsigned int, or the raw digest."""
+
+# The "int" event form of a digest: its last 8 bytes, big-endian (what
+# kvstream.hashing.to_external computes), inlined in the per-block loops.
+_u64 = struct.Struct(">Q").unpack_from
+
+DEFAULT_EVENT_METADATA: tuple[tuple[str | None, int | None], ...] = (("full_attention", None),)
+"""One KV cache group of full attention: vLLM's ``kv_cache_event_metadata`` for a plain model."""
+
+
+class BlockPoolError(LocalProtocolError, ValueError):
+    """A bad call to the block pool (double free, null block, hash conflict, ...).
+
+    Raised before anything changed: the pool is exactly as it was before the call.
+    """
+
+
+class NoFreeBlocksError(BlockPoolError):
+    """More blocks were asked for than are free. Check :meth:`BlockPool.get_num_free_blocks`
+    first, or free/preempt requests."""
+
+
+class KVCacheBlock:
+    """One physical KV block.
+
+    Attributes:
+        block_id: index in the pool (0 is the null block).
+        ref_cnt: number of requests holding the block (0: it is in the free queue).
+        block_hash: the digest it is cached under, or None.
+        group_id: the KV cache group of that hash (meaningful only with a hash).
+        is_null: True for block 0 only.
+        prev_free, next_free: free-queue links (None when not in the queue).
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free",
+                 "is_null", "origin", "pos", "ext_hash")
+
+    def __init__(self, block_id: int, is_null: bool = False) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.group_id = 0
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+        self.is_null = is_null
+        # With events on: the BlockStored that announced this block and the logical index
+        # of that event's first block, shared by the run's blocks (one tuple per run), and
+        # the block's own logical index. snapshot_events() re-announces tokens, parent and
+        # extra keys from the event: the pool keeps the run's token slice, which the event
+        # needed anyway, rather than the request's whole token list.
+        self.origin: tuple[BlockStored, int] | None = None
+        self.pos = 0
+        # The hash's event form, computed once when cached (events on), reused on eviction.
+        self.ext_hash: int | bytes | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:12] if self.block_hash is not None else None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h}, group={self.group_id})"
+
+
+class _Origin:
+    """The request-side lists a run of blocks is cached from (for one cache_full_blocks call)."""
+
+    __slots__ = ("token_ids", "block_hashes", "extra_keys", "lora_id", "lora_name")
+
+    def __init__(self, token_ids: Sequence[int], block_hashes: Sequence[bytes],
+                 extra_keys: Sequence[Any] | None, lora_id: int | None, lora_name: str | None) -> None:
+        self.token_ids = token_ids
+        self.block_hashes = block_hashes
+        self.extra_keys = extra_keys
+        self.lora_id = lora_id
+        self.lora_name = lora_name
+
+
+class FreeBlockQueue:
+    """The free blocks in eviction order: an intrusive doubly linked list (LRU).
+
+    Head = evicted first. Two sentinel blocks (ids -1/-2) make every link operation
+    branch-free. ``num_free_blocks`` is the length (blocks).
+    """
+
+    __slots__ = ("head", "tail", "num_free_blocks")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self.head = KVCacheBlock(-1)
+        self.tail = KVCacheBlock(-2)
+        self.head.next_free = self.tail
+        self.tail.prev_free = self.head
+        self.num_free_blocks = 0
+        self.append_n(list(blocks))
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Unlink and return the first ``n`` blocks (caller checked ``n <= len``)."""
+        out: list[KVCacheBlock] = []
+        if n <= 0:
+            return out
+        append = out.append
+        blk = self.head.next_free
+        for _ in range(n):
+            append(blk)  # type: ignore[arg-type]
+            nxt = blk.next_free  # type: ignore[union-attr]
+            blk.prev_free = blk.next_free = None  # type: ignore[union-attr]
+            blk = nxt
+        self.head.next_free = blk
+        blk.prev_free = self.head  # type: ignore[union-attr]
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, blk: KVCacheBlock) -> None:
+        """Unlink ``blk`` from anywhere in the queue (O(1))."""
+        prev = blk.prev_free
+        nxt = blk.next_free
+        prev.next_free = nxt  # type: ignore[union-attr]
+        nxt.prev_free = prev  # type: ignore[union-attr]
+        blk.prev_free = blk.next_free = None
+        self.num_free_blocks -= 1
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Append ``blocks`` at the tail, in order (the last one is evicted last)."""
+        if not blocks:
+            return
+        tail = self.tail
+        last = tail.prev_free
+        for blk in blocks:
+            last.next_free = blk  # type: ignore[union-attr]
+            blk.prev_free = last
+            last = blk
+        last.next_free = tail  # type: ignore[union-attr]
+        tail.prev_free = last
+        self.num_free_blocks += len(blocks)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Insert ``blocks`` at the head, in order (the first one is evicted first)."""
+        if not blocks:
+            return
+        head = self.head
+        first = head.next_free
+        prev = head
+        for blk in blocks:
+            prev.next_free = blk
+            blk.prev_free = prev
+            prev = blk
+        prev.next_free = first
+        first.prev_free = prev  # type: ignore[union-attr]
+        self.num_free_blocks += len(blocks)
+
+    def blocks(self) -> list[KVCacheBlock]:
+        """Every free block, head (next evicted) first. O(n); for tests and snapshots."""
+        out: list[KVCacheBlock] = []
+        blk = self.head.next_free
+        tail = self.tail
+        while blk is not tail:
+            out.append(blk)  # type: ignore[arg-type]  # linked blocks up to the tail sentinel are never None
+            blk = blk.next_free  # type: ignore[union-attr]
+        return out
+
+
+_Index = dict  # bytes -> KVCacheBlock | dict[int, KVCacheBlock] (duplicate copies, in insertion order)
+
+
+class BlockPool:
+    """vLLM's prefix-caching ``BlockPool``, with its events, sans-IO.
+
+    Args:
+        num_gpu_blocks: physical blocks, the null block included (so ``num_gpu_blocks - 1``
+            are usable). At least 2.
+        block_size: tokens per block (goes on ``BlockStored`` events).
+        enable_caching: False turns prefix caching off: nothing is cached or found.
+        enable_kv_cache_events: record events for :meth:`take_events`.
+        hash_form: ``"int"`` (vLLM's default, low 64 bits) or ``"bytes"`` (raw digests) on events.
+        medium: the ``medium`` of events (``"GPU"``).
+        event_style: ``"0.33"`` fills vLLM 0.33's fields (``lora_name``, per-block
+            ``extra_keys``, ``group_idx``, ``kv_cache_spec_kind`` and the sliding window from
+            ``kv_cache_event_metadata``); ``"0.11"`` only the fields vLLM 0.11 had.
+        free_order: ``"v0.33"`` (default): blocks without a hash are put at the *head* of
+            the free queue when freed (they are worthless to the cache, so they go first),
+            hashed blocks at the tail. ``"v0.11"``: every freed block goes to the tail.
+        kv_cache_event_metadata: one ``(spec_kind, sliding_window)`` per KV cache group;
+            its length is the number of groups (group ids ``0..n-1``).
+
+    Hot-path methods do no per-block allocation beyond the result lists.
+    """
+
+    __slots__ = ("num_gpu_blocks", "block_size", "enable_caching", "enable_kv_cache_events",
+                 "hash_form", "medium", "event_style", "free_order", "kv_cache_event_metadata",
+                 "blocks", "null_block", "free_block_queue", "_index", "_events",
+                 "_v033", "_prepend_unhashed", "_gidx", "_int_hashes")
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = True,
+        hash_form: HashForm = "int",
+        medium: str = MEDIUM_GPU,
+        event_style: EventStyle = "0.33",
+        free_order: FreeOrder = "v0.33",
+        kv_cache_event_metadata: Sequence[tuple[str | None, int | None]] = DEFAULT_EVENT_METADATA,
+    ) -> None:
+        if type(num_gpu_blocks) is not int or num_gpu_blocks < 2:
+            raise BlockPoolError(
+                f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}"
+            )
+        if type(block_size) is not int or block_size <= 0:
+            raise BlockPoolError(f"block_size must be a positive int (tokens), got {block_size!r}")
+        if hash_form not in ("int", "bytes"):
+            raise BlockPoolError(f"hash_form must be 'int' or 'bytes', got {hash_form!r}")
+        if event_style not in ("0.33", "0.11"):
+            raise BlockPoolError(f"event_style must be '0.33' or '0.11', got {event_style!r}")
+        if free_order not in ("v0.33", "v0.11"):
+            raise BlockPoolError(f"free_order must be 'v0.33' or 'v0.11', got {free_order!r}")
+        # tuple(m) turns a caller's [kind, window] list into a pair (checked just below);
+        # mypy only sees a variable-length tuple.
+        meta: tuple[tuple[str | None, int | None], ...] = tuple(
+            tuple(m) for m in kv_cache_event_metadata)  # type: ignore[misc]
+        if not meta or any(len(m) != 2 for m in meta):
+            raise BlockPoolError(
+                "kv_cache_event_metadata needs one (spec_kind, sliding_window) pair per KV cache "
+                f"group, e.g. (('full_attention', None),); got {kv_cache_event_metadata!r}"
+            )
+        self.num_gpu_blocks = num_gpu_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.hash_form = hash_form
+        self.medium = medium
+        self.event_style = event_style
+        self.free_order = free_order
+        self.kv_cache_event_metadata = meta
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_block_queue = FreeBlockQueue(self.blocks[1:])
+        self._index: list[_Index] = [{} for _ in meta]
+        self._events: list[Any] = []
+        self._v033 = event_style == "0.33"
+        self._prepend_unhashed = free_order == "v0.33"
+        # BlockRemoved.group_idx per group: the group id (0.33), or None, the default that
+        # 0.11's events leave out.
+        self._gidx = tuple(range(len(meta))) if self._v033 else (None,) * len(meta)
+        self._int_hashes = hash_form == "int"
+
+    # -- queries -----------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks in the free queue (cached-but-free blocks included; null block excluded)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks (null block excluded) held by requests, 0.0 to 1.0."""
+        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_gpu_blocks - 1)
+
+    @property
+    def num_groups(self) -> int:
+        """Number of KV cache groups (group ids are ``0..num_groups-1``)."""
+        return len(self._index)
+
+    def lookup(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
+        """The first cached copy of ``block_hash`` in ``group_id``, or None. Pure query."""
+        v = self._index[group_id].get(block_hash)
+        if v is None or type(v) is KVCacheBlock:
+            return v
+        return next(iter(v.values()))
+
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+        """vLLM's form: one cached block per group in ``kv_cache_group_ids``, or None if any
+        group misses. With duplicates, the first copy cached is returned."""
+        out = []
+        index = self._index
+        for g in kv_cache_group_ids:
+            v = index[g].get(block_hash)
+            if v is None:
+                return None
+            out.append(v if type(v) is KVCacheBlock else next(iter(v.values())))
+        return out
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in eviction order (head first). O(n)."""
+        return [b.block_id for b in self.free_block_queue.blocks()]
+
+    def cached_blocks(self) -> dict[tuple[bytes, int], list[int]]:
+        """``{(digest, group): [block ids of its physical copies, first copy first]}``. O(n)."""
+        out: dict[tuple[bytes, int], list[int]] = {}
+        for g, idx in enumerate(self._index):
+            for h, v in idx.items():
+                out[(h, g)] = [v.block_id] if type(v) is KVCacheBlock else list(v)
+        return out
+
+    # -- allocation ----------------------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue, ``ref_cnt`` 1 each.
+
+        A taken block that was cached loses its hash here (lazy eviction), emitting one
+        ``BlockRemoved`` per block, in queue order. Raises :class:`NoFreeBlocksError` if
+        fewer than ``num_blocks`` are free (nothing changes).
+        """
+        q = self.free_block_queue
+        if num_blocks > q.num_free_blocks or num_blocks < 0:
+            if num_blocks < 0:
+                raise BlockPoolError(f"num_blocks must be >= 0, got {num_blocks}")
+            raise NoFreeBlocksError(
+                f"asked for {num_blocks} blocks but only {q.num_free_blocks} are free; "
+                "check get_num_free_blocks() before allocating, or free/preempt requests"
+            )
+        head = q.head
+        blk = head.next_free
+        if num_blocks == 1:
+            # The decode path (a token starts a block): the loop below, unrolled.
+            nxt = blk.next_free  # type: ignore[union-attr]
+            head.next_free = nxt
+            nxt.prev_free = head  # type: ignore[union-attr]
+            q.num_free_blocks -= 1
+            h = blk.block_hash  # type: ignore[union-attr]
+            if h is not None:
+                g = blk.group_id  # type: ignore[union-attr]
+                idx = self._index[g]
+                v = idx.pop(h)
+                if v is not blk:
+                    del v[blk.block_id]  # type: ignore[union-attr]
+                    idx[h] = v if len(v) > 1 else next(iter(v.values()))
+                if self.enable_kv_cache_events:
+                    self._events.append(BlockRemoved([blk.ext_hash], self.medium, self._gidx[g]))  # type: ignore[union-attr, list-item]
+                    blk.origin = None  # type: ignore[union-attr]
+                blk.block_hash = None  # type: ignore[union-attr]
+            blk.ref_cnt = 1  # type: ignore[union-attr]
+            return [blk]  # type: ignore[list-item]
+        ret: list[KVCacheBlock] = []
+        if not num_blocks:
+            return ret
+        append = ret.append
+        index = self._index
+        # A held block's queue links are stale and never read (only blocks with ref_cnt 0
+        # are in the queue), so popping does not clear them: two stores less per block.
+        if self.enable_kv_cache_events:
+            # Two loops rather than one with an events test per block: this runs for every
+            # block handed out, and most of them are evictions under churn.
+            emit = self._events.append
+            removed = BlockRemoved
+            medium = self.medium
+            gidx = self._gidx
+            for _ in range(num_blocks):
+                h = blk.block_hash  # type: ignore[union-attr]
+                if h is not None:
+                    # Lazy eviction: the block leaves the index only now that it is reused.
+                    g = blk.group_id  # type: ignore[union-attr]
+                    idx = index[g]
+                    v = idx.pop(h)
+                    if v is not blk:  # duplicate copies: drop only this one
+                        del v[blk.block_id]  # type: ignore[union-attr]
+                        idx[h] = v if len(v) > 1 else next(iter(v.values()))
+                    emit(removed([blk.ext_hash], medium, gidx[g]))  # type: ignore[union-attr, list-item]
+                    blk.block_hash = None  # type: ignore[union-attr]
+                    blk.origin = None  # type: ignore[union-attr]
+                blk.ref_cnt = 1  # type: ignore[union-attr]
+                append(blk)  # type: ignore[arg-type]
+                blk = blk.next_free  # type: ignore[union-attr]
+        else:
+            for _ in range(num_blocks):
+                h = blk.block_hash  # type: ignore[union-attr]
+                if h is not None:
+                    idx = index[blk.group_id]  # type: ignore[union-attr]
+                    v = idx.pop(h)
+                    if v is not blk:
+                        del v[blk.block_id]  # type: ignore[union-attr]
+                        idx[h] = v if len(v) > 1 else next(iter(v.values()))
+                    blk.block_hash = None  # type: ignore[union-attr]
+                blk.ref_cnt = 1  # type: ignore[union-attr]
+                append(blk)  # type: ignore[arg-type]
+                blk = blk.next_free  # type: ignore[union-attr]
+        head.next_free = blk
+        blk.prev_free = head  # type: ignore[union-attr]
+        q.num_free_blocks -= num_blocks
+        return ret
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Add a holder to each block (a prefix hit); a free one leaves the free queue.
+
+        Emits nothing. Touching the null block raises :class:`BlockPoolError` (nothing
+        changes).
+        """
+        n = 0
+        for blk in blocks:
+            if blk.ref_cnt == 0:
+                # The null block always has ref_cnt 0, so this test finds it without a
+                # separate scan of every hit.
+                if blk.is_null:
+                    self._undo_touch(blocks, blk)
+                prev = blk.prev_free
+                nxt = blk.next_free
+                prev.next_free = nxt  # type: ignore[union-attr]
+                nxt.prev_free = prev  # type: ignore[union-attr]
+                n += 1
+            blk.ref_cnt += 1
+        self.free_block_queue.num_free_blocks -= n
+
+    def _undo_touch(self, blocks: Sequence[KVCacheBlock], null: KVCacheBlock) -> None:
+        """Put back what touch did before meeting the null block, then raise."""
+        done = list(blocks[:blocks.index(null)])
+        # An unlinked block keeps its old links, so relinking in reverse order of removal
+        # restores the queue exactly.
+        for blk in reversed(done):
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                blk.prev_free.next_free = blk  # type: ignore[union-attr]
+                blk.next_free.prev_free = blk  # type: ignore[union-attr]
+        raise BlockPoolError(
+            "cannot touch the null block (block 0): it is never cached or counted; "
+            "leave it out of the blocks you touch"
+        )
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one holder from each block; blocks reaching ``ref_cnt`` 0 enter the free queue.
+
+        ``ordered_blocks`` is in eviction priority (first = evicted first): a request frees
+        its blocks in reverse. Hashed blocks keep their hash (lazy eviction). With
+        ``free_order="v0.33"`` blocks without a hash go to the queue's head (in the order
+        given), hashed ones to the tail; with ``"v0.11"`` all go to the tail.
+
+        Freeing the null block or a block nobody holds raises :class:`BlockPoolError`
+        (nothing changes).
+        """
+        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+        q = self.free_block_queue
+        tail = q.tail
+        old_last = last = tail.prev_free
+        n = 0
+        unhashed: list[KVCacheBlock] | None = None
+        if self._prepend_unhashed:
+            unhashed = []
+            for i, blk in enumerate(blocks):
+                r = blk.ref_cnt
+                if r > 1:
+                    blk.ref_cnt = r - 1
+                    continue
+                if r <= 0:  # the null block's ref_cnt is always 0: one test catches both misuses
+                    self._undo_free(blocks, i, old_last, unhashed)
+                blk.ref_cnt = 0
+                if blk.block_hash is None:
+                    unhashed.append(blk)
+                    continue
+                last.next_free = blk  # type: ignore[union-attr]
+                blk.prev_free = last
+                last = blk
+                n += 1
+        else:
+            # free_order "v0.11": the same loop, every block to the tail.
+            for i, blk in enumerate(blocks):
+                r = blk.ref_cnt
+                if r > 1:
+                    blk.ref_cnt = r - 1
+                    continue
+                if r <= 0:
+                    self._undo_free(blocks, i, old_last, None)
+                blk.ref_cnt = 0
+                last.next_free = blk  # type: ignore[union-attr]
+                blk.prev_free = last
+                last = blk
+                n += 1
+        if n:
+            last.next_free = tail  # type: ignore[union-attr]
+            tail.prev_free = last
+            q.num_free_blocks += n
+        if unhashed:
+            q.prepend_n(unhashed)
+
+    def _undo_free(self, blocks: list[KVCacheBlock], failed_at: int, old_last: KVCacheBlock | None,
+                   unhashed: list[KVCacheBlock] | None) -> None:
+        """Put back what free_blocks did before meeting a bad entry, then raise."""
+        old_last.next_free = self.free_block_queue.tail  # type: ignore[union-attr]
+        for done in blocks[:failed_at]:
+            if done.ref_cnt == 0:
+                done.prev_free = done.next_free = None
+            done.ref_cnt += 1
+        bad = blocks[failed_at]
+        if bad.is_null:
+            raise BlockPoolError(
+                "cannot free the null block (block 0): it is never allocated; "
+                "leave it out of the blocks you free"
+            )
+        raise BlockPoolError(
+            f"block {bad.block_id} is already free (ref_cnt 0): double free; "
+            "each holder must free a block exactly once"
+        )
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[bytes],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        token_ids: Sequence[int] | None = None,
+        kv_cache_group_id: int = 0,
+        *,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> None:
+        """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
+
+        Args:
+            blocks: the request's blocks in logical order.
+            block_hashes: the request's logical hash chain (digests), at least
+                ``num_full_blocks`` long; block ``i`` is cached under ``block_hashes[i]``.
+            num_cached_blocks, num_full_blocks: the run to cache (blocks).
+            token_ids: the request's tokens (at least ``num_full_blocks * block_size``),
+                needed only with events on.
+            kv_cache_group_id: the group the blocks belong to.
+            lora_id, lora_name: the request's LoRA, for the event.
+            extra_keys: the request's per-block wire extra keys (``BlockStored.extra_keys``
+                entries, indexed like ``block_hashes``), or None.
+
+        Emits one ``BlockStored`` for the run; its parent is ``block_hashes[num_cached_blocks
+        - 1]`` (None when the run starts at block 0). A block that already holds this very
+        hash is left as it is (not re-announced); one holding a *different* hash raises
+        :class:`BlockPoolError` before anything changes. The lists are only read during
+        the call: what :meth:`snapshot_events` needs later is kept in the emitted event.
+        """
+        src = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name)  # type: ignore[arg-type]
+               if self.enable_kv_cache_events else None)
+        self._check_run(blocks, block_hashes, token_ids, num_cached_blocks, num_full_blocks, kv_cache_group_id)
+        if num_cached_blocks < num_full_blocks and self.enable_caching:
+            self._cache_run(blocks, block_hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id, src)
+
+    def cache_blocks_of(self, source: Any, num_cached_blocks: int, num_full_blocks: int,
+                        kv_cache_group_id: int = 0) -> None:
+        """:meth:`cache_full_blocks` for an object that carries the request's lists.
+
+        ``source`` needs the attributes ``blocks``, ``block_hashes``, ``token_ids``,
+        ``extra_keys``, ``lora_id`` and ``lora_name`` (as :class:`kvstream.allocator.manager.KVRequest`
+        has); it is read during the call only.
+        """
+        blocks = source.blocks
+        hashes = source.block_hashes
+        tokens = source.token_ids
+        if not (0 <= num_cached_blocks <= num_full_blocks <= len(blocks) and num_full_blocks <= len(hashes)
+                and 0 <= kv_cache_group_id < len(self._index) and tokens is not None
+                and len(tokens) >= num_full_blocks * self.block_size):
+            # Something is off (or token_ids is short with events off, which is allowed):
+            # the full check raises with the reason, or lets it pass.
+            self._check_run(blocks, hashes, tokens, num_cached_blocks, num_full_blocks, kv_cache_group_id)
+        if num_cached_blocks < num_full_blocks and self.enable_caching:
+            self._cache_run(blocks, hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id,
+                            source if self.enable_kv_cache_events else None)
+
+    def _check_run(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
+                   token_ids: Sequence[int] | None, nc: int, nf: int, g: int) -> None:
+        if 0 <= nc <= nf <= len(blocks) and nf <= len(block_hashes) and 0 <= g < len(self._index) and (
+            token_ids is not None and len(token_ids) >= nf * self.block_size
+            or not self.enable_kv_cache_events
+        ):
+            return
+        if not 0 <= nc <= nf:
+            raise BlockPoolError(f"need 0 <= num_cached_blocks <= num_full_blocks, got {nc} and {nf}")
+        if nf > len(blocks) or nf > len(block_hashes):
+            raise BlockPoolError(
+                f"cannot cache blocks [{nc}, {nf}): the request has {len(blocks)} blocks and "
+                f"{len(block_hashes)} block hashes; hash a block's tokens before caching it"
+            )
+        if not 0 <= g < len(self._index):
+            raise BlockPoolError(
+                f"kv_cache_group_id {g} is out of range: this pool has "
+                f"{len(self._index)} group(s) (set kv_cache_event_metadata for more)"
+            )
+        raise BlockPoolError(
+            f"caching blocks [{nc}, {nf}) with events on needs token_ids of at least "
+            f"{nf * self.block_size} tokens, got {None if token_ids is None else len(token_ids)}"
+        )
+
+    def _cache_run(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], nc: int, nf: int,
+                   g: int, src: Any) -> None:
+        """Cache blocks [nc, nf) (arguments already checked).
+
+        ``src`` carries the request's ``token_ids``, ``block_hashes``, ``extra_keys``,
+        ``lora_id`` and ``lora_name`` for the event; None with events off.
+        """
+        idx = self._index[g]
+        if nf - nc == 1:
+            # The decode path: one block completed. Same steps as the loops below, unrolled.
+            blk = blocks[nc]
+            if blk.block_hash is None and blk.ref_cnt > 0:
+                h = block_hashes[nc]
+                blk.block_hash = h
+                blk.group_id = g
+                v = idx.setdefault(h, blk)
+                if v is not blk:
+                    if type(v) is dict:
+                        v[blk.block_id] = blk
+                    else:
+                        idx[h] = {v.block_id: v, blk.block_id: blk}
+                if src is not None:
+                    e = _u64(h, len(h) - 8)[0] if self._int_hashes else bytes(h)
+                    ev = self._stored(nc, nf, g, src, [e], blocks)
+                    blk.origin = (ev, nc)
+                    blk.pos = nc
+                    blk.ext_hash = e
+                    self._events.append(ev)
+                return
+        setdefault = idx.setdefault
+        skip: list[int] | None = None
+        i = nc
+        # One pass; a bad block found midway undoes the blocks before it, so a failed call
+        # still changes nothing.
+        if src is None:
+            for blk, h in zip(blocks[nc:nf], block_hashes[nc:nf]):
+                if blk.block_hash is not None or blk.ref_cnt <= 0:
+                    if self._cache_conflict(blocks, block_hashes, nc, i, g, skip):
+                        if skip is None:
+                            skip = []
+                        skip.append(i)
+                        i += 1
+                        continue
+                blk.block_hash = h
+                blk.group_id = g
+                v = setdefault(h, blk)
+                if v is not blk:
+                    if type(v) is dict:
+                        v[blk.block_id] = blk
+                    else:
+                        idx[h] = {v.block_id: v, blk.block_id: blk}
+                i += 1
+            return
+        # Events on. The event is built first, around an empty hash list that the loop
+        # fills: the event form of each hash is computed once per cached block, here, and
+        # kept on the block for its BlockRemoved. Blocks point at the event (see
+        # KVCacheBlock.origin); the event is recorded only if the whole run succeeds.
+        ext: list[Any] = []
+        ev = self._stored(nc, nf, g, src, ext, blocks)
+        origin = (ev, nc)
+        push = ext.append
+        as_int = self._int_hashes
+        u64 = _u64
+        for blk, h in zip(blocks[nc:nf], block_hashes[nc:nf]):
+            e = u64(h, len(h) - 8)[0] if as_int else bytes(h)
+            push(e)
+            if blk.block_hash is not None or blk.ref_cnt <= 0:
+                if self._cache_conflict(blocks, block_hashes, nc, i, g, skip):
+                    if skip is None:
+                        skip = []
+                    skip.append(i)
+                    i += 1
+                    continue
+            blk.block_hash = h
+            blk.group_id = g
+            v = setdefault(h, blk)
+            if v is not blk:
+                if type(v) is dict:
+                    v[blk.block_id] = blk
+                else:
+                    idx[h] = {v.block_id: v, blk.block_id: blk}
+            blk.origin = origin
+            blk.pos = i
+            blk.ext_hash = e
+            i += 1
+        if skip is None:
+            self._events.append(ev)
+            return
+        # Blocks that already held their hash split the run: one event per sub-run.
+        start = nc
+        for i in skip + [nf]:
+            if i > start:
+                sub = self._stored(start, i, g, src, ext[start - nc:i - nc], blocks)
+                origin = (sub, start)
+                for blk in blocks[start:i]:
+                    blk.origin = origin
+                self._events.append(sub)
+            start = i + 1
+
+    def _cache_conflict(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], nc: int,
+                        i: int, g: int, skip: list[int] | None) -> bool:
+        """Block ``i`` cannot simply be cached: True if it already holds this very hash (skip
+        it); otherwise undo blocks ``nc..i-1`` and raise."""
+        blk = blocks[i]
+        if blk.ref_cnt > 0 and blk.block_hash == block_hashes[i] and blk.group_id == g:
+            return True
+        idx = self._index[g]
+        done = set(skip or ())
+        for j in range(nc, i):
+            if j in done:
+                continue
+            b = blocks[j]
+            v = idx.pop(b.block_hash)
+            if v is not b:
+                del v[b.block_id]
+                idx[b.block_hash] = v if len(v) > 1 else next(iter(v.values()))
+            b.block_hash = None
+            b.origin = None
+        if blk.is_null:
+            raise BlockPoolError(f"block {i} of the run is the null block; it is never cached")
+        if blk.ref_cnt <= 0:
+            raise BlockPoolError(
+                f"block {blk.block_id} is free (ref_cnt 0); only held blocks can be cached"
+            )
+        raise BlockPoolError(
+            f"block {blk.block_id} already holds hash {blk.block_hash.hex()[:16]}… "  # type: ignore[union-attr]
+            f"(group {blk.group_id}); cannot cache it as {block_hashes[i].hex()[:16]}… "
+            f"(group {g}); a block is cached once, under one hash"
+        )
+
+    def _stored(self, start: int, end: int, g: int, src: Any, ext: list[Any],
+                blocks: Sequence[KVCacheBlock]) -> BlockStored:
+        """The BlockStored for logical blocks [start, end) of ``src`` (hashes ``ext``)."""
+        bs = self.block_size
+        if start:
+            # The parent is the logical chain's previous hash; the block holding it usually
+            # has its event form at hand already (origin set: cached with events on).
+            ph = src.block_hashes[start - 1]
+            pb = blocks[start - 1]
+            if pb.origin is not None and pb.block_hash == ph:
+                parent = pb.ext_hash
+            else:
+                parent = to_external(ph, self.hash_form)
+        else:
+            parent = None
+        # One slice of the request's own token list: the run's tokens, already flat.
+        tok = src.token_ids[start * bs:end * bs]
+        if type(tok) is not list:
+            tok = tok.tolist() if type(tok) is array else list(tok)
+        if not self._v033:
+            return BlockStored(ext, parent, tok, bs, src.lora_id, self.medium, None)
+        ek = src.extra_keys
+        # The schema types each entry as a tuple (what a decoder yields); the hasher's wire
+        # form is a list.
+        extra: list[tuple[Any, ...] | None] = (
+            [None if e is None else tuple(e) for e in ek[start:end]] if ek is not None
+            else [None] * (end - start))
+        kind, window = self.kv_cache_event_metadata[g]
+        return BlockStored(ext, parent, tok, bs, src.lora_id, self.medium, src.lora_name,
+                           extra, g, kind, window)
+
+    # -- cache-wide operations --------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every hash, if no block is held: emits one ``AllBlocksCleared``, returns True.
+
+        With any block in use it returns False and changes and emits nothing. The free
+        queue's order is kept; blocks that had hashes are later reused without a
+        ``BlockRemoved``.
+        """
+        if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
+            return False
+        for blk in self.blocks:
+            blk.block_hash = None
+            blk.origin = None
+        for idx in self._index:
+            idx.clear()  # in place: managers keep a reference to their group's dict
+        if self.enable_kv_cache_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[Any]:
+        """The events recorded since the last call, in order (and forget them).
+
+        Treat the events as read-only values: the pool keeps a reference to each
+        ``BlockStored`` while any block it announced is cached (:meth:`snapshot_events`
+        re-announces tokens and parents from it).
+        """
+        ev = self._events
+        if not ev:
+            return []
+        self._events = []
+        return ev
+
+    def snapshot_events(self) -> list[Any]:
+        """Events that rebuild the current cached state from scratch.
+
+        ``[AllBlocksCleared(), BlockStored...]``: one ``BlockStored`` per physical cached
+        block (duplicates included), shallower blocks first so parents precede children.
+        Pending events (not yet taken) are not included and not consumed: take them first
+        so the snapshot follows the last batch. Needs events on (raises otherwise).
+        """
+        if not self.enable_kv_cache_events:
+            raise BlockPoolError(
+                "snapshot_events() needs enable_kv_cache_events=True: the pool keeps the "
+                "tokens and parents of cached blocks only when events are on"
+            )
+        cached = [b for b in self.blocks if b.block_hash is not None]
+        cached.sort(key=lambda b: (b.pos, b.block_id))
+        out: list[Any] = [AllBlocksCleared()]
+        for blk in cached:
+            ev, start = blk.origin  # type: ignore[misc]
+            k = blk.pos - start  # the block's place in the run its event announced
+            bs = ev.block_size
+            ek = ev.extra_keys
+            out.append(BlockStored(
+                # ext_hash is set whenever a block is cached with events on.
+                [blk.ext_hash],  # type: ignore[list-item]
+                ev.parent_block_hash if k == 0 else ev.block_hashes[k - 1],
+                ev.token_ids[k * bs:(k + 1) * bs], bs, ev.lora_id, ev.medium, ev.lora_name,
+                None if ek is None else [ek[k]], ev.group_idx, ev.kv_cache_spec_kind,
+                ev.kv_cache_spec_sliding_window))
+        return out
+
+    # -- checking --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Verify the pool's internal consistency; raise :class:`BlockPoolError` if broken.
+
+        Every non-null block is in the free queue with ``ref_cnt`` 0 or held with
+        ``ref_cnt`` > 0, never both; the queue's links and count agree; the index holds
+        exactly the blocks that have hashes. O(num blocks); for tests.
+        """
+        q = self.free_block_queue
+        queued = q.blocks()
+        ids = [b.block_id for b in queued]
+        if len(set(ids)) != len(ids) or len(ids) != q.num_free_blocks:
+            raise BlockPoolError(f"free queue corrupt: {len(ids)} linked, count {q.num_free_blocks}")
+        prev = q.head
+        for b in queued:
+            if b.prev_free is not prev:
+                raise BlockPoolError(f"free queue back-link of block {b.block_id} is wrong")
+            prev = b
+        in_queue = set(ids)
+        if self.null_block.block_id in in_queue or self.null_block.block_hash is not None:
+            raise BlockPoolError("the null block is queued or cached")
+        for b in self.blocks[1:]:
+            if b.block_id in in_queue:
+                if b.ref_cnt != 0:
+                    raise BlockPoolError(f"block {b.block_id} is queued with ref_cnt {b.ref_cnt}")
+            elif b.ref_cnt <= 0:
+                raise BlockPoolError(f"block {b.block_id} is neither queued nor held")
+        indexed = set()
+        for g, idx in enumerate(self._index):
+            for h, v in idx.items():
+                copies = [v] if type(v) is KVCacheBlock else list(v.values())
+                if type(v) is dict and len(v) < 2:
+                    raise BlockPoolError(f"index entry {h.hex()[:16]} holds a dict of {len(v)}")
+                for b in copies:
+                    if b.block_hash != h or b.group_id != g:
+                        raise BlockPoolError(f"index maps {h.hex()[:16]}/g{g} to block {b.block_id} "
+                                             f"holding another hash")
+                    indexed.add(b.block_id)
+        hashed = {b.block_id for b in self.blocks if b.block_hash is not None}
+        if hashed != indexed:
+            raise BlockPoolError(f"hashed blocks {sorted(hashed ^ indexed)} are not indexed (or vice versa)")

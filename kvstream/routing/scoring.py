@@ -1,0 +1,171 @@
+"""Routing policy: turn per-source prefix matches and reported load into a ranked choice.
+
+The index (:mod:`kvstream.routing.index`) measures, for one prompt, how long a prefix every source
+holds and in which tier (:class:`SourceMatch`). A *policy* turns those matches plus the
+load the caller reports (:class:`Load`) into a ranking. A policy is any callable::
+
+    policy(matches: Sequence[SourceMatch], loads: Mapping[str, Load], n_blocks: int)
+        -> list[tuple[float, str]]          # (value, source), any order
+
+and :func:`rank` sorts its output deterministically: higher value first, then lower load,
+then source name. :class:`PrefixLoadPolicy` is the default.
+
+This module imports nothing of kvstream's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+__all__ = [
+    "DEFAULT_TIER_WEIGHTS",
+    "Load",
+    "SourceMatch",
+    "ScoreResult",
+    "Policy",
+    "PrefixLoadPolicy",
+    "rank",
+]
+
+DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8}
+"""Value of one cached block by the medium that holds it (a block held by several
+media counts with the best one). Media not listed weigh :attr:`PrefixLoadPolicy.other_tier_weight`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What a caller knows about an engine's load right now.
+
+    Attributes:
+        queue: requests waiting (count).
+        running: requests running (count).
+        kv_usage: fraction of the KV cache in use, 0.0 to 1.0.
+    """
+
+    queue: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+
+
+_NO_LOAD = Load()
+
+
+@dataclass(slots=True)
+class SourceMatch:
+    """One source's cached prefix of one prompt.
+
+    Attributes:
+        source: the source name.
+        blocks: length of the longest consecutive prefix held in any tier (router blocks).
+        tokens: the same in tokens (``blocks * router_block_size``).
+        tier_blocks: per medium, the longest consecutive prefix held in that medium alone
+            (router blocks); media with 0 are omitted.
+        served: per medium, how many of the ``blocks`` prefix blocks that medium would serve
+            (each block counts once, with its best-weighted medium).
+        stale: the source is marked stale; its blocks do not count (``blocks`` is 0).
+        speculative_blocks: prefix blocks that exist only as speculative entries.
+    """
+
+    source: str
+    blocks: int = 0
+    tokens: int = 0
+    tier_blocks: dict[str, int] = field(default_factory=dict)
+    served: dict[str, int] = field(default_factory=dict)
+    stale: bool = False
+    speculative_blocks: int = 0
+
+    def weighted(self, weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS, other: float = 0.5) -> float:
+        """The prefix in router blocks, each block weighted by the medium serving it."""
+        return sum(n * weights.get(m, other) for m, n in self.served.items())
+
+
+Policy = Callable[[Sequence[SourceMatch], Mapping[str, Load], int], "list[tuple[float, str]]"]
+"""``policy(matches, loads, n_blocks) -> [(value, source), ...]``; higher value wins."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLoadPolicy:
+    """Longest prefix weighted by tier, minus a load penalty.
+
+    ``value = prefix_weight * weighted_prefix_blocks / n_blocks
+              - queue_weight * queue - running_weight * running - kv_weight * kv_usage``
+
+    With ``n_blocks == 0`` the prefix term is 0 (pure load balancing).
+
+    Attributes:
+        tier_weights: value of a block per medium (default GPU 1.0, CPU 0.8).
+        other_tier_weight: value of a block in a medium not in ``tier_weights``.
+        prefix_weight: weight of a full-prompt hit (a prefix of all blocks scores this much).
+        queue_weight, running_weight, kv_weight: penalty per waiting request, per running
+            request and per unit of KV usage.
+    """
+
+    tier_weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+    other_tier_weight: float = 0.5
+    prefix_weight: float = 1.0
+    queue_weight: float = 0.1
+    running_weight: float = 0.02
+    kv_weight: float = 0.2
+
+    def __call__(
+        self, matches: Sequence[SourceMatch], loads: Mapping[str, Load], n_blocks: int
+    ) -> list[tuple[float, str]]:
+        out = []
+        tw = self.tier_weights
+        ow = self.other_tier_weight
+        for m in matches:
+            # m.weighted(tw, ow) inlined (same sum, same order: one call less per source).
+            w: float = 0
+            for med, c in m.served.items():
+                w += c * tw.get(med, ow)
+            prefix = w / n_blocks if n_blocks else 0.0
+            ld = loads.get(m.source, _NO_LOAD)
+            v = (
+                self.prefix_weight * prefix
+                - self.queue_weight * ld.queue
+                - self.running_weight * ld.running
+                - self.kv_weight * ld.kv_usage
+            )
+            out.append((v, m.source))
+        return out
+
+
+def _load_key(ld: Load) -> tuple[float, float, float]:
+    return (ld.queue, ld.running, ld.kv_usage)
+
+
+def rank(values: Sequence[tuple[float, str]], loads: Mapping[str, Load]) -> list[str]:
+    """Sources ordered best first: higher value, then lower (queue, running, kv_usage),
+    then source name. Deterministic for equal inputs."""
+    return [
+        s
+        for _, _, s in sorted(
+            ((-v, _load_key(loads.get(s, _NO_LOAD)), s) for v, s in values),
+        )
+    ]
+
+
+@dataclass(slots=True)
+class ScoreResult:
+    """The answer to "where should this prompt go?".
+
+    Attributes:
+        n_blocks: full router blocks in the prompt.
+        router_block_size: tokens per router block.
+        matches: per source, its :class:`SourceMatch` (every source the index knows, plus
+            any source named in the loads), keyed by name.
+        ranking: source names, best first (empty when there is no source at all).
+        values: the policy's value per source.
+    """
+
+    n_blocks: int
+    router_block_size: int
+    matches: dict[str, SourceMatch]
+    ranking: list[str]
+    values: dict[str, float]
+
+    @property
+    def best(self) -> str | None:
+        """The chosen source (first of :attr:`ranking`), or None without sources."""
+        return self.ranking[0] if self.ranking else None

@@ -1,0 +1,183 @@
+"""The virtual-time simulator: determinism, policies, the Mooncake comparison, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstream.cli import main
+from kvstream.sim.engine import EngineConfig
+from kvstream.sim.policies import POLICY_NAMES
+from kvstream.sim.run import SimConfig, compare, simulate
+from kvstream.sim.workload import SyntheticConfig, WorkloadError, load_mooncake, synthetic_workload
+
+SMALL = SimConfig(engines=3, engine=EngineConfig(num_blocks=600, block_size=16, max_running=16), seed=7)
+
+
+def _workload(seed: int = 1):
+    return synthetic_workload(SyntheticConfig(requests=250, duration=5.0, seed=seed))
+
+
+def test_same_seed_gives_identical_results() -> None:
+    reqs = _workload()
+    a = compare(reqs, POLICY_NAMES, SMALL)
+    b = compare(_workload(), POLICY_NAMES, SMALL)
+    assert [r.deterministic() for r in a] == [r.deterministic() for r in b]
+
+
+def test_random_policy_depends_on_the_seed() -> None:
+    reqs = _workload()
+    r1 = simulate(reqs, "random", SMALL)
+    r2 = simulate(reqs, "random", SimConfig(engines=3, engine=SMALL.engine, seed=8))
+    assert r1.requests_per_engine != r2.requests_per_engine
+
+
+def test_every_request_completes_and_round_robin_spreads_evenly() -> None:
+    reqs = _workload()
+    r = simulate(reqs, "round-robin", SMALL)
+    assert r.completed == r.requests == 250
+    assert max(r.requests_per_engine) - min(r.requests_per_engine) <= 1
+    assert r.events > 0 and r.event_batches > 0
+    assert 0 < r.hit_rate < 1
+
+
+def test_kv_aware_beats_round_robin_on_shared_prefixes() -> None:
+    reqs = _workload()
+    kv = simulate(reqs, "kv-aware", SMALL)
+    rr = simulate(reqs, "round-robin", SMALL)
+    assert kv.hit_rate > rr.hit_rate
+    assert kv.prefill_tokens < rr.prefill_tokens
+
+
+def test_router_lag_delays_index_updates() -> None:
+    reqs = _workload()
+    lagged = simulate(reqs, "kv-aware", SimConfig(engines=3, engine=SMALL.engine, router_lag_s=0.5))
+    assert lagged.router_lag_p99_s == pytest.approx(0.5)
+    assert lagged.completed == 250
+
+
+def test_unknown_policy_is_rejected() -> None:
+    with pytest.raises(WorkloadError, match="unknown policy"):
+        simulate(_workload(), "fastest", SMALL)
+
+
+def test_mooncake_8_engines_kv_aware_hit_rate_beats_round_robin(mooncake_trace: Path) -> None:
+    # A prefix of the trace keeps CI fast; docs/simulator.md has the full-trace numbers.
+    reqs = load_mooncake(mooncake_trace, limit=2500)
+    cfg = SimConfig(engines=8, engine=EngineConfig(num_blocks=1024, block_size=512, token_granularity=32))
+    kv, rr = compare(reqs, ["kv-aware", "round-robin"], cfg)
+    assert kv.completed == rr.completed == 2500
+    assert kv.hit_rate > rr.hit_rate + 0.05
+
+
+def test_simulate_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    rc = main(["simulate", "--requests", "120", "--duration", "3", "--engines", "2,3",
+               "--policies", "kv-aware,round-robin", "--json", str(out), "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "kv-aware" in text and "round-robin" in text
+    data = json.loads(out.read_text())
+    assert [(r["policy"], r["engines"]) for r in data["results"]] == [
+        ("kv-aware", 2), ("round-robin", 2), ("kv-aware", 3), ("round-robin", 3)]
+    assert data["meta"]["requests"] == 120
+
+
+def test_simulate_cli_wire_and_router_index_flags_give_the_same_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--requests", "80", "--duration", "3", "--engines", "2", "--policies", "kv-aware", "--quiet"]
+    outs = []
+    for extra in ([], ["--wire"], ["--router-index", "token"]):
+        out = tmp_path / f"r{len(extra)}.json"
+        assert main([*args, *extra, "--json", str(out)]) == 0
+        capsys.readouterr()
+        data = json.loads(out.read_text())
+        assert data["meta"]["wire"] is ("--wire" in extra)
+        outs.append([{k: v for k, v in r.items() if "wall" not in k}
+                     for r in data["results"]])
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_simulate_cli_reports_bad_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["simulate", "--policies", "nope"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot open trace" in capsys.readouterr().err
+
+
+def _wire_and_direct(reqs, cfg: SimConfig, policy: str):
+    from dataclasses import replace
+
+    from kvstream.sim.run import SimRun
+
+    direct = SimRun(reqs, policy, replace(cfg, wire=False))
+    wired = SimRun(reqs, policy, replace(cfg, wire=True))
+    return direct, direct.run(), wired, wired.run()
+
+
+@pytest.mark.parametrize("policy", ["kv-aware", "kv-load", "prefix-only"])
+def test_events_through_the_codec_give_the_same_run_as_the_event_objects(policy: str) -> None:
+    for cfg in (SMALL, SimConfig(engines=3, engine=SMALL.engine, router_lag_s=0.3, seed=7)):
+        direct, a, wired, b = _wire_and_direct(_workload(), cfg, policy)
+        assert a.deterministic() == b.deterministic()
+        assert direct.index.state() == wired.index.state()
+        assert a.events > 0
+
+
+def test_mooncake_events_through_the_codec_give_the_same_run(mooncake_trace: Path) -> None:
+    reqs = load_mooncake(mooncake_trace, limit=1200)
+    cfg = SimConfig(engines=8, engine=EngineConfig(num_blocks=256, block_size=512, token_granularity=32))
+    direct, a, wired, b = _wire_and_direct(reqs, cfg, "kv-aware")
+    assert a.deterministic() == b.deterministic()
+    assert direct.index.state() == wired.index.state()
+    assert a.events > 10_000 and a.hit_rate > 0
+
+
+@pytest.mark.parametrize("policy", ["kv-aware", "kv-load", "prefix-only"])
+def test_engine_keyed_and_token_keyed_routers_make_the_same_decisions(policy: str) -> None:
+    from dataclasses import replace
+
+    from kvstream.routing.engine_index import EngineKeyIndex
+    from kvstream.routing.index import KVIndex
+    from kvstream.sim.run import SimRun
+
+    for cfg in (SMALL, SimConfig(engines=3, engine=SMALL.engine, router_lag_s=0.3, seed=7)):
+        eng = SimRun(_workload(), policy, replace(cfg, router_index="engine"))
+        tok = SimRun(_workload(), policy, replace(cfg, router_index="token"))
+        assert isinstance(eng.index, EngineKeyIndex) and isinstance(tok.index, KVIndex)
+        a, b = eng.run(), tok.run()
+        assert a.deterministic() == b.deterministic()
+        assert a.hit_rate > 0
+
+
+def test_mooncake_engine_keyed_router_gives_the_same_run(mooncake_trace: Path) -> None:
+    from dataclasses import replace
+
+    reqs = load_mooncake(mooncake_trace, limit=1200)
+    cfg = SimConfig(engines=8, engine=EngineConfig(num_blocks=256, block_size=512, token_granularity=32))
+    a, b = (compare(reqs, ["kv-aware"], replace(cfg, router_index=m))[0] for m in ("engine", "token"))
+    assert a.deterministic() == b.deterministic() and a.hit_rate > 0
+
+
+def test_engine_keyed_router_needs_engine_sized_router_blocks() -> None:
+    with pytest.raises(WorkloadError, match="router_index='token'"):
+        SimConfig(engine=SMALL.engine, router_block_size=SMALL.engine.sim_block_size * 2)
+
+
+def test_model_config_sizes_engines_and_a_config_without_context_length_is_a_clear_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.conftest import REPO
+
+    cfg = REPO / "examples" / "configs" / "llama-3-8b.json"
+    args = ["simulate", "--requests", "30", "--engines", "2", "--policies", "kv-aware", "--quiet",
+            "--kv-memory-gib", "2", "--json", str(tmp_path / "r.json")]
+    assert main([*args, "--model-config", str(cfg)]) == 0
+    blocks = json.loads((tmp_path / "r.json").read_text())["meta"]["engine"]["num_blocks"]
+    assert blocks == 2 * (1 << 30) // (32 * 2 * 16 * 8 * 128 * 2)  # layers x K,V x block x heads x dim x bf16
+    capsys.readouterr()
+    bare = json.loads(cfg.read_text())
+    bare.pop("max_position_embeddings")
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    assert main([*args, "--model-config", str(tmp_path / "bare.json")]) == 2
+    assert "no context length" in capsys.readouterr().err

@@ -1,0 +1,240 @@
+"""Reliability of the stream on real sockets (ipc in the test's tmp dir, bounded in time):
+loss behind a small HWM, publisher restarts, late joiners, ranges no longer buffered,
+and garbage on the wire."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import zmq
+
+from kvstream.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvstream.wire.framing import END_SEQ_BYTES, encode_seq
+from kvstream.transport import (
+    KVEventsConfig,
+    Publisher,
+    SourceBatch,
+    SourceLive,
+    SourceReset,
+    SourceSpec,
+    SourceStale,
+    Subscriber,
+)
+
+from tests.transport.zmq_helpers import StateModel, apply_items, batches_of, collect, ipc, recv
+
+pytestmark = pytest.mark.anyio
+
+
+
+def _step(i: int, width: int = 1) -> KVEventBatch:
+    """Step i stores hashes i*width.. and removes those stored 5 steps earlier."""
+    evs: list = []
+    if i >= 5:
+        evs += [BlockRemoved([(i - 5) * width + k], "GPU") for k in range(width)]
+    evs.append(BlockStored([i * width + k for k in range(width)], None, list(range(16 * width)), 16, None, "GPU", None))
+    return KVEventBatch(float(i), evs)
+
+
+def _reference(batches) -> StateModel:
+    m = StateModel()
+    for b in batches:
+        m.apply(b)
+    return m
+
+
+def _caught_up(seq: int, source: str = "s"):
+    return lambda items: any(isinstance(i, SourceBatch) and i.source == source and i.seq == seq for i in items[-8:])
+
+
+async def test_slow_subscriber_behind_small_hwm_loses_detects_recovers_and_ends_exact(tmp_path):
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"), hwm=20)
+    n = 3000
+    published = [_step(i, width=8) for i in range(n)]
+    with anyio.fail_after(20):
+        async with Publisher(cfg) as pub:
+            spec = SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")
+            async with Subscriber([spec], rcvhwm=20, max_buffered_items=64) as sub:
+                await collect(sub, lambda it: isinstance(it[-1], SourceLive))
+                items: list = []
+
+                async def produce() -> None:
+                    for i in range(0, n, 100):
+                        for b in published[i:i + 100]:
+                            pub.publish(b)
+                        await anyio.sleep(0.002)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(produce)
+                    async for it in sub:  # a slow consumer
+                        items.append(it)
+                        if len(items) % 40 == 0:
+                            await anyio.sleep(0.002)
+                        if isinstance(it, SourceBatch) and it.seq == n - 1:
+                            break
+                health = sub.health()["s"]
+    got = batches_of(items)
+    assert [b.seq for b in got] == list(range(n))  # every batch, once, in order
+    c = health.counters
+    assert c["gaps"] > 0 and c["replays"] >= c["gaps"] and c["stale_marks"] == 0
+    assert any(b.replayed for b in got) and any(not b.replayed for b in got)
+    model, stale = apply_items(items)
+    assert not stale and model.state() == _reference(published).state()
+
+
+async def test_publisher_restart_mid_stream_resets_and_rebuilds_from_the_new_engine(tmp_path):
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"))
+    first = [_step(i) for i in range(100)]
+    second = [_step(1000 + i) for i in range(50)]
+    with anyio.fail_after(15):
+        async with Subscriber([SourceSpec(cfg.endpoint, cfg.replay_endpoint, name="s")],
+                              replay_timeout_s=0.5, backoff_s=0.05) as sub:
+            async with Publisher(cfg) as pub:
+                await anyio.sleep(0.2)
+                for b in first:
+                    pub.publish(b)
+                items = await collect(sub, _caught_up(99))
+            async with Publisher(cfg) as pub2:  # the engine restarts on the same endpoints
+                for b in second[:30]:  # likely lost: the SUB has not reconnected yet
+                    pub2.publish(b)
+                await anyio.sleep(0.4)
+                for b in second[30:]:
+                    pub2.publish(b)
+                items += await collect(sub, _caught_up(49))
+            health = sub.health()["s"]
+    resets = [i for i in items if isinstance(i, SourceReset)]
+    assert len(resets) == 1 and resets[0].reason == "restart"
+    after = batches_of(items[items.index(resets[0]):])
+    assert [b.seq for b in after] == list(range(50))
+    assert [b.batch.events[-1].block_hashes for b in after] == [b.events[-1].block_hashes for b in second]
+    assert health.counters["restarts"] == 1
+    model, stale = apply_items(items)
+    assert not stale and model.state() == _reference(second).state()
+
+
+async def test_subscriber_started_after_5000_batches_gets_them_all_then_live(tmp_path):
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"))
+    with anyio.fail_after(15):
+        async with Publisher(cfg) as pub:
+            published = [_step(i) for i in range(5100)]
+            for b in published[:5000]:
+                pub.publish(b)
+            await anyio.sleep(0.05)
+            async with Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")]) as sub:
+                items = await collect(sub, lambda it: isinstance(it[-1], SourceLive))
+                await anyio.sleep(0.1)
+                for b in published[5000:]:
+                    pub.publish(b)
+                items += await collect(sub, _caught_up(5099))
+    got = batches_of(items)
+    assert [b.seq for b in got] == list(range(5100))
+    assert all(b.replayed for b in got[:5000])
+    assert _reference(published).state() == apply_items(items)[0].state()
+
+
+@pytest.mark.parametrize("with_snapshot", [True, False])
+async def test_a_gap_older_than_the_replay_buffer_uses_a_snapshot_or_marks_stale(tmp_path, with_snapshot):
+    model = StateModel()
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"), buffer_steps=100)
+    provider = model.snapshot_events if with_snapshot else None
+    published = [_step(i) for i in range(1050)]
+    with anyio.fail_after(10):
+        async with Publisher(cfg, snapshot_provider=provider) as pub:
+            for b in published[:1000]:
+                pub.publish(b)
+                model.apply(b)
+            await anyio.sleep(0.05)  # sent live to nobody
+            async with Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")]) as sub:
+                items = await collect(sub, lambda it: isinstance(it[-1], SourceLive))
+                await anyio.sleep(0.1)
+                for b in published[1000:]:
+                    pub.publish(b)
+                    model.apply(b)
+                items += await collect(sub, _caught_up(1049))
+                health = sub.health()["s"]
+    final, stale = apply_items(items)
+    if with_snapshot:
+        (reset,) = [i for i in items if isinstance(i, SourceReset)]
+        assert reset.reason == "snapshot" and reset.seq == 1000
+        assert not stale and health.state == "live" and health.counters["snapshots"] == 1
+        assert final.state() == model.state()  # rebuilt exactly
+        assert [b.seq for b in batches_of(items) if not b.replayed] == list(range(1000, 1050))
+    else:
+        (st,) = [i for i in items if isinstance(i, SourceStale)]
+        assert (st.first_missing_seq, st.resume_seq) == (0, 900)
+        assert "snapshot" in st.reason and stale and health.state == "stale"
+        assert [b.seq for b in batches_of(items)] == list(range(900, 1050))
+
+
+async def test_garbage_on_the_wire_is_counted_and_no_good_data_is_lost(tmp_path, caplog):
+    """A scripted peer mixes garbage into a good stream: wrong frame counts, short seq
+    frames, an undecodable payload that is good in the replay buffer, a stray
+    undecodable message, and a malformed replay reply."""
+    ctx = zmq.Context.instance()
+    pub, router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
+    pub.linger = router.linger = 0
+    pub.bind(ipc(tmp_path, "p"))
+    router.bind(ipc(tmp_path, "r"))
+    good = {i: encode_batch(_step(i)) for i in range(6)}
+
+    def live(i: int, payload: bytes | None = None) -> list[bytes]:
+        return [b"kv", encode_seq(i), good[i] if payload is None else payload]
+
+    async def serve() -> None:
+        while True:
+            while router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                ident, _, start = router.recv_multipart(zmq.NOBLOCK)
+                s = int.from_bytes(start, "big")
+                router.send_multipart([ident, b"", b"junk"])  # malformed reply: 3 frames but bad seq
+                for i in sorted(k for k in good if s <= k < sent_upto[0]):
+                    router.send_multipart([ident, b"", b"kv", encode_seq(i), good[i]])
+                router.send_multipart([ident, b"", b"", END_SEQ_BYTES, b""])
+            await anyio.wait_readable(router.FD)
+
+    sent_upto = [0]
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve)
+                async with Subscriber([SourceSpec(ipc(tmp_path, "p"), ipc(tmp_path, "r"), name="s")]) as sub:
+                    await recv(pub)  # the subscription
+                    await collect(sub, lambda it: isinstance(it[-1], SourceLive))
+                    sent_upto[0] = 6
+                    for frames in (live(0), [b"kv", encode_seq(1)], live(1), [b"kv", b"\x00\x01", good[2]],
+                                   live(2), live(3, b"\xc1\xc1garbage"), [b"kv", encode_seq(2**40), b"\x92"],
+                                   [b"kv"], live(4), live(5)):
+                        pub.send_multipart(frames)
+                    items = await collect(sub, _caught_up(5))
+                    health = sub.health()["s"]
+                tg.cancel_scope.cancel()
+    finally:
+        pub.close(0)
+        router.close(0)
+    assert [(b.seq, b.payload) for b in batches_of(items)] == sorted(good.items())
+    c = health.counters
+    assert c["frame_errors"] >= 4  # 2-frame, short seq, 1-frame, malformed reply(s)
+    assert c["decode_errors"] == 2 and c["gaps"] == 1 and c["stale_marks"] == 0
+    assert health.state == "live"
+    assert "undecodable live batch seq 3" in caplog.text
+
+
+async def test_replay_request_flood_is_bounded_and_followers_lose_nothing(tmp_path):
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"), max_replay_jobs=4)
+    ctx = zmq.Context.instance()
+    with anyio.fail_after(10):
+        async with Publisher(cfg) as pub:
+            async with Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")]) as sub:
+                await collect(sub, lambda it: isinstance(it[-1], SourceLive))
+                flood = ctx.socket(zmq.DEALER)
+                flood.linger = 0
+                flood.connect(pub.replay_endpoint)
+                for i in range(500):
+                    pub.publish(_step(i))
+                    flood.send_multipart([b"", encode_seq(0)] if i % 2 else [b"", b"bad"])
+                    if i % 50 == 0:
+                        await anyio.sleep(0)
+                items = await collect(sub, _caught_up(499))
+                flood.close(0)
+    assert [b.seq for b in batches_of(items)] == list(range(500))
+    st = pub.stats
+    assert st.malformed_requests == 250 and st.replay_rejected > 0

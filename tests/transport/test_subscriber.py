@@ -1,0 +1,242 @@
+"""The subscriber: many sources, topic filter, ordering, health, and the recovery state
+machine (sans-IO rules first, then on real sockets)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvstream.wire.events import BlockStored, KVEventBatch, encode_batch
+from kvstream.transport import (
+    KVEventsConfig,
+    Publisher,
+    SourceBatch,
+    SourceLive,
+    SourceReset,
+    SourceSpec,
+    SourceStale,
+    SourceTracker,
+    Subscriber,
+)
+
+from tests.transport.zmq_helpers import batches_of, collect, ipc
+
+pytestmark = pytest.mark.anyio
+
+
+
+def _batch(h: int, ts: float = 1.0) -> KVEventBatch:
+    return KVEventBatch(ts, [BlockStored([h], None, list(range(16)), 16, None, "GPU", None)])
+
+
+# -- the state machine, without sockets ------------------------------------------------
+
+
+def _live(t: SourceTracker, seq: int, h: int | None = None) -> None:
+    b = _batch(seq if h is None else h)
+    t.on_live(seq, b"t", encode_batch(b), b, 2.0)
+
+
+def _reply(t: SourceTracker, seq: int, h: int | None = None) -> None:
+    b = _batch(seq if h is None else h)
+    t.on_reply(seq, b"t", encode_batch(b), b)
+
+
+def _sent(t: SourceTracker):
+    req = t.inflight
+    assert req is not None
+    req.sent = True
+    return req
+
+
+def _kinds(out):
+    return [(type(i).__name__, getattr(i, "seq", None)) for i in out]
+
+
+def test_gap_requests_replay_from_the_first_missing_seq_and_drops_overlap():
+    t = SourceTracker("s", has_replay=True)
+    _live(t, 0)
+    _live(t, 1)
+    _live(t, 4)  # 2 and 3 lost
+    req = _sent(t)
+    assert (req.kind, req.start, t.state) == ("replay", 2, "recovering")
+    _live(t, 5)  # held while recovering
+    for s in (2, 3, 4):
+        _reply(t, s)
+    t.on_reply_end()
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 1, 2, 3, 4, 5]
+    assert [i.replayed for i in t.out if isinstance(i, SourceBatch)] == [False, False, True, True, False, False]
+    assert isinstance(t.out[-1], SourceLive) and t.state == "live"
+    assert t.counters.gaps == 1 and t.counters.duplicates == 1
+
+
+def test_live_duplicate_of_a_replayed_batch_is_dropped_but_different_bytes_mean_restart():
+    t = SourceTracker("s", has_replay=True)
+    t.start()  # joining: replay from 0
+    _sent(t)
+    for s in range(5):
+        _reply(t, s)
+    t.on_reply_end()
+    _live(t, 3)  # the same batch arriving late on the live socket
+    assert t.counters.duplicates == 1 and t.counters.restarts == 0
+    _live(t, 4, h=999)  # seq 4 again but other content: a new engine
+    assert t.counters.restarts == 1
+    assert _kinds(t.out)[-1] == ("SourceReset", 4)
+    assert t.inflight is not None and t.inflight.start == 0  # rebuild from the new engine's 0
+
+
+def test_seq_going_backwards_on_the_live_socket_is_a_restart():
+    t = SourceTracker("s", has_replay=False)
+    for s in range(3):
+        _live(t, s)
+    _live(t, 0)
+    assert _kinds(t.out)[-2:] == [("SourceReset", 0), ("SourceBatch", 0)]
+    assert t.counters.restarts == 1 and t.state == "live"
+
+
+def test_replay_that_starts_late_falls_back_to_snapshot_then_stale_when_unsupported():
+    t = SourceTracker("s", has_replay=True)
+    _live(t, 0)
+    _live(t, 10)
+    _sent(t)
+    for s in range(5, 11):  # 1..4 rotated out of the publisher's buffer
+        _reply(t, s)
+    t.on_reply_end()
+    req = _sent(t)
+    assert req.kind == "snapshot"
+    t.on_reply_end()  # end marker only: unsupported (what vLLM answers)
+    stale = [i for i in t.out if isinstance(i, SourceStale)]
+    assert len(stale) == 1 and (stale[0].first_missing_seq, stale[0].resume_seq) == (1, 5)
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 5, 6, 7, 8, 9, 10]
+    assert t.state == "stale"
+
+
+def test_snapshot_reply_resets_and_resumes_after_its_seq():
+    t = SourceTracker("s", has_replay=True)
+    _live(t, 0)
+    _live(t, 10)
+    _sent(t)
+    _reply(t, 7)
+    t.on_reply_end()
+    _sent(t)
+    _reply(t, 9, h=100)  # snapshot batches, tagged R = 9
+    _reply(t, 9, h=101)
+    _live(t, 11)  # arrives while the snapshot is being answered
+    t.on_reply_end()
+    assert _kinds(t.out)[1:] == [("SourceReset", 9), ("SourceBatch", 8), ("SourceBatch", 8)]
+    assert t.inflight is not None and t.inflight.start == 9  # 9 is still missing: replay it
+    _sent(t)
+    _reply(t, 9)
+    _reply(t, 10)
+    _reply(t, 11)
+    t.on_reply_end()
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)][-3:] == [9, 10, 11]
+    assert t.state == "live" and not t.stale
+
+
+def test_without_replay_endpoint_a_gap_marks_the_source_stale():
+    t = SourceTracker("s", has_replay=False)
+    _live(t, 0)
+    _live(t, 3)
+    assert _kinds(t.out) == [("SourceBatch", 0), ("SourceStale", None), ("SourceBatch", 3)]
+    assert t.out[1].first_missing_seq == 1 and t.out[1].resume_seq == 3 and t.state == "stale"
+
+
+# -- on real sockets ---------------------------------------------------------------------
+
+
+async def test_many_publishers_are_followed_at_once_in_order_per_source(tmp_path):
+    cfgs = [KVEventsConfig(endpoint=ipc(tmp_path, f"p{i}"), replay_endpoint=ipc(tmp_path, f"r{i}"), topic="kv")
+            for i in range(3)]
+    # ipc endpoints cannot be offset for rank > 0 (vLLM's rule): rank 1 uses tcp.
+    cfgs[1] = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv")
+    with anyio.fail_after(10):
+        async with Publisher(cfgs[0], data_parallel_rank=0) as p0, \
+                Publisher(cfgs[1], data_parallel_rank=1) as p1, Publisher(cfgs[2]) as p2:
+            pubs = [p0, p1, p2]
+            for k, p in enumerate(pubs):
+                for i in range(20):
+                    p.publish(_batch(k * 1000 + i))  # before the subscriber: fetched by replay
+            specs = [SourceSpec(p.endpoint, p.replay_endpoint, name=f"e{k}") for k, p in enumerate(pubs)]
+            async with Subscriber(specs, topic="kv") as sub:
+                await collect(sub, lambda it: sum(isinstance(i, SourceLive) for i in it) == 3)
+                for i in range(20, 50):
+                    for k, p in enumerate(pubs):
+                        p.publish(_batch(k * 1000 + i))
+                items = await collect(sub, lambda it: len(batches_of(it)) == 90)
+                health = sub.health()
+    for k in range(3):
+        got = batches_of(items, f"e{k}")
+        assert [b.seq for b in got] == list(range(20, 50))
+        assert [b.batch.events[0].block_hashes[0] for b in got] == [k * 1000 + i for i in range(20, 50)]
+    assert [b.batch.data_parallel_rank for b in batches_of(items, "e1")][:1] == [1]
+    assert {h.state for h in health.values()} == {"live"}
+    assert health["e0"].counters["batches"] == 50 and health["e0"].last_seq == 49
+
+
+async def test_topic_filter_ignores_other_topics(tmp_path):
+    with anyio.fail_after(5):
+        async with Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "a"), topic="kv@a")) as a, \
+                Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "b"), topic="other")) as b:
+            async with Subscriber([SourceSpec(a.endpoint, name="a"), SourceSpec(b.endpoint, name="b")],
+                                  topic="kv@") as sub:
+                await anyio.sleep(0.2)
+                b.publish(_batch(1))
+                a.publish(_batch(2))
+                items = await collect(sub, lambda it: len(batches_of(it)) == 1)
+                await anyio.sleep(0.1)
+                assert sub.get_nowait() == []
+    assert items[0].source == "a" and items[0].topic == b"kv@a"
+
+
+async def test_lag_is_measured_from_the_batch_timestamp(tmp_path):
+    import time
+
+    with anyio.fail_after(5):
+        async with Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "a"))) as a:
+            async with Subscriber([SourceSpec(a.endpoint, name="a")]) as sub:
+                await anyio.sleep(0.2)
+                a.publish(_batch(1, ts=time.time() - 5.0))
+                await collect(sub, lambda it: len(batches_of(it)) == 1)
+                lag = sub.health()["a"].counters["lag_s"]
+    assert 5.0 <= lag < 6.0
+
+
+async def test_sources_can_be_added_and_removed_while_running(tmp_path):
+    with anyio.fail_after(5):
+        async with Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "a"))) as a, \
+                Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "b"))) as b:
+            async with Subscriber([SourceSpec(a.endpoint, name="a")]) as sub:
+                sub.add_source(SourceSpec(b.endpoint, name="b"))
+                await anyio.sleep(0.2)
+                a.publish(_batch(1))
+                b.publish(_batch(2))
+                await collect(sub, lambda it: len(batches_of(it)) == 2)
+                sub.remove_source("a")
+                items = await collect(sub, lambda it: True)
+                assert sub.sources == ["b"]
+                with pytest.raises(KeyError, match="no source named 'a'"):
+                    sub.remove_source("a")
+    assert items == [SourceReset("a", "removed", None)]
+
+
+async def test_an_unreachable_replay_endpoint_marks_only_that_source_stale(tmp_path):
+    with anyio.fail_after(10):
+        async with Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "a"))) as a, \
+                Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "b"))) as b:
+            specs = [SourceSpec(a.endpoint, ipc(tmp_path, "nobody"), name="a"), SourceSpec(b.endpoint, name="b")]
+            async with Subscriber(specs, replay_timeout_s=0.2, max_retries=1, backoff_s=0.01) as sub:
+                await anyio.sleep(0.2)
+                a.publish(_batch(0))
+                a._queue.clear()  # seq 1 never reaches the wire
+                a.publish(_batch(1))
+                a.publish(_batch(2))
+                b.publish(_batch(3))
+                # b is not held up by a's recovery
+                first = await collect(sub, lambda it: any(getattr(i, "source", "") == "b" for i in it), timeout=0.5)
+                items = first + await collect(sub, lambda it: any(isinstance(i, SourceStale) for i in it))
+                health = sub.health()
+    assert any(isinstance(i, SourceBatch) and i.source == "b" for i in first)
+    (stale,) = [i for i in items if isinstance(i, SourceStale)]
+    assert stale.source == "a" and "no answer" in stale.reason
+    assert health["a"].counters["timeouts"] >= 2 and health["b"].state == "live"
