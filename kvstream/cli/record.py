@@ -62,8 +62,13 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     for dmg in writer.recovered:
         print(f"kvstream record: cut off a damaged tail before appending: {dmg}", file=sys.stderr)
+    from kvstream.errors import LocalProtocolError
+
     try:
         stats = anyio.run(_record, args, specs, writer)
+    except LocalProtocolError as exc:  # e.g. no NATS server at a nats:// URL
+        print(f"kvstream record: {exc}", file=sys.stderr)
+        return 1
     finally:
         writer.close()
     print(f"\nrecorded {stats.line()}  ({writer.bytes_written} bytes) into {args.output}", file=sys.stderr)
@@ -76,9 +81,9 @@ async def _record(args: argparse.Namespace, specs, writer):
     import anyio
 
     from kvstream.eventlog.recorder import Recorder
-    from kvstream.transport import Subscriber
+    from kvstream.jetstream import open_subscriber  # ZMQ, or JetStream for nats:// URLs
 
-    async with Subscriber(specs, topic=args.topic, curve=args.curve) as sub:
+    async with open_subscriber(specs, topic=args.topic, curve=args.curve) as sub:
         rec = Recorder(sub, writer)
         async with anyio.create_task_group() as tg:
 

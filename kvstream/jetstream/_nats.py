@@ -57,7 +57,7 @@ async def ensure_stream(js: Any, s: StreamSettings, *, update: bool = False) -> 
     if s.subjects not in (have.subjects or []) and ">" not in (have.subjects or []):
         raise StreamMismatchError(f"stream {s.name} exists with subjects {have.subjects}, which do not "
                                   f"cover {s.subjects}; pick another --stream or --subject-prefix")
-    if (have.storage.value if have.storage else "file") != s.storage:
+    if str(getattr(have.storage, "value", have.storage) or "file") != s.storage:
         raise StreamMismatchError(f"stream {s.name} exists with {have.storage} storage, not {s.storage}; "
                                   "delete it or use another --stream")
     differs = [(k, a, b) for k, a, b in (

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 import anyio
 import anyio.abc
 
-from kvstream.events import EventDecoder
+from kvstream.wire.events import EventDecoder
 from kvstream.jetstream import wire
 from kvstream.jetstream._nats import connect, ensure_stream
 from kvstream.jetstream.config import StreamSettings

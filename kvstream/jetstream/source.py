@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 import anyio
 import anyio.abc
 
-from kvstream.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder
+from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder
 from kvstream.jetstream import wire
 from kvstream.jetstream._nats import connect
 from kvstream.jetstream.config import NatsSource, parse_nats_url
@@ -210,8 +210,10 @@ class JetStreamSource:
             ev = self._out_wait = anyio.Event()
             await ev.wait()
         item = out.popleft()
+        # No await between taking an item and returning it: a snapshot taken while the
+        # queue is empty then matches what the consumer has applied.
         if self._fc_held is not None and len(out) <= self.max_buffered_items // 2:
-            await self._release_fc()
+            self._release_fc()
         return item
 
     @property
@@ -223,8 +225,8 @@ class JetStreamSource:
         """Every item ready now (possibly none), without waiting."""
         items = list(self._out)
         self._out.clear()
-        if self._fc_held is not None and self._tg is not None:
-            self._tg.start_soon(self._release_fc)
+        if self._fc_held is not None:
+            self._release_fc()
         return items
 
     def _push(self, items: list[Any]) -> None:
@@ -234,10 +236,10 @@ class JetStreamSource:
             self._out_wait = None
             w.set()
 
-    async def _release_fc(self) -> None:
+    def _release_fc(self) -> None:
         reply, self._fc_held = self._fc_held, None
-        if reply is not None and self._nc is not None:
-            await self._nc.publish(reply, b"")
+        if reply is not None and self._tg is not None and self._nc is not None:
+            self._tg.start_soon(self._nc.publish, reply, b"")
 
     # -- the consumer ------------------------------------------------------------------
 
@@ -281,6 +283,7 @@ class JetStreamSource:
             return
         self._dseq = dseq
         self._sseq = sseq
+        self._state = "live"
         s = self._source_for(msg.subject)
         if s is None:
             return

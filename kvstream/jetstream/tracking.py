@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from kvstream.events import EventDecodeError, KVEventBatch
+from kvstream.wire.events import EventDecodeError, KVEventBatch
 from kvstream.jetstream import wire
 from kvstream.jetstream.wire import StreamPosition
 from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale

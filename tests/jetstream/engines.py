@@ -7,10 +7,10 @@ import random
 import time
 from typing import Any
 
-from kvstream.events import KVEventBatch, encode_batch
+from kvstream.wire.events import KVEventBatch, encode_batch
 from kvstream.hashing import BlockHasher
-from kvstream.manager import KVCacheManager
-from kvstream.pool import BlockPool
+from kvstream.allocator.manager import KVCacheManager
+from kvstream.allocator.pool import BlockPool
 from kvstream.transport import KVEventsConfig, Publisher, SourceSpec
 
 BS = 16

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstream.events import KVEventBatch, decode_batch, encode_batch
+from kvstream.wire.events import KVEventBatch, decode_batch, encode_batch
 from kvstream.jetstream import JetStreamConfigError, RelaySource, StreamSettings, StreamSource, parse_nats_url
 from kvstream.jetstream import wire
 from kvstream.transport import SourceBatch, SourceLive, SourceReset, SourceStale
