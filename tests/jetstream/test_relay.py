@@ -123,8 +123,10 @@ async def test_an_engine_restart_reaches_consumers_as_a_reset_then_the_new_engin
             JetStreamSource(nats_server.url) as sub, anyio.create_task_group() as tg:
         tg.start_soon(relay.run)
         async with Engine(tmp_path, "e0", seed=1) as old:
-            old.steps(20)
-            await collect(sub, lambda it: len(batches(it)) == 20)
+            # Far ahead of where the new engine is when the relay reconnects: seqs going
+            # back is how a restart shows over ZMQ.
+            old.steps(400)
+            await collect(sub, lambda it: len(batches(it)) == 400)
         async with Engine(tmp_path, "e0", seed=2) as new:
 
             async def run_engine() -> None:  # a live engine keeps stepping
