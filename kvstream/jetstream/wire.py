@@ -12,8 +12,9 @@ One NATS message per item, on subject ``<prefix>.<source token>``:
   JSON object with the item's fields; id ``source:instance:kind:...`` (see
   :func:`control_msg_id`).
 
-Every message carries ``Kv-Pos``: the last engine seq the consumer's state reflects after
-applying it (``-1``: none yet in this instance). A relay reads the last message of a
+Every control message carries ``Kv-Pos``: the last engine seq the consumer's state
+reflects after applying it (``-1``: none yet in this instance; for a batch it is its
+``Kv-Seq``) and ``Kv-Ts``, the engine timestamp of the instance's last batch. A relay reads the last message of a
 source's subject at start-up to learn where the stream stands (:class:`StreamPosition`).
 ``Kv-Instance`` starts at 0 and goes up by one at each engine restart the relays see.
 """
@@ -85,8 +86,7 @@ def batch_headers(source: str, instance: int, seq: int, topic_header: str, *, re
     """Headers of one batch message. ``snapshot``: (R, index within the snapshot) for the
     batches of a snapshot reply (their seq is R - 1)."""
     s = str(seq)
-    h = {H_MSG_ID: f"{source}:{instance}:{s}", H_SEQ: s, H_INSTANCE: str(instance),
-         H_TOPIC: topic_header, H_POS: s}
+    h = {H_MSG_ID: f"{source}:{instance}:{s}", H_SEQ: s, H_INSTANCE: str(instance), H_TOPIC: topic_header}
     if replayed:
         h[H_REPLAYED] = "1"
     if snapshot is not None:
@@ -151,10 +151,11 @@ class StreamPosition:
 
 
 def position_from_headers(headers: Mapping[str, str] | None, ts: float = 0.0) -> StreamPosition:
-    """Read ``Kv-Instance`` / ``Kv-Pos`` (raises :class:`WireError` when absent or bad)."""
+    """Read ``Kv-Instance`` / ``Kv-Pos`` (a batch: ``Kv-Seq``) (raises :class:`WireError` when absent or bad)."""
     if not headers:
         raise WireError("message has no headers; is this stream written by `kvstream relay`?")
     try:
-        return StreamPosition(int(headers[H_INSTANCE]), int(headers[H_POS]), ts)
+        pos = headers.get(H_POS)
+        return StreamPosition(int(headers[H_INSTANCE]), int(pos if pos is not None else headers[H_SEQ]), ts)
     except (KeyError, ValueError) as exc:
         raise WireError(f"message lacks a valid {H_INSTANCE}/{H_POS} header ({exc})") from None
