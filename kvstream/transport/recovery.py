@@ -1,69 +1,120 @@
 """The per-source recovery state machine of the subscriber (sans-IO: no sockets, no clock).
 
 One :class:`SourceTracker` per publisher. The socket shell feeds it what arrives (live
-messages, replay replies, end markers, request failures) and reads back two things: the
+messages, replay replies, end markers, silence, the time) and reads back two things: the
 items to yield (:attr:`SourceTracker.out`) and the request to send, if any
-(:attr:`SourceTracker.inflight`, with ``sent`` False until the shell sends it).
+(:attr:`SourceTracker.inflight`, with ``sent`` False until the shell sends it, after
+``delay_s`` seconds).
+
+The promise: the state a consumer builds from the items is exactly the publisher's, or the
+source is visibly not ``live`` (``connecting``, ``recovering`` or ``stale``).
 
 Rules (``E`` is the next seq to yield, ``H`` the highest seq seen on the live socket):
 
-* live ``s == E``: yield it. ``s < E``: a duplicate of a replayed batch, dropped.
-  ``s > E``: a gap; hold ``s`` and ask for a replay from ``E``.
-* live ``s <= H``: the live channel went backwards, which one publisher never does: the
-  engine restarted. Yield ``SourceReset("restart")``, forget everything, ``E = 0``, and
-  go on as above (so a restart seen at ``s > 0`` replays ``0..s-1`` from the new engine).
-* while a request is outstanding, live messages are held (bounded) and applied after it.
-* a replay reply fills ``E, E+1, ...``. If it starts after ``E`` (or skips a seq, or is
-  empty although a later seq is known) the publisher no longer has the missing batches:
-  ask for a snapshot. A snapshot reply (batches tagged R, the publisher's next seq) yields
-  ``SourceReset("snapshot", R)``, the snapshot batches, then resumes at ``E = R``. An empty
-  snapshot reply means "unsupported" (that is what vLLM answers): yield ``SourceStale``
-  and resume at the next seq held.
-* at startup (with a replay endpoint) the tracker asks for a replay from 0: joining
-  mid-stream fetches everything the publisher still buffers.
+* **Identity by bytes.** vLLM's seqs carry no instance id, so the tracker remembers a hash
+  of the payload of the last :data:`RECENT_WINDOW` yielded seqs. A live ``s < E`` is a
+  duplicate only if its bytes match what was yielded for ``s``; other bytes mean a new
+  engine (restart). If ``s`` is outside the window (or was covered by a snapshot), the
+  tracker asks the publisher (a *verify* request, below). A live ``s <= H`` is a restart
+  too: one publisher's live channel never goes backwards.
+* **Anchored requests.** Every replay request after the join starts at ``E - 1`` (the
+  *anchor*, whose hash is known) and the first reply must be the anchor with the same
+  bytes: otherwise the publisher is a new engine (``SourceReset("restart")``, then a
+  replay from 0), or, if the reply starts after the anchor, the publisher no longer
+  buffers it (snapshot, else stale). After a snapshot the anchor ``R - 1`` is fetched
+  first (a snapshot tag the publisher cannot back with a batch, such as a hostile 2^63,
+  is a restart).
+* **Holes are retried.** A complete reply (end marker) that skips ``E`` after having sent
+  something below ``E`` lost replies on the way (vLLM 0.11's ROUTER drops beyond its HWM):
+  ask again from the first missing seq. Only a complete reply to a request at or below
+  ``E`` whose first seq is above ``E`` proves the data gone. A reply that stops without its
+  end marker is retried the same way when the shell reports silence
+  (:meth:`SourceTracker.on_timeout`). Retries without progress are bounded
+  (``max_retries``, backoff ``backoff_s`` doubling).
+* **Idle probes.** vLLM sends no heartbeat: when a source has been quiet for
+  ``probe_after_s`` after live traffic, the tracker asks for a replay from the anchor. An
+  anchor and end marker means up to date; more batches are a lost tail, applied; another
+  anchor is a restart. While the source stays quiet the wait doubles up to
+  ``probe_max_s`` (a burst lost whole re-arms nothing), so an idle source costs one tiny
+  request every ``probe_max_s`` seconds. A
+  reconnect of the live socket (:meth:`SourceTracker.on_reconnect`: the publisher may have
+  restarted and published nothing we received) probes at once.
+* **States.** ``connecting`` until the first live message or replay answer; ``recovering``
+  while a (non-probe) request is outstanding; ``stale`` after unrecoverable loss until a
+  reset; else ``live``.
+* **Bounds.** Held live messages (``max_held`` messages, ``max_held_bytes``), a
+  snapshot being received (``max_snapshot_bytes``, beyond: stale) and the replies of one
+  request (``max_replies``, beyond: the request fails) are bounded.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
 from typing import Any
 
 from kvstream.wire.events import KVEventBatch
 from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale
 
-__all__ = ["SourceTracker", "Request", "SourceCounters"]
+__all__ = ["SourceTracker", "Request", "SourceCounters", "STATES", "RECENT_WINDOW"]
 
 REPLAY = "replay"
 SNAPSHOT = "snapshot"
+# Why a request was made.
+JOIN = "join"  # replay from 0 at startup or after a restart
+GAP = "gap"  # a seq is missing
+PROBE = "probe"  # quiet after traffic: anything lost at the tail?
+VERIFY = "verify"  # a live seq below E whose bytes are unknown
+ANCHOR = "anchor"  # after a snapshot: fetch the bytes of R - 1
+
+STATES = ("connecting", "live", "recovering", "stale")
+"""Every state a source can be in, see :attr:`SourceTracker.state`."""
+RECENT_WINDOW = 256
+"""Yielded seqs whose payload hash is remembered per source (an 8-byte slot each)."""
+_BACKOFF_CAP_S = 2.0
 
 
 class Request:
     """A request the shell must send (``sent`` False) or is waiting on (``sent`` True).
 
-    ``kind`` is ``"replay"`` (``start`` = first seq wanted) or ``"snapshot"``.
+    ``kind`` is ``"replay"`` (``start`` = first seq wanted) or ``"snapshot"``; ``purpose``
+    says why (join, gap, probe, verify, anchor); ``delay_s``: seconds to wait before
+    sending (retry backoff).
     """
 
-    __slots__ = ("kind", "start", "known_max", "first", "hole", "sent", "snap", "snap_tag")
+    __slots__ = ("kind", "purpose", "start", "check", "checked", "first", "below", "replies",
+                 "sent", "delay_s", "e0", "snap", "snap_tag", "snap_bytes")
 
-    def __init__(self, kind: str, start: int, known_max: int) -> None:
+    def __init__(self, kind: str, purpose: str, start: int, check: int | None = None,
+                 delay_s: float = 0.0, e0: int = 0) -> None:
         self.kind = kind
+        self.purpose = purpose
         self.start = start
-        self.known_max = known_max  # highest seq known when the request was made
+        self.check = check  # payload hash the reply's seq ``start`` must have (None: record it)
+        self.checked = False  # the reply's first message was the anchor
         self.first: int | None = None  # first seq in the reply
-        self.hole = False  # the reply skipped a seq we needed
+        self.below = False  # the reply sent something below E (so it did not start late)
+        self.replies = 0
         self.sent = False
+        self.delay_s = delay_s
+        self.e0 = e0  # E when the request was made (progress check)
         self.snap: list[tuple[bytes, bytes, KVEventBatch]] = []
         self.snap_tag: int | None = None
+        self.snap_bytes = 0
+
+    def frame(self) -> int | None:
+        """The start seq to put on the wire, None for a snapshot request."""
+        return None if self.kind == SNAPSHOT else self.start
 
     def __repr__(self) -> str:
-        return f"Request({self.kind}, start={self.start}, sent={self.sent})"
+        return f"Request({self.kind}/{self.purpose}, start={self.start}, sent={self.sent})"
 
 
 class SourceCounters:
     """Per-source counters (monotonic) and the last measured lag."""
 
     __slots__ = ("batches", "events", "gaps", "replays", "snapshots", "restarts", "stale_marks",
-                 "duplicates", "decode_errors", "frame_errors", "held_dropped", "timeouts", "lag_s")
+                 "duplicates", "decode_errors", "frame_errors", "held_dropped", "timeouts",
+                 "retries", "probes", "filtered", "overflows", "lag_s")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -73,11 +124,11 @@ class SourceCounters:
         self.gaps = 0
         """Seq jumps detected on the live socket."""
         self.replays = 0
-        """Replay requests sent (retries included)."""
+        """Replay requests sent (retries and probes included)."""
         self.snapshots = 0
         """Snapshot requests sent."""
         self.restarts = 0
-        """Publisher restarts detected (seq went backwards)."""
+        """Publisher restarts detected (seq went backwards, or other bytes at a known seq)."""
         self.stale_marks = 0
         """Times the source was marked stale (unrecoverable loss)."""
         self.duplicates = 0
@@ -87,12 +138,20 @@ class SourceCounters:
         self.frame_errors = 0
         """Messages with the wrong shape (frame count, seq length): dropped."""
         self.held_dropped = 0
-        """Live messages not held during a recovery because the hold buffer was full
-        (they are fetched again by the next replay)."""
+        """Live messages or replies not held during a recovery because the hold buffer was
+        full (``max_held`` / ``max_held_bytes``); they are fetched again by a replay."""
         self.timeouts = 0
         """Requests that got no complete answer in time."""
+        self.retries = 0
+        """Requests asked again: replies lost on the way (holes, cut tails) or timeouts."""
+        self.probes = 0
+        """Idle probes sent (a replay from the anchor after a quiet period)."""
+        self.filtered = 0
+        """Replayed batches of another topic than the subscriber's filter (skipped)."""
+        self.overflows = 0
+        """Requests given up because an answer exceeded its bound (snapshot bytes, replies)."""
         self.lag_s = 0.0
-        """Seconds between the last yielded live batch's ``ts`` and its arrival."""
+        """Seconds between the arrival of the last batch the consumer took and its taking."""
 
     def as_dict(self) -> dict[str, Any]:
         """The counters as a plain dict."""
@@ -106,137 +165,254 @@ class SourceTracker:
     """Recovery state of one source; see the module docstring for the rules.
 
     ``has_replay``: whether the source has a replay endpoint (without one, every gap is
-    unrecoverable and marks the source stale). ``max_held``: live messages held while a
-    request is outstanding (more are dropped and fetched again later).
+    unrecoverable and marks the source stale). ``max_held`` / ``max_held_bytes``: live
+    messages (and out-of-order replies) held while a request is outstanding (more are
+    dropped and fetched again later). ``max_snapshot_bytes``: payload bytes of one snapshot
+    answer. ``max_replies``: replies to one request. ``max_retries``: requests asked again
+    without progress before the loss is taken as final (``backoff_s`` seconds, doubling,
+    between them). ``probe_after_s``: quiet seconds after live traffic before an idle probe
+    (None: no probes); while the source stays quiet the wait doubles up to ``probe_max_s``
+    (None: a single probe per quiet period). ``topic``: the subscriber's topic filter (a prefix); ``source_topic``:
+    the publisher's topic if known (labels vLLM 0.11 replies, which carry none, until a live
+    message shows it).
     """
 
-    __slots__ = ("name", "has_replay", "max_held", "expected", "live_high", "topic", "held",
-                 "inflight", "stale", "out", "counters", "generation", "_replayed", "_snap_floor")
+    __slots__ = ("name", "has_replay", "max_held", "max_held_bytes", "max_snapshot_bytes",
+                 "max_replies", "max_retries", "backoff_s", "probe_after_s", "topic_filter",
+                 "topic", "expected", "live_high", "held", "held_bytes", "inflight", "stale",
+                 "connected", "out", "counters", "generation", "_attempts", "_ring", "_ring_lo",
+                 "_ring_hi", "_last_live", "_probe_armed", "_recheck", "probe_max_s", "_probe_gap")
 
-    def __init__(self, name: str, *, has_replay: bool, max_held: int = 100_000, topic: bytes = b"") -> None:
+    def __init__(self, name: str, *, has_replay: bool, max_held: int = 100_000,
+                 max_held_bytes: int = 64 << 20, max_snapshot_bytes: int = 256 << 20,
+                 max_replies: int = 1_000_000, max_retries: int = 3, backoff_s: float = 0.05,
+                 probe_after_s: float | None = 0.5, probe_max_s: float | None = 10.0,
+                 topic: bytes = b"",
+                 source_topic: bytes | None = None) -> None:
         self.name = name
         self.has_replay = has_replay
         self.max_held = max_held
+        self.max_held_bytes = max_held_bytes
+        self.max_snapshot_bytes = max_snapshot_bytes
+        self.max_replies = max_replies
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.probe_after_s = probe_after_s
+        self.probe_max_s = probe_max_s
+        self._probe_gap = probe_after_s or 0.0
+        self.topic_filter = topic
+        self.topic: bytes | None = source_topic
+        """The publisher's topic: from its live messages, else as configured, else None."""
         self.expected = 0
         """The next seq to yield."""
         self.live_high = -1
         """The highest seq seen on the live socket from the current publisher instance."""
-        self.topic = topic
         self.held: dict[int, _Entry] = {}
+        self.held_bytes = 0
         self.inflight: Request | None = None
         """The outstanding request, if any."""
         self.stale = False
         """True after unrecoverable loss, until a snapshot or restart rebuilds the state."""
+        self.connected = False
+        """True once anything arrived from the publisher (a live message or a replay answer)."""
         self.out: list[Any] = []
         """Items to yield, in order; the shell drains it."""
         self.counters = SourceCounters()
         self.generation = 0
         """Bumped when an outstanding request is abandoned (its late replies must be ignored)."""
-        # Replayed batches not yet seen live, as (seq, payload): a live message below
-        # ``expected`` is a duplicate only if it matches one of them (or lies below a
-        # snapshot's seq); otherwise it is a new engine that restarted from 0.
-        self._replayed: deque[tuple[int, bytes]] = deque()
-        self._snap_floor = -1
+        self._attempts = 0  # requests without progress in a row
+        # Payload hashes of yielded seqs _ring_lo .. _ring_hi - 1 (a ring of RECENT_WINDOW).
+        self._ring: array | None = None
+        self._ring_lo = 0
+        self._ring_hi = 0
+        self._last_live = 0.0
+        self._probe_armed = False
+        self._recheck = False
 
     # -- state -------------------------------------------------------------------------
 
     @property
     def state(self) -> str:
-        """``"recovering"`` (a request is outstanding), ``"stale"`` or ``"live"``."""
-        if self.inflight is not None:
+        """``"connecting"`` (nothing heard from the publisher yet), ``"recovering"`` (a
+        request is outstanding), ``"stale"`` or ``"live"``."""
+        if not self.connected:
+            return "connecting"
+        req = self.inflight
+        if req is not None and req.purpose != PROBE:
             return "recovering"
         return "stale" if self.stale else "live"
 
-    def start(self) -> None:
-        """Ask for everything the publisher still buffers (joining mid-stream)."""
+    def start(self, now: float = 0.0) -> None:
+        """Ask for everything the publisher still buffers (joining mid-stream); ``now``
+        starts the probe clock."""
+        self._last_live = now
         if self.has_replay and self.inflight is None:
-            self.inflight = Request(REPLAY, 0, -1)
+            self.inflight = Request(REPLAY, JOIN, 0)
+
+    # -- the ring of recent payload hashes -----------------------------------------------
+
+    def _remember(self, seq: int, h: int) -> None:
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = array("q", bytes(8 * RECENT_WINDOW))
+        if seq != self._ring_hi:
+            self._ring_lo = seq
+        self._ring_hi = seq + 1
+        if self._ring_hi - self._ring_lo > RECENT_WINDOW:
+            self._ring_lo = self._ring_hi - RECENT_WINDOW
+        ring[seq % RECENT_WINDOW] = h
+
+    def _known(self, seq: int) -> int | None:
+        """The payload hash yielded for ``seq``, if still remembered."""
+        if self._ring is not None and self._ring_lo <= seq < self._ring_hi:
+            return self._ring[seq % RECENT_WINDOW]
+        return None
+
+    def _forget(self) -> None:
+        self._ring_lo = self._ring_hi = 0
 
     # -- live --------------------------------------------------------------------------
 
     def on_live(self, seq: int, topic: bytes, payload: bytes, batch: KVEventBatch, now: float) -> None:
-        """A decoded live message arrived."""
-        rp = self._replayed
-        while rp and rp[0][0] < seq:
-            rp.popleft()
-        if seq <= self.live_high or (seq < self.expected and not self._is_duplicate(seq, payload)):
+        """A decoded live message arrived at ``now`` (seconds, any monotonic clock)."""
+        self.connected = True
+        self._last_live = now
+        self._probe_armed = True
+        self._probe_gap = self.probe_after_s or 0.0
+        if seq <= self.live_high:
             self._restart(seq)
         self.live_high = seq
         self.topic = topic
         e = self.expected
         if seq < e:
-            self.counters.duplicates += 1
-            return
+            h = self._known(seq)
+            if h is None:
+                # Bytes unknown (older than the window, or covered by a snapshot): ask.
+                self._hold(seq, (seq, topic, payload, batch, False))
+                if self.inflight is None:
+                    self._verify()
+                return
+            if h == hash(payload):
+                self.counters.duplicates += 1
+                return
+            self._restart(seq)
+            e = 0
         if self.inflight is not None:
             self._hold(seq, (seq, topic, payload, batch, False))
             return
         if seq == e:
             self._yield(seq, topic, payload, batch, False)
-            self.counters.lag_s = now - batch.ts
             return
         self.counters.gaps += 1
         self._hold(seq, (seq, topic, payload, batch, False))
         self._recover()
 
-    def _is_duplicate(self, seq: int, payload: bytes) -> bool:
-        if seq < self._snap_floor:
-            return True
-        rp = self._replayed
-        if rp and rp[0][0] == seq:
-            return rp.popleft()[1] == payload
-        return False
-
     def _hold(self, seq: int, entry: _Entry) -> None:
-        if len(self.held) >= self.max_held and seq not in self.held:
+        if seq in self.held:
+            return
+        n = len(entry[2])
+        if len(self.held) >= self.max_held or self.held_bytes + n > self.max_held_bytes:
             self.counters.held_dropped += 1
             return
         self.held[seq] = entry
+        self.held_bytes += n
 
-    def _restart(self, seq: int) -> None:
-        c = self.counters
-        c.restarts += 1
+    def _clear_held(self) -> None:
+        self.held.clear()
+        self.held_bytes = 0
+
+    def _abandon(self) -> None:
         if self.inflight is not None:
             self.inflight = None
             self.generation += 1
-        self.held.clear()
-        self._replayed.clear()
-        self._snap_floor = -1
+
+    def _restart(self, seq: int) -> None:
+        """A new publisher instance: forget everything, rebuild from its seq 0."""
+        self.counters.restarts += 1
+        self._abandon()
+        self._clear_held()
+        self._forget()
+        self._attempts = 0
         self.out.append(SourceReset(self.name, "restart", seq))
         self.expected = 0
         self.live_high = -1
         self.stale = False
+        if self.has_replay:
+            self.inflight = Request(REPLAY, JOIN, 0)
 
     def _yield(self, seq: int, topic: bytes, payload: bytes, batch: KVEventBatch, replayed: bool) -> None:
+        self._remember(seq, hash(payload))
+        self.expected = seq + 1
+        if replayed and topic and self.topic_filter and not topic.startswith(self.topic_filter):
+            self.counters.filtered += 1
+            return
         self.out.append(SourceBatch(self.name, seq, topic, payload, batch, replayed))
-        if replayed and seq > self.live_high:
-            self._replayed.append((seq, payload))
         c = self.counters
         c.batches += 1
         c.events += len(batch.events)
-        self.expected = seq + 1
 
-    def _drain_held(self) -> None:
+    def _drain_held(self) -> bool:
+        """Yield held messages that are next in order; drop those already yielded. False
+        if a held message contradicts what was yielded (the tracker restarted)."""
         held = self.held
         if not held:
-            return
+            return True
         e = self.expected
         while e in held:
             seq, topic, payload, batch, replayed = held.pop(e)
+            self.held_bytes -= len(payload)
             self._yield(seq, topic, payload, batch, replayed)
             e += 1
         for s in [s for s in held if s < e]:
-            del held[s]
-            self.counters.duplicates += 1
+            entry = held.pop(s)
+            self.held_bytes -= len(entry[2])
+            h = self._known(s)
+            if h is None:
+                if not entry[4]:
+                    # A live message below E whose bytes are unknown: verify it.
+                    held[s] = entry
+                    self.held_bytes += len(entry[2])
+                continue
+            if h == hash(entry[2]):
+                self.counters.duplicates += 1
+            elif not entry[4]:
+                self._restart(s)
+                return False
+        return True
+
+    def _anchored(self, purpose: str, delay_s: float = 0.0) -> Request:
+        """A replay request from the anchor ``E - 1`` when its bytes are known, else from E."""
+        e = self.expected
+        h = self._known(e - 1) if e > 0 else None
+        if h is None:
+            return Request(REPLAY, purpose, e, None, delay_s, e)
+        return Request(REPLAY, purpose, e - 1, h, delay_s, e)
+
+    def _verify(self) -> None:
+        e = self.expected
+        if not self.has_replay or self._known(e - 1) is None:
+            # Nobody to ask, or nothing to compare with: a live seq below E with unknown
+            # bytes cannot be told from a restart, and a restart must never be missed.
+            self._restart(min(s for s in self.held if s < e))
+            return
+        self.inflight = self._anchored(VERIFY)
 
     def _recover(self) -> None:
         """Yield what is held in order; on a hole, request a replay (or mark stale)."""
-        self._drain_held()
-        if not self.held:
+        if not self._drain_held():
+            return
+        if self.inflight is not None:
+            return
+        held = self.held
+        if held and min(held) < self.expected:
+            self._verify()
+            return
+        if not held and self.expected > self.live_high:
             return
         if not self.has_replay:
             self._mark_stale("no replay endpoint configured")
             return
-        self.inflight = Request(REPLAY, self.expected, max(self.held))
+        self.inflight = self._anchored(GAP)
 
     def _mark_stale(self, reason: str) -> None:
         e = self.expected
@@ -245,61 +421,219 @@ class SourceTracker:
         self.counters.stale_marks += 1
         self.out.append(SourceStale(self.name, reason, e, resume))
         self.expected = resume
+        self._forget()
+        self._attempts = 0
         self._recover()
+
+    def _live_again(self) -> None:
+        if self.inflight is None:
+            self.out.append(SourceLive(self.name, self.expected - 1))
+
+    def _connect(self) -> None:
+        # Probe from now on, even before any live traffic: a first burst lost whole would
+        # re-arm nothing.
+        self.connected = True
+        self._probe_armed = True
+
+    # -- probes ------------------------------------------------------------------------
+
+    def probe_at(self) -> float | None:
+        """When (same clock as ``now``) an idle probe is due, or None if none is."""
+        if not self.has_replay or self.inflight is not None or not self.connected:
+            return None
+        if self._recheck:
+            return self._last_live
+        if not self._probe_armed or self.probe_after_s is None:
+            return None
+        return self._last_live + self._probe_gap
+
+    def on_reconnect(self, now: float) -> None:
+        """The live socket reconnected at ``now``: the publisher may be a new instance
+        (that published nothing we received yet). A barrier: held live messages are
+        dropped (a replay fetches them again from whoever publishes now), an outstanding
+        request is abandoned, and the anchor is verified before anything else is yielded."""
+        self._last_live = now
+        if not self.has_replay:
+            return
+        self._clear_held()
+        self._abandon()
+        self._attempts = 0
+        if not self.connected or self.expected == 0:
+            self.inflight = Request(REPLAY, JOIN, 0)
+        elif self._known(self.expected - 1) is None:
+            # Nothing to compare with (just after a snapshot or a stale jump): the new
+            # connection may be a new instance, so rebuild from it.
+            self._restart(self.expected)
+        else:
+            self.counters.probes += 1
+            self.inflight = self._anchored(PROBE)
+
+    def on_tick(self, now: float) -> None:
+        """The clock reached ``now``: send the idle probe if it is due."""
+        at = self.probe_at()
+        if at is None or now < at:
+            return
+        self._recheck = False
+        # Quiet on: probe again after twice the wait, up to probe_max_s (None: only once).
+        # A burst lost whole (nothing arrived to re-arm the probe) is found that way.
+        gap = self._probe_gap
+        self._last_live = now
+        if self.probe_max_s is None or self.probe_after_s is None:
+            self._probe_armed = False
+        else:
+            self._probe_gap = min(2 * gap, max(self.probe_max_s, self.probe_after_s))
+        self.counters.probes += 1
+        self.inflight = self._anchored(PROBE)
 
     # -- replies -----------------------------------------------------------------------
 
     def on_reply(self, seq: int, topic: bytes | None, payload: bytes, batch: KVEventBatch) -> None:
-        """A decoded replay (or snapshot) reply arrived for the outstanding request."""
+        """A decoded replay (or snapshot) reply arrived for the outstanding request.
+
+        ``topic`` is None for vLLM 0.11 replies (no topic frame)."""
         req = self.inflight
         if req is None or not req.sent:
             return
+        if not self.connected:
+            self._connect()
+        req.replies += 1
+        if req.replies > self.max_replies:
+            self._overflow(req, f"more than {self.max_replies} replies to one request")
+            return
+        if topic is None:
+            topic = self.topic if self.topic is not None else b""
         if req.kind == SNAPSHOT:
             if req.snap_tag is None:
                 req.snap_tag = seq
-            req.snap.append((topic if topic else self.topic, payload, batch))
+            req.snap_bytes += len(payload)
+            if req.snap_bytes > self.max_snapshot_bytes:
+                self._overflow(req, f"snapshot larger than max_snapshot_bytes={self.max_snapshot_bytes}")
+                return
+            req.snap.append((topic, payload, batch))
             return
         if req.first is None:
             req.first = seq
-        t = topic if topic else self.topic
+            anchored = req.check is not None or req.purpose == ANCHOR
+            if anchored and seq != req.start:
+                # No anchor first: nothing in this reply can be trusted to continue what
+                # was yielded (a new instance, or a publisher that no longer buffers it).
+                self._abandon()
+                if seq < req.start:
+                    self._restart(seq)
+                else:
+                    self._beyond_buffer()
+                return
+            if seq == req.start and anchored:
+                # The anchor: the same bytes prove the same publisher instance.
+                h = hash(payload)
+                if req.check is None:
+                    self._remember(seq, h)
+                elif h != req.check:
+                    self._restart(seq)
+                    return
+                req.checked = True
+                req.below = True
+                return
         e = self.expected
         if seq < e:
+            req.below = True
+            h = self._known(seq)
+            if h is not None and h != hash(payload):
+                self._restart(seq)
+                return
             self.counters.duplicates += 1
-        elif seq == e and not req.hole:
-            self._yield(seq, t, payload, batch, True)
+        elif seq == e:
+            self._yield(seq, topic, payload, batch, True)
             self._drain_held()
         else:
-            req.hole = req.hole or seq > e
-            self._hold(seq, (seq, t, payload, batch, True))
+            self._hold(seq, (seq, topic, payload, batch, True))
+
+    def _overflow(self, req: Request, reason: str) -> None:
+        self.counters.overflows += 1
+        self._abandon()
+        self._mark_stale(reason)
+        self._live_again()
 
     def on_reply_end(self) -> None:
         """The end marker of the outstanding request arrived."""
         req = self.inflight
         if req is None or not req.sent:
             return
+        if not self.connected:
+            self._connect()
         self.inflight = None
         if req.kind == SNAPSHOT:
             self._end_snapshot(req)
             return
-        uncovered = req.hole or (req.first is not None and req.first > req.start) or (
-            req.first is None and req.known_max >= req.start and self.expected <= req.known_max)
-        self._drain_held()
-        if uncovered and self.held:
-            self.inflight = Request(SNAPSHOT, self.expected, max(self.held))
+        if req.first is None and (self.live_high >= req.start or any(s >= req.start for s in self.held)):
+            # The publisher has nothing from ``start`` on, yet we saw later seqs live: it
+            # is not the instance that sent them.
+            self._restart(req.start)
             return
-        self._recover()
-        if self.inflight is None:
-            self.out.append(SourceLive(self.name, self.expected - 1))
+        if req.start < req.e0 and not req.checked:
+            # The anchor is not in the reply: a new instance that has not reached it (or
+            # holds other bytes there), or a publisher that no longer buffers it.
+            if req.first is None or req.first < req.start:
+                self._restart(req.start)
+                return
+            self._beyond_buffer()
+            return
+        if req.checked:
+            # The publisher is the instance we followed up to the anchor: held live
+            # messages below E whose bytes were unknown are duplicates.
+            for s in [s for s in self.held if s < req.e0]:
+                self.held_bytes -= len(self.held.pop(s)[2])
+                self.counters.duplicates += 1
+        if not self._drain_held():
+            return
+        e = self.expected
+        if e > req.e0:
+            self._attempts = 0
+        missing = bool(self.held) or e <= self.live_high
+        if missing and self.held and min(self.held) < e:
+            self._recover()  # held live messages below E left to verify
+            self._live_again()
+            return
+        if missing:
+            gone = req.first is not None and req.first > e and not req.below
+            if gone and req.start <= e:
+                self._beyond_buffer()
+                return
+            self._attempts += 1
+            if self._attempts > self.max_retries:
+                self._beyond_buffer()
+                return
+            self.counters.retries += 1
+            delay = min(self.backoff_s * (2 ** (self._attempts - 1)), _BACKOFF_CAP_S)
+            self.inflight = self._anchored(GAP, delay)
+            return
+        self._attempts = 0
+        if req.purpose in (PROBE, VERIFY) and e == req.e0:
+            return  # nothing was missing: no news for the consumer
+        if req.purpose == PROBE:
+            # The probe found a lost tail: the channel is losing messages, look again soon.
+            self._probe_gap = self.probe_after_s or 0.0
+        self._live_again()
+
+    def _beyond_buffer(self) -> None:
+        """The publisher no longer has the missing batches: a snapshot, else stale."""
+        self._attempts = 0
+        req = self.inflight = Request(SNAPSHOT, GAP, self.expected, e0=self.expected)
+        req.check = self.live_high  # seen live before the snapshot was asked for
 
     def _end_snapshot(self, req: Request) -> None:
         if not req.snap:
             self._mark_stale("gap older than the publisher's replay buffer and the publisher "
                              "does not answer snapshot requests")
-            if self.inflight is None:
-                self.out.append(SourceLive(self.name, self.expected - 1))
+            self._live_again()
             return
         r = req.snap_tag
         assert r is not None
+        if req.check is not None and r <= req.check:
+            # The snapshot's publisher had not yet published a seq we received live
+            # before asking: another instance (it restarted). Rebuild from it.
+            self._restart(r)
+            return
         self.out.append(SourceReset(self.name, "snapshot", r))
         c = self.counters
         for topic, payload, batch in req.snap:
@@ -308,21 +642,62 @@ class SourceTracker:
             c.events += len(batch.events)
         self.stale = False
         self.expected = r
-        self._snap_floor = r
-        self._replayed.clear()
+        self._forget()
+        for s in [s for s in self.held if s < r]:
+            # Held before the snapshot: covered by it (it was made after they were sent).
+            self.held_bytes -= len(self.held.pop(s)[2])
+        if r > 0:
+            # Fetch the bytes of R - 1: later live seqs below R are then checked against the
+            # publisher, and a tag it cannot back (a restart since, or a lie) shows at once.
+            self.inflight = Request(REPLAY, ANCHOR, r - 1, None, 0.0, r)
+            return
         self._recover()
-        if self.inflight is None:
-            self.out.append(SourceLive(self.name, self.expected - 1))
+        self._live_again()
 
-    def on_request_failed(self, reason: str) -> None:
-        """The outstanding request could not be completed (timeouts, retries exhausted)."""
+    def on_timeout(self) -> None:
+        """The outstanding request got no complete answer within the shell's timeout (the
+        shell must send the next attempt on a fresh socket: late replies to this one must
+        not count)."""
         req = self.inflight
         if req is None:
             return
-        self.inflight = None
+        c = self.counters
+        c.timeouts += 1
         self.generation += 1
-        if req.kind == REPLAY and req.start == 0 and req.known_max < 0 and not self.held:
-            return  # the join-time replay found nobody; nothing is known to be missing
-        self._mark_stale(f"{req.kind} request failed: {reason}")
-        if self.inflight is None:
-            self.out.append(SourceLive(self.name, self.expected - 1))
+        if self.expected > req.e0:
+            self._attempts = 0
+        self._attempts += 1
+        if self._attempts <= self.max_retries or (req.purpose == JOIN and not self.connected):
+            # Nobody has answered yet (no publisher, a failed handshake): keep asking,
+            # slowly; the source stays "connecting".
+            c.retries += 1
+            delay = min(self.backoff_s * (2 ** (self._attempts - 1)), _BACKOFF_CAP_S)
+            e = self.expected
+            if req.kind == SNAPSHOT or (req.purpose == ANCHOR and e == req.e0) or e == 0:
+                nxt = Request(req.kind, req.purpose, req.start, req.check, delay, req.e0)
+            else:
+                nxt = self._anchored(GAP if req.purpose in (JOIN, ANCHOR) else req.purpose, delay)
+            self.inflight = nxt
+            return
+        self.inflight = None
+        self._attempts = 0
+        reason = f"no answer to a {req.kind} request after {self.max_retries + 1} attempts"
+        if req.purpose == JOIN:
+            # The publisher's live channel works but its replay endpoint does not answer:
+            # anything before the first live seq is unknown, so only a gap is a loss.
+            if not self._drain_held():
+                return
+            if self.held or self.expected <= self.live_high:
+                self.on_request_failed(reason)
+                return
+            self._live_again()
+            return
+        self.on_request_failed(reason)
+
+    def on_request_failed(self, reason: str) -> None:
+        """The outstanding request (if any) cannot be completed: the state can no longer be
+        vouched for, so the source is marked stale."""
+        if self.inflight is not None:
+            self._abandon()
+        self._mark_stale(reason)
+        self._live_again()

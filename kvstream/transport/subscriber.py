@@ -14,19 +14,26 @@ this module only moves frames. Sockets are plain ``zmq.Socket`` s used with ``NO
 a task waits for the socket's FD with ``anyio.wait_readable`` and, because ZMQ's FD is
 edge-triggered, drains while ``EVENTS & POLLIN`` before waiting again.
 
-Requests that get no answer within ``replay_timeout_s`` (of silence, not in total) are
-retried ``max_retries`` times with exponential backoff on a fresh DEALER (so late replies to
-an abandoned request cannot be mistaken for new ones); then the source is marked stale.
+Each source is ``connecting`` until its publisher answers (a live message or a replay
+answer), then ``live``, ``recovering`` or ``stale`` (see
+:mod:`~kvstream.transport.recovery` for the rules). :meth:`Subscriber.wait_state` and
+:meth:`Subscriber.wait_connected` wait for a state (tests and startup code should, rather
+than sleeping). Requests that get no complete answer within ``replay_timeout_s`` (of
+silence, not in total) are asked again on a fresh DEALER (so late replies to an abandoned
+request cannot be mistaken for new ones), with exponential backoff; the tracker decides
+when a loss is final. Idle probes ask the replay socket, ``probe_after_s`` after the last
+live message, whether the tail of a burst was lost.
 
-Back-pressure: at most ``max_buffered_items`` items wait for the consumer; beyond that the
-tasks stop reading, ZMQ's receive HWM fills, the publisher drops for this subscriber, and
-the gaps are recovered by replay once the consumer catches up.
+Every buffer is bounded: items waiting for the consumer (``max_buffered_items``,
+``max_buffered_bytes``; beyond them the tasks stop reading, ZMQ's receive HWM fills, the
+publisher drops for this subscriber and the gaps are recovered by replay once the consumer
+catches up), held messages (``max_held``, ``max_held_bytes``), snapshot answers
+(``max_snapshot_bytes``) and ZMQ's queues (HWM messages of at most ``max_payload_bytes``).
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,19 +43,22 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecodeError, EventDecoder
-from kvstream.wire.framing import SNAPSHOT_REQUEST, FrameError, encode_seq, parse_replay_reply
+from kvstream.errors import LocalProtocolError
+from kvstream.wire.framing import SNAPSHOT_REQUEST, FrameError, encode_seq, parse_replay_reply, split_live
 from kvstream.transport._ratelog import RateLimitedLog
-from kvstream.transport.config import CurveClientConfig
-from kvstream.transport.items import SourceReset, StreamItem
-from kvstream.transport.recovery import REPLAY, SourceCounters, SourceTracker
+from kvstream.transport.config import CurveClientConfig, EndpointError
+from kvstream.transport.items import SourceBatch, SourceReset, StreamItem
+from kvstream.transport.recovery import REPLAY, STATES, Request, SourceCounters, SourceTracker
 
 __all__ = ["Subscriber", "SourceSpec", "SourceHealth"]
 
 log = logging.getLogger(__name__)
-_SEQ = struct.Struct(">Q")
 _EVENTS = int(zmq.EVENTS)
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 _POLLIN = int(zmq.POLLIN)
 # Hand items to the consumer after this many messages or events, whichever comes first:
 # decoded batches held in bulk survive young-generation GC passes and get expensive.
@@ -60,12 +70,15 @@ _EVENT_BURST = 1024
 class SourceSpec:
     """One publisher to follow: its PUB ``endpoint``, its replay ROUTER endpoint (None: no
     replay, every gap marks the source stale), a ``name`` for the items (default: the
-    endpoint) and optional CURVE client settings (default: the subscriber's)."""
+    endpoint), optional CURVE client settings (default: the subscriber's) and the
+    publisher's ``topic`` if known (labels vLLM 0.11 replay replies, which carry no topic
+    frame, until a live message shows the topic)."""
 
     endpoint: str
     replay_endpoint: str | None = None
     name: str | None = None
     curve: CurveClientConfig | None = None
+    topic: str | bytes | None = None
 
     @property
     def source(self) -> str:
@@ -75,8 +88,8 @@ class SourceSpec:
 
 @dataclass(frozen=True, slots=True)
 class SourceHealth:
-    """A snapshot of one source's health: ``state`` is ``"live"``, ``"recovering"`` or
-    ``"stale"``; ``last_seq`` the last yielded seq (-1: none); ``counters`` see
+    """A snapshot of one source's health: ``state`` is ``"connecting"``, ``"live"``,
+    ``"recovering"`` or ``"stale"``; ``last_seq`` the last yielded seq (-1: none); ``counters`` see
     :class:`~kvstream.transport.recovery.SourceCounters` (``lag_s`` in seconds)."""
 
     source: str
@@ -96,29 +109,55 @@ class SourceHealth:
 
 
 class _Source:
-    __slots__ = ("spec", "tracker", "sub", "dealer", "scope", "wake", "wait_scope", "curve")
+    __slots__ = ("spec", "tracker", "sub", "dealer", "dealer_gen", "scope", "wake", "wait_scope", "curve",
+                 "monitor", "handshakes", "auth_failures")
 
     def __init__(self, spec: SourceSpec, tracker: SourceTracker, curve: CurveClientConfig | None) -> None:
         self.spec = spec
         self.tracker = tracker
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
+        self.dealer_gen = -1
         self.scope: anyio.CancelScope | None = None
         self.wake = anyio.Event()
         self.wait_scope: anyio.CancelScope | None = None
         self.curve = curve
+        self.monitor: zmq.Socket | None = None
+        self.handshakes = 0
+        self.auth_failures = 0
+
+
+def _item_bytes(item: Any) -> int:
+    return len(item.payload) + 64 if type(item) is SourceBatch else 64
 
 
 class Subscriber:
     """Follows many KV event publishers; an async iterator of stream items.
 
-    ``sources``: :class:`SourceSpec` s (or bare endpoint strings, no replay). ``topic``:
-    prefix filter on the topic frame. ``replay_timeout_s``: seconds of silence before a
-    request is retried; ``max_retries``: retries per request (backoff ``backoff_s``
-    doubling); ``max_buffered_items``: items waiting for the consumer before reading
-    pauses; ``rcvhwm``: ZMQ receive HWM of each SUB socket (messages); ``unknown_events``
-    and ``max_payload_bytes`` go to the :class:`~kvstream.wire.events.EventDecoder`;
-    ``curve``: CURVE client settings for every source without its own.
+    Args:
+        sources: :class:`SourceSpec` s (or bare endpoint strings, no replay).
+        topic: prefix filter on the topic frame, for live messages and replayed batches.
+        replay_timeout_s: seconds of silence before a request is asked again.
+        max_retries: requests asked again without progress (holes, cut tails, silence)
+            before a loss is taken as final; ``backoff_s`` seconds between them, doubling
+            (capped at 2 s).
+        probe_after_s: quiet seconds after live traffic before a source's replay socket is
+            asked whether anything was lost (vLLM sends no heartbeat); None: never.
+        max_buffered_items / max_buffered_bytes: items (and their payload bytes) waiting
+            for the consumer before reading pauses (ZMQ then queues up to ``rcvhwm``
+            messages per source and the publisher drops beyond its HWM; the gaps are
+            recovered by replay once the consumer catches up).
+        max_held / max_held_bytes: live messages held per source while a request is
+            outstanding (more are dropped and fetched again by replay).
+        max_snapshot_bytes: payload bytes of one snapshot answer (beyond: the source is
+            marked stale).
+        rcvhwm: ZMQ receive HWM of each SUB socket (messages); replay_rcvhwm: of each
+            DEALER (messages; a full replay of ``buffer_steps`` batches must fit).
+        unknown_events / max_payload_bytes: go to the
+            :class:`~kvstream.wire.events.EventDecoder`; ZMQ also refuses messages larger
+            than ``max_payload_bytes`` + 64 KiB (it drops the connection), so each ZMQ
+            queue holds at most HWM x that many bytes.
+        curve: CURVE client settings for every source without its own.
     """
 
     def __init__(
@@ -129,21 +168,41 @@ class Subscriber:
         replay_timeout_s: float = 2.0,
         max_retries: int = 3,
         backoff_s: float = 0.05,
+        probe_after_s: float | None = 0.5,
         max_buffered_items: int = 10_000,
+        max_buffered_bytes: int = 64 << 20,
         max_held: int = 100_000,
-        rcvhwm: int = 100_000,
+        max_held_bytes: int = 64 << 20,
+        max_snapshot_bytes: int = 256 << 20,
+        rcvhwm: int = 10_000,
+        replay_rcvhwm: int = 20_000,
         unknown_events: str = "skip",
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         curve: CurveClientConfig | None = None,
         context: zmq.Context | None = None,
     ) -> None:
+        for k, v in (("max_buffered_items", max_buffered_items), ("max_buffered_bytes", max_buffered_bytes),
+                     ("max_held", max_held), ("max_held_bytes", max_held_bytes),
+                     ("max_snapshot_bytes", max_snapshot_bytes)):
+            if v < 1:
+                raise ValueError(f"{k} must be >= 1, got {v}")
+        if replay_timeout_s <= 0 or backoff_s < 0 or max_retries < 0:
+            raise ValueError("replay_timeout_s must be > 0, backoff_s and max_retries >= 0")
+        if probe_after_s is not None and probe_after_s <= 0:
+            raise ValueError(f"probe_after_s must be > 0 seconds or None, got {probe_after_s}")
         self.topic = topic.encode("utf-8") if isinstance(topic, str) else bytes(topic)
         self.replay_timeout_s = replay_timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.probe_after_s = probe_after_s
         self.max_buffered_items = max_buffered_items
+        self.max_buffered_bytes = max_buffered_bytes
         self.max_held = max_held
+        self.max_held_bytes = max_held_bytes
+        self.max_snapshot_bytes = max_snapshot_bytes
         self.rcvhwm = rcvhwm
+        self.replay_rcvhwm = replay_rcvhwm
+        self._maxmsg = max_payload_bytes + (64 << 10)
         self._curve = curve
         self._ctx = context
         self._decoder = EventDecoder(max_payload_bytes=max_payload_bytes, unknown_events=unknown_events)  # type: ignore[arg-type]
@@ -153,8 +212,15 @@ class Subscriber:
             raise ValueError(f"source names must be unique, got {names}; give each SourceSpec a name")
         self._sources: dict[str, _Source] = {}
         self._out: deque[StreamItem] = deque()
+        self._out_bytes = 0
+        # (items pushed in total after this burst, its receive time, its counters): the
+        # lag of the burst is measured when the consumer takes its last item.
+        self._marks: deque[tuple[int, float, SourceCounters]] = deque()
+        self._pushed = 0
+        self._taken = 0
         self._out_wait: anyio.Event | None = None
         self._space_wait: anyio.Event | None = None
+        self._state_wait: anyio.Event | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._closed = True
         self._rlog = RateLimitedLog(log)
@@ -184,14 +250,14 @@ class Subscriber:
         for src in list(self._sources.values()):
             self._close_source(src)
         self._sources.clear()
-        w = self._out_wait
-        if w is not None:
-            w.set()
+        for w in (self._out_wait, self._state_wait):
+            if w is not None:
+                w.set()
 
     def add_source(self, spec: SourceSpec | str) -> None:
         """Start following one more publisher (while open)."""
         if self._tg is None:
-            raise RuntimeError("add_source needs an open subscriber: use `async with Subscriber(...)`")
+            raise LocalProtocolError("add_source needs an open subscriber: use `async with Subscriber(...)`")
         spec = SourceSpec(spec) if isinstance(spec, str) else spec
         self._start_source(spec)
 
@@ -219,9 +285,48 @@ class Subscriber:
             out[name] = SourceHealth(name, src.spec.endpoint, t.state, t.expected - 1, t.counters.as_dict())
         return out
 
+    def state(self, name: str) -> str:
+        """The state of source ``name``: one of :data:`~kvstream.transport.recovery.STATES`."""
+        src = self._sources.get(name)
+        if src is None:
+            raise KeyError(f"no source named {name!r}; sources: {sorted(self._sources)}")
+        return src.tracker.state
+
     def counters(self, name: str) -> SourceCounters:
         """The live counters object of source ``name``."""
         return self._sources[name].tracker.counters
+
+    async def wait_state(self, name: str, *states: str, timeout_s: float | None = None) -> str:
+        """Wait until source ``name`` is in one of ``states`` (default: anything but
+        ``"connecting"``); returns the state. Raises ``TimeoutError`` after ``timeout_s``
+        seconds (None: no limit) naming the state it was stuck in."""
+        wanted = states or ("live", "recovering", "stale")
+        bad = [s for s in wanted if s not in STATES]
+        if bad:
+            raise LocalProtocolError(f"unknown state(s) {bad}; states are {list(STATES)}")
+        try:
+            with anyio.fail_after(timeout_s):
+                while True:
+                    st = self.state(name)
+                    if st in wanted:
+                        return st
+                    if self._closed:
+                        raise LocalProtocolError("the subscriber is closed")
+                    ev = self._state_wait
+                    if ev is None:
+                        ev = self._state_wait = anyio.Event()
+                    await ev.wait()
+        except TimeoutError:
+            raise TimeoutError(f"source {name!r} still {self.state(name)!r} after {timeout_s}s, "
+                               f"waited for {list(wanted)}") from None
+
+    async def wait_connected(self, name: str | None = None, timeout_s: float | None = None) -> None:
+        """Wait until source ``name`` (default: every source) has heard from its publisher
+        and is caught up (``"live"``). ``TimeoutError`` after ``timeout_s`` seconds."""
+        names = [name] if name is not None else list(self._sources)
+        with anyio.fail_after(timeout_s):
+            for n in names:
+                await self.wait_state(n, "live")
 
     # -- iteration ---------------------------------------------------------------------
 
@@ -236,36 +341,64 @@ class Subscriber:
             ev = self._out_wait = anyio.Event()
             await ev.wait()
         item = out.popleft()
+        self._out_bytes -= _item_bytes(item)
+        self._taken += 1
+        marks = self._marks
+        if marks and marks[0][0] <= self._taken:
+            self._took_marks()
         sw = self._space_wait
-        if sw is not None and len(out) <= self.max_buffered_items // 2:
+        if sw is not None and len(out) <= self.max_buffered_items // 2 and \
+                self._out_bytes <= self.max_buffered_bytes // 2:
             self._space_wait = None
             sw.set()
         return item
+
+    def _took_marks(self) -> None:
+        marks = self._marks
+        now = time.monotonic()
+        while marks and marks[0][0] <= self._taken:
+            _, t, c = marks.popleft()
+            c.lag_s = now - t
 
     @property
     def ready(self) -> int:
         """Items waiting for the consumer right now."""
         return len(self._out)
 
+    @property
+    def ready_bytes(self) -> int:
+        """Payload bytes (plus 64 per item) waiting for the consumer right now."""
+        return self._out_bytes
+
     def get_nowait(self) -> list[StreamItem]:
         """Every item ready now (possibly none), without waiting: for consumers that poll."""
         items = list(self._out)
         self._out.clear()
+        self._out_bytes = 0
+        self._taken += len(items)
+        self._took_marks()
         sw = self._space_wait
         if sw is not None:
             self._space_wait = None
             sw.set()
         return items
 
-    def _push(self, items: list[Any]) -> None:
+    def _push(self, items: list[Any], received: float | None = None, c: SourceCounters | None = None) -> None:
         self._out.extend(items)
+        self._out_bytes += sum(map(_item_bytes, items))
+        self._pushed += len(items)
+        if received is not None and c is not None:
+            self._marks.append((self._pushed, received, c))
         w = self._out_wait
         if w is not None:
             self._out_wait = None
             w.set()
 
+    def _full(self) -> bool:
+        return len(self._out) >= self.max_buffered_items or self._out_bytes >= self.max_buffered_bytes
+
     async def _wait_space(self) -> None:
-        while len(self._out) >= self.max_buffered_items and not self._closed:
+        while self._full() and not self._closed:
             ev = self._space_wait
             if ev is None:
                 ev = self._space_wait = anyio.Event()
@@ -278,12 +411,17 @@ class Subscriber:
         if name in self._sources:
             raise ValueError(f"source {name!r} is already followed")
         assert self._tg is not None and self._ctx is not None
+        st = spec.topic.encode("utf-8") if isinstance(spec.topic, str) else spec.topic
         tracker = SourceTracker(name, has_replay=spec.replay_endpoint is not None,
-                                max_held=self.max_held, topic=self.topic)
+                                max_held=self.max_held, max_held_bytes=self.max_held_bytes,
+                                max_snapshot_bytes=self.max_snapshot_bytes, max_retries=self.max_retries,
+                                backoff_s=self.backoff_s, probe_after_s=self.probe_after_s,
+                                topic=self.topic, source_topic=st)
         src = _Source(spec, tracker, spec.curve or self._curve)
         sub = self._ctx.socket(zmq.SUB)
         sub.rcvhwm = self.rcvhwm
         sub.linger = 0
+        sub.setsockopt(zmq.MAXMSGSIZE, self._maxmsg)
         if src.curve is not None:
             from kvstream.transport.curve import apply_client
 
@@ -293,13 +431,23 @@ class Subscriber:
             sub.connect(spec.endpoint)
         except zmq.ZMQError as exc:
             sub.close(0)
-            raise ValueError(f"cannot connect to {spec.endpoint!r}: {exc}") from None
+            raise EndpointError(f"cannot connect to {spec.endpoint!r}: {exc}; write it as "
+                                "tcp://HOST:PORT (port 1-65535), ipc://PATH or inproc://NAME") from None
         src.sub = sub
+        if spec.replay_endpoint is not None:
+            # Reconnects of the live socket: the publisher may have restarted (see
+            # SourceTracker.on_reconnect). Failed handshakes (CURVE) are logged.
+            src.monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
         self._sources[name] = src
-        tracker.start()
+        tracker.start(time.monotonic())
         self._tg.start_soon(self._run_source, src, name=f"kvstream-source-{name}")
 
     def _close_source(self, src: _Source) -> None:
+        if src.monitor is not None:
+            if src.sub is not None and not src.sub.closed:
+                src.sub.disable_monitor()
+            src.monitor.close(linger=0)
+            src.monitor = None
         for s in (src.sub, src.dealer):
             if s is not None and not s.closed:
                 s.close(linger=0)
@@ -313,36 +461,44 @@ class Subscriber:
                     tg.start_soon(self._live_loop, src)
                     if src.spec.replay_endpoint is not None:
                         tg.start_soon(self._replay_loop, src)
+                    if src.monitor is not None:
+                        tg.start_soon(self._monitor_loop, src)
         finally:
             # Closed only once no task waits on their FDs any more.
             self._close_source(src)
 
-    def _after(self, src: _Source, gen: int) -> None:
+    def _after(self, src: _Source, gen: int, received: float | None = None) -> None:
         """Publish the tracker's new items and wake the replay task if it has work."""
         t = src.tracker
         if t.out:
-            self._push(t.out)
+            self._push(t.out, received, t.counters)
             t.out = []
         req = t.inflight
         if t.generation != gen and src.wait_scope is not None:
             src.wait_scope.cancel()  # the request being waited on was abandoned
         if req is not None and not req.sent:
             src.wake.set()
+        sw = self._state_wait
+        if sw is not None:
+            self._state_wait = None
+            sw.set()
 
     async def _live_loop(self, src: _Source) -> None:
         sock = src.sub
         assert sock is not None
         t = src.tracker
         decode = self._decoder.decode
-        unpack = _SEQ.unpack
         c = t.counters
         rlog = self._rlog
         name = t.name
         recv = sock.recv_multipart
         nb = zmq.NOBLOCK
+        split = split_live
+        now = time.monotonic
         while True:
             n = ev = 0
             gen = t.generation
+            received = now()
             while True:
                 # Receive until EAGAIN rather than asking EVENTS per message (it costs as
                 # much as a receive); EVENTS is read once, before waiting on the FD.
@@ -353,104 +509,140 @@ class Subscriber:
                     if sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
                         continue
                     break
-                if len(frames) != 3 or len(frames[1]) != 8:
+                try:
+                    topic, seq, payload = split(frames)
+                except FrameError as exc:
                     c.frame_errors += 1
-                    rlog.warning("frame:" + name, "%s: dropped a live message with %d frame(s) %s "
-                                 "(expected [topic, 8-byte seq, payload])", name, len(frames),
-                                 [len(f) for f in frames[:4]])
+                    rlog.warning("frame:" + name, "%s: dropped a live message: %s", name, exc)
                     continue
-                topic, seqf, payload = frames
                 try:
                     batch = decode(payload)
                 except EventDecodeError as exc:
                     c.decode_errors += 1
                     rlog.warning("decode:" + name, "%s: dropped undecodable live batch seq %d: %s",
-                                 name, unpack(seqf)[0], exc)
+                                 name, seq, exc)
                     continue
-                t.on_live(unpack(seqf)[0], topic, payload, batch, time.time())
+                t.on_live(seq, topic, payload, batch, received)
                 n += 1
                 ev += len(batch.events)
                 if n >= _DRAIN_BURST or ev >= _EVENT_BURST:
-                    self._after(src, gen)
+                    self._after(src, gen, received)
                     gen = t.generation
                     n = ev = 0
                     await self._wait_space()
                     await anyio.lowlevel.checkpoint()
-            self._after(src, gen)
+                    received = now()
+            self._after(src, gen, received)
             await self._wait_space()
             await anyio.wait_readable(sock.FD)
 
+    async def _monitor_loop(self, src: _Source) -> None:
+        mon = src.monitor
+        assert mon is not None
+        t = src.tracker
+        while True:
+            while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
+                try:
+                    msg = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                ev = msg["event"]
+                if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    src.handshakes += 1
+                    if src.handshakes > 1:
+                        gen = t.generation
+                        t.on_reconnect(time.monotonic())
+                        self._after(src, gen)
+                elif ev != zmq.EVENT_DISCONNECTED:
+                    src.auth_failures += 1
+                    self._rlog.warning("handshake:" + t.name, "%s: handshake with %s failed (%s): "
+                                       "check the CURVE keys", t.name, src.spec.endpoint, ev)
+            await anyio.wait_readable(mon.FD)
+
     # -- replay ------------------------------------------------------------------------
 
-    def _new_dealer(self, src: _Source) -> zmq.Socket:
+    def _dealer(self, src: _Source) -> zmq.Socket:
+        """The DEALER for the current request generation (a fresh one after an abandoned
+        or timed-out request, so its late replies cannot be mistaken for new ones)."""
+        t = src.tracker
+        if src.dealer is not None and src.dealer_gen == t.generation:
+            return src.dealer
         if src.dealer is not None and not src.dealer.closed:
             src.dealer.close(linger=0)
         assert self._ctx is not None and src.spec.replay_endpoint is not None
         d = self._ctx.socket(zmq.DEALER)
         d.linger = 0
-        d.rcvhwm = 0  # a replay is bounded by the publisher's buffer; never drop its replies
+        d.rcvhwm = self.replay_rcvhwm
+        d.setsockopt(zmq.MAXMSGSIZE, self._maxmsg)
         if src.curve is not None:
             from kvstream.transport.curve import apply_client
 
             apply_client(d, src.curve)
         d.connect(src.spec.replay_endpoint)
         src.dealer = d
+        src.dealer_gen = t.generation
         return d
 
     async def _replay_loop(self, src: _Source) -> None:
         t = src.tracker
+        clock = time.monotonic
         while True:
             req = t.inflight
-            if req is None or req.sent:
-                src.wake = anyio.Event()
-                if t.inflight is None or t.inflight.sent:
-                    await src.wake.wait()
+            if req is not None and not req.sent:
+                await self._serve_request(src, req)
                 continue
-            await self._serve_request(src)
+            src.wake = anyio.Event()
+            req = t.inflight
+            if req is not None and not req.sent:
+                continue
+            at = t.probe_at()
+            if at is None:
+                await src.wake.wait()
+                continue
+            wait = at - clock()
+            if wait > 0:
+                with anyio.move_on_after(wait):
+                    await src.wake.wait()
+            gen = t.generation
+            t.on_tick(clock())
+            self._after(src, gen)
 
-    async def _serve_request(self, src: _Source) -> None:
+    async def _serve_request(self, src: _Source, req: Request) -> None:
         t = src.tracker
-        req = t.inflight
-        assert req is not None
         c = t.counters
-        for attempt in range(self.max_retries + 1):
+        if req.delay_s > 0:
+            await anyio.sleep(req.delay_s)
             if t.inflight is not req:
                 return
-            d = src.dealer if src.dealer is not None else self._new_dealer(src)
-            start = SNAPSHOT_REQUEST if req.kind != REPLAY else encode_seq(req.start)
-            try:
-                d.send_multipart([b"", start], zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # not connected yet and nothing queued: counts as a timeout below
+        d = self._dealer(src)
+        start = req.frame()
+        gen = t.generation
+        try:
+            d.send_multipart([b"", SNAPSHOT_REQUEST if start is None else encode_seq(start)], zmq.NOBLOCK)
+        except zmq.Again:
+            # Not connected (yet): nothing can be queued. Wait up to a timeout for the
+            # connection, then send; no connection in time counts as a timeout.
+            outcome = "timeout"
+            with anyio.move_on_after(self.replay_timeout_s):
+                while not (d.getsockopt(zmq.EVENTS) & zmq.POLLOUT):  # type: ignore[arg-type, operator]
+                    with anyio.move_on_after(0.05):
+                        await anyio.wait_readable(d.FD)
+                return  # connected: the replay loop sends the same request again
+        else:
+            req.sent = True
+            if req.kind == REPLAY:
+                c.replays += 1
             else:
-                req.sent = True
-                if req.kind == REPLAY:
-                    c.replays += 1
-                else:
-                    c.snapshots += 1
-                gen = t.generation
-                outcome = await self._receive_replies(src, d, gen)
-                if outcome == "done":
-                    return
-                if outcome == "abandoned":
-                    self._new_dealer(src)
-                    return
-            c.timeouts += 1
+                c.snapshots += 1
+            outcome = await self._receive_replies(src, d, gen)
+            # Whatever happened (an abandoned request may have produced items, e.g. a
+            # stale mark on an overflow), publish the tracker's items.
+            self._after(src, gen)
+        if outcome == "timeout" and t.inflight is req:
             self._rlog.warning("timeout:" + t.name, "%s: no complete answer to a %s request from %s "
-                               "within %.1fs (attempt %d of %d)", t.name, req.kind,
-                               src.spec.replay_endpoint, self.replay_timeout_s, attempt + 1,
-                               self.max_retries + 1)
-            req.sent = False
-            req.first, req.hole = None, False
-            req.snap.clear()
-            req.snap_tag = None
-            self._new_dealer(src)  # late replies to the abandoned attempt must not count
-            if attempt < self.max_retries:
-                await anyio.sleep(self.backoff_s * (2 ** attempt))
-        if t.inflight is req:
-            gen = t.generation
-            t.on_request_failed(f"no answer from {src.spec.replay_endpoint} after "
-                                f"{self.max_retries + 1} attempts")
+                               "within %.1fs", t.name, req.kind, src.spec.replay_endpoint,
+                               self.replay_timeout_s)
+            t.on_timeout()
             self._after(src, gen)
 
     async def _receive_replies(self, src: _Source, d: zmq.Socket, gen: int) -> str:
@@ -477,7 +669,7 @@ class Subscriber:
                     continue
                 if r.end:
                     t.on_reply_end()
-                    self._after(src, gen)
+                    self._after(src, gen, time.monotonic())
                     return "done"
                 try:
                     batch = decode(r.payload)
@@ -489,11 +681,13 @@ class Subscriber:
                 t.on_reply(r.seq, r.topic, r.payload, batch)
                 n += 1
                 if n >= _DRAIN_BURST:
-                    self._after(src, gen)
+                    self._after(src, gen, time.monotonic())
                     n = 0
+                    if t.generation != gen:
+                        return "abandoned"
                     await self._wait_space()
                     await anyio.lowlevel.checkpoint()
-            self._after(src, gen)
+            self._after(src, gen, time.monotonic())
             if t.generation != gen or t.inflight is None:
                 return "abandoned"
             with anyio.move_on_after(self.replay_timeout_s) as scope:
@@ -504,4 +698,3 @@ class Subscriber:
                 return "abandoned"
             if scope.cancelled_caught and not (d.getsockopt(zmq.EVENTS) & zmq.POLLIN):  # type: ignore[arg-type, operator]
                 return "timeout"
-

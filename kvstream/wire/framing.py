@@ -27,6 +27,7 @@ __all__ = [
     "encode_seq",
     "decode_seq",
     "parse_live",
+    "split_live",
     "parse_replay_reply",
     "parse_replay_request",
     "SNAPSHOT_REQUEST",
@@ -77,12 +78,25 @@ class ReplayReply:
     end: bool
 
 
-def parse_live(frames: Sequence[bytes]) -> LiveMessage:
-    """Check and split ``[topic, seq, payload]``."""
+_unpack_seq = _SEQ.unpack
+
+
+def split_live(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
+    """Check and split ``[topic, seq, payload]`` into ``(topic, seq, payload)``: the
+    subscriber's per-message path (no object built); :class:`FrameError` on a bad shape."""
     if len(frames) != 3:
-        raise FrameError(f"live message must have 3 frames [topic, seq, payload], got {len(frames)}")
+        raise FrameError(f"live message must have 3 frames [topic, 8-byte seq, payload], got "
+                         f"{len(frames)} {[len(f) for f in frames[:4]]}")
     topic, seq, payload = frames
-    return LiveMessage(bytes(topic), decode_seq(seq), payload)
+    if len(seq) != 8:
+        raise FrameError(f"live message seq frame must be 8 bytes, got {len(seq)}")
+    return topic, _unpack_seq(seq)[0], payload
+
+
+def parse_live(frames: Sequence[bytes]) -> LiveMessage:
+    """Check and split ``[topic, seq, payload]`` into a :class:`LiveMessage`."""
+    topic, seq, payload = split_live(frames)
+    return LiveMessage(bytes(topic), seq, payload)
 
 
 def parse_replay_reply(frames: Sequence[bytes]) -> ReplayReply:

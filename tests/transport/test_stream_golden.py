@@ -30,7 +30,8 @@ async def test_subscriber_yields_exactly_the_recorded_batches_recovering_through
         async with anyio.create_task_group() as tg:
             tg.start_soon(peer.serve)
             spec = SourceSpec(peer.pub_ep, peer.replay_ep, name="vllm")
-            async with Subscriber([spec], topic="kv@peer@model", replay_timeout_s=2.0) as sub:
+            # No idle probes: the recovery must come from the gap, through the recorded exchange.
+            async with Subscriber([spec], topic="kv@peer@model", replay_timeout_s=2.0, probe_after_s=None) as sub:
                 await peer.wait_subscriber()
                 # The join-time replay (from 0) finds an empty buffer: caught up at -1.
                 first = await collect(sub, lambda it: isinstance(it[-1], SourceLive))
@@ -53,8 +54,9 @@ async def test_subscriber_yields_exactly_the_recorded_batches_recovering_through
         assert b.batch == decode_batch(payload)
         assert b.source == "vllm" and b.batch.data_parallel_rank == 0
     assert [b.replayed for b in got[before:last]] == [True] * (last - before)
-    # The recovery request is byte-identical to the one vLLM's own client sent.
-    assert [b"", seqf_for(start)] in peer.requests
+    # The recovery request has the framing of the one vLLM's own client sent, one seq
+    # earlier: the anchor (the last batch yielded) proves the publisher is the same instance.
+    assert [b"", seqf_for(start - 1)] in peer.requests
     assert health.state == "live" and health.counters["gaps"] == 1
     assert health.counters["decode_errors"] == 0 and health.counters["stale_marks"] == 0
 
@@ -72,15 +74,17 @@ async def test_joining_late_replays_the_whole_recorded_stream(golden_dir, tmp_pa
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(peer.serve)
-            spec = SourceSpec(peer.pub_ep, peer.replay_ep, name="v")
-            async with Subscriber([spec], topic="kv@peer@model") as sub:
+            # The filter is a prefix; the publisher's real topic is given with the source.
+            spec = SourceSpec(peer.pub_ep, peer.replay_ep, name="v", topic="kv@peer@model")
+            async with Subscriber([spec], topic="kv@") as sub:
                 items = await collect(sub, lambda it: isinstance(it[-1], SourceLive))
             tg.cancel_scope.cancel()
     finally:
         peer.close()
     got = batches_of(items)
     assert [(b.seq, b.payload) for b in got] == [(s, peer.live[s][2]) for s in range(n)]
-    # 0.11 replies carry no topic: the subscription's topic stands in for it.
+    # 0.11 replies carry no topic frame: they are labelled with the source's real topic,
+    # never with the filter string.
     assert all(b.topic == b"kv@peer@model" and b.replayed for b in got)
 
 

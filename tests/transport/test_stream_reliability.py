@@ -5,6 +5,7 @@ and garbage on the wire."""
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import pytest
 import zmq
 
@@ -21,7 +22,15 @@ from kvstream.transport import (
     Subscriber,
 )
 
-from tests.transport.zmq_helpers import StateModel, apply_items, batches_of, collect, ipc, recv
+from tests.transport.zmq_helpers import (
+    ScriptedPublisher,
+    StateModel,
+    apply_items,
+    batches_of,
+    collect,
+    ipc,
+    recv,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -41,6 +50,14 @@ def _reference(batches) -> StateModel:
     for b in batches:
         m.apply(b)
     return m
+
+
+async def _sent_to_nobody(pub: Publisher) -> None:
+    """Wait (a state, not a time) until the publisher's send queue is empty: everything
+    published so far went out live, to nobody."""
+    with anyio.fail_after(5):
+        while pub.queued:
+            await anyio.lowlevel.checkpoint()
 
 
 def _caught_up(seq: int, source: str = "s"):
@@ -90,15 +107,12 @@ async def test_publisher_restart_mid_stream_resets_and_rebuilds_from_the_new_eng
         async with Subscriber([SourceSpec(cfg.endpoint, cfg.replay_endpoint, name="s")],
                               replay_timeout_s=0.5, backoff_s=0.05) as sub:
             async with Publisher(cfg) as pub:
-                await anyio.sleep(0.2)
+                await sub.wait_connected()
                 for b in first:
                     pub.publish(b)
                 items = await collect(sub, _caught_up(99))
             async with Publisher(cfg) as pub2:  # the engine restarts on the same endpoints
-                for b in second[:30]:  # likely lost: the SUB has not reconnected yet
-                    pub2.publish(b)
-                await anyio.sleep(0.4)
-                for b in second[30:]:
+                for b in second:  # the first ones are lost: the SUB has not reconnected yet
                     pub2.publish(b)
                 items += await collect(sub, _caught_up(49))
             health = sub.health()["s"]
@@ -119,10 +133,9 @@ async def test_subscriber_started_after_5000_batches_gets_them_all_then_live(tmp
             published = [_step(i) for i in range(5100)]
             for b in published[:5000]:
                 pub.publish(b)
-            await anyio.sleep(0.05)
+            await _sent_to_nobody(pub)
             async with Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")]) as sub:
                 items = await collect(sub, lambda it: isinstance(it[-1], SourceLive))
-                await anyio.sleep(0.1)
                 for b in published[5000:]:
                     pub.publish(b)
                 items += await collect(sub, _caught_up(5099))
@@ -143,10 +156,9 @@ async def test_a_gap_older_than_the_replay_buffer_uses_a_snapshot_or_marks_stale
             for b in published[:1000]:
                 pub.publish(b)
                 model.apply(b)
-            await anyio.sleep(0.05)  # sent live to nobody
+            await _sent_to_nobody(pub)
             async with Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")]) as sub:
                 items = await collect(sub, lambda it: isinstance(it[-1], SourceLive))
-                await anyio.sleep(0.1)
                 for b in published[1000:]:
                     pub.publish(b)
                     model.apply(b)
@@ -238,3 +250,158 @@ async def test_replay_request_flood_is_bounded_and_followers_lose_nothing(tmp_pa
     assert [b.seq for b in batches_of(items)] == list(range(500))
     st = pub.stats
     assert st.malformed_requests == 250 and st.replay_rejected > 0
+
+
+# -- issue #15: the promise "exact, or visibly not" -------------------------------------
+
+
+def _until_seq(seq: int, source: str = "s"):
+    return lambda items: any(isinstance(i, SourceBatch) and i.source == source and i.seq == seq for i in items)
+
+
+async def test_replies_lost_by_a_0_11_router_are_asked_again_not_taken_as_gone(tmp_path):
+    """Item 1: a hole in the middle of a replay, then a cut tail (no end marker): the
+    batches are still in the publisher's buffer, so they are asked for again."""
+    peer = ScriptedPublisher(ipc(tmp_path, "p"), ipc(tmp_path, "r"))
+    attempts = []
+
+    def damage(start: int, n: int) -> set[int]:
+        if start == 0:
+            return set()  # the join
+        attempts.append(start)
+        if len(attempts) == 1:
+            return set(range(50, 80))  # a hole mid-replay (the end marker arrives)
+        if len(attempts) == 2:
+            return set(range(100, n))  # a cut tail: no end marker
+        return set()
+
+    peer.damage = damage
+    payloads = [encode_batch(_step(i)) for i in range(300)]
+    try:
+        with anyio.fail_after(15):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(peer.serve)
+                spec = SourceSpec(peer.pub_ep, peer.replay_ep, name="s", topic="kv")
+                async with Subscriber([spec], replay_timeout_s=0.3, backoff_s=0.01, probe_after_s=None) as sub:
+                    await peer.wait_subscriber()
+                    await sub.wait_connected()
+                    for i in range(300):  # only 0..9 and 299 reach the live socket
+                        peer.publish(payloads[i], send=i < 10 or i == 299)
+                    items = await collect(sub, _until_seq(299))
+                    await sub.wait_state("s", "live")
+                    health = sub.health()["s"]
+                tg.cancel_scope.cancel()
+    finally:
+        peer.close()
+    got = batches_of(items)
+    assert [b.seq for b in got] == list(range(300)) and all(b.topic == b"kv" for b in got)
+    c = health.counters
+    assert c["stale_marks"] == 0 and c["snapshots"] == 0 and c["retries"] >= 2 and c["timeouts"] >= 1
+    assert len(attempts) >= 3 and health.state == "live"
+
+
+async def test_a_lost_tail_is_found_by_an_idle_probe(tmp_path):
+    """Item 2: the last batches of a burst are lost and the engine goes idle: a probe of
+    the replay socket finds them (vLLM sends no heartbeat)."""
+    peer = ScriptedPublisher(ipc(tmp_path, "p"), ipc(tmp_path, "r"))
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(peer.serve)
+                spec = SourceSpec(peer.pub_ep, peer.replay_ep, name="s")
+                async with Subscriber([spec], probe_after_s=0.2) as sub:
+                    await peer.wait_subscriber()
+                    await sub.wait_connected()
+                    for i in range(10):
+                        peer.publish(encode_batch(_step(i)), send=i < 7)  # 7, 8, 9 lost
+                    items = await collect(sub, _until_seq(9))
+                    health = sub.health()["s"]
+                tg.cancel_scope.cancel()
+    finally:
+        peer.close()
+    assert [b.seq for b in batches_of(items)] == list(range(10))
+    assert health.counters["probes"] >= 1 and health.counters["gaps"] == 0
+    model, stale = apply_items(items)
+    assert not stale and model.state() == _reference([_step(i) for i in range(10)]).state()
+
+
+async def test_a_restart_after_a_snapshot_join_is_detected_and_rebuilt(tmp_path):
+    """Item 3: a subscriber that joined by snapshot (no live message seen) must not take
+    the next engine's seqs 0..N for duplicates."""
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"), buffer_steps=20)
+    first = [_step(i) for i in range(100)]
+    second = [_step(1000 + i) for i in range(60)]
+    model = StateModel()
+    with anyio.fail_after(15):
+        async with Subscriber([SourceSpec(cfg.endpoint, cfg.replay_endpoint, name="s")],
+                              replay_timeout_s=0.5, backoff_s=0.02) as sub:
+            async with Publisher(cfg, snapshot_provider=model.snapshot_events) as pub:
+                for b in first:
+                    pub.publish(b)
+                    model.apply(b)
+                # A snapshot join (the buffer holds only the last 20 batches).
+                items = await collect(sub, lambda it: any(isinstance(i, SourceReset) for i in it))
+                await sub.wait_state("s", "live")
+            model2 = StateModel()
+            # The engine restarts on the same endpoints (and its buffer rotates too).
+            async with Publisher(cfg, snapshot_provider=model2.snapshot_events) as pub2:
+                for b in second:
+                    pub2.publish(b)
+                    model2.apply(b)
+                items += await collect(sub, _until_seq(59))
+                await sub.wait_state("s", "live")
+                items += sub.get_nowait()
+                health = sub.health()["s"]
+    resets = [i.reason for i in items if isinstance(i, SourceReset)]
+    assert resets[0] == "snapshot" and "restart" in resets[1:]
+    final, stale = apply_items(items)
+    assert not stale and final.state() == _reference(second).state()
+    assert health.counters["restarts"] >= 1 and health.state == "live"
+
+
+async def test_a_snapshot_that_never_ends_trips_its_byte_bound_and_marks_stale(tmp_path):
+    """Item 7: a hostile replay server streams snapshot batches forever; memory stays
+    bounded by max_snapshot_bytes and the source says so."""
+    peer = ScriptedPublisher(ipc(tmp_path, "p"), ipc(tmp_path, "r"), buffer_steps=5)
+    peer.snapshot_forever = encode_batch(_step(7, width=64))
+    for i in range(20):
+        peer.publish(encode_batch(_step(i)), send=False)  # 0..14 rotated out: a snapshot join
+    try:
+        with anyio.fail_after(15):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(peer.serve)
+                spec = SourceSpec(peer.pub_ep, peer.replay_ep, name="s")
+                async with Subscriber([spec], max_snapshot_bytes=1 << 20, probe_after_s=None) as sub:
+                    items = await collect(sub, _until_seq(19))
+                    health = sub.health()["s"]
+                tg.cancel_scope.cancel()
+    finally:
+        peer.close()
+    (st,) = [i for i in items if isinstance(i, SourceStale)]
+    assert "max_snapshot_bytes" in st.reason and health.counters["overflows"] == 1
+    assert health.state == "stale"
+    assert [b.seq for b in batches_of(items)] == list(range(15, 20))
+
+
+async def test_a_stalled_consumer_of_big_batches_holds_a_bounded_number_of_bytes(tmp_path):
+    """Item 7: items waiting for a consumer that does not read are bounded in bytes, not
+    just in count; nothing is lost once it reads again."""
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"))
+    big = [_step(i, width=256) for i in range(120)]  # ~50 KB each
+    limit = 512 << 10
+    with anyio.fail_after(15):
+        async with Publisher(cfg) as pub:
+            async with Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")],
+                                  max_buffered_bytes=limit) as sub:
+                await sub.wait_connected()
+                items = sub.get_nowait()
+                for b in big:
+                    pub.publish(b)
+                with anyio.fail_after(5):  # the subscriber reads until the bound, then stops
+                    while sub.ready_bytes < limit:
+                        await anyio.sleep(0.01)
+                size = len(encode_batch(big[0]))
+                assert sub.ready_bytes <= limit + 256 * (size + 64)
+                assert sub.ready_bytes < 120 * size // 2
+                items += await collect(sub, _until_seq(119))
+    assert [b.seq for b in batches_of(items)] == list(range(120))

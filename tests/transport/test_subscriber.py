@@ -53,17 +53,31 @@ def _kinds(out):
     return [(type(i).__name__, getattr(i, "seq", None)) for i in out]
 
 
-def test_gap_requests_replay_from_the_first_missing_seq_and_drops_overlap():
+def _serve(t: SourceTracker, published: dict[int, int], *, drop: set[int] = frozenset(), end: bool = True) -> None:
+    """Answer the tracker's outstanding replay request like a publisher whose buffer holds
+    ``published`` (seq -> hash), losing the replies in ``drop`` (and the end marker if not
+    ``end``)."""
+    req = _sent(t)
+    assert req.kind == "replay"
+    for s in sorted(published):
+        if s >= req.start and s not in drop:
+            _reply(t, s, published[s])
+            if t.inflight is not req:
+                return
+    if end:
+        t.on_reply_end()
+
+
+def test_gap_requests_replay_from_the_anchor_and_drops_overlap():
     t = SourceTracker("s", has_replay=True)
     _live(t, 0)
     _live(t, 1)
     _live(t, 4)  # 2 and 3 lost
-    req = _sent(t)
-    assert (req.kind, req.start, t.state) == ("replay", 2, "recovering")
+    req = t.inflight
+    # From the anchor (seq 1, already yielded): its bytes prove the same publisher.
+    assert (req.kind, req.start, t.state) == ("replay", 1, "recovering")
     _live(t, 5)  # held while recovering
-    for s in (2, 3, 4):
-        _reply(t, s)
-    t.on_reply_end()
+    _serve(t, {s: s for s in range(5)})
     assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 1, 2, 3, 4, 5]
     assert [i.replayed for i in t.out if isinstance(i, SourceBatch)] == [False, False, True, True, False, False]
     assert isinstance(t.out[-1], SourceLive) and t.state == "live"
@@ -73,10 +87,7 @@ def test_gap_requests_replay_from_the_first_missing_seq_and_drops_overlap():
 def test_live_duplicate_of_a_replayed_batch_is_dropped_but_different_bytes_mean_restart():
     t = SourceTracker("s", has_replay=True)
     t.start()  # joining: replay from 0
-    _sent(t)
-    for s in range(5):
-        _reply(t, s)
-    t.on_reply_end()
+    _serve(t, {s: s for s in range(5)})
     _live(t, 3)  # the same batch arriving late on the live socket
     assert t.counters.duplicates == 1 and t.counters.restarts == 0
     _live(t, 4, h=999)  # seq 4 again but other content: a new engine
@@ -98,40 +109,47 @@ def test_replay_that_starts_late_falls_back_to_snapshot_then_stale_when_unsuppor
     t = SourceTracker("s", has_replay=True)
     _live(t, 0)
     _live(t, 10)
-    _sent(t)
-    for s in range(5, 11):  # 1..4 rotated out of the publisher's buffer
-        _reply(t, s)
-    t.on_reply_end()
+    # 0..4 rotated out of the publisher's buffer: the anchor (0) is not in the reply, so
+    # nothing in it is trusted (it could be a new instance's).
+    _serve(t, {s: s for s in range(5, 11)})
     req = _sent(t)
     assert req.kind == "snapshot"
     t.on_reply_end()  # end marker only: unsupported (what vLLM answers)
     stale = [i for i in t.out if isinstance(i, SourceStale)]
-    assert len(stale) == 1 and (stale[0].first_missing_seq, stale[0].resume_seq) == (1, 5)
-    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 5, 6, 7, 8, 9, 10]
+    assert len(stale) == 1 and (stale[0].first_missing_seq, stale[0].resume_seq) == (1, 10)
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 10]
     assert t.state == "stale"
 
 
-def test_snapshot_reply_resets_and_resumes_after_its_seq():
+def test_snapshot_reply_resets_fetches_its_anchor_and_resumes_after_its_seq():
     t = SourceTracker("s", has_replay=True)
     _live(t, 0)
     _live(t, 10)
+    _serve(t, {7: 7, 8: 8, 9: 9, 10: 10})  # the anchor (0) is gone: snapshot
     _sent(t)
-    _reply(t, 7)
-    t.on_reply_end()
-    _sent(t)
-    _reply(t, 9, h=100)  # snapshot batches, tagged R = 9
-    _reply(t, 9, h=101)
+    _reply(t, 11, h=100)  # snapshot batches, tagged R = 11 (the publisher's next seq)
+    _reply(t, 11, h=101)
     _live(t, 11)  # arrives while the snapshot is being answered
     t.on_reply_end()
-    assert _kinds(t.out)[1:] == [("SourceReset", 9), ("SourceBatch", 8), ("SourceBatch", 8)]
-    assert t.inflight is not None and t.inflight.start == 9  # 9 is still missing: replay it
+    assert _kinds(t.out)[1:] == [("SourceReset", 11), ("SourceBatch", 10), ("SourceBatch", 10)]
+    req = t.inflight
+    assert (req.kind, req.start, req.purpose) == ("replay", 10, "anchor")  # the bytes of R - 1
+    _serve(t, {10: 10, 11: 11})
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)][-1:] == [11]
+    assert t.state == "live" and not t.stale and t.counters.duplicates == 1
+
+
+def test_a_snapshot_tagged_below_a_seq_seen_live_is_another_instance():
+    """Item 3: the snapshot's publisher had not yet published a seq we had received."""
+    t = SourceTracker("s", has_replay=True)
+    _live(t, 0)
+    _live(t, 10)
+    _serve(t, {7: 7})
     _sent(t)
-    _reply(t, 9)
-    _reply(t, 10)
-    _reply(t, 11)
+    _reply(t, 3, h=100)  # a restarted engine at seq 3 answers
     t.on_reply_end()
-    assert [i.seq for i in t.out if isinstance(i, SourceBatch)][-3:] == [9, 10, 11]
-    assert t.state == "live" and not t.stale
+    assert ("SourceReset", 3) in _kinds(t.out) and t.counters.restarts == 1
+    assert t.inflight.purpose == "join"
 
 
 def test_without_replay_endpoint_a_gap_marks_the_source_stale():
@@ -174,41 +192,55 @@ async def test_many_publishers_are_followed_at_once_in_order_per_source(tmp_path
     assert health["e0"].counters["batches"] == 50 and health["e0"].last_seq == 49
 
 
-async def test_topic_filter_ignores_other_topics(tmp_path):
-    with anyio.fail_after(5):
-        async with Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "a"), topic="kv@a")) as a, \
-                Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "b"), topic="other")) as b:
-            async with Subscriber([SourceSpec(a.endpoint, name="a"), SourceSpec(b.endpoint, name="b")],
-                                  topic="kv@") as sub:
-                await anyio.sleep(0.2)
+async def test_topic_filter_ignores_other_topics_live_and_replayed(tmp_path):
+    """Item 6: the filter applies to replays too (a joining subscriber used to receive the
+    other topic's buffered batches)."""
+    ca = KVEventsConfig(endpoint=ipc(tmp_path, "a"), replay_endpoint=ipc(tmp_path, "ra"), topic="kv@a")
+    cb = KVEventsConfig(endpoint=ipc(tmp_path, "b"), replay_endpoint=ipc(tmp_path, "rb"), topic="other")
+    with anyio.fail_after(10):
+        async with Publisher(ca) as a, Publisher(cb) as b:
+            b.publish(_batch(10))  # buffered before the subscriber joins: fetched by the join replay
+            a.publish(_batch(20))
+            specs = [SourceSpec(a.endpoint, a.replay_endpoint, name="a"),
+                     SourceSpec(b.endpoint, b.replay_endpoint, name="b")]
+            async with Subscriber(specs, topic="kv@") as sub:
+                await sub.wait_connected()
                 b.publish(_batch(1))
                 a.publish(_batch(2))
-                items = await collect(sub, lambda it: len(batches_of(it)) == 1)
-                await anyio.sleep(0.1)
-                assert sub.get_nowait() == []
-    assert items[0].source == "a" and items[0].topic == b"kv@a"
+                items = await collect(sub, lambda it: len(batches_of(it)) == 2)
+                # b's replay socket answers (probe after its live message): still nothing of b.
+                await sub.wait_state("b", "live")
+                health = sub.health()
+                assert [i for i in sub.get_nowait() if isinstance(i, SourceBatch)] == []
+    got = batches_of(items)
+    assert [(i.source, i.topic, i.seq) for i in got] == [("a", b"kv@a", 0), ("a", b"kv@a", 1)]
+    assert health["b"].counters["filtered"] >= 1 and health["b"].counters["batches"] == 0
 
 
-async def test_lag_is_measured_from_the_batch_timestamp(tmp_path):
+async def test_lag_is_measured_from_receive_time_not_from_the_batch_timestamp(tmp_path):
+    """Item 5: a batch recorded long ago (a replayed log) is not "lag"; lag is how long
+    the batch waited in the subscriber for the consumer."""
     import time
 
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "a"), replay_endpoint=ipc(tmp_path, "ra"))
     with anyio.fail_after(5):
-        async with Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "a"))) as a:
-            async with Subscriber([SourceSpec(a.endpoint, name="a")]) as sub:
-                await anyio.sleep(0.2)
-                a.publish(_batch(1, ts=time.time() - 5.0))
+        async with Publisher(cfg) as a:
+            async with Subscriber([SourceSpec(a.endpoint, a.replay_endpoint, name="a")]) as sub:
+                await sub.wait_connected()
+                a.publish(_batch(1, ts=time.time() - 161.0))
                 await collect(sub, lambda it: len(batches_of(it)) == 1)
                 lag = sub.health()["a"].counters["lag_s"]
-    assert 5.0 <= lag < 6.0
+    assert 0.0 <= lag < 1.0
 
 
 async def test_sources_can_be_added_and_removed_while_running(tmp_path):
+    ca = KVEventsConfig(endpoint=ipc(tmp_path, "a"), replay_endpoint=ipc(tmp_path, "ra"))
+    cb = KVEventsConfig(endpoint=ipc(tmp_path, "b"), replay_endpoint=ipc(tmp_path, "rb"))
     with anyio.fail_after(5):
-        async with Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "a"))) as a, \
-                Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "b"))) as b:
-            async with Subscriber([SourceSpec(a.endpoint, name="a")]) as sub:
-                sub.add_source(SourceSpec(b.endpoint, name="b"))
-                await anyio.sleep(0.2)
+        async with Publisher(ca) as a, Publisher(cb) as b:
+            async with Subscriber([SourceSpec(a.endpoint, a.replay_endpoint, name="a")]) as sub:
+                sub.add_source(SourceSpec(b.endpoint, b.replay_endpoint, name="b"))
+                await sub.wait_connected()
                 a.publish(_batch(1))
                 b.publish(_batch(2))
                 await collect(sub, lambda it: len(batches_of(it)) == 2)
@@ -221,22 +253,25 @@ async def test_sources_can_be_added_and_removed_while_running(tmp_path):
 
 
 async def test_an_unreachable_replay_endpoint_marks_only_that_source_stale(tmp_path):
+    cb = KVEventsConfig(endpoint=ipc(tmp_path, "b"), replay_endpoint=ipc(tmp_path, "rb"))
     with anyio.fail_after(10):
-        async with Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "a"))) as a, \
-                Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "b"))) as b:
-            specs = [SourceSpec(a.endpoint, ipc(tmp_path, "nobody"), name="a"), SourceSpec(b.endpoint, name="b")]
+        async with Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "a"))) as a, Publisher(cb) as b:
+            specs = [SourceSpec(a.endpoint, ipc(tmp_path, "nobody"), name="a"),
+                     SourceSpec(b.endpoint, b.replay_endpoint, name="b")]
             async with Subscriber(specs, replay_timeout_s=0.2, max_retries=1, backoff_s=0.01) as sub:
-                await anyio.sleep(0.2)
+                await sub.wait_connected("b")
+                assert sub.state("a") == "connecting"  # nothing heard from a yet
                 a.publish(_batch(0))
-                a._queue.clear()  # seq 1 never reaches the wire
+                a._queue.clear()  # seq 1 never reaches the wire (0 may be lost too: slow joiner)
                 a.publish(_batch(1))
                 a.publish(_batch(2))
                 b.publish(_batch(3))
                 # b is not held up by a's recovery
-                first = await collect(sub, lambda it: any(getattr(i, "source", "") == "b" for i in it), timeout=0.5)
+                first = await collect(sub, lambda it: any(isinstance(i, SourceBatch) and i.source == "b" for i in it))
                 items = first + await collect(sub, lambda it: any(isinstance(i, SourceStale) for i in it))
                 health = sub.health()
     assert any(isinstance(i, SourceBatch) and i.source == "b" for i in first)
     (stale,) = [i for i in items if isinstance(i, SourceStale)]
     assert stale.source == "a" and "no answer" in stale.reason
     assert health["a"].counters["timeouts"] >= 2 and health["b"].state == "live"
+    assert health["a"].state == "stale"

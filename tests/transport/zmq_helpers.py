@@ -187,3 +187,75 @@ class GoldenPeer:
                 for f in replies:
                     r.send_multipart([ident, *f])
             await anyio.wait_readable(r.FD)
+
+
+class ScriptedPublisher:
+    """A vLLM-0.11-like publisher on real sockets whose replay answers can be damaged.
+
+    ``publish(payload, send=True)`` gives the next seq and buffers it (``buffer_steps``);
+    the ROUTER answers ``[id, b"", start]`` with 3-frame replies (no topic frame, like
+    0.11) and the end marker. ``damage(start, n)`` returns the indexes of the answer's
+    messages to drop (the end marker is index ``n - 1``): vLLM 0.11's ROUTER loses replies
+    beyond its HWM without telling anyone. ``snapshot_forever`` answers a snapshot request
+    with batches that never end (a hostile peer). ``served`` counts the answers given.
+    """
+
+    def __init__(self, pub_ep: str, replay_ep: str, *, topic: bytes = b"kv", buffer_steps: int = 10_000) -> None:
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.linger = 0
+        self.pub.bind(pub_ep)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        self.router.bind(replay_ep)
+        self.pub_ep, self.replay_ep = pub_ep, replay_ep
+        self.topic = topic
+        self.buffer_steps = buffer_steps
+        self.buf: list[tuple[int, bytes]] = []
+        self.seq = 0
+        self.requests: list[bytes] = []
+        self.damage: Callable[[int, int], set[int]] = lambda start, n: set()
+        self.snapshot_forever: bytes | None = None
+        self.served = 0
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.router.close(0)
+
+    async def wait_subscriber(self, timeout: float = 5.0) -> None:
+        msg = await recv(self.pub, timeout)
+        assert msg[0][:1] == b"\x01", msg
+
+    def publish(self, payload: bytes, send: bool = True) -> int:
+        seq = self.seq
+        self.seq += 1
+        self.buf.append((seq, payload))
+        del self.buf[:-self.buffer_steps]
+        if send:
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    async def serve(self) -> None:
+        """Answer replay requests until cancelled."""
+        r = self.router
+        while True:
+            while r.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                ident, _, start_frame = r.recv_multipart(zmq.NOBLOCK)
+                self.requests.append(bytes(start_frame))
+                if start_frame == b"SNAPSHOT" and self.snapshot_forever is not None:
+                    tag = self.seq.to_bytes(8, "big")
+                    while True:  # never ends; only the ROUTER's HWM slows it down
+                        try:
+                            r.send_multipart([ident, b"", tag, self.snapshot_forever], zmq.NOBLOCK)
+                        except zmq.Again:
+                            pass
+                        await anyio.sleep(0)
+                start = int.from_bytes(start_frame, "big")
+                answer = [[b"", s.to_bytes(8, "big"), p] for s, p in self.buf if s >= start]
+                answer.append([b"", END_SEQ_BYTES, b""])
+                drop = self.damage(start, len(answer))
+                for i, frames in enumerate(answer):
+                    if i not in drop:
+                        r.send_multipart([ident, *frames])
+                self.served += 1
+            await anyio.wait_readable(r.FD)
