@@ -59,7 +59,7 @@ def _fail(msg: str) -> int:
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
-    from kvstream.cli._endpoints import curve_client_from_args, parse_source
+    from kvstream.cli._endpoints import check_connect_endpoint, curve_client_from_args, parse_source
 
     try:
         from kvstream.jetstream import JetStreamConfigError, StreamSettings, parse_nats_url
@@ -67,6 +67,13 @@ def _run(args: argparse.Namespace) -> int:
         return _fail("needs nats-py: pip install 'kvstream[nats]'")
     try:
         specs = [parse_source(e) for e in args.engines]
+        for spec in specs:
+            if spec.endpoint.startswith("nats://"):
+                raise ValueError(f"{spec.endpoint!r}: a relay follows engines over ZMQ (tcp://, ipc://); "
+                                 "--nats names where it publishes")
+            check_connect_endpoint(spec.endpoint, "engine endpoint")
+            if spec.replay_endpoint:
+                check_connect_endpoint(spec.replay_endpoint, "replay endpoint")
         for url in args.nats:
             parse_nats_url(url)
         settings = StreamSettings(name=args.stream, subject_prefix=args.subject_prefix, storage=args.storage,
