@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Mapping
 
@@ -31,6 +32,7 @@ import anyio.abc
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder
 from kvstream.jetstream import wire
 from kvstream.jetstream._nats import connect
+from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, connect_op, parse_headers, pub_op, sub_op
 from kvstream.jetstream.config import NatsSource, parse_nats_url
 from kvstream.jetstream.errors import JetStreamConfigError
 from kvstream.jetstream.tracking import SourceState, StreamSource
@@ -109,7 +111,9 @@ class JetStreamSource:
             self._sseq = min(st.sseq for st in state.values())
         self._nc: Any = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._sub: Any = None
+        self._inbox = ""
+        self._wire_out = bytearray()
+        self._wire_wake = anyio.Event()
         self._consumer: str | None = None
         self._dseq = 0
         self._reset = anyio.Event()
@@ -238,8 +242,12 @@ class JetStreamSource:
 
     def _release_fc(self) -> None:
         reply, self._fc_held = self._fc_held, None
-        if reply is not None and self._tg is not None and self._nc is not None:
-            self._tg.start_soon(self._nc.publish, reply, b"")
+        if reply is not None:
+            self._send(pub_op(reply))
+
+    def _send(self, data: bytes) -> None:
+        self._wire_out += data
+        self._wire_wake.set()
 
     # -- the consumer ------------------------------------------------------------------
 
@@ -256,44 +264,50 @@ class JetStreamSource:
             self._by_subject[subject] = s
         return s  # type: ignore[return-value]
 
-    async def _on_msg(self, msg: Any) -> None:
+    def _on_raw(self, subject: str, reply: str, hblock: bytes | None, payload: bytes) -> None:
+        """One delivery on the data connection (called by the protocol reader)."""
         self._last_activity = time.monotonic()
-        hdrs = msg.headers
-        reply = msg.reply
-        if hdrs is not None and "Status" in hdrs:
-            if hdrs["Status"] == "100" and reply:  # flow control request
+        if hblock is not None and hblock[8:9] == b" ":  # an inline status: flow control, heartbeat
+            h = parse_headers(hblock)
+            status = h.get("Status")
+            if status == "100" and reply:  # flow control request
                 if len(self._out) > self.max_buffered_items:
                     self._fc_held = reply
                 else:
-                    await self._nc.publish(reply, b"")
-            elif hdrs["Status"] == "100":  # idle heartbeat: did we miss anything?
-                last = hdrs.get("Nats-Last-Consumer")
-                if last is not None and int(last) != self._dseq:
+                    self._send(pub_op(reply))
+            elif status == "100":  # idle heartbeat: did we miss anything?
+                last = h.get("Nats-Last-Consumer")
+                if last is not None and last.isdigit() and int(last) != self._dseq:
                     self._reset.set()
+            else:  # 409 consumer deleted, leadership change, ...: make it again
+                self._last_error = f"status {status} {h.get('Description', '')}".strip()
+                self._reset.set()
             return
-        if msg._sid != self._sub_sid:
-            return  # a late message of a consumer we already replaced
+        # One SUB on this connection: every message is a delivery of our consumer, on its
+        # original subject, with the $JS.ACK reply that carries its sequences.
         t = reply.split(".")
-        if len(t) == 9:
-            sseq, dseq = int(t[5]), int(t[6])
-        else:
-            sseq, dseq = int(t[7]), int(t[8])
+        try:
+            if len(t) == 9:
+                sseq, dseq = int(t[5]), int(t[6])
+            else:
+                sseq, dseq = int(t[7]), int(t[8])
+        except (ValueError, IndexError):
+            self._reset.set()
+            return
         if dseq != self._dseq + 1:
             self._reset.set()
             return
         self._dseq = dseq
         self._sseq = sseq
         self._state = "live"
-        s = self._source_for(msg.subject)
+        s = self._source_for(subject)
         if s is None:
             return
-        s.on_message(sseq, hdrs, msg.data, time.time())
+        s.on_message(sseq, parse_headers(hblock) if hblock is not None else None, payload, time.time())
         po = self._pending_out
         if po:
             self._push(po)
             po.clear()
-
-    _sub_sid = -1
 
     async def _on_reconnect(self) -> None:
         self._reset.set()
@@ -301,31 +315,18 @@ class JetStreamSource:
     async def _make_consumer(self) -> None:
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-        nc = self._nc
-        js = nc.jetstream()
-        old, self._sub = self._sub, None
-        self._sub_sid = -1
-        if old is not None:
-            try:
-                await old.unsubscribe()
-            except Exception:  # noqa: BLE001 - the connection may be gone already
-                pass
+        js = self._nc.jetstream()
         if self._consumer is not None:
             name, self._consumer = self._consumer, None
             try:
                 await js.delete_consumer(self.spec.stream, name)
             except Exception:  # noqa: BLE001 - it expires on its own (inactive threshold)
                 pass
-        inbox = nc.new_inbox()
         self._dseq = 0
         self._fc_held = None
-        sub = await nc.subscribe(inbox, cb=self._on_msg, pending_msgs_limit=1_000_000,
-                                 pending_bytes_limit=1 << 30)
-        self._sub = sub
-        self._sub_sid = sub._id
         subjects = [f"{self._prefix}.{wire.subject_token(n)}" for n in sorted(self._filter)]
         cfg = ConsumerConfig(
-            deliver_subject=inbox, ack_policy=AckPolicy.NONE, flow_control=True,
+            deliver_subject=self._inbox, ack_policy=AckPolicy.NONE, flow_control=True,
             idle_heartbeat=self.heartbeat_s, mem_storage=True, inactive_threshold=max(5.0, 5 * self.heartbeat_s),
             max_deliver=1,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if self._sseq > 0 else DeliverPolicy.ALL,
@@ -341,25 +342,72 @@ class JetStreamSource:
         self._consumer = info.name
         self._last_activity = time.monotonic()
 
+    async def _handshake(self, stream: Any, reader: ProtocolReader) -> None:
+        parts = urlsplit(self.spec.url)
+        with anyio.fail_after(5):
+            while reader.info is None:
+                reader.feed(await stream.receive())
+            await stream.send(connect_op(self.name + "-data", parts.username, parts.password) + b"PING\r\n")
+            while not reader.pongs:
+                reader.feed(await stream.receive())
+        self._inbox = self._nc.new_inbox()
+        await stream.send(sub_op(self._inbox, 1) + b"PING\r\n")  # PONG: the server has the SUB
+        with anyio.fail_after(5):
+            while reader.pongs < 2:
+                reader.feed(await stream.receive())
+
+    async def _read_loop(self, stream: Any, reader: ProtocolReader) -> None:
+        try:
+            while True:
+                reader.feed(await stream.receive(1 << 18))
+                if reader.outgoing:
+                    self._send(bytes(reader.outgoing))
+                    reader.outgoing.clear()
+        except (OSError, anyio.EndOfStream, anyio.BrokenResourceError, NatsProtocolError) as exc:
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._reset.set()
+
+    async def _write_loop(self, stream: Any) -> None:
+        try:
+            while True:
+                await self._wire_wake.wait()
+                self._wire_wake = anyio.Event()
+                data, self._wire_out = bytes(self._wire_out), bytearray()
+                if data:
+                    await stream.send(data)
+        except (OSError, anyio.BrokenResourceError) as exc:
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._reset.set()
+
     async def _drive(self) -> None:
-        """Make the consumer, then make it again whenever it may have lost its place."""
+        """Connect, subscribe, make the consumer; again whenever it may have lost its place."""
+        parts = urlsplit(self.spec.url)
         backoff = 0.05
         while True:
             self._reset = anyio.Event()
             self._state = "recovering" if self._resets else "connecting"
             try:
-                await self._make_consumer()
-            except Exception as exc:  # noqa: BLE001 - stream missing, server restarting, ...
+                async with await anyio.connect_tcp(parts.hostname or "127.0.0.1", parts.port or 4222) as stream:
+                    reader = ProtocolReader(self._on_raw)
+                    await self._handshake(stream, reader)
+                    self._wire_out = bytearray()
+                    self._wire_wake = anyio.Event()
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._read_loop, stream, reader)
+                        tg.start_soon(self._write_loop, stream)
+                        await self._make_consumer()
+                        self._state = "live"
+                        backoff = 0.05
+                        while not self._reset.is_set():
+                            with anyio.move_on_after(self.heartbeat_s):
+                                await self._reset.wait()
+                            if time.monotonic() - self._last_activity > 3 * self.heartbeat_s:
+                                self._last_error = "no heartbeat from the consumer"
+                                break
+                        tg.cancel_scope.cancel()
+            except Exception as exc:  # noqa: BLE001 - server away, stream missing, ...: retry
                 self._last_error = f"{type(exc).__name__}: {exc}"
-                log.debug("consumer for %s/%s not made yet: %s", self.spec.url, self.spec.stream, self._last_error)
+                log.debug("consumer for %s/%s not running: %s", self.spec.url, self.spec.stream, self._last_error)
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
-                continue
-            backoff = 0.05
-            self._state = "live"
-            while not self._reset.is_set():
-                with anyio.move_on_after(self.heartbeat_s):
-                    await self._reset.wait()
-                if time.monotonic() - self._last_activity > 3 * self.heartbeat_s:
-                    break
             self._resets += 1
