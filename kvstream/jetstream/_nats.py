@@ -10,7 +10,7 @@ from kvstream.jetstream.errors import JetStreamConfigError, StreamMismatchError
 
 log = logging.getLogger("kvstream.jetstream")
 
-__all__ = ["connect", "ensure_stream"]
+__all__ = ["connect", "ensure_stream", "open_data_connection"]
 
 
 async def connect(servers: str | Sequence[str], *, name: str, pending_bytes: int = 64 << 20,
@@ -103,3 +103,33 @@ async def ensure_stream(js: Any, s: StreamSettings, *, update: bool = False) -> 
         log.warning("stream %s keeps %s=%s (asked for %s; pass update=True / --update-stream to change it)",
                     s.name, k, a, b)
     return info
+
+
+async def open_data_connection(url: str, name: str, reader: Any, subject: str) -> Any:
+    """A plain TCP connection to the server of ``url`` for a hot data path, subscribed to
+    ``subject`` (sid 1): INFO, CONNECT, PING/PONG, SUB, PING/PONG (so the server holds the
+    subscription before anything is asked of it). ``reader`` is a
+    :class:`~kvstream.jetstream._proto.ProtocolReader`. Raises ``OSError``, ``TimeoutError``
+    or :class:`~kvstream.jetstream._proto.NatsProtocolError`."""
+    from urllib.parse import urlsplit
+
+    import anyio
+
+    from kvstream.jetstream._proto import connect_op, sub_op
+
+    parts = urlsplit(url)
+    stream = await anyio.connect_tcp(parts.hostname or "127.0.0.1", parts.port or 4222)
+    try:
+        with anyio.fail_after(5):
+            while reader.info is None:
+                reader.feed(await stream.receive())
+            await stream.send(connect_op(name, parts.username, parts.password) + b"PING\r\n")
+            while reader.pongs < 1:
+                reader.feed(await stream.receive())
+            await stream.send(sub_op(subject, 1) + b"PING\r\n")
+            while reader.pongs < 2:
+                reader.feed(await stream.receive())
+    except BaseException:
+        await stream.aclose()
+        raise
+    return stream

@@ -6,7 +6,8 @@ switch per message). The JetStream consumer therefore reads its deliveries on a 
 of its own with this parser, and keeps nats-py for everything else (creating consumers,
 streams, the object store). Only what a subscriber receives is parsed: ``MSG``, ``HMSG``,
 ``PING``, ``PONG``, ``+OK``, ``-ERR`` and ``INFO``; the only things sent are ``CONNECT``,
-``PING``, ``PONG``, ``SUB`` and an empty ``PUB`` (a flow-control reply).
+``PING``, ``PONG``, ``SUB``, an empty ``PUB`` (a flow-control reply) and, for the relay,
+``HPUB`` (a message with headers and a reply subject for its ack).
 Protocol reference: the NATS client protocol (docs.nats.io, "Client Protocol").
 """
 
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 from kvstream.jetstream.errors import RemoteProtocolError
 
-__all__ = ["ProtocolReader", "NatsProtocolError", "connect_op", "sub_op", "pub_op", "parse_headers",
+__all__ = ["ProtocolReader", "NatsProtocolError", "connect_op", "sub_op", "pub_op", "hpub_op", "parse_headers",
            "MAX_CONTROL_LINE"]
 
 MAX_CONTROL_LINE = 4096
@@ -33,19 +34,27 @@ class NatsProtocolError(RemoteProtocolError):
 def parse_headers(block: bytes) -> dict[str, str]:
     """``NATS/1.0[ STATUS[ DESCRIPTION]]\\r\\nName: Value\\r\\n...`` -> dict; an inline
     status becomes ``Status`` (and ``Description``), as nats-py reports it."""
-    lines = block.split(b"\r\n")
+    lines = block.decode("utf-8", "replace").split("\r\n")
     out: dict[str, str] = {}
     first = lines[0]
     if len(first) > 8:  # "NATS/1.0 100 Idle Heartbeat"
-        parts = first[9:].split(b" ", 1)
-        out["Status"] = parts[0].decode("ascii", "replace")
+        parts = first[9:].split(" ", 1)
+        out["Status"] = parts[0]
         if len(parts) > 1:
-            out["Description"] = parts[1].decode("utf-8", "replace")
+            out["Description"] = parts[1]
     for line in lines[1:]:
-        name, sep, value = line.partition(b":")
+        name, sep, value = line.partition(":")
         if sep:
-            out[name.strip().decode("ascii", "replace")] = value.strip().decode("utf-8", "replace")
+            out[name.strip()] = value.strip()
     return out
+
+
+def hpub_op(subject: str, reply: str, headers: dict[str, str], payload: bytes) -> bytes:
+    """``HPUB subject reply hlen total`` with ``headers`` (names and values must hold no
+    CR/LF: the wire module only writes tokens, numbers and escaped text) and ``payload``."""
+    hdr = ("NATS/1.0\r\n" + "".join([f"{k}: {v}\r\n" for k, v in headers.items()]) + "\r\n").encode()
+    n = len(hdr)
+    return b"".join((f"HPUB {subject} {reply} {n} {n + len(payload)}\r\n".encode(), hdr, payload, b"\r\n"))
 
 
 def connect_op(name: str, user: str | None = None, password: str | None = None) -> bytes:

@@ -29,7 +29,9 @@ import anyio.abc
 
 from kvstream.wire.events import EventDecoder
 from kvstream.jetstream import wire
-from kvstream.jetstream._nats import connect, ensure_stream
+from kvstream.jetstream._nats import connect, ensure_stream, open_data_connection
+from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, hpub_op
+from kvstream.transport._ratelog import RateLimitedLog
 from kvstream.jetstream.config import StreamSettings
 from kvstream.jetstream.tracking import RelaySource
 from kvstream.transport.subscriber import SourceSpec, Subscriber
@@ -69,13 +71,14 @@ class RelayStats:
 
 
 class _Pending:
-    __slots__ = ("subject", "payload", "headers", "sent")
+    __slots__ = ("subject", "payload", "headers", "sent", "written")
 
     def __init__(self, subject: str, payload: bytes, headers: dict[str, str], sent: float) -> None:
         self.subject = subject
         self.payload = payload
         self.headers = headers
         self.sent = sent
+        self.written = False
 
 
 class Relay:
@@ -117,6 +120,12 @@ class Relay:
         self._idle = anyio.Event()
         self._idle.set()
         self._resend = anyio.Event()
+        self._conn: Any = None
+        self._wbuf = bytearray()
+        self._wake = anyio.Event()
+        self._rlog = RateLimitedLog(log)
+        self.last_error: str | None = None
+        """The last data-connection error (None: none yet)."""
         self._subjects = {s.source: f"{self.settings.subject_prefix}.{wire.subject_token(s.source)}"
                           for s in self.specs}
 
@@ -126,8 +135,7 @@ class Relay:
         return self._sub
 
     async def __aenter__(self) -> "Relay":
-        self._nc = await connect(self.servers, name=self.name, pending_bytes=2 * self.max_inflight_bytes + (8 << 20),
-                                 timeout_s=self.connect_timeout_s, reconnected_cb=self._on_reconnect)
+        self._nc = await connect(self.servers, name=self.name, timeout_s=self.connect_timeout_s)
         try:
             js = self._nc.jetstream()
             await ensure_stream(js, self.settings, update=self.update_stream)
@@ -135,14 +143,13 @@ class Relay:
                 known = await self._position(js, spec.source)
                 self.sources[spec.source] = RelaySource(spec.source, known)
             self._inbox = self._nc.new_inbox()
-            await self._nc.subscribe(self._inbox + ".*", cb=self._on_ack, pending_msgs_limit=4 * self.max_inflight + 1000,
-                                     pending_bytes_limit=64 << 20)
             await self._sub.__aenter__()
         except BaseException:
             await self._nc.close()
             raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        self._tg.start_soon(self._connection, name="kvstream-relay-connection")
         self._tg.start_soon(self._watch_acks, name="kvstream-relay-acks")
         return self
 
@@ -159,6 +166,80 @@ class Relay:
                 nc, self._nc = self._nc, None
                 if nc is not None:
                     await nc.close()
+
+    # -- the data connection ---------------------------------------------------------------
+
+    async def _connection(self) -> None:
+        """Publish on a connection of our own (HPUB with a reply subject per message, acks
+        read by the sans-IO protocol reader); on any loss, connect again (to the next
+        server of the list) and resend every unacked message in order."""
+        urls = [self.servers] if isinstance(self.servers, str) else list(self.servers)
+        i = 0
+        backoff = 0.05
+        while True:
+            url = urls[i % len(urls)]
+            i += 1
+            reader = ProtocolReader(self._on_ack)
+            try:
+                async with await open_data_connection(url, self.name + "-data", reader, self._inbox + ".*") as stream:
+                    backoff = 0.05
+                    self._conn = stream
+                    self._resend_all()
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._writer, stream)
+                        await self._reader(stream, reader)  # returns when the connection is lost
+                        tg.cancel_scope.cancel()
+            except (OSError, TimeoutError, NatsProtocolError) as exc:  # connecting failed
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            finally:
+                self._conn = None
+            log.debug("relay: NATS data connection to %s lost: %s", url, self.last_error)
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    async def _reader(self, stream: Any, reader: ProtocolReader) -> None:
+        try:
+            while True:
+                reader.feed(await stream.receive(1 << 18))
+                if reader.outgoing:
+                    self._wbuf += reader.outgoing
+                    reader.outgoing.clear()
+                    self._wake.set()
+        except (OSError, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                NatsProtocolError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+
+    async def _writer(self, stream: Any) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                if self._wbuf:
+                    data, self._wbuf = bytes(self._wbuf), bytearray()
+                    await stream.send(data)
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            await stream.aclose()  # the reader sees it and the connection is made again
+
+    def _resend_all(self) -> None:
+        """Queue every unacked message again, oldest first (their ids make JetStream drop
+        the copies it already stored)."""
+        if self._failed:
+            self._pending.update(self._failed)
+            self._failed.clear()
+        self._pending = dict(sorted(self._pending.items()))
+        self._wbuf = bytearray()
+        if self._conn is None:
+            return
+        now = time.monotonic()
+        inbox = self._inbox
+        for t, p in self._pending.items():
+            p.sent = now
+            self._wbuf += hpub_op(p.subject, f"{inbox}.{t}", p.headers, p.payload)
+            if p.written:
+                self.stats.retransmits += 1
+            p.written = True
+        self._wake.set()
 
     async def _position(self, js: Any, source: str) -> wire.StreamPosition | None:
         from nats.js.errors import NotFoundError
@@ -205,21 +286,25 @@ class Relay:
             ev = self._space = anyio.Event()
             await ev.wait()
         self._token = t = self._token + 1
-        self._pending[t] = _Pending(subject, payload, headers, time.monotonic())
+        self._pending[t] = p = _Pending(subject, payload, headers, time.monotonic())
         self._bytes += len(payload)
-        self.stats.inflight = len(self._pending)
+        st = self.stats
+        st.inflight = len(self._pending)
         if self._idle.is_set():
             self._idle = anyio.Event()
-        self.stats.published += 1
+        st.published += 1
         if wire.H_KIND not in headers:
-            bs = self.stats.by_source
-            src = wire.source_from_token(subject[len(self.settings.subject_prefix) + 1:])
+            bs = st.by_source
+            src = headers[wire.H_MSG_ID].rsplit(":", 2)[0]
             bs[src] = bs.get(src, 0) + 1
-        await self._nc.publish(subject, payload, reply=f"{self._inbox}.{t}", headers=headers)
+        if self._conn is not None:  # else it goes out when the connection is back
+            self._wbuf += hpub_op(subject, f"{self._inbox}.{t}", headers, payload)
+            p.written = True
+            self._wake.set()
 
-    async def _on_ack(self, msg: Any) -> None:
+    def _on_ack(self, subject: str, reply: str, hblock: bytes | None, data: bytes) -> None:
         try:
-            t = int(msg.subject[len(self._inbox) + 1:])
+            t = int(subject[len(self._inbox) + 1:])
         except ValueError:
             return
         p = self._pending.pop(t, None)
@@ -227,15 +312,15 @@ class Relay:
             return
         st = self.stats
         ok = False
-        if msg.data:
+        if data:
             try:
-                resp = json.loads(msg.data)
+                resp = json.loads(data)
             except ValueError:
-                resp = {"error": {"description": f"unreadable ack {msg.data[:80]!r}"}}
+                resp = {"error": {"description": f"unreadable ack {bytes(data[:80])!r}"}}
             if "error" in resp:
                 st.ack_errors += 1
-                log.warning("relay: JetStream refused %s: %s (will resend)", p.headers.get(wire.H_MSG_ID),
-                            resp["error"].get("description"))
+                self._rlog.warning("ackerr", "relay: JetStream refused %s: %s (will resend)",
+                                   p.headers.get(wire.H_MSG_ID), resp["error"].get("description"))
             else:
                 ok = True
                 st.acked += 1
@@ -259,33 +344,20 @@ class Relay:
         if not self._pending and not self._failed:
             self._idle.set()
 
-    async def _on_reconnect(self) -> None:
-        self._resend.set()
-
     async def _watch_acks(self) -> None:
-        """Resend, in order, everything unacked after an error, a reconnect or a timeout."""
+        """Resend, in order, everything unacked after an error or an ack timeout."""
         tick = min(0.25, self.ack_timeout_s / 4)
         while True:
             with anyio.move_on_after(tick):
                 await self._resend.wait()
             oldest = next(iter(self._pending.values()), None)
             timed_out = oldest is not None and time.monotonic() - oldest.sent > self.ack_timeout_s
-            if not (self._resend.is_set() or timed_out) or not self._nc.is_connected:
+            if not (self._resend.is_set() or timed_out) or self._conn is None:
                 continue
             self._resend = anyio.Event()
             if self._failed:
                 await anyio.sleep(0.05)  # the stream was unavailable: give it a moment
-            batch = sorted({**self._pending, **self._failed}.items())
-            self._failed.clear()
-            now = time.monotonic()
-            for t, p in batch:
-                p.sent = now
-                self._pending[t] = p
-            # Re-insert in token order so the oldest stays first.
-            self._pending = dict(sorted(self._pending.items()))
-            for t, p in batch:
-                self.stats.retransmits += 1
-                await self._nc.publish(p.subject, p.payload, reply=f"{self._inbox}.{t}", headers=p.headers)
+            self._resend_all()
 
     async def wait_acked(self, timeout_s: float = 10.0) -> None:
         """Wait until every message published so far is acknowledged; ``TimeoutError``

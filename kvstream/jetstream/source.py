@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Mapping
 
@@ -31,8 +30,8 @@ import anyio.abc
 
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder
 from kvstream.jetstream import wire
-from kvstream.jetstream._nats import connect
-from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, connect_op, parse_headers, pub_op, sub_op
+from kvstream.jetstream._nats import connect, open_data_connection
+from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, parse_headers, pub_op
 from kvstream.jetstream.config import NatsSource, parse_nats_url
 from kvstream.jetstream.errors import JetStreamConfigError
 from kvstream.jetstream.tracking import SourceState, StreamSource
@@ -342,20 +341,6 @@ class JetStreamSource:
         self._consumer = info.name
         self._last_activity = time.monotonic()
 
-    async def _handshake(self, stream: Any, reader: ProtocolReader) -> None:
-        parts = urlsplit(self.spec.url)
-        with anyio.fail_after(5):
-            while reader.info is None:
-                reader.feed(await stream.receive())
-            await stream.send(connect_op(self.name + "-data", parts.username, parts.password) + b"PING\r\n")
-            while not reader.pongs:
-                reader.feed(await stream.receive())
-        self._inbox = self._nc.new_inbox()
-        await stream.send(sub_op(self._inbox, 1) + b"PING\r\n")  # PONG: the server has the SUB
-        with anyio.fail_after(5):
-            while reader.pongs < 2:
-                reader.feed(await stream.receive())
-
     async def _read_loop(self, stream: Any, reader: ProtocolReader) -> None:
         try:
             while True:
@@ -381,15 +366,14 @@ class JetStreamSource:
 
     async def _drive(self) -> None:
         """Connect, subscribe, make the consumer; again whenever it may have lost its place."""
-        parts = urlsplit(self.spec.url)
         backoff = 0.05
         while True:
             self._reset = anyio.Event()
             self._state = "recovering" if self._resets else "connecting"
             try:
-                async with await anyio.connect_tcp(parts.hostname or "127.0.0.1", parts.port or 4222) as stream:
-                    reader = ProtocolReader(self._on_raw)
-                    await self._handshake(stream, reader)
+                reader = ProtocolReader(self._on_raw)
+                self._inbox = self._nc.new_inbox()
+                async with await open_data_connection(self.spec.url, self.name + "-data", reader, self._inbox) as stream:
                     self._wire_out = bytearray()
                     self._wire_wake = anyio.Event()
                     async with anyio.create_task_group() as tg:
