@@ -38,8 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how long JetStream remembers message ids (default 120)")
     p.add_argument("--update-stream", action="store_true",
                    help="apply changed retention/replicas to an existing stream")
-    p.add_argument("--max-inflight", type=int, default=20_000, metavar="N",
-                   help="messages awaiting their ack at once (default 20000)")
+    p.add_argument("--max-inflight", type=int, default=8192, metavar="N",
+                   help="messages awaiting their ack at once (default 8192)")
     p.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="seconds to wait for NATS at start-up (default 10)")
     p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (default: all)")

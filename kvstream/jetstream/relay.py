@@ -10,7 +10,8 @@ every item into a JetStream stream, payload bytes unchanged.
 Messages are published with asynchronous acks: up to ``max_inflight`` messages (and
 ``max_inflight_bytes`` bytes) await their ack at once, beyond that the relay stops reading
 (and the subscriber's own back-pressure takes over). A message whose ack is an error or
-does not come within ``ack_timeout_s`` is sent again together with every later unacked
+does not come while the server stays silent for ``ack_timeout_s`` (or the connection is
+lost) is sent again together with every later unacked
 one, in order (go-back-N); its message id makes JetStream drop copies it already stored.
 What is published per item, and how two relays of one engine agree, is
 :class:`~kvstream.jetstream.tracking.RelaySource`'s business.
@@ -26,6 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from kvstream.wire.events import EventDecoder
 from kvstream.jetstream import wire
@@ -92,7 +94,7 @@ class Relay:
     """
 
     def __init__(self, sources: Iterable[SourceSpec | str], nats: str | Sequence[str],
-                 stream: StreamSettings | None = None, *, max_inflight: int = 20_000,
+                 stream: StreamSettings | None = None, *, max_inflight: int = 8192,
                  max_inflight_bytes: int = 64 << 20, ack_timeout_s: float = 5.0,
                  update_stream: bool = False, name: str = "kvstream-relay", connect_timeout_s: float = 10.0,
                  **subscriber_options: Any) -> None:
@@ -121,6 +123,7 @@ class Relay:
         self._idle.set()
         self._resend = anyio.Event()
         self._conn: Any = None
+        self._last_ack = 0.0
         self._wbuf = bytearray()
         self._wake = anyio.Event()
         self._rlog = RateLimitedLog(log)
@@ -276,6 +279,8 @@ class Relay:
             skipped = rs.skipped
             for payload, headers in rs.on_item(item):
                 await publish(subjects[item.source], payload, headers)
+            if st.items & 255 == 0:
+                await anyio.lowlevel.checkpoint()  # let the writer stream while items keep coming
             st.skipped += rs.skipped - skipped
             if max_items is not None and st.items >= max_items:
                 break
@@ -310,6 +315,7 @@ class Relay:
         p = self._pending.pop(t, None)
         if p is None:
             return
+        self._last_ack = time.monotonic()
         st = self.stats
         ok = False
         if data:
@@ -350,8 +356,10 @@ class Relay:
         while True:
             with anyio.move_on_after(tick):
                 await self._resend.wait()
+            # Silence, not age: a long queue that is being acked is not a timeout.
             oldest = next(iter(self._pending.values()), None)
-            timed_out = oldest is not None and time.monotonic() - oldest.sent > self.ack_timeout_s
+            timed_out = oldest is not None and \
+                time.monotonic() - max(oldest.sent, self._last_ack) > self.ack_timeout_s
             if not (self._resend.is_set() or timed_out) or self._conn is None:
                 continue
             self._resend = anyio.Event()
