@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser"]
 
 # Order is the order `kvstream --help` lists them in.
 _COMMANDS: tuple[str, ...] = (
-    "demo", "engine", "simulate", "plan", "subscribe", "record", "relay", "inspect", "replay", "convert", "version",
+    "demo", "serve", "engine", "simulate", "plan", "subscribe", "record", "relay", "inspect", "replay", "convert", "version",
 )
 
 
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 0
-    configure_logging(getattr(args, "log_level", None))
+    configure_logging(getattr(args, "log_level", None), getattr(args, "log_format", None) or "text")
     name = f"kvstream {args.command}"
     try:
         return int(func(args) or 0)

@@ -8,7 +8,6 @@ exit, before any work starts.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -99,12 +98,15 @@ def add_log_level(p: argparse.ArgumentParser) -> None:
                    help="log messages of this level and above on stderr (default warning)")
 
 
-def configure_logging(level: str | None) -> None:
-    """Send log records of ``level`` and above to stderr, one line each."""
+def configure_logging(level: str | None, fmt: str = "text") -> None:
+    """Send kvstream's log records of ``level`` and above to stderr, one line each (``fmt``
+    ``text`` or ``json``). One setup for every command (:func:`kvstream.service.logs.setup_logging`):
+    only kvstream's and the HTTP server's loggers, so other libraries' debug output stays out."""
     if level is None:
         return
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvstream.service.logs import setup_logging
+
+    setup_logging(fmt, level)
 
 
 def add_hash_format(p: argparse.ArgumentParser) -> None:
