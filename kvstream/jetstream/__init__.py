@@ -53,6 +53,9 @@ def open_subscriber(endpoints: Iterable[Any], **options: Any) -> Any:
         raise JetStreamConfigError("mix of nats:// and ZMQ endpoints: run `kvstream relay` for the ZMQ "
                                    "engines and read everything from JetStream")
     parsed = [parse_nats_url(s.endpoint) for s in nats_specs]
+    # NAME=nats://... names one source of the stream (as `kvstream serve` engines do).
+    parsed = [p if not s.name or p.sources else NatsSource(p.url, p.stream, p.subject_prefix, (s.name,))
+              for p, s in zip(parsed, nats_specs)]
     first = parsed[0]
     for p in parsed[1:]:
         if (p.url, p.stream, p.subject_prefix) != (first.url, first.stream, first.subject_prefix):

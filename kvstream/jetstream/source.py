@@ -156,7 +156,7 @@ class JetStreamSource:
     def add_source(self, spec: Any) -> None:
         """Follow one more source (only meaningful with a source filter)."""
         name = getattr(spec, "source", spec)
-        if self._filter:
+        if self._filter and name not in self._filter:
             self._filter.add(name)
             self._by_subject.clear()
             self._reset.set()  # the consumer's filter changes
