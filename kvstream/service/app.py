@@ -88,7 +88,9 @@ def routes(core: ServiceCore) -> list[BaseRoute]:
     Mooncake indexer API)."""
     from kvstream.service.mooncake import MooncakeAPI
 
-    mc = MooncakeAPI(core)
+    mc = core.mooncake
+    if mc is None:  # one registry of Mooncake groups per core, however many apps mount it
+        mc = core.mooncake = MooncakeAPI(core)
 
     async def engines(request: Request) -> Response:
         return Response(core.engines_view(), media_type=JSON)
