@@ -200,13 +200,11 @@ class NatsCluster:
 
     def start(self) -> "NatsCluster":
         """Start every node (each waits for its own client port)."""
-        procs: list[NatsServer] = []
         try:
-            for s in self.servers:
+            for s in self.servers:  # all at once: each waits for the others' routes
                 s._ports_dir.mkdir(parents=True, exist_ok=True)
                 s.proc = subprocess.Popen(s._argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL)
-                procs.append(s)
             for s in self.servers:
                 s._wait_ready()
         except BaseException:

@@ -68,7 +68,8 @@ class JetStreamSource:
     sequence to read when no state says otherwise (default 1: everything retained).
     ``heartbeat_s``: the consumer's idle heartbeat (seconds; three missed ones make it
     again). ``max_buffered_items``, ``unknown_events`` and ``max_payload_bytes`` as for
-    :class:`~kvstream.transport.subscriber.Subscriber`.
+    :class:`~kvstream.transport.subscriber.Subscriber`; ``curve`` must be None (CURVE is
+    ZMQ's; it is accepted so that callers can pass their subscriber options unchanged).
     """
 
     def __init__(
@@ -83,12 +84,12 @@ class JetStreamSource:
         unknown_events: str = "skip",
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         name: str = "kvstream-consumer",
-        **ignored_options: Any,
+        curve: Any = None,
     ) -> None:
         self.spec = parse_nats_url(url) if isinstance(url, str) else url
-        for k, v in ignored_options.items():
-            if k == "curve" and v is not None:
-                raise JetStreamConfigError("CURVE applies to ZMQ sources; secure NATS with TLS/credentials instead")
+        if curve is not None:
+            raise JetStreamConfigError("CURVE applies to ZMQ sources; a nats:// URL takes user:password@ "
+                                       "credentials instead")
         self._filter = set(self.spec.sources) | set(sources)
         self.heartbeat_s = heartbeat_s
         self.max_buffered_items = max_buffered_items
