@@ -125,17 +125,17 @@ async def test_an_engine_restart_reaches_consumers_as_a_reset_then_the_new_engin
         async with Engine(tmp_path, "e0", seed=1) as old:
             # Far ahead of where the new engine is when the relay reconnects: seqs going
             # back is how a restart shows over ZMQ.
-            old.steps(400)
-            await collect(sub, lambda it: len(batches(it)) == 400)
+            old.steps(1000)
+            await collect(sub, lambda it: len(batches(it)) == 1000)
         async with Engine(tmp_path, "e0", seed=2) as new:
 
             async def run_engine() -> None:  # a live engine keeps stepping
-                for _ in range(400):
+                for _ in range(900):  # stays below the old engine's seqs for ~9 s
                     new.step()
-                    await anyio.sleep(0.005)
+                    await anyio.sleep(0.01)
 
             tg.start_soon(run_engine)
-            items = await collect(sub, lambda it: len(batches(it)) >= 25)
+            items = await collect(sub, lambda it: len(batches(it)) >= 25, timeout=20)
             tg.cancel_scope.cancel()
     kinds = [type(i).__name__ for i in items]
     assert "SourceReset" in kinds, kinds
