@@ -105,6 +105,11 @@ class ServiceCore:
         self._resume: dict[str, int] = {}
         self.resumed: dict[str, int] = {}
         """Per engine, the seq a loaded replica dump resumed it from."""
+        self.engine_view_extras: list[Callable[[str], dict[str, Any]]] = []
+        """Seam for layers on top (the proxy mode): each adds keys to an engine's
+        ``/v1/engines`` entry."""
+        self.metrics_extras: list[Callable[[], bytes]] = []
+        """Seam for layers on top (the proxy mode): more Prometheus text for ``/metrics``."""
         self.mooncake: Any = None
         """The :class:`~kvstream.service.mooncake.MooncakeAPI` over this core, once routes exist."""
         self.items_applied = 0
@@ -300,6 +305,7 @@ class ServiceCore:
                 "blocks": blocks,
                 "load": self.loads.view(name, now),
                 **({"meta": e.meta} if e.meta else {}),
+                **{k: v for extra in self.engine_view_extras for k, v in extra(name).items()},
             })
         return ENCODER.encode({"engines": out})
 
