@@ -182,6 +182,9 @@ async def ref_zmq(d: Path, payload_file: Path, n: int) -> float:
     eng = EngineProc(d / "zmq", payload_file, n)
     try:
         async with Subscriber([eng.spec], rcvhwm=1_000_000, max_buffered_items=100_000) as sub:
+            with anyio.fail_after(30):
+                while sub.health()["bench"].state != "live":
+                    await anyio.sleep(0.01)
             eng.go()
             got = 0
             t0 = None
@@ -206,6 +209,9 @@ async def kv_relay(d: Path, url: str, payload_file: Path, n: int) -> tuple[float
         async with Relay([eng.spec], url, rcvhwm=1_000_000, max_buffered_items=100_000) as relay, \
                 anyio.create_task_group() as tg:
             tg.start_soon(relay.run)
+            with anyio.fail_after(30):  # steady state: the join-time replay is answered first
+                while relay.subscriber.health()["bench"].state != "live":
+                    await anyio.sleep(0.01)
             eng.go()
             t0 = time.perf_counter()
             with anyio.move_on_after(300) as scope:
