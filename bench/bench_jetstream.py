@@ -257,7 +257,7 @@ async def ref_raw_consume(url: str, n: int) -> float:
         inbox = nc.new_inbox()
         await nc.subscribe(inbox, cb=cb, pending_msgs_limit=10_000_000, pending_bytes_limit=1 << 31)
         t0 = time.perf_counter()
-        await nc.jetstream()._jsm.add_consumer("KV_EVENTS", ConsumerConfig(
+        await nc.jsm().add_consumer("KV_EVENTS", ConsumerConfig(
             deliver_subject=inbox, ack_policy=AckPolicy.NONE, flow_control=True, idle_heartbeat=1.0,
             deliver_policy=DeliverPolicy.ALL, filter_subject="kv.>", mem_storage=True))
         await done.wait()

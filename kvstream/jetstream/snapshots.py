@@ -177,13 +177,20 @@ async def load_snapshots(url: str | NatsSource, index: SnapshotIndex, *, timeout
             return {}
         states: dict[str, SourceState] = {}
         t0 = time.monotonic()
-        for info in infos:
-            name = wire.source_from_token(info.name)
-            if spec.sources and name not in spec.sources:
-                continue
+        wanted = [info.name for info in infos
+                  if not spec.sources or wire.source_from_token(info.name) in spec.sources]
+        blobs: dict[str, bytes] = {}
+
+        async def fetch(name: str) -> None:
             buf = io.BytesIO()
-            await os_.get(info.name, writeinto=buf)
-            for src, cursor in index.load_source(buf.getvalue()).items():
+            await os_.get(name, writeinto=buf)
+            blobs[name] = buf.getvalue()
+
+        async with anyio.create_task_group() as tg:  # fetched concurrently, loaded in order
+            for name in wanted:
+                tg.start_soon(fetch, name)
+        for name in wanted:
+            for src, cursor in index.load_source(blobs.pop(name)).items():
                 if isinstance(cursor, Mapping):
                     states[src] = SourceState.from_dict(cursor)
         log.info("loaded %d source snapshot(s) in %.3fs", len(states), time.monotonic() - t0)

@@ -338,7 +338,7 @@ class JetStreamSource:
             cfg.filter_subjects = subjects
         else:
             cfg.filter_subject = f"{self._prefix}.>"
-        info = await js._jsm.add_consumer(self.spec.stream, cfg)
+        info = await self._nc.jsm().add_consumer(self.spec.stream, cfg)
         self._consumer = info.name
         self._last_activity = time.monotonic()
 
