@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Iterable, Sequence
 
+from kvstream.routing import snapshot as sn
 from kvstream.routing._core import IndexUsageError, _bits, _IndexCore, _sort_key, _Source
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvstream.hashing import BlockHasher, LoRA, MMItem, RequestBlockHasher, to_external_list
@@ -510,11 +511,7 @@ class EngineKeyIndex(_IndexCore):
 
     # -- canonical state ---------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        """Everything the index holds, in the canonical form of :meth:`KVIndex.state`:
-        ``{"router_block_size": B, "sources": {name: {"stale": bool, "blocks": ((medium,
-        group, engine_hash, copies), ...) sorted}}, "unlinked": ()}`` (no block is ever
-        unlinked here). Speculative entries and counters are not part of the state."""
+    def _rows(self) -> dict[int, list[tuple[str, int, Any, int]]]:
         per_src: dict[int, list[tuple[str, int, Any, int]]] = {
             s.slot: [] for s in self._src if s is not None
         }
@@ -526,6 +523,14 @@ class EngineKeyIndex(_IndexCore):
                     cp = copies.get((eh, slot, t)) if copies else None
                     for g, c in (cp.items() if cp is not None else ((0, 1),)):
                         per_src[slot].append((media[t], g, eh, c))
+        return per_src
+
+    def state(self) -> dict[str, Any]:
+        """Everything the index holds, in the canonical form of :meth:`KVIndex.state`:
+        ``{"router_block_size": B, "sources": {name: {"stale": bool, "blocks": ((medium,
+        group, engine_hash, copies), ...) sorted}}, "unlinked": ()}`` (no block is ever
+        unlinked here). Speculative entries and counters are not part of the state."""
+        per_src = self._rows()
         return {
             "router_block_size": self._R,
             "sources": {
@@ -535,6 +540,47 @@ class EngineKeyIndex(_IndexCore):
             },
             "unlinked": (),
         }
+
+    # -- snapshots ---------------------------------------------------------------------
+
+    _keying = "engine"
+
+    def _options(self) -> Any:
+        return sn._Options(self._max_bytes, self._ttl, "detect" if self._reannounce else "count")
+
+    def _hasher_spec(self) -> Any:
+        h = self._hasher
+        return sn._Hasher(h.algorithm, h.block_size, h.extra_key_style, h.root, self._form)
+
+    def _dump_keys(self, held: set[Any]) -> tuple[Any, list[Any]]:
+        return sn._Keys(), []
+
+    @classmethod
+    def _from_snapshot(cls, snap: Any, options: dict[str, Any]) -> "EngineKeyIndex":
+        o = snap.options
+        kw: dict[str, Any] = {"max_bytes": o.max_bytes, "ttl_s": o.ttl_s, "reannounce": o.reannounce}
+        h = snap.hasher
+        if h is None and "hasher" not in options:
+            raise sn.SnapshotError("snapshot of an engine-keyed index without its hasher (a damaged snapshot)")
+        try:
+            if h is not None:
+                kw["hasher"] = BlockHasher(h.algorithm, h.block_size, extra_key_style=h.extra_key_style, root=h.root)
+                kw["hash_form"] = h.hash_form
+            kw.update(options)
+            return cls(**kw)
+        except (IndexUsageError, ValueError) as exc:
+            raise sn.SnapshotError(f"snapshot configuration cannot build an index: {exc}") from None
+
+    def _prepare_load(self, snap: Any) -> Any:
+        for sd in snap.sources:
+            for td in sd.tiers:
+                sn.unpack_u64(td.plain, "hashes")
+        return None
+
+    def _load_rows(self, s: _Source, t: int, rows: list[tuple[Any, int, int]], prepared: Any) -> None:
+        for eh, g, c in rows:
+            for _ in range(c):
+                self._hold(s, eh, t, g)
 
 
 def _mm(items: Sequence[Any] | None) -> tuple[MMItem, ...]:

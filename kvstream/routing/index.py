@@ -42,6 +42,7 @@ from typing import Any, Iterable, Sequence
 
 import xxhash
 
+from kvstream.routing import snapshot as sn
 from kvstream.routing._compactmap import U64Map
 from kvstream.routing._core import (
     IndexUsageError,
@@ -916,13 +917,7 @@ class KVIndex(_IndexCore):
 
     # -- canonical state ---------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        """Everything the index holds, in a canonical form comparable with ``==``.
-
-        ``{"router_block_size": R, "sources": {name: {"stale": bool, "blocks": ((medium,
-        group, engine_hash, copies), ...) sorted}}, "unlinked": (engine hashes sorted)}``.
-        Speculative entries and counters are not part of the state.
-        """
+    def _rows(self) -> dict[int, list[tuple[str, int, Any, int]]]:
         per_src: dict[int, list[tuple[str, int, Any, int]]] = {
             s.slot: [] for s in self._src if s is not None
         }
@@ -943,6 +938,16 @@ class KVIndex(_IndexCore):
             for (slot, t), groups in u.holds.items():
                 for g, c in groups.items():
                     per_src[slot].append((media[t], g, eh, c))
+        return per_src
+
+    def state(self) -> dict[str, Any]:
+        """Everything the index holds, in a canonical form comparable with ``==``.
+
+        ``{"router_block_size": R, "sources": {name: {"stale": bool, "blocks": ((medium,
+        group, engine_hash, copies), ...) sorted}}, "unlinked": (engine hashes sorted)}``.
+        Speculative entries and counters are not part of the state.
+        """
+        per_src = self._rows()
         return {
             "router_block_size": self._R,
             "sources": {
@@ -952,6 +957,118 @@ class KVIndex(_IndexCore):
             },
             "unlinked": tuple(sorted(self._unl, key=_hash_sort_key)),
         }
+
+    # -- snapshots ---------------------------------------------------------------------
+
+    _keying = "tokens"
+
+    def _options(self) -> Any:
+        return sn._Options(self._max_bytes, self._ttl, "detect" if self._reannounce else "count")
+
+    def _hasher_spec(self) -> Any:
+        h = self._hasher
+        if h is None:
+            return None
+        return sn._Hasher(h.algorithm, h.block_size, h.extra_key_style, h.root, "int")
+
+    def _dump_keys(self, held: set[Any]) -> tuple[Any, list[Any]]:
+        ehs: list[int] = []
+        ks: list[int] = []
+        other: list[tuple[Any, list[int]]] = []
+        unlinked: list[Any] = []
+        young, old, unl = self._young, self._old, self._unl
+        for eh in held:
+            v = young.get(eh)
+            if v is None:
+                v = old.get(eh)
+            if v is None:
+                u = unl[eh]
+                unlinked.append(sn._Unlinked(eh, u.parent, u.raw, u.extras, u.per))
+            elif type(v) is int and sn.is_u64(eh):
+                ehs.append(eh)
+                ks.append(v)
+            else:
+                other.append((eh, [v] if type(v) is int else list(v)))
+        return sn._Keys(sn.pack_u64(ehs), sn.pack_u64(ks), other), unlinked
+
+    @classmethod
+    def _from_snapshot(cls, snap: Any, options: dict[str, Any]) -> "KVIndex":
+        o = snap.options
+        kw: dict[str, Any] = {"max_bytes": o.max_bytes, "ttl_s": o.ttl_s, "reannounce": o.reannounce}
+        if snap.hasher is not None:
+            from kvstream.hashing import BlockHasher
+
+            h = snap.hasher
+            kw["hasher"] = BlockHasher(h.algorithm, h.block_size, extra_key_style=h.extra_key_style, root=h.root)
+        kw.update(options)
+        try:
+            return cls(router_block_size=snap.router_block_size, **kw)
+        except (IndexUsageError, ValueError) as exc:
+            raise sn.SnapshotError(f"snapshot configuration cannot build an index: {exc}") from None
+
+    def _prepare_load(self, snap: Any) -> Any:
+        keymap: dict[Any, Any] = dict(zip(sn.unpack_u64(snap.keys.hashes, "key hashes"),
+                                          sn.unpack_u64(snap.keys.keys, "keys")))
+        if len(snap.keys.hashes) != len(snap.keys.keys):
+            raise sn.SnapshotError("snapshot keys: hashes and keys differ in length (a damaged snapshot)")
+        for eh, ks in snap.keys.other:
+            if not ks or any(type(k) is not int or not 0 <= k <= KEY_MASK for k in ks):
+                raise sn.SnapshotError(f"snapshot keys of {eh!r:.40}: {ks!r:.80} are not router keys")
+            keymap[eh] = ks[0] if len(ks) == 1 else tuple(ks)
+        for k in keymap.values():
+            if type(k) is int and k > KEY_MASK:
+                raise sn.SnapshotError(f"snapshot key {k} is not a router key (>= 2**60)")
+        unl = {u.hash: u for u in snap.unlinked}
+        for sd in snap.sources:
+            if sd.per is not None and sd.per <= 0:
+                raise sn.SnapshotError(f"snapshot source {sd.name!r}: per {sd.per} is not positive")
+            for td in sd.tiers:
+                for eh in [*sn.unpack_u64(td.plain, "hashes"), *(r[0] for r in td.rows)]:
+                    if eh not in keymap and eh not in unl:
+                        raise sn.SnapshotError(
+                            f"snapshot source {sd.name!r} holds {eh!r:.40} with no key and no tokens "
+                            "(a damaged snapshot)")
+        for u in unl.values():
+            if u.tokens is not None and (u.per <= 0 or len(u.tokens) != 4 * self._R * u.per):
+                raise sn.SnapshotError(
+                    f"snapshot unlinked block {u.hash!r:.40}: {len(u.tokens)} token bytes for per={u.per}")
+        return keymap, unl
+
+    def _load_meta(self, s: _Source, block_size: int | None, per: int | None) -> None:
+        if s.per is not None:
+            self._per_mask[s.per] &= ~s.bit
+        s.block_size = block_size
+        s.per = per
+        if per is not None:
+            self._per_mask[per] = self._per_mask.get(per, 0) | s.bit
+
+    def _load_rows(self, s: _Source, t: int, rows: list[tuple[Any, int, int]], prepared: Any) -> None:
+        keymap, unl = prepared
+        for eh, g, c in rows:
+            v = keymap.get(eh)
+            if v is not None or eh in self._young or eh in self._old:
+                for _ in range(c):
+                    self._add_copy(s, eh, v, t, g)
+                continue
+            u = unl[eh]
+            if u.tokens is None:
+                for _ in range(c):
+                    self._add_copy(s, eh, None, t, g)
+                continue
+            cur = self._unl.get(eh)
+            if cur is None or cur.raw is None:
+                if cur is None:
+                    cur = _Unlinked(u.parent, u.tokens, u.extras, u.per, self._gen)
+                    self._unl[eh] = cur
+                else:
+                    cur.parent, cur.raw, cur.extras, cur.per = u.parent, u.tokens, u.extras, u.per
+                self._waiting.setdefault(u.parent, []).append(eh)
+            for _ in range(c):
+                self._hold_unlinked(s, cur, t, g)
+
+    def _load_done(self, prepared: Any) -> None:
+        for p in [p for p in self._waiting if p in self._young or p in self._old]:
+            self._link(p)
 
 
 def _perturb(v: Any, eh: Any) -> Any:

@@ -16,23 +16,50 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import anyio
 import anyio.abc
 
+from kvstream.errors import LocalProtocolError
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.routing.index import KVIndex
 from kvstream.routing.scoring import Load, Policy, ScoreResult
 from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale
 from kvstream.transport.subscriber import SourceHealth, SourceSpec, Subscriber
 
-__all__ = ["Router", "apply_item", "AnyIndex"]
+__all__ = ["Router", "RouterUsageError", "ItemSource", "apply_item", "AnyIndex"]
 
 AnyIndex = KVIndex | EngineKeyIndex
 """The router index classes: same API, keyed by router token keys or by engine hashes."""
 
 log = logging.getLogger(__name__)
+
+
+class RouterUsageError(LocalProtocolError, ValueError):
+    """A bad call on the :class:`Router` (conflicting arguments, an operation the item
+    source does not support); says the fix."""
+
+
+@runtime_checkable
+class ItemSource(Protocol):
+    """What the :class:`Router` reads stream items from: the ZMQ
+    :class:`~kvstream.transport.subscriber.Subscriber` by default, or anything shaped like
+    it (a JetStream consumer, a replayed log): an async context manager that, once
+    entered, is an async iterator of subscriber items (``SourceBatch``, ``SourceReset``,
+    ``SourceStale``, ``SourceLive``) and reports per-source health.
+
+    ``add_source(spec)`` / ``remove_source(name)`` are optional; without them the
+    router's :meth:`Router.add_endpoint` / :meth:`Router.remove_endpoint` raise
+    :class:`RouterUsageError`."""
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(self, *exc: Any) -> Any: ...
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    def health(self) -> Mapping[str, Any]: ...
 
 
 def apply_item(index: AnyIndex, item: Any, now: float | None = None) -> None:
@@ -80,6 +107,10 @@ class Router:
             prompt's blocks for this many seconds (until its events say otherwise), so a
             burst of similar prompts follows the first one.
         clock: seconds, for speculation expiry (default ``time.monotonic``).
+        subscriber: an already-built :class:`ItemSource` to read items from instead of
+            a ZMQ :class:`~kvstream.transport.subscriber.Subscriber` (e.g. a JetStream
+            consumer). The router enters and exits it. Give either ``endpoints`` (and
+            ``subscriber_options``) or ``subscriber``, not both.
         subscriber_options: passed to :class:`~kvstream.transport.subscriber.Subscriber`
             (``topic``, ``replay_timeout_s``, ...).
 
@@ -95,15 +126,26 @@ class Router:
         policy: Policy | None = None,
         speculative_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        subscriber: ItemSource | None = None,
         **subscriber_options: Any,
     ) -> None:
+        specs = [SourceSpec(e) if isinstance(e, str) else e for e in endpoints]
+        if subscriber is not None and (specs or subscriber_options):
+            raise RouterUsageError(
+                "Router(subscriber=...) reads from the given item source; endpoints and subscriber "
+                f"options ({sorted(subscriber_options)}) belong to that source, not the router: give one or the other"
+            )
+        if subscriber is not None and not isinstance(subscriber, ItemSource):
+            raise RouterUsageError(
+                f"subscriber must be an async context manager and async iterator of items with health(), "
+                f"got {subscriber!r:.80}"
+            )
         self.index = index if index is not None else KVIndex()
         """The index (read it freely; it is only written by the router's task)."""
         self.policy = policy
         self.speculative_ttl_s = speculative_ttl_s
         self._clock = clock
-        specs = [SourceSpec(e) if isinstance(e, str) else e for e in endpoints]
-        self._sub = Subscriber(specs, **subscriber_options)
+        self._sub: Any = subscriber if subscriber is not None else Subscriber(specs, **subscriber_options)
         for s in specs:
             self.index.add_source(s.source)
         self._tg: anyio.abc.TaskGroup | None = None
@@ -177,15 +219,30 @@ class Router:
     def add_endpoint(self, spec: SourceSpec | str) -> None:
         """Start following one more engine (while open)."""
         spec = SourceSpec(spec) if isinstance(spec, str) else spec
-        self._sub.add_source(spec)
+        self._optional("add_source")(spec)
         self.index.add_source(spec.source)
 
     def remove_endpoint(self, name: str) -> None:
         """Stop following ``name`` and forget its blocks (applied in order with its items)."""
-        self._sub.remove_source(name)
+        self._optional("remove_source")(name)
 
-    def health(self) -> dict[str, SourceHealth]:
-        """Per-source stream health (see :meth:`Subscriber.health`)."""
+    def _optional(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self._sub, name, None)
+        if fn is None:
+            raise RouterUsageError(
+                f"this router's item source ({type(self._sub).__name__}) has no {name}(); "
+                "change its sources through the source itself"
+            )
+        return fn
+
+    @property
+    def subscriber(self) -> Any:
+        """The item source the router reads (its :class:`Subscriber` by default)."""
+        return self._sub
+
+    def health(self) -> Mapping[str, SourceHealth]:
+        """Per-source stream health (see :meth:`Subscriber.health`; for another item
+        source, whatever its ``health()`` returns)."""
         return self._sub.health()
 
     def applied_seq(self, source: str) -> int | None:

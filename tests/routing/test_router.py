@@ -127,3 +127,56 @@ async def test_router_speculates_the_chosen_engine_until_the_ttl(tmp_path) -> No
         now[0] = 5.0
         third = router.route(p, loads={"b": Load(queue=1)})
         assert third.best == "a"
+
+
+# -- another item source plugged in (e.g. a JetStream consumer) -----------------------------
+
+
+class _ChannelSource:
+    """An item source that is not ZMQ: items pushed through an anyio memory channel (the
+    shape a JetStream consumer or a log replayer gives the router)."""
+
+    def __init__(self) -> None:
+        import anyio
+
+        self.send, self._recv = anyio.create_memory_object_stream(100)
+        self.entered = self.exited = False
+
+    async def __aenter__(self) -> "_ChannelSource":
+        self.entered = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.exited = True
+        self._recv.close()
+
+    def __aiter__(self):
+        return self._recv.__aiter__()
+
+    def health(self) -> dict[str, str]:
+        return {"e0": "live"}
+
+
+async def test_router_reads_items_from_a_plugged_item_source() -> None:
+    from kvstream.routing.router import RouterUsageError
+
+    src = _ChannelSource()
+    p = _prompt(300, 3)
+    async with Router(subscriber=src) as router:
+        assert src.entered and router.subscriber is src
+        await src.send.send(_item("e0", 0, [_stored([1, 2, 3], p)]))
+        await router.wait_applied("e0", 0)
+        assert router.route(p).matches["e0"].blocks == 3
+        assert router.health() == {"e0": "live"}
+        with pytest.raises(RouterUsageError, match="add_source"):
+            router.add_endpoint("tcp://127.0.0.1:1")
+    assert src.exited
+
+
+def test_router_refuses_endpoints_beside_a_plugged_item_source() -> None:
+    from kvstream.routing.router import RouterUsageError
+
+    with pytest.raises(RouterUsageError, match="one or the other"):
+        Router(["tcp://127.0.0.1:1"], subscriber=_ChannelSource())
+    with pytest.raises(RouterUsageError, match="async context manager"):
+        Router(subscriber=object())  # type: ignore[arg-type]

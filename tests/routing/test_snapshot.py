@@ -1,0 +1,181 @@
+"""Index snapshots (``dump`` / ``load`` / ``load_source``): a round trip keeps the state and
+every score, for both keying strategies; bad bytes are refused with the index unchanged."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstream.hashing import BlockHasher
+from kvstream.routing.engine_index import EngineKeyIndex
+from kvstream.routing.index import KVIndex
+from kvstream.routing.snapshot import FORMAT_VERSION, SnapshotError, read_snapshot
+from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+BS = 16
+SEGS = [[100 * s + i for i in range(BS)] for s in range(8)]
+
+
+def _chain(segs: list[int], form: str) -> list:
+    """Deterministic engine hashes of a segment chain (any function of the prefix will do)."""
+    out = []
+    for i in range(len(segs)):
+        h = hash(("kv", tuple(segs[: i + 1]))) & ((1 << 64) - 1)
+        out.append(h.to_bytes(8, "little") if form == "bytes" else h)
+    return out
+
+
+def new_index(keying: str, **kw):
+    if keying == "tokens":
+        return KVIndex(**kw)
+    return EngineKeyIndex(BlockHasher("xxhash", BS, seed="0"), **kw)
+
+
+EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "store", "store", "cpu", "remove", "clear", "stale", "bs32"]),
+        st.integers(0, 2),  # source
+        st.integers(0, 2**32),  # seed
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+def build(keying: str, ops) -> tuple:
+    idx = new_index(keying)
+    chains: list[list[int]] = []
+    for op, src, seed in ops:
+        rnd = random.Random(seed)
+        name = f"e{src}"
+        form = "bytes" if rnd.random() < 0.1 else "int"
+        segs = [rnd.randrange(len(SEGS)) for _ in range(1 + rnd.randrange(4))]
+        hs = _chain(segs, form)
+        chains.append(segs)
+        toks = [t for s in segs for t in SEGS[s]]
+        if op == "store":
+            k = rnd.randrange(len(segs))  # start mid-chain sometimes: an unlinked run
+            group = 1 if rnd.random() < 0.15 else 0
+            parent = hs[k - 1] if k else None
+            ev = BlockStored(hs[k:], parent, toks[k * BS:], BS, None, "GPU", None, None, group)
+            idx.apply_batch(name, KVEventBatch(1.0, [ev] * (2 if rnd.random() < 0.2 else 1)))
+        elif op == "cpu":
+            idx.apply_batch(name, KVEventBatch(1.0, [BlockStored(hs, None, [], 0, None, "CPU", None)]))
+        elif op == "remove" and chains:
+            old = _chain(chains[rnd.randrange(len(chains))], form)
+            idx.apply_batch(name, KVEventBatch(1.0, [BlockRemoved([h], "GPU") for h in old[rnd.randrange(len(old)):]]))
+        elif op == "clear":
+            idx.apply_batch(name, KVEventBatch(1.0, [AllBlocksCleared()]))
+        elif op == "stale":
+            idx.mark_stale(name, rnd.random() < 0.7)
+        elif op == "bs32" and len(segs) >= 2:
+            n = len(segs) // 2
+            big = _chain([s * 10 + 7 for s in segs[: 2 * n]], form)[1::2]
+            idx.apply_batch(f"big{src}", KVEventBatch(1.0, [BlockStored(big, None, toks[: 2 * n * BS], 2 * BS, None, "GPU", None)]))
+    return idx, chains
+
+
+def probes(idx, chains: list[list[int]]) -> list[list]:
+    out = []
+    for segs in chains[-8:] + [[0, 1, 2, 3]]:
+        toks = [t for s in segs for t in SEGS[s]]
+        if isinstance(idx, KVIndex):
+            out.append(idx.keys(toks))
+        for form in ("int", "bytes"):
+            out.append(_chain(segs, form))
+    return out
+
+
+def same_scores(a, b, chains) -> None:
+    for keys in probes(a, chains):
+        assert a.match((), keys=keys) == b.match((), keys=keys)
+        assert a.score((), keys=keys).ranking == b.score((), keys=keys).ranking
+
+
+@pytest.mark.parametrize("keying", ["tokens", "engine"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=EVENTS)
+def test_dump_then_load_gives_the_same_state_and_scores(keying, ops) -> None:
+    idx, chains = build(keying, ops)
+    data = idx.dump()
+    again = type(idx).load(data)
+    assert again.state() == idx.state()
+    same_scores(idx, again, chains)
+    # Per source: a one-source dump loaded into an empty index holds exactly that source.
+    full = idx.state()["sources"]
+    for name in idx.sources:
+        one = type(idx).load(idx.dump(name))
+        assert one.sources == [name]
+        assert one.state()["sources"][name] == full[name]
+    # A replica that already has other sources replaces only the named one.
+    replica = type(idx).load(data)
+    for name in idx.sources:
+        replica.load_source(idx.dump(name))
+    assert replica.state() == idx.state()
+
+
+@pytest.mark.parametrize("keying", ["tokens", "engine"])
+def test_cursors_and_stale_flags_travel_with_the_snapshot(keying) -> None:
+    idx = new_index(keying)
+    idx.apply_batch("a", KVEventBatch(1.0, [BlockStored([1, 2], None, SEGS[0] + SEGS[1], BS, None, "GPU", None)]))
+    idx.add_source("b")
+    idx.mark_stale("b")
+    data = idx.dump(cursors={"a": 41, "b": {"stream": "kv", "seq": 7}})
+    info = read_snapshot(data)
+    assert info.version == FORMAT_VERSION and info.keying == keying
+    assert info.cursors == {"a": 41, "b": {"stream": "kv", "seq": 7}}
+    assert info.stale == {"a": False, "b": True}
+    other = new_index(keying)
+    assert other.load_source(idx.dump("b", cursors={"b": 9})) == {"b": 9}
+    assert other.source_info("b").stale
+
+
+def test_a_snapshot_is_compact() -> None:
+    idx = KVIndex()
+    rnd = random.Random(5)
+    parent = None
+    for i in range(0, 10_000, 100):
+        hs = list(range(i + 1, i + 101))
+        idx.apply_batch("a", KVEventBatch(1.0, [BlockStored(hs, parent, [rnd.randrange(50_000) for _ in range(100 * BS)], BS, None, "GPU", None)]))
+        parent = hs[-1]
+    data = idx.dump()
+    # 8 bytes of hash held + 16 bytes of (hash, key) per block, plus a small header.
+    assert len(data) < 10_000 * 25 + 200
+    assert KVIndex.load(data).state() == idx.state()
+
+
+@pytest.mark.parametrize("keying", ["tokens", "engine"])
+def test_bad_snapshots_are_refused_and_change_nothing(keying) -> None:
+    idx = new_index(keying)
+    idx.apply_batch("a", KVEventBatch(1.0, [BlockStored([1, 2], None, SEGS[0] + SEGS[1], BS, None, "GPU", None)]))
+    before = idx.state()
+    good = idx.dump()
+    other = "engine" if keying == "tokens" else "tokens"
+    bad = {
+        "garbage": b"\x93\x01\x02",
+        "truncated": good[:-3],
+        "other keying": new_index(other).dump(),
+        "future version": msgspec.msgpack.encode(["kvstream-index", FORMAT_VERSION + 1, keying]),
+        "not bytes": "hello",
+    }
+    for what, data in bad.items():
+        with pytest.raises(SnapshotError):
+            idx.load_source(data)  # type: ignore[arg-type]
+        assert idx.state() == before, what
+    with pytest.raises(SnapshotError, match="version"):
+        type(idx).load(bad["future version"])
+
+
+def test_a_snapshot_with_a_hash_held_but_never_keyed_is_refused() -> None:
+    from kvstream.routing import snapshot as sn
+
+    snap = sn.decode(KVIndex().dump())
+    snap.sources.append(sn._Source("x", False, None, BS, 1, [sn._Tier("GPU", sn.pack_u64([5]), [])]))
+    idx = KVIndex()
+    with pytest.raises(SnapshotError, match="no key"):
+        idx.load_source(sn.encode(snap))
+    assert idx.sources == []
