@@ -537,8 +537,8 @@ class SourceTracker:
         e = self.expected
         if seq < e:
             req.below = True
-            h = self._known(seq)
-            if h is not None and h != hash(payload):
+            known = self._known(seq)
+            if known is not None and known != hash(payload):
                 self._restart(seq)
                 return
             self.counters.duplicates += 1
