@@ -33,7 +33,7 @@ for i in $(seq 1 "$RUNS"); do
     out=$("$PY" -m pytest -q -p no:cacheprovider "${ARGS[@]}" 2>&1)
     rc=$?
     secs=$(( $(date +%s) - start ))
-    summary=$(printf '%s\n' "$out" | tail -n 1)
+    summary=$(printf '%s\n' "$out" | grep -E '(passed|failed|error)' | tail -n 1)
     if [ $rc -eq 0 ]; then
         echo "run $i: PASS (${secs}s) $summary"
     else
