@@ -2,32 +2,17 @@
 
 Run: ``.venv/bin/python bench/bench_allocator.py [--requests N] [--repeat R]``
 
-Targets (the allocator issue):
+Targets (issue #13): kvstream's pool and manager **with events on** at least 2x faster per
+request than vLLM's own ``BlockPool`` with events off, on the trace of
+``bench/vllm_peer/workloads.py`` (20,000 requests, 64 prefix families, 8,192 blocks of 16
+tokens, 32 running, hashes precomputed); ``cache_full_blocks`` for a 4,096-token prompt
+(256 blocks) under 100 us with events on.
 
-* per-request cost of kvstream's manager+pool **with events on** at most half that of
-  vLLM 0.11.0's pool with events off on the same trace;
-* ``cache_full_blocks`` for a 4,096-token prompt (256 blocks) under 100 us with events on.
-
-The trace (:func:`make_trace`, deterministic, seed 0):
-
-* 64 prefix families. Family ``f`` has a shared prefix of 128..1023 random tokens (a system
-  prompt / few-shot block) and popularity ``1 / (f + 1)`` (Zipf, s=1).
-* Each of the N requests (default 20,000) picks a family by popularity and appends a
-  private suffix of 16..511 random tokens; it then decodes 1..63 output tokens (uniform).
-* Block hashes of every full block of prompt + outputs are precomputed once (kvstream's
-  ``native`` xxh3 hasher; prefix digests shared within a family), so both contenders
-  measure the allocator, not hashing.
-* The replay is continuous batching with 32 running requests on a pool of 8,192 blocks of
-  16 tokens: each step admits waiting requests (whole prompt, prefix-cache lookup) while
-  fewer than 32 run, then every running request decodes one token; a finished request is
-  freed. About 20,000 x ~24 private blocks pass through 8,191 usable blocks, so the cache
-  churns (LRU evictions of private suffixes and of unpopular families' prefixes).
-
-The baseline is ``vllm011_baseline.py``: a re-implementation of vLLM 0.11.0's BlockPool
-algorithm (vLLM itself cannot be installed here; see that file's docstring), events off,
-driven through vLLM 0.11.0's KVCacheManager call sequence. kvstream runs through its real
-``KVCacheManager`` with ``block_hashes=`` precomputed; with events on it also builds every
-``BlockStored``/``BlockRemoved`` (int hashes, 0.33 fields) and drains them each step.
+The reference is vLLM 0.11's real ``block_pool.py`` (unmodified, loaded by
+``bench/vllm_peer``), run in this process when its wheel is in the peer cache (fetch it
+once with ``.venv/bin/python bench/vllm_peer/fetch.py``); without it only kvstream's numbers
+are printed. ``bench/vllm_peer/run.py`` runs the full comparison (0.11 and 0.33, pool and
+manager traces, hashing), each contender in its own process.
 """
 
 from __future__ import annotations
@@ -39,127 +24,17 @@ import random
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm011_baseline import BaselineManager, BaselinePool, BaselineRequest  # noqa: E402
+from vllm_peer import fetch, workloads  # noqa: E402
 
 from kvstream.hashing import BlockHasher  # noqa: E402
-from kvstream.allocator.manager import KVCacheManager  # noqa: E402
 from kvstream.allocator.pool import BlockPool  # noqa: E402
 
-BLOCK_SIZE = 16
-NUM_BLOCKS = 8192
-FAMILIES = 64
-RUNNING = 32
-
-
-class TraceRequest:
-    __slots__ = ("prefix", "suffix", "outputs", "hashes")
-
-    def __init__(self, prefix: list[int], suffix: list[int], outputs: list[int], hashes: list[bytes]) -> None:
-        self.prefix = prefix
-        self.suffix = suffix
-        self.outputs = outputs
-        self.hashes = hashes
-
-
-def make_trace(num_requests: int = 20_000, seed: int = 0) -> list[TraceRequest]:
-    """The deterministic trace described in the module docstring."""
-    rng = random.Random(seed)
-    vocab = list(range(32_000))  # shared int objects: the trace stores pointers only
-    hasher = BlockHasher("native", BLOCK_SIZE, seed="bench")
-    families = []
-    for _ in range(FAMILIES):
-        prefix = [vocab[rng.randrange(32_000)] for _ in range(rng.randrange(128, 1024))]
-        families.append((prefix, hasher.hash_blocks(prefix)))
-    weights = [1.0 / (f + 1) for f in range(FAMILIES)]
-    out = []
-    for _ in range(num_requests):
-        prefix, prefix_hashes = families[rng.choices(range(FAMILIES), weights)[0]]
-        suffix = [vocab[rng.randrange(32_000)] for _ in range(rng.randrange(16, 512))]
-        outputs = [vocab[rng.randrange(32_000)] for _ in range(rng.randrange(1, 64))]
-        nfull = len(prefix_hashes)
-        rest = prefix[nfull * BLOCK_SIZE:] + suffix + outputs
-        parent = prefix_hashes[-1] if prefix_hashes else None
-        out.append(TraceRequest(prefix, suffix, outputs, prefix_hashes + hasher.hash_blocks(rest, parent)))
-    return out
-
-
-def run_kvstream(trace: list[TraceRequest], events: bool, free_order: str = "v0.11") -> tuple[float, dict[str, Any]]:
-    """Replay with kvstream's manager; returns (seconds, counters).
-
-    ``free_order="v0.11"`` makes the same eviction decisions as the baseline (the hit
-    rates must agree exactly); ``"v0.33"`` is kvstream's default.
-    """
-    pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, enable_kv_cache_events=events, free_order=free_order)
-    mgr = KVCacheManager(pool, BlockHasher("native", BLOCK_SIZE, seed="bench"))
-    running: list[tuple[Any, list[int], int]] = []
-    nxt = 0
-    n = len(trace)
-    num_events = 0
-    admit, decode, free, new_request = mgr.admit, mgr.decode, mgr.free, mgr.new_request
-    take = pool.take_events
-    t0 = time.perf_counter()
-    while nxt < n or running:
-        while nxt < n and len(running) < RUNNING:
-            tr = trace[nxt]
-            req = new_request(nxt, tr.prefix + tr.suffix, block_hashes=tr.hashes)
-            if not admit(req):
-                break
-            running.append((req, tr.outputs, 0))
-            nxt += 1
-        still = []
-        for req, outs, i in running:
-            decode(req, outs[i])
-            i += 1
-            if i == len(outs):
-                free(req)
-            else:
-                still.append((req, outs, i))
-        running = still
-        if events:
-            num_events += len(take())
-    dt = time.perf_counter() - t0
-    return dt, {"events": num_events, "hit_rate": mgr.stats.hits / mgr.stats.queries}
-
-
-def run_baseline(trace: list[TraceRequest]) -> tuple[float, dict[str, Any]]:
-    """Replay with the vLLM 0.11.0 re-implementation, events off."""
-    pool = BaselinePool(NUM_BLOCKS, enable_caching=True, enable_kv_cache_events=False)
-    mgr = BaselineManager(pool, BLOCK_SIZE)
-    running: list[tuple[BaselineRequest, list[int], int]] = []
-    nxt = 0
-    n = len(trace)
-    hits = queries = 0
-    t0 = time.perf_counter()
-    while nxt < n or running:
-        while nxt < n and len(running) < RUNNING:
-            tr = trace[nxt]
-            req = BaselineRequest(nxt, tr.prefix + tr.suffix, tr.hashes)
-            computed, num_computed = mgr.get_computed_blocks(req)
-            queries += req.num_tokens
-            hits += num_computed
-            if mgr.allocate_slots(req, req.num_tokens - num_computed, computed) is None:
-                break
-            req.num_computed_tokens = req.num_tokens
-            running.append((req, tr.outputs, 0))
-            nxt += 1
-        still = []
-        for req, outs, i in running:
-            req.all_token_ids.append(outs[i])
-            mgr.allocate_slots(req, 1)
-            req.num_computed_tokens += 1
-            i += 1
-            if i == len(outs):
-                mgr.free(req)
-            else:
-                still.append((req, outs, i))
-        running = still
-    dt = time.perf_counter() - t0
-    return dt, {"hit_rate": hits / queries}
+BLOCK_SIZE = workloads.BLOCK_SIZE
 
 
 def bench_cache_full_blocks(events: bool = True, repeat: int = 200) -> float:
@@ -188,19 +63,31 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="replays per contender; the best is reported")
     args = ap.parse_args()
     t = time.perf_counter()
-    trace = make_trace(args.requests)
+    trace = workloads.make_trace(args.requests)
     blocks = sum(len(r.hashes) for r in trace)
     print(f"trace: {len(trace)} requests, {blocks} full blocks hashed, built in {time.perf_counter() - t:.1f} s")
-    print(f"pool: {NUM_BLOCKS} blocks x {BLOCK_SIZE} tokens, {FAMILIES} prefix families, {RUNNING} running")
+    print(f"pool: {workloads.NUM_BLOCKS} blocks x {BLOCK_SIZE} tokens, {workloads.FAMILIES} prefix families, "
+          f"{workloads.RUNNING} running; load average {os.getloadavg()[0]:.2f}")
+
+    contenders: list[tuple[str, Callable[[], tuple[float, dict[str, Any]]]]] = []
+    ref = "vLLM 0.11 BlockPool (real), events off"
+    if fetch.available("0.11"):
+        from vllm_peer import shims
+
+        vl = shims.load(fetch.source_root("0.11"))
+        contenders.append((ref, lambda: workloads.run_vllm(vl, "0.11", trace, False, False)))
+    else:
+        print("(vLLM 0.11 is not in the peer cache: run bench/vllm_peer/fetch.py once to compare)")
+    contenders += [
+        ("kvstream pool, events off", lambda: workloads.run_kvstream_pool(trace, False, "v0.11")),
+        ("kvstream pool, events on", lambda: workloads.run_kvstream_pool(trace, True, "v0.11")),
+        ("kvstream manager, events on", lambda: workloads.run_kvstream_manager(trace, True, "v0.11", False)),
+        ("kvstream manager, events on, v0.33 order",
+         lambda: workloads.run_kvstream_manager(trace, True, "v0.33", False)),
+    ]
     gc.collect()
     gc.disable()  # the same for all contenders: measure the code, not collector pauses
     try:
-        contenders = (
-            ("vLLM 0.11.0 pool (re-impl.), events off", lambda: run_baseline(trace)),
-            ("kvstream, events off", lambda: run_kvstream(trace, False)),
-            ("kvstream, events on", lambda: run_kvstream(trace, True)),
-            ("kvstream, events on, free_order v0.33", lambda: run_kvstream(trace, True, "v0.33")),
-        )
         # Interleaved rounds, best of each: the machine is shared, so a slow moment should
         # not land on one contender only.
         results: dict[str, tuple[float, dict[str, Any]]] = {}
@@ -212,13 +99,13 @@ def main() -> None:
                     results[name] = (dt, info)
         for name, _ in contenders:
             dt, info = results[name]
-            extra = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
+            extra = ", ".join(f"{k} {v}" for k, v in info.items())
             print(f"  {name:42s} {dt * 1e6 / len(trace):7.2f} us/request  ({extra})")
-        assert results["kvstream, events on"][1]["hit_rate"] == results[
-            "vLLM 0.11.0 pool (re-impl.), events off"][1]["hit_rate"], "kvstream and the baseline diverged"
-        base = results["vLLM 0.11.0 pool (re-impl.), events off"][0]
-        ours = results["kvstream, events on"][0]
-        print(f"speedup (baseline events off / kvstream events on): {base / ours:.2f}x  (target >= 2x)")
+        if ref in results:
+            base = results[ref][0]
+            for name in ("kvstream pool, events on", "kvstream manager, events on"):
+                assert results[name][1]["hit_rate"] == results[ref][1]["hit_rate"], "kvstream and vLLM diverged"
+                print(f"speed-up ({ref} / {name}): {base / results[name][0]:.2f}x  (target >= 2x)")
         cfb = bench_cache_full_blocks(True)
         print(f"cache_full_blocks, 4,096-token prompt (256 blocks), events on: {cfb * 1e6:.1f} us (target < 100 us)")
         cfb_off = bench_cache_full_blocks(False)

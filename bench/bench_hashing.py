@@ -1,86 +1,160 @@
-"""Block hashing throughput: vLLM-compatible algorithms and kvstream's native mode.
+"""Block hashing: kvstream against the naive loop and vLLM's own hasher, on unseen prompts.
 
-Run: ``.venv/bin/python bench/bench_hashing.py [--tokens 4096] [--block-size 16]``
+Run: ``.venv/bin/python bench/bench_hashing.py [--prompts 30] [--rounds 3]``
 
-Prints, for one prompt of ``--tokens`` random token ids (vocabulary 128k):
-* the baseline (``cbor2.dumps(..., canonical=True)`` + ``hashlib.sha256`` per block, what
-  vLLM's ``sha256_cbor`` does) against ``BlockHasher("sha256_cbor").hash_blocks``, and
-  their ratio (target >= 1.5x, identical digests checked);
-* tokens/s for every algorithm, including ``native``;
-* the per-token cost of ``RequestBlockHasher.extend`` during decode.
+Inputs (``bench/vllm_peer/workloads.py``): 4,096-token prompts over a 128k vocabulary,
+``uniform`` (ids uniform, a new prompt every call: what a router mostly sees), ``zipf``
+(low ids frequent, new every call) and ``repeated`` (one prompt over and over).
+
+For every vLLM algorithm it prints microseconds per prompt for
+
+* the naive loop: one ``serialize((parent, tuple(block), None))`` + digest per block
+  (``cbor2.dumps(..., canonical=True)`` or ``pickle.dumps``; sha256 or xxh3_128), which is
+  what vLLM's ``hash_block_tokens`` does;
+* vLLM 0.33's own request hasher (``get_request_block_hasher`` from its unmodified
+  ``kv_cache_utils.py``) when the peer cache holds it (``bench/vllm_peer/fetch.py``);
+* kvstream's ``RequestBlockHasher.extend`` (the prompt in one call), and the ratio.
+
+and the same with 256 output tokens appended one call each (the incremental hasher).
+Digests are checked equal. Contenders alternate within each round; the best round counts.
+Target (issue #13): >= 1.5x the naive loop for sha256_cbor on every input kind.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
-import random
-import timeit
+import os
+import pickle
+import sys
+import time
+from typing import Any, Callable
 
 import cbor2
+import xxhash
 
-from kvstream.hashing import ALGORITHMS, BlockHasher, RequestBlockHasher
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vllm_peer import fetch, workloads  # noqa: E402
+
+from kvstream.hashing import VLLM_ALGORITHMS, BlockHasher, RequestBlockHasher  # noqa: E402
+
+BS = workloads.BLOCK_SIZE
+DECODE = [t % 1000 + 1000 for t in range(256)]
 
 
-def baseline_sha256_cbor(tokens: list[int], block_size: int, root: bytes) -> list[bytes]:
-    """The obvious implementation: one cbor2.dumps + hashlib.sha256 per full block."""
+def naive_hasher(algorithm: str) -> Callable[[Any], bytes]:
+    """The obvious hash function: serialize the tuple, digest it."""
+    ser: Callable[[Any], bytes] = (
+        (lambda o: cbor2.dumps(o, canonical=True)) if algorithm.endswith("_cbor")
+        else (lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)))
+    if algorithm.startswith("sha256"):
+        return lambda o: hashlib.sha256(ser(o)).digest()
+    return lambda o: xxhash.xxh3_128_digest(ser(o))
+
+
+def naive_blocks(fn: Callable[[Any], bytes], tokens: list[int], parent: bytes) -> list[bytes]:
     out = []
-    parent = root
-    for i in range(0, len(tokens) - len(tokens) % block_size, block_size):
-        parent = hashlib.sha256(
-            cbor2.dumps((parent, tuple(tokens[i : i + block_size]), None), canonical=True)
-        ).digest()
+    for i in range(0, len(tokens) - len(tokens) % BS, BS):
+        parent = fn((parent, tuple(tokens[i : i + BS]), None))
         out.append(parent)
     return out
 
 
-def best_of(fn, number: int, repeat: int = 5) -> float:
-    """Best mean seconds per call over ``repeat`` runs of ``number`` calls."""
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--number", type=int, default=200, help="calls per timing run")
+    ap.add_argument("--prompts", type=int, default=30, help="prompts per input kind and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--algorithms", default=",".join(VLLM_ALGORITHMS))
     args = ap.parse_args()
-    rng = random.Random(0)
-    tokens = [rng.randrange(128_000) for _ in range(args.tokens)]
-    bs = args.block_size
+    vl = None
+    if fetch.available("0.33"):
+        from vllm_peer import shims
 
-    h = BlockHasher("sha256_cbor", bs, seed="0")
-    assert h.hash_blocks(tokens) == baseline_sha256_cbor(tokens, bs, h.root), "fast path differs!"
-    h.hash_blocks(tokens)  # warm the token-encoding cache, as a running server would be
-    t_base = best_of(lambda: baseline_sha256_cbor(tokens, bs, h.root), args.number)
-    t_ours = best_of(lambda: h.hash_blocks(tokens), args.number)
-    print(f"sha256_cbor, {args.tokens} tokens, block {bs} ({args.tokens // bs} blocks), identical digests")
-    print(f"  baseline cbor2.dumps + hashlib.sha256: {t_base * 1e6:8.1f} us")
-    print(f"  kvstream BlockHasher.hash_blocks:      {t_ours * 1e6:8.1f} us")
-    print(f"  speed-up: {t_base / t_ours:.2f}x (target >= 1.5x)")
-    print()
-    print(f"{'algorithm':<12} {'us/prompt':>10} {'M tokens/s':>11}  vLLM-compatible")
-    for name in ALGORITHMS:
-        hasher = BlockHasher(name, bs, seed="0")
-        hasher.hash_blocks(tokens)
-        t = best_of(lambda: hasher.hash_blocks(tokens), args.number)
-        print(f"{name:<12} {t * 1e6:10.1f} {args.tokens / t / 1e6:11.1f}  {hasher.vllm_compatible}")
-    print()
-    decode = 16 * 256
-    for name in ("sha256_cbor", "native"):
-        hasher = BlockHasher(name, bs, seed="0")
+        vl = shims.load(fetch.source_root("0.33"))
+    else:
+        print("(vLLM 0.33 is not in the peer cache: run bench/vllm_peer/fetch.py once to compare with it)")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; us per 4,096-token prompt, "
+          f"best of {args.rounds} rounds of {args.prompts} prompts")
+    for algorithm in args.algorithms.split(","):
+        hasher = BlockHasher(algorithm, BS, seed="bench")
+        root = hasher.root
+        naive = naive_hasher(algorithm)
+        contenders: dict[str, tuple[Callable[[list[int]], list[bytes]], Callable[[list[int]], list[bytes]]]] = {}
 
-        def run() -> None:
+        def naive_prompt(p: list[int]) -> list[bytes]:
+            return naive_blocks(naive, p, root)
+
+        def naive_decode(p: list[int]) -> list[bytes]:
+            toks = list(p)
+            hs = naive_blocks(naive, toks, root)
+            for t in DECODE:
+                toks.append(t)
+                if len(toks) % BS == 0:
+                    hs.append(naive((hs[-1], tuple(toks[-BS:]), None)))
+            return hs
+
+        contenders["naive loop"] = (naive_prompt, naive_decode)
+        if vl is not None:
+            kcu = vl.kv_cache_utils
+            fn = getattr(vl.hashing, algorithm)
+            os.environ["PYTHONHASHSEED"] = "bench"
+            kcu.init_none_hash(fn)
+            if kcu.NONE_HASH == root:  # xxhash roots are random per process in vLLM: skip those
+                vh = kcu.get_request_block_hasher(BS, fn)
+
+                def vllm_prompt(p: list[int], vh: Any = vh) -> list[bytes]:
+                    return workloads.PeerRequest(0, list(p), None, vh).block_hashes
+
+                def vllm_decode(p: list[int], vh: Any = vh) -> list[bytes]:
+                    req = workloads.PeerRequest(0, list(p), None, vh)
+                    for t in DECODE:
+                        req.append_output_token(t)
+                    return req.block_hashes
+
+                contenders["vLLM 0.33 hasher"] = (vllm_prompt, vllm_decode)
+
+        def ours_prompt(p: list[int]) -> list[bytes]:
+            return RequestBlockHasher(hasher).extend(p)
+
+        def ours_decode(p: list[int]) -> list[bytes]:
             r = RequestBlockHasher(hasher)
-            r.extend(tokens)
-            for t in range(decode):
+            r.extend(p)
+            for t in DECODE:
                 r.extend((t,))
+            return r.block_hashes
 
-        t_total = best_of(run, 10, 3) - best_of(lambda: RequestBlockHasher(hasher).extend(tokens), 50, 3)
-        print(
-            f"RequestBlockHasher.extend, 1 token per call ({name}): "
-            f"{t_total / decode * 1e9:.0f} ns/token incl. a block hash every {bs} tokens"
-        )
+        contenders["kvstream"] = (ours_prompt, ours_decode)
+        best: dict[tuple[str, str], float] = {}
+        for kind in workloads.HASH_KINDS:
+            check = workloads.hash_prompts(kind, 1, seed=99)[0]
+            want = naive_decode(check)
+            for name, (_, dec) in contenders.items():
+                assert dec(check) == want, f"{name} differs from the naive loop ({algorithm}, {kind})"
+            for r in range(args.rounds):
+                for name, (prompt_fn, decode_fn) in contenders.items():
+                    for mode, fn in (("prompt", prompt_fn), ("+decode", decode_fn)):
+                        # Fresh prompts for every contender and round: never seen before.
+                        ps = workloads.hash_prompts(kind, args.prompts, seed=1000 * r + hash((name, mode)) % 997)
+                        gc.collect()
+                        gc.disable()
+                        t0 = time.perf_counter()
+                        for p in ps:
+                            fn(p)
+                        dt = (time.perf_counter() - t0) * 1e6 / len(ps)
+                        gc.enable()
+                        key = (name, f"{kind} {mode}")
+                        best[key] = min(best.get(key, dt), dt)
+        cols = [f"{k} {m}" for k in workloads.HASH_KINDS for m in ("prompt", "+decode")]
+        print(f"\n{algorithm}")
+        print(f"  {'':22s}" + "".join(f"{c:>18s}" for c in cols))
+        for name in contenders:
+            print(f"  {name:22s}" + "".join(f"{best[(name, c)]:18.1f}" for c in cols))
+        for ref in contenders:
+            if ref != "kvstream":
+                print(f"  {'x ' + ref:22s}" + "".join(f"{best[(ref, c)] / best[('kvstream', c)]:17.2f}x" for c in cols))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,12 @@ Each engine is a kvstream BlockPool + KVCacheManager (vLLM's allocator) behind a
 Publisher on an ipc:// socket. Prompts are conversations that share system prompts, so
 routing by cached prefix pays: the script prints each choice, then the prefix-cache hit
 rate it got, next to what round-robin gets on the same prompts.
+
+Load is what the balancer itself knows: requests arrive every ARRIVAL_S seconds, and an
+engine is busy with each for SERVICE_S seconds plus its uncached prompt tokens at
+PREFILL_TOK_S; the requests an engine has not finished are its queue. The router weighs a
+waiting request against the cached share of the prompt (``QUEUE_WEIGHT``), so a popular
+prefix spills onto idle engines instead of piling up on one.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ import argparse
 import contextlib
 import random
 import tempfile
-from collections import Counter
 
 import anyio
 
@@ -23,10 +28,14 @@ from kvstream.wire.events import KVEventBatch
 from kvstream.allocator.manager import KVCacheManager
 from kvstream.allocator.pool import BlockPool
 from kvstream.routing.router import Router
-from kvstream.routing.scoring import Load
+from kvstream.routing.scoring import Load, PrefixLoadPolicy
 from kvstream.transport import KVEventsConfig, Publisher, SourceSpec
 
 BLOCK = 16
+ARRIVAL_S = 0.005  # seconds between requests
+SERVICE_S = 0.03  # seconds per request, plus prefill
+PREFILL_TOK_S = 4000.0  # uncached prompt tokens per second
+QUEUE_WEIGHT = 0.25  # score lost per waiting request (a full-prompt hit scores 1.0)
 
 
 class Engine:
@@ -38,8 +47,14 @@ class Engine:
         self.n = 0
         self.hit_tokens = 0
         self.prompt_tokens = 0
+        self.finish: list[float] = []  # when each accepted request is done (seconds)
 
-    def serve(self, prompt: list[int]) -> list:
+    def queue(self, now: float) -> int:
+        """Requests not finished at ``now``."""
+        self.finish = [t for t in self.finish if t > now]
+        return len(self.finish)
+
+    def serve(self, prompt: list[int], now: float = 0.0) -> list:
         self.n += 1
         req = self.mgr.new_request(f"{self.name}-{self.n}", prompt)
         hit = len(self.mgr.get_computed_blocks(req)) * BLOCK
@@ -47,6 +62,8 @@ class Engine:
             self.hit_tokens += hit
             self.mgr.free(req)
         self.prompt_tokens += len(prompt)
+        start = max([now] + self.finish)
+        self.finish.append(start + SERVICE_S + (len(prompt) - hit) / PREFILL_TOK_S)
         return self.mgr.take_events()
 
 
@@ -78,17 +95,14 @@ async def run(n_engines: int, n_requests: int, verbose: bool = True) -> dict[str
                 pubs.append(await stack.enter_async_context(Publisher(cfg)))
             specs = [SourceSpec(p.endpoint, p.replay_endpoint, name=e.name) for p, e in zip(pubs, engines)]
             seqs = [-1] * n_engines
-            last: list[str] = []
-            router = await stack.enter_async_context(Router(specs, speculative_ttl_s=1.0))
+            policy = PrefixLoadPolicy(queue_weight=QUEUE_WEIGHT)
+            router = await stack.enter_async_context(Router(specs, speculative_ttl_s=1.0, policy=policy))
             for k, prompt in enumerate(prompts):
-                # Load the balancer knows: requests it sent each engine among the last 6
-                # (a stand-in for the engine's queue).
-                recent = Counter(last[-6:])
-                loads = {e.name: Load(queue=recent[e.name], kv_usage=e.mgr.usage) for e in engines}
+                now = k * ARRIVAL_S
+                loads = {e.name: Load(queue=e.queue(now), kv_usage=e.mgr.usage) for e in engines}
                 res = router.route(prompt, loads)
                 i = int(res.best.rsplit("-", 1)[1])  # type: ignore[union-attr]
-                last.append(res.best)
-                events = engines[i].serve(prompt)
+                events = engines[i].serve(prompt, now)
                 if events:
                     pubs[i].publish(KVEventBatch(float(k), events))
                     seqs[i] += 1
@@ -103,10 +117,10 @@ async def run(n_engines: int, n_requests: int, verbose: bool = True) -> dict[str
     for k, prompt in enumerate(prompts):
         rr[k % n_engines].serve(prompt)
     robin = sum(e.hit_tokens for e in rr) / sum(e.prompt_tokens for e in rr)
-    spread = Counter(e.name for e in engines for _ in range(e.n))
+    spread = {e.name: e.n for e in engines}
     if verbose:
         print(f"\nprefix-cache hit rate: routed {routed:.1%}, round-robin {robin:.1%}; "
-              f"requests per engine: {dict(sorted(spread.items()))}")
+              f"requests per engine: {spread}")
     return {"routed": routed, "round_robin": robin}
 
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_example_load_balancer_runs_and_routes_by_prefix() -> None:
+@pytest.mark.parametrize("engines", [3, 8])
+def test_example_load_balancer_runs_and_routes_by_prefix(engines) -> None:
     out = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "load_balancer.py"), "--engines", "3", "--requests", "40"],
+        [sys.executable, str(REPO / "examples" / "load_balancer.py"), "--engines", str(engines), "--requests", "40"],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )
     assert out.returncode == 0, out.stderr
@@ -21,3 +25,5 @@ def test_example_load_balancer_runs_and_routes_by_prefix() -> None:
     routed = float(summary.split("routed ")[1].split("%")[0])
     robin = float(summary.split("round-robin ")[1].split("%")[0])
     assert routed > robin, summary
+    per_engine = ast.literal_eval(summary.split("requests per engine: ")[1])
+    assert len(per_engine) == engines and min(per_engine.values()) > 0, summary  # every engine serves

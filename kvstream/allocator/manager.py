@@ -43,7 +43,32 @@ __all__ = ["KVCacheManager", "KVRequest", "KVCacheManagerError"]
 
 class KVCacheManagerError(LocalProtocolError, ValueError):
     """A bad call to the manager (admitting twice, decoding before the prefill finished,
-    more new tokens than the request has, ...). Raised before anything changed."""
+    more new tokens than the request has, a token id that cannot go on the wire, a request
+    id already running, ...). Raised before anything changed."""
+
+
+_WIRE_TOKEN_LIMIT = 1 << 64  # token ids travel as msgpack unsigned ints: [0, 2**64)
+
+
+def _check_token_ids(request_id: Any, token_ids: Sequence[Any]) -> None:
+    """Raise :class:`KVCacheManagerError` unless every id is an int in [0, 2**64).
+
+    One C-level pass (``array('Q')``, ~6 ns per id) in the common case; the slow scan only
+    names the bad id. ``True``/``False`` pass that pass as 1/0 and are not looked for (that
+    would cost a Python-level type test per id); :meth:`KVCacheManager.decode` refuses them.
+    """
+    try:
+        array("Q", token_ids)
+    except (TypeError, OverflowError):
+        pass
+    else:
+        return
+    for i, t in enumerate(token_ids):
+        if type(t) is not int or not 0 <= t < _WIRE_TOKEN_LIMIT:
+            raise KVCacheManagerError(
+                f"request {request_id!r}: token id {t!r} ({type(t).__name__}) at position {i} cannot "
+                "go on the wire; token ids are ints in [0, 2**64), as the tokenizer gives them"
+            )
 
 
 class KVRequest:
@@ -151,7 +176,8 @@ class KVCacheManager:
         self._step_stats = PrefixCacheStats()
         self._bs = pool.block_size
         self._queue = pool.free_block_queue
-        self._index = pool._index[kv_cache_group_id]
+        # The group's HashIndex.first: hash -> oldest cached copy (cleared in place on reset).
+        self._index = pool._index[kv_cache_group_id].first
 
     # -- requests ----------------------------------------------------------------------
 
@@ -172,12 +198,24 @@ class KVCacheManager:
         by later tokens can only be cached if the list already holds their hashes (give
         the whole prompt+output chain up front, or pass None to hash here).
         """
+        if request_id in self.requests:
+            raise KVCacheManagerError(
+                f"request id {request_id!r} is already running in this manager; free() it first "
+                "or give the new request its own id"
+            )
         if type(prompt_token_ids) is array and prompt_token_ids.typecode == "I":
             # Kept as an array('I') copy (one memcpy; no int objects, nothing for the cycle
             # collector): long simulated prompts are given this way.
             tokens: Any = prompt_token_ids[:]
         else:
-            tokens = list(prompt_token_ids)
+            try:
+                tokens = list(prompt_token_ids)
+            except TypeError:
+                raise KVCacheManagerError(
+                    f"request {request_id!r}: the prompt must be an iterable of token ids, got "
+                    f"{type(prompt_token_ids).__name__}"
+                ) from None
+            _check_token_ids(request_id, tokens)
         if not tokens:
             raise KVCacheManagerError(f"request {request_id!r} has an empty prompt; give at least one token")
         if block_hashes is not None:
@@ -203,7 +241,7 @@ class KVCacheManager:
             v = get(hashes[i])
             if v is None:
                 break
-            append(v if type(v) is KVCacheBlock else next(iter(v.values())))
+            append(v)
         return hits
 
     def admit(self, request: KVRequest, num_new_tokens: int | None = None) -> bool:
@@ -218,6 +256,11 @@ class KVCacheManager:
                 f"request {request.request_id!r} is already admitted; use allocate() for its next "
                 "chunk, or free() it first"
             )
+        if request.request_id in self.requests:
+            raise KVCacheManagerError(
+                f"another request with id {request.request_id!r} is already running; ids must be "
+                "unique among running requests (free() the other one first)"
+            )
         bs = self._bs
         hits: list[KVCacheBlock] = []
         if self.pool.enable_caching:
@@ -228,8 +271,6 @@ class KVCacheManager:
                 v = get(h)
                 if v is None:
                     break
-                if type(v) is not KVCacheBlock:
-                    v = next(iter(v.values()))
                 append(v)
         num_tokens = len(request.token_ids)
         nh = len(hits)
@@ -314,8 +355,12 @@ class KVCacheManager:
         # exactly ceil(num_computed_tokens / block_size) blocks, so nothing else can be due.
         # A request that is not running has num_computed_tokens 0, so total % bs == 1 and
         # it takes the checked path below.
-        if total % self._bs > 1 and total == len(tokens) + 1:
-            tokens.append(token_id)
+        if (total % self._bs > 1 and total == len(tokens) + 1 and type(token_id) is int
+                and 0 <= token_id < _WIRE_TOKEN_LIMIT):
+            try:
+                tokens.append(token_id)
+            except OverflowError:  # an array('I') prompt takes only 32-bit ids
+                self._bad_token(request, token_id)
             request.num_computed_tokens = total
             return True
         return self._decode_boundary(request, token_id)
@@ -333,6 +378,10 @@ class KVCacheManager:
         appended the tokens before it).
         """
         toks = token_ids if type(token_ids) is list else list(token_ids)
+        limit = 1 << 32 if type(request.token_ids) is array else _WIRE_TOKEN_LIMIT
+        for t in toks:  # a few ids per call: the exact test, bools included
+            if type(t) is not int or not 0 <= t < limit:
+                self._bad_token(request, t)
         tokens = request.token_ids
         start = request.num_computed_tokens
         if start != len(tokens) or not request.running:
@@ -431,8 +480,18 @@ class KVCacheManager:
                 f"request {request.request_id!r} is not running in this manager; admit() it first"
             )
 
+    def _bad_token(self, request: KVRequest, token_id: Any) -> None:
+        limit = "2**32 (its prompt was an array('I'))" if type(request.token_ids) is array else "2**64"
+        raise KVCacheManagerError(
+            f"request {request.request_id!r}: token id {token_id!r} ({type(token_id).__name__}) "
+            f"cannot go on the wire; token ids are ints in [0, {limit})"
+        )
+
     def _decode_boundary(self, request: KVRequest, token_id: int) -> bool:
         """:meth:`decode` for a token that starts or completes a block (or a bad call)."""
+        if type(token_id) is not int or not 0 <= token_id < (
+                1 << 32 if type(request.token_ids) is array else _WIRE_TOKEN_LIMIT):
+            self._bad_token(request, token_id)
         tokens = request.token_ids
         total = request.num_computed_tokens + 1
         if total != len(tokens) + 1 or not request.running:

@@ -24,13 +24,12 @@ raised before any state changes.
 
 from __future__ import annotations
 
-import struct
 from array import array
 from typing import Any, Iterable, Literal, Sequence
 
 from kvstream.errors import LocalProtocolError
 from kvstream.wire.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
-from kvstream.hashing import to_external
+from kvstream.hashing import to_external, to_external_list
 
 __all__ = [
     "BlockPool",
@@ -50,10 +49,6 @@ FreeOrder = Literal["v0.33", "v0.11"]
 """Where :meth:`BlockPool.free_blocks` puts blocks without a hash (see :class:`BlockPool`)."""
 HashForm = Literal["int", "bytes"]
 """How block hashes appear on events: low 64 bits as an unsigned int, or the raw digest."""
-
-# The "int" event form of a digest: its last 8 bytes, big-endian (what
-# kvstream.hashing.to_external computes), inlined in the per-block loops.
-_u64 = struct.Struct(">Q").unpack_from
 
 DEFAULT_EVENT_METADATA: tuple[tuple[str | None, int | None], ...] = (("full_attention", None),)
 """One KV cache group of full attention: vLLM's ``kv_cache_event_metadata`` for a plain model."""
@@ -81,18 +76,24 @@ class KVCacheBlock:
         group_id: the KV cache group of that hash (meaningful only with a hash).
         is_null: True for block 0 only.
         prev_free, next_free: free-queue links (None when not in the queue).
+        pool: the :class:`BlockPool` the block belongs to.
     """
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free",
-                 "is_null", "origin", "pos", "ext_hash")
+                 "is_null", "origin", "pos", "ext_hash", "pool")
 
-    def __init__(self, block_id: int, is_null: bool = False) -> None:
+    def __init__(self, block_id: int, is_null: bool = False, pool: Any = None) -> None:
         self.block_id = block_id
+        # The BlockPool that owns the block (None for queue sentinels): a block handed to
+        # another pool is refused, not silently linked into the wrong queue.
+        self.pool = pool
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
         self.group_id = 0
-        self.prev_free: KVCacheBlock | None = None
-        self.next_free: KVCacheBlock | None = None
+        # Free-queue links, None when the block is not linked. Typed as blocks: they are
+        # read only on linked blocks (sentinels bound the queue), never on None.
+        self.prev_free: KVCacheBlock = None  # type: ignore[assignment]
+        self.next_free: KVCacheBlock = None  # type: ignore[assignment]
         self.is_null = is_null
         # With events on: the BlockStored that announced this block and the logical index
         # of that event's first block, shared by the run's blocks (one tuple per run), and
@@ -102,7 +103,7 @@ class KVCacheBlock:
         self.origin: tuple[BlockStored, int] | None = None
         self.pos = 0
         # The hash's event form, computed once when cached (events on), reused on eviction.
-        self.ext_hash: int | bytes | None = None
+        self.ext_hash: int | bytes = 0
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:12] if self.block_hash is not None else None
@@ -114,7 +115,7 @@ class _Origin:
 
     __slots__ = ("token_ids", "block_hashes", "extra_keys", "lora_id", "lora_name")
 
-    def __init__(self, token_ids: Sequence[int], block_hashes: Sequence[bytes],
+    def __init__(self, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes],
                  extra_keys: Sequence[Any] | None, lora_id: int | None, lora_name: str | None) -> None:
         self.token_ids = token_ids
         self.block_hashes = block_hashes
@@ -151,12 +152,10 @@ class FreeBlockQueue:
         append = out.append
         blk = self.head.next_free
         for _ in range(n):
-            append(blk)  # type: ignore[arg-type]
-            nxt = blk.next_free  # type: ignore[union-attr]
-            blk.prev_free = blk.next_free = None  # type: ignore[union-attr]
-            blk = nxt
+            append(blk)
+            blk = blk.next_free  # the taken block's links go stale: never read while held
         self.head.next_free = blk
-        blk.prev_free = self.head  # type: ignore[union-attr]
+        blk.prev_free = self.head
         self.num_free_blocks -= n
         return out
 
@@ -164,9 +163,8 @@ class FreeBlockQueue:
         """Unlink ``blk`` from anywhere in the queue (O(1))."""
         prev = blk.prev_free
         nxt = blk.next_free
-        prev.next_free = nxt  # type: ignore[union-attr]
-        nxt.prev_free = prev  # type: ignore[union-attr]
-        blk.prev_free = blk.next_free = None
+        prev.next_free = nxt
+        nxt.prev_free = prev
         self.num_free_blocks -= 1
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -176,10 +174,10 @@ class FreeBlockQueue:
         tail = self.tail
         last = tail.prev_free
         for blk in blocks:
-            last.next_free = blk  # type: ignore[union-attr]
+            last.next_free = blk
             blk.prev_free = last
             last = blk
-        last.next_free = tail  # type: ignore[union-attr]
+        last.next_free = tail
         tail.prev_free = last
         self.num_free_blocks += len(blocks)
 
@@ -195,7 +193,7 @@ class FreeBlockQueue:
             blk.prev_free = prev
             prev = blk
         prev.next_free = first
-        first.prev_free = prev  # type: ignore[union-attr]
+        first.prev_free = prev
         self.num_free_blocks += len(blocks)
 
     def blocks(self) -> list[KVCacheBlock]:
@@ -204,12 +202,75 @@ class FreeBlockQueue:
         blk = self.head.next_free
         tail = self.tail
         while blk is not tail:
-            out.append(blk)  # type: ignore[arg-type]  # linked blocks up to the tail sentinel are never None
-            blk = blk.next_free  # type: ignore[union-attr]
+            out.append(blk)  # linked blocks up to the tail sentinel are never None
+            blk = blk.next_free
         return out
 
 
-_Index = dict  # bytes -> KVCacheBlock | dict[int, KVCacheBlock] (duplicate copies, in insertion order)
+class HashIndex:
+    """One KV cache group's cached blocks by hash; duplicate physical copies allowed.
+
+    vLLM never de-duplicates (block tables are append-only), so a hash can be cached in
+    several blocks. ``first`` maps each hash to its oldest cached copy, the one a lookup
+    returns; ``dups`` holds the younger copies of the few hashes that have them, oldest
+    first. A lookup is one plain ``dict.get`` on ``first``; the per-block hot paths in
+    :class:`BlockPool` use :meth:`insert`'s and :meth:`remove`'s common case inline
+    (``first.setdefault`` / ``first.pop`` with ``dups`` empty) and call them otherwise.
+    """
+
+    __slots__ = ("first", "dups")
+
+    def __init__(self) -> None:
+        self.first: dict[bytes, KVCacheBlock] = {}
+        self.dups: dict[bytes, list[KVCacheBlock]] = {}
+
+    def __len__(self) -> int:
+        """Distinct hashes cached."""
+        return len(self.first)
+
+    def get(self, block_hash: bytes) -> KVCacheBlock | None:
+        """The oldest cached copy of ``block_hash``, or None."""
+        return self.first.get(block_hash)
+
+    def insert(self, block_hash: bytes, blk: KVCacheBlock) -> None:
+        """Index ``blk`` under ``block_hash`` (after any copies already there)."""
+        v = self.first.setdefault(block_hash, blk)
+        if v is not blk:
+            self.dups.setdefault(block_hash, []).append(blk)
+
+    def remove(self, block_hash: bytes, blk: KVCacheBlock) -> None:
+        """Drop ``blk``'s entry; the next-oldest copy, if any, becomes the first."""
+        first = self.first
+        more = self.dups.get(block_hash)
+        if more is None:
+            del first[block_hash]
+        elif first[block_hash] is blk:
+            first[block_hash] = more.pop(0)
+            if not more:
+                del self.dups[block_hash]
+        else:
+            more.remove(blk)
+            if not more:
+                del self.dups[block_hash]
+
+    def copies(self, block_hash: bytes) -> list[KVCacheBlock]:
+        """Every cached copy of ``block_hash``, oldest first."""
+        blk = self.first.get(block_hash)
+        if blk is None:
+            return []
+        return [blk, *self.dups.get(block_hash, ())]
+
+    def clear(self) -> None:
+        """Forget every hash (in place: managers keep a reference to ``first``)."""
+        self.first.clear()
+        self.dups.clear()
+
+
+def _foreign(blk: KVCacheBlock) -> BlockPoolError:
+    return BlockPoolError(
+        f"block {blk.block_id} belongs to another BlockPool (or none); a pool only takes back "
+        "the blocks it handed out: pass each block to the pool it came from"
+    )
 
 
 class BlockPool:
@@ -283,11 +344,11 @@ class BlockPool:
         self.event_style = event_style
         self.free_order = free_order
         self.kv_cache_event_metadata = meta
-        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.blocks = [KVCacheBlock(i, pool=self) for i in range(num_gpu_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
-        self._index: list[_Index] = [{} for _ in meta]
+        self._index: list[HashIndex] = [HashIndex() for _ in meta]
         self._events: list[Any] = []
         self._v033 = event_style == "0.33"
         self._prepend_unhashed = free_order == "v0.33"
@@ -313,10 +374,7 @@ class BlockPool:
 
     def lookup(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
         """The first cached copy of ``block_hash`` in ``group_id``, or None. Pure query."""
-        v = self._index[group_id].get(block_hash)
-        if v is None or type(v) is KVCacheBlock:
-            return v
-        return next(iter(v.values()))
+        return self._index[group_id].first.get(block_hash)
 
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """vLLM's form: one cached block per group in ``kv_cache_group_ids``, or None if any
@@ -324,10 +382,10 @@ class BlockPool:
         out = []
         index = self._index
         for g in kv_cache_group_ids:
-            v = index[g].get(block_hash)
+            v = index[g].first.get(block_hash)
             if v is None:
                 return None
-            out.append(v if type(v) is KVCacheBlock else next(iter(v.values())))
+            out.append(v)
         return out
 
     def free_block_ids(self) -> list[int]:
@@ -338,8 +396,8 @@ class BlockPool:
         """``{(digest, group): [block ids of its physical copies, first copy first]}``. O(n)."""
         out: dict[tuple[bytes, int], list[int]] = {}
         for g, idx in enumerate(self._index):
-            for h, v in idx.items():
-                out[(h, g)] = [v.block_id] if type(v) is KVCacheBlock else list(v)
+            for h in idx.first:
+                out[(h, g)] = [b.block_id for b in idx.copies(h)]
         return out
 
     # -- allocation ----------------------------------------------------------------------
@@ -363,24 +421,25 @@ class BlockPool:
         blk = head.next_free
         if num_blocks == 1:
             # The decode path (a token starts a block): the loop below, unrolled.
-            nxt = blk.next_free  # type: ignore[union-attr]
+            nxt = blk.next_free
             head.next_free = nxt
-            nxt.prev_free = head  # type: ignore[union-attr]
+            nxt.prev_free = head
             q.num_free_blocks -= 1
-            h = blk.block_hash  # type: ignore[union-attr]
+            h = blk.block_hash
             if h is not None:
-                g = blk.group_id  # type: ignore[union-attr]
+                g = blk.group_id
                 idx = self._index[g]
-                v = idx.pop(h)
-                if v is not blk:
-                    del v[blk.block_id]  # type: ignore[union-attr]
-                    idx[h] = v if len(v) > 1 else next(iter(v.values()))
+                if idx.dups:
+                    idx.remove(h, blk)
+                else:
+                    del idx.first[h]  # HashIndex.remove's common case
                 if self.enable_kv_cache_events:
-                    self._events.append(BlockRemoved([blk.ext_hash], self.medium, self._gidx[g]))  # type: ignore[union-attr, list-item]
-                    blk.origin = None  # type: ignore[union-attr]
-                blk.block_hash = None  # type: ignore[union-attr]
-            blk.ref_cnt = 1  # type: ignore[union-attr]
-            return [blk]  # type: ignore[list-item]
+                    self._events.append(BlockRemoved(
+                        block_hashes=[blk.ext_hash], medium=self.medium, group_idx=self._gidx[g]))
+                    blk.origin = None
+                blk.block_hash = None
+            blk.ref_cnt = 1
+            return [blk]
         ret: list[KVCacheBlock] = []
         if not num_blocks:
             return ret
@@ -396,47 +455,49 @@ class BlockPool:
             medium = self.medium
             gidx = self._gidx
             for _ in range(num_blocks):
-                h = blk.block_hash  # type: ignore[union-attr]
+                h = blk.block_hash
                 if h is not None:
                     # Lazy eviction: the block leaves the index only now that it is reused.
-                    g = blk.group_id  # type: ignore[union-attr]
+                    g = blk.group_id
                     idx = index[g]
-                    v = idx.pop(h)
-                    if v is not blk:  # duplicate copies: drop only this one
-                        del v[blk.block_id]  # type: ignore[union-attr]
-                        idx[h] = v if len(v) > 1 else next(iter(v.values()))
-                    emit(removed([blk.ext_hash], medium, gidx[g]))  # type: ignore[union-attr, list-item]
-                    blk.block_hash = None  # type: ignore[union-attr]
-                    blk.origin = None  # type: ignore[union-attr]
-                blk.ref_cnt = 1  # type: ignore[union-attr]
-                append(blk)  # type: ignore[arg-type]
-                blk = blk.next_free  # type: ignore[union-attr]
+                    if idx.dups:
+                        idx.remove(h, blk)
+                    else:
+                        del idx.first[h]  # HashIndex.remove's common case
+                    emit(removed(block_hashes=[blk.ext_hash], medium=medium, group_idx=gidx[g]))
+                    blk.block_hash = None
+                    blk.origin = None
+                blk.ref_cnt = 1
+                append(blk)
+                blk = blk.next_free
         else:
             for _ in range(num_blocks):
-                h = blk.block_hash  # type: ignore[union-attr]
+                h = blk.block_hash
                 if h is not None:
-                    idx = index[blk.group_id]  # type: ignore[union-attr]
-                    v = idx.pop(h)
-                    if v is not blk:
-                        del v[blk.block_id]  # type: ignore[union-attr]
-                        idx[h] = v if len(v) > 1 else next(iter(v.values()))
-                    blk.block_hash = None  # type: ignore[union-attr]
-                blk.ref_cnt = 1  # type: ignore[union-attr]
-                append(blk)  # type: ignore[arg-type]
-                blk = blk.next_free  # type: ignore[union-attr]
+                    idx = index[blk.group_id]
+                    if idx.dups:
+                        idx.remove(h, blk)
+                    else:
+                        del idx.first[h]
+                    blk.block_hash = None
+                blk.ref_cnt = 1
+                append(blk)
+                blk = blk.next_free
         head.next_free = blk
-        blk.prev_free = head  # type: ignore[union-attr]
+        blk.prev_free = head
         q.num_free_blocks -= num_blocks
         return ret
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add a holder to each block (a prefix hit); a free one leaves the free queue.
 
-        Emits nothing. Touching the null block raises :class:`BlockPoolError` (nothing
-        changes).
+        Emits nothing. Touching the null block or a block of another pool raises
+        :class:`BlockPoolError` (nothing changes).
         """
         n = 0
         for blk in blocks:
+            if blk.pool is not self:
+                self._undo_touch(blocks, blk)
             if blk.ref_cnt == 0:
                 # The null block always has ref_cnt 0, so this test finds it without a
                 # separate scan of every hit.
@@ -444,22 +505,24 @@ class BlockPool:
                     self._undo_touch(blocks, blk)
                 prev = blk.prev_free
                 nxt = blk.next_free
-                prev.next_free = nxt  # type: ignore[union-attr]
-                nxt.prev_free = prev  # type: ignore[union-attr]
+                prev.next_free = nxt
+                nxt.prev_free = prev
                 n += 1
             blk.ref_cnt += 1
         self.free_block_queue.num_free_blocks -= n
 
-    def _undo_touch(self, blocks: Sequence[KVCacheBlock], null: KVCacheBlock) -> None:
-        """Put back what touch did before meeting the null block, then raise."""
-        done = list(blocks[:blocks.index(null)])
+    def _undo_touch(self, blocks: Sequence[KVCacheBlock], bad: KVCacheBlock) -> None:
+        """Put back what touch did before meeting a bad block, then raise."""
+        done = list(blocks[:[i for i, b in enumerate(blocks) if b is bad][0]])
         # An unlinked block keeps its old links, so relinking in reverse order of removal
         # restores the queue exactly.
         for blk in reversed(done):
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
-                blk.prev_free.next_free = blk  # type: ignore[union-attr]
-                blk.next_free.prev_free = blk  # type: ignore[union-attr]
+                blk.prev_free.next_free = blk
+                blk.next_free.prev_free = blk
+        if bad.pool is not self:
+            raise _foreign(bad)
         raise BlockPoolError(
             "cannot touch the null block (block 0): it is never cached or counted; "
             "leave it out of the blocks you touch"
@@ -485,6 +548,8 @@ class BlockPool:
         if self._prepend_unhashed:
             unhashed = []
             for i, blk in enumerate(blocks):
+                if blk.pool is not self:
+                    self._undo_free(blocks, i, old_last, unhashed)
                 r = blk.ref_cnt
                 if r > 1:
                     blk.ref_cnt = r - 1
@@ -495,13 +560,15 @@ class BlockPool:
                 if blk.block_hash is None:
                     unhashed.append(blk)
                     continue
-                last.next_free = blk  # type: ignore[union-attr]
+                last.next_free = blk
                 blk.prev_free = last
                 last = blk
                 n += 1
         else:
             # free_order "v0.11": the same loop, every block to the tail.
             for i, blk in enumerate(blocks):
+                if blk.pool is not self:
+                    self._undo_free(blocks, i, old_last, None)
                 r = blk.ref_cnt
                 if r > 1:
                     blk.ref_cnt = r - 1
@@ -509,26 +576,26 @@ class BlockPool:
                 if r <= 0:
                     self._undo_free(blocks, i, old_last, None)
                 blk.ref_cnt = 0
-                last.next_free = blk  # type: ignore[union-attr]
+                last.next_free = blk
                 blk.prev_free = last
                 last = blk
                 n += 1
         if n:
-            last.next_free = tail  # type: ignore[union-attr]
+            last.next_free = tail
             tail.prev_free = last
             q.num_free_blocks += n
         if unhashed:
             q.prepend_n(unhashed)
 
-    def _undo_free(self, blocks: list[KVCacheBlock], failed_at: int, old_last: KVCacheBlock | None,
+    def _undo_free(self, blocks: list[KVCacheBlock], failed_at: int, old_last: KVCacheBlock,
                    unhashed: list[KVCacheBlock] | None) -> None:
         """Put back what free_blocks did before meeting a bad entry, then raise."""
-        old_last.next_free = self.free_block_queue.tail  # type: ignore[union-attr]
+        old_last.next_free = self.free_block_queue.tail
         for done in blocks[:failed_at]:
-            if done.ref_cnt == 0:
-                done.prev_free = done.next_free = None
-            done.ref_cnt += 1
+            done.ref_cnt += 1  # a block linked by this call is unlinked again above
         bad = blocks[failed_at]
+        if bad.pool is not self:
+            raise _foreign(bad)
         if bad.is_null:
             raise BlockPoolError(
                 "cannot free the null block (block 0): it is never allocated; "
@@ -572,7 +639,7 @@ class BlockPool:
         :class:`BlockPoolError` before anything changes. The lists are only read during
         the call: what :meth:`snapshot_events` needs later is kept in the emitted event.
         """
-        src = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name)  # type: ignore[arg-type]
+        src = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name)
                if self.enable_kv_cache_events else None)
         self._check_run(blocks, block_hashes, token_ids, num_cached_blocks, num_full_blocks, kv_cache_group_id)
         if num_cached_blocks < num_full_blocks and self.enable_caching:
@@ -631,35 +698,32 @@ class BlockPool:
         ``lora_id`` and ``lora_name`` for the event; None with events off.
         """
         idx = self._index[g]
+        first = idx.first
         if nf - nc == 1:
-            # The decode path: one block completed. Same steps as the loops below, unrolled.
+            # The decode path: one block completed. Same steps as the loop below, unrolled.
             blk = blocks[nc]
-            if blk.block_hash is None and blk.ref_cnt > 0:
+            if blk.block_hash is None and blk.ref_cnt > 0 and blk.pool is self:
                 h = block_hashes[nc]
                 blk.block_hash = h
                 blk.group_id = g
-                v = idx.setdefault(h, blk)
-                if v is not blk:
-                    if type(v) is dict:
-                        v[blk.block_id] = blk
-                    else:
-                        idx[h] = {v.block_id: v, blk.block_id: blk}
+                if first.setdefault(h, blk) is not blk:  # HashIndex.insert's common case
+                    idx.dups.setdefault(h, []).append(blk)
                 if src is not None:
-                    e = _u64(h, len(h) - 8)[0] if self._int_hashes else bytes(h)
+                    e = to_external(h, self.hash_form)
                     ev = self._stored(nc, nf, g, src, [e], blocks)
                     blk.origin = (ev, nc)
                     blk.pos = nc
                     blk.ext_hash = e
                     self._events.append(ev)
                 return
-        setdefault = idx.setdefault
+        setdefault = first.setdefault
         skip: list[int] | None = None
         i = nc
         # One pass; a bad block found midway undoes the blocks before it, so a failed call
         # still changes nothing.
         if src is None:
             for blk, h in zip(blocks[nc:nf], block_hashes[nc:nf]):
-                if blk.block_hash is not None or blk.ref_cnt <= 0:
+                if blk.block_hash is not None or blk.ref_cnt <= 0 or blk.pool is not self:
                     if self._cache_conflict(blocks, block_hashes, nc, i, g, skip):
                         if skip is None:
                             skip = []
@@ -668,28 +732,18 @@ class BlockPool:
                         continue
                 blk.block_hash = h
                 blk.group_id = g
-                v = setdefault(h, blk)
-                if v is not blk:
-                    if type(v) is dict:
-                        v[blk.block_id] = blk
-                    else:
-                        idx[h] = {v.block_id: v, blk.block_id: blk}
+                if setdefault(h, blk) is not blk:
+                    idx.dups.setdefault(h, []).append(blk)
                 i += 1
             return
-        # Events on. The event is built first, around an empty hash list that the loop
-        # fills: the event form of each hash is computed once per cached block, here, and
-        # kept on the block for its BlockRemoved. Blocks point at the event (see
+        # Events on. The event form of each hash is computed once per cached block, here,
+        # and kept on the block for its BlockRemoved. Blocks point at the event (see
         # KVCacheBlock.origin); the event is recorded only if the whole run succeeds.
-        ext: list[Any] = []
+        ext: list[Any] = to_external_list(block_hashes[nc:nf], self.hash_form)
         ev = self._stored(nc, nf, g, src, ext, blocks)
         origin = (ev, nc)
-        push = ext.append
-        as_int = self._int_hashes
-        u64 = _u64
-        for blk, h in zip(blocks[nc:nf], block_hashes[nc:nf]):
-            e = u64(h, len(h) - 8)[0] if as_int else bytes(h)
-            push(e)
-            if blk.block_hash is not None or blk.ref_cnt <= 0:
+        for blk, h, e in zip(blocks[nc:nf], block_hashes[nc:nf], ext):
+            if blk.block_hash is not None or blk.ref_cnt <= 0 or blk.pool is not self:
                 if self._cache_conflict(blocks, block_hashes, nc, i, g, skip):
                     if skip is None:
                         skip = []
@@ -698,12 +752,8 @@ class BlockPool:
                     continue
             blk.block_hash = h
             blk.group_id = g
-            v = setdefault(h, blk)
-            if v is not blk:
-                if type(v) is dict:
-                    v[blk.block_id] = blk
-                else:
-                    idx[h] = {v.block_id: v, blk.block_id: blk}
+            if setdefault(h, blk) is not blk:
+                idx.dups.setdefault(h, []).append(blk)
             blk.origin = origin
             blk.pos = i
             blk.ext_hash = e
@@ -727,7 +777,7 @@ class BlockPool:
         """Block ``i`` cannot simply be cached: True if it already holds this very hash (skip
         it); otherwise undo blocks ``nc..i-1`` and raise."""
         blk = blocks[i]
-        if blk.ref_cnt > 0 and blk.block_hash == block_hashes[i] and blk.group_id == g:
+        if blk.pool is self and blk.ref_cnt > 0 and blk.block_hash == block_hashes[i] and blk.group_id == g:
             return True
         idx = self._index[g]
         done = set(skip or ())
@@ -735,20 +785,21 @@ class BlockPool:
             if j in done:
                 continue
             b = blocks[j]
-            v = idx.pop(b.block_hash)
-            if v is not b:
-                del v[b.block_id]
-                idx[b.block_hash] = v if len(v) > 1 else next(iter(v.values()))
+            assert b.block_hash is not None  # cached by this very call
+            idx.remove(b.block_hash, b)
             b.block_hash = None
             b.origin = None
+        if blk.pool is not self:
+            raise _foreign(blk)
         if blk.is_null:
             raise BlockPoolError(f"block {i} of the run is the null block; it is never cached")
         if blk.ref_cnt <= 0:
             raise BlockPoolError(
                 f"block {blk.block_id} is free (ref_cnt 0); only held blocks can be cached"
             )
+        held = blk.block_hash.hex()[:16] if blk.block_hash is not None else None
         raise BlockPoolError(
-            f"block {blk.block_id} already holds hash {blk.block_hash.hex()[:16]}… "  # type: ignore[union-attr]
+            f"block {blk.block_id} already holds hash {held}… "
             f"(group {blk.group_id}); cannot cache it as {block_hashes[i].hex()[:16]}… "
             f"(group {g}); a block is cached once, under one hash"
         )
@@ -773,7 +824,8 @@ class BlockPool:
         if type(tok) is not list:
             tok = tok.tolist() if type(tok) is array else list(tok)
         if not self._v033:
-            return BlockStored(ext, parent, tok, bs, src.lora_id, self.medium, None)
+            return BlockStored(block_hashes=ext, parent_block_hash=parent, token_ids=tok, block_size=bs,
+                               lora_id=src.lora_id, medium=self.medium, lora_name=None)
         ek = src.extra_keys
         # The schema types each entry as a tuple (what a decoder yields); the hasher's wire
         # form is a list.
@@ -781,8 +833,10 @@ class BlockPool:
             [None if e is None else tuple(e) for e in ek[start:end]] if ek is not None
             else [None] * (end - start))
         kind, window = self.kv_cache_event_metadata[g]
-        return BlockStored(ext, parent, tok, bs, src.lora_id, self.medium, src.lora_name,
-                           extra, g, kind, window)
+        return BlockStored(block_hashes=ext, parent_block_hash=parent, token_ids=tok, block_size=bs,
+                           lora_id=src.lora_id, medium=self.medium, lora_name=src.lora_name,
+                           extra_keys=extra, group_idx=g, kv_cache_spec_kind=kind,
+                           kv_cache_spec_sliding_window=window)
 
     # -- cache-wide operations --------------------------------------------------------------
 
@@ -799,7 +853,7 @@ class BlockPool:
             blk.block_hash = None
             blk.origin = None
         for idx in self._index:
-            idx.clear()  # in place: managers keep a reference to their group's dict
+            idx.clear()
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared())
         return True
@@ -840,11 +894,12 @@ class BlockPool:
             ek = ev.extra_keys
             out.append(BlockStored(
                 # ext_hash is set whenever a block is cached with events on.
-                [blk.ext_hash],  # type: ignore[list-item]
-                ev.parent_block_hash if k == 0 else ev.block_hashes[k - 1],
-                ev.token_ids[k * bs:(k + 1) * bs], bs, ev.lora_id, ev.medium, ev.lora_name,
-                None if ek is None else [ek[k]], ev.group_idx, ev.kv_cache_spec_kind,
-                ev.kv_cache_spec_sliding_window))
+                block_hashes=[blk.ext_hash],
+                parent_block_hash=ev.parent_block_hash if k == 0 else ev.block_hashes[k - 1],
+                token_ids=ev.token_ids[k * bs:(k + 1) * bs], block_size=bs, lora_id=ev.lora_id,
+                medium=ev.medium, lora_name=ev.lora_name, extra_keys=None if ek is None else [ek[k]],
+                group_idx=ev.group_idx, kv_cache_spec_kind=ev.kv_cache_spec_kind,
+                kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window))
         return out
 
     # -- checking --------------------------------------------------------------------------
@@ -869,6 +924,8 @@ class BlockPool:
         in_queue = set(ids)
         if self.null_block.block_id in in_queue or self.null_block.block_hash is not None:
             raise BlockPoolError("the null block is queued or cached")
+        if any(b.pool is not self for b in self.blocks):
+            raise BlockPoolError("a block of another pool is in this pool's block list")
         for b in self.blocks[1:]:
             if b.block_id in in_queue:
                 if b.ref_cnt != 0:
@@ -877,10 +934,12 @@ class BlockPool:
                 raise BlockPoolError(f"block {b.block_id} is neither queued nor held")
         indexed = set()
         for g, idx in enumerate(self._index):
-            for h, v in idx.items():
-                copies = [v] if type(v) is KVCacheBlock else list(v.values())
-                if type(v) is dict and len(v) < 2:
-                    raise BlockPoolError(f"index entry {h.hex()[:16]} holds a dict of {len(v)}")
+            if not set(idx.dups) <= set(idx.first) or not all(idx.dups.values()):
+                raise BlockPoolError(f"group {g}: duplicate copies listed without a first copy (or empty)")
+            for h in idx.first:
+                copies = idx.copies(h)
+                if len({b.block_id for b in copies}) != len(copies):
+                    raise BlockPoolError(f"index lists block copies of {h.hex()[:16]} twice")
                 for b in copies:
                     if b.block_hash != h or b.group_id != g:
                         raise BlockPoolError(f"index maps {h.hex()[:16]}/g{g} to block {b.block_id} "

@@ -17,13 +17,15 @@ __all__ = ["main", "build_parser"]
 
 # Order is the order `kvstream --help` lists them in.
 _COMMANDS: tuple[str, ...] = (
-    "demo", "simulate", "plan", "subscribe", "record", "inspect", "replay", "convert", "version",
+    "demo", "serve", "engine", "simulate", "plan", "subscribe", "record", "inspect", "replay", "convert", "version",
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every sub-command registered."""
-    parser = argparse.ArgumentParser(
+    from kvstream.cli._common import CLIParser
+
+    parser = CLIParser(
         prog="kvstream",
         description=(
             "KV cache tooling for LLM serving engines: a vLLM-compatible prefix-caching "
@@ -31,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
             "planning and a routing simulator."
         ),
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="store_true",
+                        help="print kvstream's version and its dependencies' versions, then exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CLIParser)
     for name in _COMMANDS:
         module = importlib.import_module(f"kvstream.cli.{name}")
         module.register(sub)
@@ -40,19 +44,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstream`` console script; returns the process exit code."""
+    from kvstream.cli._common import CLIError, configure_logging, exception_leaves, quiet_stdout, version_lines
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.version:
+        print("\n".join(version_lines()))
+        return 0
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 0
+    configure_logging(getattr(args, "log_level", None), getattr(args, "log_format", None) or "text")
+    name = f"kvstream {args.command}"
     try:
         return int(func(args) or 0)
+    except CLIError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `kvstream ... | head`
+        quiet_stdout()
         return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    except BaseException as exc:  # noqa: BLE001 - exception groups from task groups
+        leaves = exception_leaves(exc)
+        if leaves == [exc]:
+            raise
+        if all(isinstance(e, BrokenPipeError) for e in leaves):
+            quiet_stdout()
+            return 0
+        if all(isinstance(e, KeyboardInterrupt) for e in leaves):
+            print(f"{name}: interrupted", file=sys.stderr)
+            return 130
+        raise

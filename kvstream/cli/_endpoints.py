@@ -10,7 +10,8 @@ import argparse
 
 from kvstream.transport import CurveClientConfig, SourceSpec
 
-__all__ = ["parse_source", "SYNTAX", "add_curve_client_args", "curve_client_from_args"]
+__all__ = ["parse_source", "SYNTAX", "add_curve_client_args", "curve_client_from_args",
+           "check_connect_endpoint", "check_bind_endpoint"]
 
 SYNTAX = "[NAME=]PUB[,REPLAY] (or PUB,replay=REPLAY,name=NAME), e.g. e0=tcp://h:5557,tcp://h:5558"
 
@@ -19,6 +20,7 @@ def parse_source(text: str, replay: str | None = None, name: str | None = None) 
     """Parse one endpoint argument into a :class:`SourceSpec`; ``replay``/``name`` are
     defaults (from separate flags) that the text may override. Raises ``ValueError``
     saying what is wrong and the accepted syntax."""
+    flag_replay, flag_name = replay, name
     head, sep, rest = text.partition("://")
     if sep and "=" in head:
         name, text = text.split("=", 1)
@@ -38,11 +40,74 @@ def parse_source(text: str, replay: str | None = None, name: str | None = None) 
             replay, positional = o, 1
         else:
             raise ValueError(f"unexpected {o!r} in {text!r}; expected {SYNTAX}")
+    # --replay/--name pair with the ENDPOINT in the same position: one that meets an
+    # endpoint naming its own is a misplaced flag, not a default to override silently.
+    if flag_replay is not None and replay != flag_replay:
+        raise ValueError(f"{pub!r} gets two replay endpoints ({replay!r} in the endpoint, {flag_replay!r} "
+                         "from --replay); --replay pairs with the ENDPOINT in the same position, so give "
+                         "each endpoint its own, e.g. tcp://h:5557,replay=tcp://h:5558")
+    if flag_name is not None and name != flag_name:
+        raise ValueError(f"{pub!r} gets two names ({name!r} in the endpoint, {flag_name!r} from --name); "
+                         "--name pairs with the ENDPOINT in the same position")
     if "://" not in pub:
         raise ValueError(f"{pub!r} is not an endpoint; write it as tcp://HOST:PORT (expected {SYNTAX})")
     if name == "":
         raise ValueError(f"empty source name in {text!r}")
     return SourceSpec(pub, replay or None, name or None)
+
+
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _split(endpoint: str, what: str) -> tuple[str, str] | None:
+    """``(host, port)`` of a tcp endpoint (None for ipc/inproc); ValueError for anything
+    that ZMQ would not take."""
+    if not endpoint.startswith(_SCHEMES):
+        scheme = endpoint.split("://", 1)[0] if "://" in endpoint else endpoint
+        raise ValueError(f"{what} {endpoint!r}: scheme {scheme!r} is not supported; KV event streams use "
+                         "tcp://HOST:PORT, ipc:///PATH or inproc://NAME (not http://)")
+    if not endpoint.startswith("tcp://"):
+        if len(endpoint.split("://", 1)[1]) == 0:
+            raise ValueError(f"{what} {endpoint!r} has no path")
+        return None
+    rest = endpoint[len("tcp://"):]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or "]" in port:
+        raise ValueError(f"{what} {endpoint!r} has no port; write it as tcp://HOST:PORT, e.g. tcp://127.0.0.1:5557")
+    return host, port
+
+
+def check_connect_endpoint(endpoint: str, what: str = "endpoint") -> None:
+    """Check an endpoint a subscriber connects to: tcp://HOST:PORT with a real host
+    (resolvable) and a port in 1..65535, or ipc/inproc. Raises ``ValueError`` naming the
+    problem and the fix."""
+    hp = _split(endpoint, what)
+    if hp is None:
+        return
+    host, port = hp
+    if host in ("*", "0.0.0.0", "[::]", "::"):
+        raise ValueError(f"{what} {endpoint!r} is a bind address (all interfaces); a subscriber connects to "
+                         f"the publisher's host, e.g. tcp://127.0.0.1:{port}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{what} {endpoint!r}: port {port!r} is not a port number (1-65535)")
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    import socket
+
+    try:
+        socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"{what} {endpoint!r}: cannot resolve host {name!r} ({exc.args[-1]})") from None
+
+
+def check_bind_endpoint(endpoint: str, what: str = "endpoint") -> None:
+    """Check an endpoint a server binds: tcp://HOST:PORT (HOST may be ``*``; PORT 0..65535
+    or ``*`` for any free port), or ipc/inproc. Raises ``ValueError`` naming the problem."""
+    hp = _split(endpoint, what)
+    if hp is None:
+        return
+    _, port = hp
+    if port != "*" and (not port.isdigit() or not 0 <= int(port) <= 65535):
+        raise ValueError(f"{what} {endpoint!r}: port {port!r} is not a port number (0-65535, or * for any)")
 
 
 def add_curve_client_args(p: argparse.ArgumentParser) -> None:

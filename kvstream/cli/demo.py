@@ -1,116 +1,238 @@
-"""``kvstream demo``: simulated engines, a router and a recorder on loopback, then a policy
-comparison and a log replay check.
+"""``kvstream demo``: the whole stack on loopback, KV-aware routing against round robin.
 
-1. Starts ``--engines`` simulated engines (each an async task with a real publisher on
-   loopback tcp or ipc), a real router subscribed to them and a recorder writing the
-   stream to ``OUT/events.kvlog``; replays the built-in synthetic workload live (about 20 s
-   by default) routed by the first policy, with a progress line.
-2. Runs every policy on the same workload in virtual time and prints the comparison
-   table (the live run is its own row), and writes ``OUT/results.json``.
-3. Replays the log into a fresh index and checks it equals the router's live index (exit
-   status 1 if not).
+1. Starts ``--engines`` emulated vLLM engines (``kvstream engine`` processes: OpenAI HTTP
+   API + KV events over ZMQ) and two proxies in front of them (one KV-aware, one round
+   robin); this process follows every engine's event stream with a router index and
+   records it to ``OUT/events.kvlog``.
+2. Sends the same multi-turn chat workload over HTTP through each proxy in turn (every
+   engine's prefix cache is reset in between) and measures, as a client would, time to
+   first token (TTFT) and the share of prompt tokens the engines found cached.
+3. Prints a short comparison, writes ``OUT/results.json``, and replays the log into a
+   fresh index, which must equal the live one (exit status 1 if not).
+
+About 30 s on 2 cores; ``--quick`` takes a few seconds. Nothing needs a GPU or the network.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import signal
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
-from kvstream.cli.simulate import add_engine_args, add_workload_args
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` sub-command."""
     p = sub.add_parser(
         "demo",
-        help="run simulated engines + router + recorder on loopback and compare routing policies",
+        help="run emulated engines + KV-aware proxy on loopback and compare with round robin",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_workload_args(p)
-    add_engine_args(p)
-    p.add_argument("--engines", type=int, default=4, help="simulated engines (default 4)")
-    p.add_argument("--speed", default="1x",
-                   help="live replay speed: '1x' real time, '10x', ... (default 1x; must be finite)")
-    p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp", help="loopback transport (default tcp)")
+    p.add_argument("--engines", type=_count, default=None, help="emulated engines (default 4; --quick 2)")
+    p.add_argument("--sessions", type=_count, default=None, help="conversations (default 32; --quick 6)")
+    p.add_argument("--turns", type=_count, default=None, help="turns per conversation (default 4; --quick 2)")
+    p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp", help="KV event transport (default tcp)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--out", default="kvstream-demo", metavar="DIR", help="output directory (default ./kvstream-demo)")
-    p.add_argument("--quick", action="store_true", help="a small workload that finishes in a few seconds (for CI)")
+    p.add_argument("--quick", action="store_true", help="a small run that finishes in a few seconds (for CI)")
     p.set_defaults(func=_run)
+
+
+def _check_out(path: Path) -> str | None:
+    """Why ``path`` cannot hold the demo's output, or None if it can."""
+    if path.exists() and not path.is_dir():
+        return f"--out {str(path)!r} is a file; give a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".kvstream-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        return f"--out {str(path)!r} is not a writable directory: {exc.strerror or exc}"
+    return None
+
+
+def _fmt_s(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:.3f}"
+
+
+def _k(n: float) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else f"{n:.0f}"
+
+
+def summary_table(phases: list[Any]) -> str:
+    """The comparison: one column per policy, one labelled row per measure (with units)."""
+    rows: list[tuple[str, list[str]]] = []
+    ok = [len(p.phase.ok) for p in phases]
+    rows.append(("requests answered", [f"{o}/{len(p.phase.turns)}" for o, p in zip(ok, phases)]))
+    rows.append(("TTFT p50 (s)", [_fmt_s(p.phase.ttft(0.5)) for p in phases]))
+    rows.append(("TTFT p90 (s)", [_fmt_s(p.phase.ttft(0.9)) for p in phases]))
+    rows.append(("prompt tokens cached (%)", [f"{100 * p.phase.hit_rate:.1f}" for p in phases]))
+    rows.append(("prompt tokens computed", [
+        _k(sum(t.prompt_tokens - t.cached_tokens for t in p.phase.ok)) for p in phases]))
+    rows.append(("routing predicted exactly (%)", [
+        "-" if p.routing.get("exact_rate") is None else f"{100 * p.routing['exact_rate']:.1f}" for p in phases]))
+    rows.append(("requests per engine", ["/".join(str(v) for v in p.per_engine.values()) for p in phases]))
+    width = max(len(r[0]) for r in rows)
+    cols = [max(len(p.policy), *(len(r[1][i]) for r in rows)) for i, p in enumerate(phases)]
+    lines = [" " * width + "  " + "  ".join(p.policy.rjust(c) for p, c in zip(phases, cols))]
+    for label, vals in rows:
+        lines.append(label.ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(vals, cols)))
+    return "\n".join(lines)
+
+
+def takeaway(phases: list[Any]) -> str:
+    """One line: who won and by how much."""
+    by = {p.policy: p.phase for p in phases}
+    kv, rr = by.get("kv-aware"), by.get("round-robin")
+    if kv is None or rr is None:
+        return ""
+    a, b = kv.ttft(0.5), rr.ttft(0.5)
+    if math.isnan(a) or math.isnan(b):
+        return "takeaway: not enough answered requests to compare"
+    if a <= b:
+        speed = f"{b / a:.1f}x faster" if a > 0 else "faster"
+        head = f"kv-aware routing: TTFT p50 {a:.3f} s vs {b:.3f} s with round robin ({speed})"
+    else:
+        head = f"round robin was faster here: TTFT p50 {b:.3f} s vs {a:.3f} s kv-aware"
+    return (f"takeaway: {head}, {100 * kv.hit_rate:.0f} % vs {100 * rr.hit_rate:.0f} % of prompt tokens "
+            "served from the prefix cache.")
 
 
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
+    from kvstream.emulator.demo import DemoConfig, DemoResult, Progress, run_demo
+    from kvstream.emulator.launch import LaunchError
+    from kvstream.emulator.loadgen import ChatWorkload
+
+    quick = args.quick
+    engines = args.engines or (2 if quick else 4)
+    sessions = args.sessions or (6 if quick else 32)
+    turns = args.turns or (2 if quick else 4)
+    out = Path(args.out)
+    problem = _check_out(out)
+    if problem:
+        print(f"kvstream demo: {problem}", file=sys.stderr)
+        return 2
+    workload = ChatWorkload(sessions=sessions, turns=turns, seed=args.seed,
+                            system_prompts=2 if quick else 4,
+                            document_tokens=(300, 700) if quick else (600, 1400),
+                            start_spread_s=1.0 if quick else 6.0,
+                            think_s=(0.05, 0.2) if quick else (0.2, 0.8))
+    cfg = DemoConfig(engines=engines, workload=workload, transport=args.transport, out=out,
+                     num_gpu_blocks=600 if quick else 1500)
+    print(f"kvstream demo: {engines} emulated engines (HTTP + KV events over loopback {args.transport}), "
+          f"{cfg.num_gpu_blocks} KV blocks x {cfg.block_size} tokens each; {sessions} conversations x {turns} "
+          f"turns sent through a KV-aware proxy, then through a round-robin one", flush=True)
+    tty = sys.stdout.isatty()
+    last: dict[str, float] = {}
+
+    def show(p: Progress) -> None:
+        if not tty and p.requests_done < p.requests_total and p.wall_s - last.get(p.policy, 0.0) < 2.0:
+            return
+        last[p.policy] = p.wall_s
+        line = (f"  {p.policy:<11} {p.wall_s:5.1f} s wall  requests {p.requests_done}/{p.requests_total}"
+                f"{f' ({p.failed} failed)' if p.failed else ''}  cached {100 * p.hit_rate:5.1f} % of prompt tokens"
+                f"  TTFT p50 {_fmt_s(p.ttft_p50_s)} s")
+        end = "\n" if not tty or p.requests_done == p.requests_total else ""
+        print(("\r\033[K" + line) if tty else line, end=end, flush=True)
+
+    result = DemoResult()
+
+    async def guarded() -> None:
+        # Ctrl-C (or SIGTERM) cancels the run wherever it is, starting processes included;
+        # run_demo stops every process it started before returning.
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        result.interrupted = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            await run_demo(cfg, result, show)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(guarded)
+    except KeyboardInterrupt:  # before the signal watcher was in place
+        result.interrupted = True
+    except (LaunchError, OSError, RuntimeError, TimeoutError) as exc:
+        print(f"kvstream demo: {exc}", file=sys.stderr)
+        return 1
+    if result.interrupted:
+        if tty:
+            print()
+        kept = (f"kept {result.log_path} ({result.batches_recorded} event batches recorded so far)"
+                if result.batches_recorded else "nothing was recorded yet")
+        print(f"kvstream demo: interrupted; {kept}; engines and proxies stopped", file=sys.stderr)
+        return 130
+    return _report(result, cfg, args)
+
+
+def _report(result: Any, cfg: Any, args: argparse.Namespace) -> int:
     from kvstream.eventlog.reader import LogReader
     from kvstream.eventlog.replay import replay_into_index
     from kvstream.routing.index import KVIndex
-    from kvstream.planning import KVCachePlanningError
-    from kvstream.sim.live import LiveProgress, run_live
-    from kvstream.sim.report import format_table, write_json
-    from kvstream.sim.run import SimConfig, compare
-    from kvstream.sim.workload import WorkloadError, parse_speed
-    from kvstream.cli.simulate import engine_config, load_workload, parse_policies
 
-    if args.quick:
-        args.requests = args.requests or 150
-        args.duration = args.duration or 3.0
-        if args.speed == "1x":
-            args.speed = "2x"
-    try:
-        policies = parse_policies(args.policies)
-        scale = parse_speed(args.speed)
-        if scale.virtual:
-            raise WorkloadError("the live demo needs a finite --speed such as '1x' or '10x' ('max' is for simulate)")
-        ec = engine_config(args)
-        reqs, meta = load_workload(args, default_requests=450, default_duration=20.0)
-    except (WorkloadError, KVCachePlanningError, OSError, ValueError) as exc:
-        print(f"kvstream demo: {exc}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log_path = out / "events.kvlog"
-    if log_path.exists():
-        log_path.unlink()
-    span = max((r.arrival for r in reqs), default=0.0)
-    print(f"kvstream demo: {args.engines} engines on loopback {args.transport}, {len(reqs)} requests over "
-          f"{span:.1f}s simulated at {scale.speed:g}x, live policy {policies[0]}, "
-          f"{ec.num_blocks} blocks x {ec.block_size} tokens per engine")
-    tty = sys.stdout.isatty()
-
-    def show(p: LiveProgress) -> None:
-        line = (f"  t={p.sim_time:6.1f}s  arrived {p.arrived}/{p.total}  done {p.completed}  "
-                f"hit {100 * p.hit_rate:5.1f}%  events {p.events}  router lag p50 {p.lag_p50_ms:.2f} ms")
-        print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
-
-    live = anyio.run(lambda: run_live(
-        reqs, policies[0], engines=args.engines, config=ec, speed=scale.speed, log_path=log_path,
-        transport=args.transport, seed=args.seed, progress=show))
-    if tty:
-        print()
-    lr = live.result
-    print(f"live run: {lr.completed}/{lr.requests} requests in {lr.wall_seconds:.1f}s wall, "
-          f"{live.batches_published} batches published, {live.batches_recorded} recorded -> {log_path}")
-
-    t0 = time.perf_counter()
-    results = compare(reqs, policies, SimConfig(engines=args.engines, engine=ec, seed=args.seed))
-    print(f"\npolicies in virtual time ({time.perf_counter() - t0:.2f}s wall for {len(policies)} runs):\n")
-    print(format_table([lr] + results))
-
-    reader = LogReader(log_path)
-    fresh = KVIndex(router_block_size=ec.sim_block_size)
+    print()
+    print(summary_table(result.phases))
+    print()
+    print(takeaway(result.phases))
+    rate = result.events_recorded / result.record_wall_s if result.record_wall_s else 0.0
+    print(f"\nKV event stream: {result.batches_recorded} batches ({result.events_recorded} events) recorded live "
+          f"over {result.record_wall_s:.1f} s wall ({rate:.0f} events/s) -> {result.log_path}")
+    reader = LogReader(result.log_path)
+    fresh = KVIndex(router_block_size=cfg.block_size)
     n = replay_into_index(reader, fresh)
-    for name in live.sources:  # sources known to the router but silent have no records
+    for name in result.sources:
         fresh.add_source(name)
-    equal = fresh.state() == live.router_index.state()
+    equal = fresh.state() == result.live_index.state()
     damage = list(reader.damage)
     blocks = sum(len(s["blocks"]) for s in fresh.state()["sources"].values())
-    print(f"\nreplay: {n} log items -> fresh index with {blocks} blocks: "
+    print(f"replay: {n} log items -> a fresh index with {blocks} blocks, "
           f"{'EQUAL to the live router index' if equal and not damage else 'DIFFERENT from the live router index'}"
           + (f" ({len(damage)} damaged places)" if damage else ""))
-    meta.update(engines=args.engines, speed=scale.speed, transport=args.transport, live_policy=policies[0],
-                replay_equal=equal, log=str(log_path))
-    write_json(out / "results.json", [lr] + results, meta)
-    print(f"wrote {out / 'results.json'}")
+    results = []
+    for p in result.phases:
+        ph = p.phase
+        results.append({
+            "policy": p.policy, "requests": len(ph.turns), "answered": len(ph.ok),
+            "ttft_p50_s": ph.ttft(0.5), "ttft_p90_s": ph.ttft(0.9), "ttft_p99_s": ph.ttft(0.99),
+            "prompt_tokens": sum(t.prompt_tokens for t in ph.ok),
+            "cached_tokens": sum(t.cached_tokens for t in ph.ok), "hit_rate": ph.hit_rate,
+            "wall_s": ph.wall_s, "routing_accuracy": p.routing, "requests_per_engine": p.per_engine})
+    meta = {"engines": cfg.engines, "transport": cfg.transport, "num_gpu_blocks": cfg.num_gpu_blocks,
+            "block_size": cfg.block_size, "prefill_tokens_per_s": cfg.prefill_tokens_per_s,
+            "decode_tokens_per_s": cfg.decode_tokens_per_s, "sessions": cfg.workload.sessions,
+            "turns": cfg.workload.turns, "seed": cfg.workload.seed, "replay_equal": equal and not damage,
+            "log": str(result.log_path), "batches_recorded": result.batches_recorded}
+    _write_json(cfg.out / "results.json", results, meta)
+    print(f"wrote {cfg.out / 'results.json'}")
     return 0 if equal and not damage else 1
+
+
+def _write_json(path: Path, results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    import json
+
+    def clean(v: Any) -> Any:
+        return None if isinstance(v, float) and math.isnan(v) else v
+
+    rows = [{k: clean(v) for k, v in r.items()} for r in results]
+    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any, Iterable
 
+from kvstream.cli._common import add_hash_format
+
 _TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "reset", "stale", "live", "undecodable")
 
 
@@ -29,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only records received at least SECONDS after the log's first record")
     p.add_argument("--until", type=float, metavar="SECONDS",
                    help="only records received at most SECONDS after the log's first record")
+    add_hash_format(p)
     p.set_defaults(func=_run)
 
 
@@ -73,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
                     summary.add(rec)
                 continue
             batch = summary.add(rec) if type(rec) is not LogControl else None
-            for row in event_rows(rec, batch):
+            for row in event_rows(rec, batch, args.hash_format):
                 if types is not None and row["type"] not in types:
                     continue
                 if args.json:
@@ -114,14 +117,19 @@ def _human(row: dict[str, Any], rel: float) -> str:
     if t == "AllBlocksCleared":
         return f"{head} AllBlocksCleared"
     hashes = row["block_hashes"]
-    shown = ",".join(h[:8] for h in hashes[:4]) + (",..." if len(hashes) > 4 else "")
+    shown = ",".join(_short(h) for h in hashes[:4]) + (",..." if len(hashes) > 4 else "")
     extra = ""
     if t == "BlockStored":
         parent = row["parent_block_hash"]
-        extra = f" parent={parent[:8] if parent else '-'} tokens={row['num_tokens']}"
+        extra = f" parent={_short(parent) if parent is not None else '-'} tokens={row['num_tokens']}"
         if row["lora_name"] or row["lora_id"] is not None:
             extra += f" lora={row['lora_name'] or row['lora_id']}"
     return f"{head} {t} {row['medium'] or '-'} n={len(hashes)} [{shown}]{extra}"
+
+
+def _short(h: Any) -> str:
+    # The same short form as `kvstream subscribe`: 16 hex digits (ints stay whole).
+    return h[:16] if isinstance(h, str) else str(h)
 
 
 def _print_summary(d: dict[str, Any], out: Any) -> None:

@@ -73,6 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", nargs="?", type=Path,
                    help="a Hugging Face config.json (or a folder holding one)")
+    p.add_argument("--model-config", dest="model_config", type=Path, metavar="CONFIG_JSON",
+                   help="the same as CONFIG (the name `kvstream simulate` uses)")
     m = p.add_argument_group("model (override or replace config.json)")
     m.add_argument("--layers", type=int, help="number of decoder layers")
     m.add_argument("--kv-heads", type=_positive_int, help="KV heads per layer (whole model)")
@@ -113,6 +115,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _load_config(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from kvstream.planning import HFConfigError
+
+    if args.model_config is not None:
+        if args.config is not None and args.config != args.model_config:
+            raise HFConfigError("give the model config once: as CONFIG or as --model-config, not both")
+        args.config = args.model_config
 
     cfg: dict[str, Any] = {}
     source = "explicit dimensions"

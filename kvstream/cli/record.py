@@ -7,6 +7,7 @@ import sys
 import time
 
 
+from kvstream.cli._common import add_log_level, positive_float, positive_int
 from kvstream.cli._endpoints import add_curve_client_args
 
 
@@ -27,27 +28,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     p.add_argument("--flush", choices=("record", "interval", "close"), default="interval",
                    help="flush policy (default: interval)")
-    p.add_argument("--flush-interval-ms", type=float, default=50.0, help="interval flush period, ms (default 50)")
+    p.add_argument("--flush-interval-ms", type=positive_float, default=50.0, help="interval flush period, ms (default 50)")
     p.add_argument("--fsync", action="store_true", help="fsync on every flush (survive power loss)")
-    p.add_argument("--rotate-mb", type=float, help="start a new segment after this many MB")
-    p.add_argument("--rotate-s", type=float, help="start a new segment after this many seconds")
+    p.add_argument("--rotate-mb", type=positive_float, help="start a new segment after this many MB")
+    p.add_argument("--rotate-s", type=positive_float, help="start a new segment after this many seconds")
     p.add_argument("--zstd", action="store_true", help="compress segments with zstd (needs kvstream[zstd])")
-    p.add_argument("--append", action="store_true", help="append to an existing log (cutting a torn tail)")
-    p.add_argument("--duration", type=float, metavar="SECONDS", help="stop after this many seconds")
-    p.add_argument("--max-batches", type=int, metavar="N", help="stop after N batches")
+    p.add_argument("--append", action="store_true",
+                   help="append to an existing log: damaged bytes are moved to a .damaged file (never "
+                        "deleted), and batches the log already holds are not recorded again")
+    p.add_argument("--duration", type=positive_float, metavar="SECONDS", help="stop after this many seconds")
+    p.add_argument("--max-batches", type=positive_int, metavar="N", help="stop after N batches")
     p.add_argument("--quiet", action="store_true", help="no live status line")
     add_curve_client_args(p)
+    add_log_level(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
-    from kvstream.cli._endpoints import curve_client_from_args, parse_source
+    from kvstream.cli._endpoints import check_connect_endpoint, curve_client_from_args, parse_source
+    from kvstream.errors import KVStreamError
     from kvstream.eventlog.writer import LogWriter
 
     try:
         specs = [parse_source(e) for e in args.endpoints]
+        for spec in specs:
+            check_connect_endpoint(spec.endpoint, "endpoint")
+            if spec.replay_endpoint:
+                check_connect_endpoint(spec.replay_endpoint, "replay endpoint")
         args.curve = curve_client_from_args(args)
         writer = LogWriter(
             args.output,
@@ -57,16 +66,20 @@ def _run(args: argparse.Namespace) -> int:
             rotate_bytes=int(args.rotate_mb * 1e6) if args.rotate_mb else None,
             rotate_seconds=args.rotate_s, compression="zstd" if args.zstd else None, resume=args.append,
         )
-    except (ValueError, FileExistsError, OSError) as exc:
+    except (ValueError, FileExistsError, OSError, KVStreamError) as exc:
         print(f"kvstream record: {exc}", file=sys.stderr)
         return 1
     for dmg in writer.recovered:
-        print(f"kvstream record: cut off a damaged tail before appending: {dmg}", file=sys.stderr)
+        print(f"kvstream record: damage in the log being appended to: {dmg}", file=sys.stderr)
     try:
-        stats = anyio.run(_record, args, specs, writer)
+        stats, resume = anyio.run(_record, args, specs, writer)
     finally:
         writer.close()
     print(f"\nrecorded {stats.line()}  ({writer.bytes_written} bytes) into {args.output}", file=sys.stderr)
+    if resume is not None and (resume.skipped or resume.restarts or resume.gaps):
+        print(f"kvstream record: appended: {resume.skipped} batch(es) the log already held were not recorded "
+              f"again; {resume.restarts} engine restart(s) and {resume.gaps} unrecorded gap(s) since the log "
+              "ended were marked", file=sys.stderr)
     return 0
 
 
@@ -102,4 +115,4 @@ async def _record(args: argparse.Namespace, specs, writer):
             tg.start_soon(status)
             await rec.run(max_batches=args.max_batches)
             tg.cancel_scope.cancel()
-    return rec.stats
+    return rec.stats, rec.resume

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
+
+from kvstream.cli._common import add_log_level, non_negative_float
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Re-publish the messages of an event log with a real publisher (PUB + replay "
             "ROUTER), so any vLLM-compatible consumer can be tested against a recording. Each "
             "--publish PUB[,REPLAY] serves one source, in the order the sources first appear "
-            "in the log (or as listed with --source). Also accepts a KVSTRM01 capture."
+            "in the log (or as listed with --source). Also accepts a KVSTRM01 capture. "
+            "Every --publish endpoint is bound (replay serves sockets; subscribers connect), "
+            "e.g. tcp://127.0.0.1:5557, tcp://*:5557 or ipc:///tmp/e0.sock."
         ),
     )
     p.add_argument("log", help="event log file or directory, or a KVSTRM01 capture")
@@ -22,10 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="endpoint(s) to bind for one source (repeat once per source)")
     p.add_argument("--source", action="append", metavar="NAME", help="the source(s) to replay, in --publish order")
     p.add_argument("--speed", default="1x", help="1x (recorded timing), 10x, 0.5x ..., or max (default 1x)")
-    p.add_argument("--wait-s", type=float, default=0.5,
+    p.add_argument("--wait-s", type=non_negative_float, default=0.5,
                    help="seconds to wait after binding before publishing (subscribers connect)")
-    p.add_argument("--hold-s", type=float, default=1.0,
+    p.add_argument("--hold-s", type=non_negative_float, default=1.0,
                    help="seconds to keep the sockets open after the last message (late replay requests)")
+    add_log_level(p)
     p.set_defaults(func=_run)
 
 
@@ -45,11 +51,18 @@ def parse_speed(text: str) -> float | None:
 
 def _run(args: argparse.Namespace) -> int:
     import anyio
+    import zmq
 
+    from kvstream.cli._endpoints import check_bind_endpoint, parse_source
     from kvstream.eventlog.format import LogFormatError, LogMessage
 
     try:
         speed = parse_speed(args.speed)
+        specs = [parse_source(ep) for ep in args.publish]
+        for spec in specs:
+            check_bind_endpoint(spec.endpoint, "--publish")
+            if spec.replay_endpoint:
+                check_bind_endpoint(spec.replay_endpoint, "--publish (replay endpoint)")
         from kvstream.cli.inspect import _records
 
         records_iter, reader = _records(args.log)
@@ -65,14 +78,23 @@ def _run(args: argparse.Namespace) -> int:
         if len(sources) != len(args.publish):
             raise ValueError(
                 f"the log has {len(sources)} source(s) to replay ({', '.join(sources)}) but "
-                f"{len(args.publish)} --publish endpoint(s) were given; give one per source or pick "
-                "sources with --source"
+                f"{len(args.publish)} --publish endpoint(s) were given; give one --publish per source, "
+                f"or pick sources with --source (e.g. --source {sources[0]})"
             )
-        stats = anyio.run(_replay, args, records, sources, first, speed)
+        total = sum(1 for r in records if type(r) is LogMessage and r.source in sources)
+        stats, interrupted = anyio.run(_replay, args, specs, records, sources, first, speed)
+    except zmq.ZMQError as exc:
+        print(f"kvstream replay: cannot bind {exc.strerror if hasattr(exc, 'strerror') else exc}: "
+              f"{_bind_hint(exc)}", file=sys.stderr)
+        return 1
     except (LogFormatError, FileNotFoundError, ValueError, OSError) as exc:
         print(f"kvstream replay: {exc}", file=sys.stderr)
         return 1
     d = stats.as_dict()
+    if interrupted:
+        print(f"kvstream replay: interrupted after sending {d['sent']} of {total} messages "
+              f"in {d['elapsed_s']:.3f} s; the log was only read, nothing was written", file=sys.stderr)
+        return 130
     msg = f"replayed {d['sent']} batches in {d['elapsed_s']:.3f} s"
     if speed is not None:
         msg += f"; lateness p50 {d['p50_us']:.0f} us, p99 {d['p99_us']:.0f} us, max {d['max_us']:.0f} us"
@@ -84,27 +106,65 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _replay(args, records, sources, first, speed):
+def _bind_hint(exc: Exception) -> str:
+    import errno
+
+    if getattr(exc, "errno", None) == errno.EADDRINUSE:
+        return "another process already serves that address; pick a free port (or port 0 for any)"
+    if getattr(exc, "errno", None) == errno.EADDRNOTAVAIL:
+        return "that address is not one of this machine's; use 127.0.0.1, * (all interfaces) or a local IP"
+    return "check the --publish endpoint"
+
+
+async def _replay(args, specs, records, sources, first, speed):
+    import signal
     from contextlib import AsyncExitStack
 
     import anyio
+    import zmq
 
-    from kvstream.cli._endpoints import parse_source
-    from kvstream.eventlog.replay import replay_to_publishers
+    from kvstream.eventlog.replay import Pacer, replay_to_publishers
     from kvstream.transport import KVEventsConfig, Publisher
 
-    async with AsyncExitStack() as stack:
-        pubs = {}
-        for src, ep in zip(sources, args.publish):
-            spec = parse_source(ep)
-            pub_ep, rep_ep = spec.endpoint, spec.replay_endpoint
-            m = first[src]
-            cfg = KVEventsConfig(publisher="zmq", endpoint=pub_ep, replay_endpoint=rep_ep or None,
-                                 topic=m.topic.decode("utf-8", "replace"))
-            pubs[src] = await stack.enter_async_context(Publisher(cfg))
-            print(f"{src} -> {pubs[src].endpoint}" + (f" (replay {pubs[src].replay_endpoint})"
-                                                      if rep_ep else ""), file=sys.stderr)
-        await anyio.sleep(args.wait_s)
-        stats = await replay_to_publishers(records, pubs, speed=speed)
-        await anyio.sleep(args.hold_s)
-    return stats
+    pacer = Pacer(speed)
+    interrupted = False
+    error: Exception | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def on_signal(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+            nonlocal interrupted
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                task_status.started()
+                async for _ in signals:
+                    interrupted = True
+                    tg.cancel_scope.cancel()
+                    return
+
+        # Ctrl-C is ours from before the first socket is bound.
+        await tg.start(on_signal)
+        try:
+            async with AsyncExitStack() as stack:
+                pubs = {}
+                for src, spec in zip(sources, specs):
+                    m = first[src]
+                    cfg = KVEventsConfig(publisher="zmq", endpoint=spec.endpoint,
+                                         replay_endpoint=spec.replay_endpoint,
+                                         topic=m.topic.decode("utf-8", "replace"))
+                    try:
+                        pubs[src] = await stack.enter_async_context(Publisher(cfg, bind=True))
+                    except zmq.ZMQError as exc:
+                        raise zmq.ZMQError(exc.errno, f"{spec.endpoint}"
+                                           + (f" or {spec.replay_endpoint}" if spec.replay_endpoint else "")
+                                           + f" ({exc.strerror})") from None
+                    print(f"{src} -> {pubs[src].endpoint}" + (f" (replay {pubs[src].replay_endpoint})"
+                                                              if spec.replay_endpoint else ""), file=sys.stderr)
+                await anyio.sleep(args.wait_s)
+                await replay_to_publishers(records, pubs, speed=speed, pacer=pacer)
+                await anyio.sleep(args.hold_s)
+        except zmq.ZMQError as exc:
+            error = exc  # raised below, outside the task group (which would wrap it)
+        finally:
+            tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return pacer.stats, interrupted

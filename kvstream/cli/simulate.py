@@ -1,8 +1,15 @@
 """``kvstream simulate``: compare routing policies on a trace in virtual time.
 
 A grid of policies x engine counts over one workload (a Mooncake trace or the built-in
-synthetic one), printed as a table, optionally written as JSON and plotted. Deterministic
-for a given seed.
+synthetic one), printed as a table next to the workload's reuse ceiling (the hit rate an
+infinite cache shared by all engines would get) and the cache capacity simulated,
+optionally written as JSON and plotted. Deterministic for a given seed.
+
+Flags that exist in vLLM have vLLM's names (``--block-size``, ``--max-num-seqs``,
+``--max-num-batched-tokens``, ``--num-gpu-blocks-override``, ``--gpu-memory-utilization``,
+``--max-model-len``, ``--prefix-caching-hash-algo``), shared with ``kvstream plan``; the
+older spellings (``--blocks``, ``--max-running``, ``--max-batched-tokens``,
+``--hash-algo``) still work.
 """
 
 from __future__ import annotations
@@ -13,15 +20,27 @@ import sys
 import time
 from typing import Any
 
+from kvstream.cli._common import (
+    CLIError,
+    add_log_level,
+    check_output_path,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
+
 _EPILOG = """\
 examples:
   kvstream simulate --trace mooncake_conversation.jsonl --engines 8
   kvstream simulate --trace t.jsonl --engines 4,8,16 --json out.json --plot out.svg
   kvstream simulate --requests 5000 --policies kv-aware,round-robin --seed 3
+  kvstream simulate --kv-overlap-score-weight 2 --queue-weight 0.2
 
 Trace defaults: 512-token engine blocks (one Mooncake hash id per block) and token
 granularity 32 (a 512-token block is simulated as 32 tokens; see docs/simulator.md).
 """
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,16 +55,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_engine_args(p)
     p.add_argument("--engines", default="8", help="engine count, or a comma list for a grid (default 8)")
+    add_routing_args(p)
     p.add_argument("--router-index", choices=("engine", "token"), default="engine",
                    help="router matches by the engines' block hashes (engine, default, faster) or by its own "
                         "token keys (token); same decisions")
     p.add_argument("--wire", action="store_true",
                    help="round-trip every batch through the wire codec before the router (slower; same results)")
-    p.add_argument("--router-lag", type=float, default=0.0, metavar="S",
+    p.add_argument("--router-lag", type=non_negative_float, default=0.0, metavar="S",
                    help="simulated seconds between a batch's publication and its application (default 0)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", metavar="PATH", help="plot hit rate and TTFT by policy (.png/.svg; needs kvstream[plot])")
+    p.add_argument("--plot", metavar="PATH", help="plot hit rate and TTFT by policy (.png/.svg/.pdf; needs kvstream[plot])")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    add_log_level(p)
     p.set_defaults(func=_run)
 
 
@@ -55,10 +76,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("workload")
     g.add_argument("--trace", metavar="FILE", help="Mooncake-format JSON-lines trace (default: built-in synthetic workload)")
-    g.add_argument("--limit", type=int, metavar="N", help="use only the first N requests of the trace")
-    g.add_argument("--requests", type=int, metavar="N", help="synthetic workload size (requests)")
-    g.add_argument("--duration", type=float, metavar="S", help="synthetic workload span (seconds of arrivals)")
-    g.add_argument("--arrival-scale", type=float, default=1.0, metavar="X",
+    g.add_argument("--limit", type=positive_int, metavar="N", help="use only the first N requests of the trace")
+    g.add_argument("--requests", type=positive_int, metavar="N", help="synthetic workload size (requests)")
+    g.add_argument("--duration", type=positive_float, metavar="S", help="synthetic workload span (seconds of arrivals)")
+    g.add_argument("--arrival-scale", type=positive_float, default=1.0, metavar="X",
                    help="offer the workload X times faster (divides arrival times; default 1)")
     g.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload and the random policy (default 0)")
     g.add_argument("--policies", default=",".join(POLICY_NAMES),
@@ -66,29 +87,97 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine-shape options shared by ``simulate`` and ``demo``."""
-    g = p.add_argument_group("engines")
-    g.add_argument("--blocks", type=int, metavar="N", help="KV blocks per engine (default: 1024 for traces, 2048 synthetic)")
-    g.add_argument("--block-size", type=int, metavar="T", help="tokens per block (default: 512 for traces, 16 synthetic)")
-    g.add_argument("--token-granularity", type=int, metavar="G",
+    """Engine-shape options (vLLM's names where vLLM has the concept; old spellings kept)."""
+    from kvstream.cli.plan import parse_memory
+    from kvstream.hashing import ALGORITHMS
+
+    g = p.add_argument_group("engines (vLLM's flag names; the second spelling is the old one)")
+    g.add_argument("--num-gpu-blocks-override", "--blocks", dest="blocks", type=positive_int, metavar="N",
+                   help="KV blocks per engine (default: 1024 for traces, 2048 synthetic)")
+    g.add_argument("--block-size", type=positive_int, metavar="T",
+                   help="tokens per block (default: 512 for traces, 16 synthetic)")
+    g.add_argument("--token-granularity", type=positive_int, metavar="G",
                    help="real tokens per simulated token (default: 32 for traces, 1 synthetic)")
-    g.add_argument("--prefill-rate", type=float, default=16000.0, metavar="TOK/S", help="prefill tokens per second (default 16000)")
-    g.add_argument("--decode-step", type=float, default=0.025, metavar="S", help="seconds per engine step (default 0.025)")
-    g.add_argument("--max-running", type=int, default=64, help="max running requests per engine (default 64)")
-    g.add_argument("--max-batched-tokens", type=int, default=8192, help="token budget per step (default 8192)")
-    g.add_argument("--hash-algo", default="native", help="engine block hash algorithm (default native)")
+    g.add_argument("--prefill-rate", type=positive_float, default=16000.0, metavar="TOK/S",
+                   help="prefill tokens per second (default 16000)")
+    g.add_argument("--decode-step", type=positive_float, default=0.025, metavar="S",
+                   help="seconds per engine step (default 0.025)")
+    g.add_argument("--max-num-seqs", "--max-running", dest="max_running", type=positive_int, default=64,
+                   metavar="N", help="max running requests per engine (default 64)")
+    g.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_batched_tokens",
+                   type=positive_int, default=8192, metavar="T", help="token budget per step (default 8192)")
+    g.add_argument("--prefix-caching-hash-algo", "--hash-algo", dest="hash_algo", default="native",
+                   choices=ALGORITHMS, metavar="ALGO",
+                   help=f"engine block hash algorithm: {', '.join(ALGORITHMS)} (default native)")
     g.add_argument("--model-config", metavar="CONFIG_JSON",
-                   help="size engines from a Hugging Face config.json (with --kv-memory-gib) instead of --blocks")
-    g.add_argument("--kv-memory-gib", type=float, default=40.0, metavar="GIB",
-                   help="KV cache memory per engine for --model-config (default 40)")
+                   help="size engines from a Hugging Face config.json (with --gpu-memory or --kv-memory-gib) "
+                        "instead of --num-gpu-blocks-override")
+    g.add_argument("--gpu-memory", type=parse_memory, metavar="SIZE",
+                   help="with --model-config: memory of one GPU (80, 80GiB, 141GB); the KV cache gets "
+                        "SIZE x --gpu-memory-utilization (as in kvstream plan)")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
+                   help="with --gpu-memory: share of it for the KV cache (default 0.9)")
+    g.add_argument("--kv-memory-gib", type=positive_float, default=40.0, metavar="GIB",
+                   help="with --model-config and no --gpu-memory: KV cache memory per engine (default 40)")
+    g.add_argument("--max-model-len", type=positive_int, metavar="TOKENS",
+                   help="with --model-config: longest request (default: the config's context length)")
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    """Weights of the ``kv-aware`` policy's score (the router's
+    :class:`~kvstream.routing.scoring.PrefixLoadPolicy`)."""
+    g = p.add_argument_group(
+        "routing weights of the kv-aware policy: score = W_overlap x cached share of the prompt "
+        "- W_queue x waiting - W_running x running - W_kv x KV usage")
+    g.add_argument("--kv-overlap-score-weight", type=non_negative_float, metavar="W",
+                   help="weight of the cached prefix (Dynamo's name; default 1.0)")
+    g.add_argument("--queue-weight", type=non_negative_float, metavar="W",
+                   help="penalty per waiting request (default 0.1)")
+    g.add_argument("--running-weight", type=non_negative_float, metavar="W",
+                   help="penalty per running request (default 0.02)")
+    g.add_argument("--kv-usage-weight", type=non_negative_float, metavar="W",
+                   help="penalty per unit of KV cache usage, 0..1 (default 0.2)")
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
+def kv_scoring(args: argparse.Namespace) -> Any:
+    """The kv-aware policy's scoring with the weights the flags set (None: defaults)."""
+    from kvstream.routing.scoring import PrefixLoadPolicy
+
+    flags = {"prefix_weight": "kv_overlap_score_weight", "queue_weight": "queue_weight",
+             "running_weight": "running_weight", "kv_weight": "kv_usage_weight"}
+    given: dict[str, float] = {}
+    for field, flag in flags.items():
+        v = getattr(args, flag, None)
+        if v is not None:
+            given[field] = float(v)
+    return PrefixLoadPolicy(**given) if given else None  # type: ignore[arg-type]
 
 
 def load_workload(args: argparse.Namespace, *, default_requests: int = 2000, default_duration: float = 20.0) -> tuple[list[Any], dict[str, Any]]:
     """The workload the options describe, and a description of it for the JSON meta."""
-    from kvstream.sim.workload import SyntheticConfig, compress_arrivals, load_mooncake, synthetic_workload
+    from kvstream.sim.workload import (
+        SyntheticConfig,
+        WorkloadError,
+        compress_arrivals,
+        load_mooncake,
+        synthetic_workload,
+    )
 
     if args.trace:
         reqs = load_mooncake(args.trace, limit=args.limit)
+        if not reqs:
+            raise WorkloadError(f"trace {args.trace} holds no requests; give a Mooncake JSON-lines "
+                                "trace with one request per line")
         meta: dict[str, Any] = {"trace": str(args.trace), "limit": args.limit}
     else:
         cfg = SyntheticConfig(
@@ -114,7 +203,10 @@ def engine_config(args: argparse.Namespace) -> Any:
     g = args.token_granularity or (32 if trace and bs % 32 == 0 else 1)
     blocks = args.blocks or (1024 if trace else 2048)
     if args.model_config:
-        blocks = _blocks_from_model(args.model_config, bs, args.kv_memory_gib)
+        gpu = getattr(args, "gpu_memory", None)
+        kv_bytes = (int(gpu * args.gpu_memory_utilization) if gpu is not None
+                    else int(args.kv_memory_gib * (1 << 30)))
+        blocks = _blocks_from_model(args.model_config, bs, kv_bytes, getattr(args, "max_model_len", None))
     return EngineConfig(
         num_blocks=blocks,
         block_size=bs,
@@ -127,20 +219,20 @@ def engine_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _blocks_from_model(path: str, block_size: int, gib: float) -> int:
+def _blocks_from_model(path: str, block_size: int, kv_bytes: int, max_model_len: int | None = None) -> int:
     from kvstream.planning import KVCachePlanningError, plan_kv_cache, specs_from_hf_config
     from kvstream.planning.hf_config import model_max_len
 
     with open(path, encoding="utf-8") as fh:
         cfg = json.load(fh)
     specs = specs_from_hf_config(cfg, block_size=block_size)
-    max_len = model_max_len(cfg)
+    max_len = max_model_len or model_max_len(cfg)
     if max_len is None:
         raise KVCachePlanningError(
             f"{path} gives no context length (max_position_embeddings or similar), which sizing "
-            "needs to check that one request fits; add it to the config, or use --blocks instead "
-            "of --model-config")
-    return plan_kv_cache(specs, int(gib * (1 << 30)), max_len).num_blocks
+            "needs to check that one request fits; add it to the config, give --max-model-len, or use "
+            "--num-gpu-blocks-override instead of --model-config")
+    return plan_kv_cache(specs, kv_bytes, max_len).num_blocks
 
 
 def parse_policies(text: str) -> list[str]:
@@ -155,47 +247,127 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
+def _engine_counts(text: str) -> list[int]:
+    counts = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            n = int(part)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise CLIError(f"--engines {text!r}: each engine count must be a positive integer, got {part!r}")
+        counts.append(n)
+    if not counts:
+        raise CLIError("--engines needs at least one engine count")
+    return counts
+
+
+def check_plot_path(path: str) -> None:
+    """Before any work: ``--plot`` can be written and plotting is installed."""
+    from kvstream.sim.report import PlotUnavailableError, plotting_available
+
+    check_output_path(path, "--plot", suffixes=PLOT_SUFFIXES)
+    if not plotting_available():
+        raise PlotUnavailableError("--plot needs matplotlib: pip install 'kvstream[plot]' (or drop --plot)")
+
+
 def _run(args: argparse.Namespace) -> int:
     from kvstream.planning import KVCachePlanningError
-    from kvstream.sim.report import PlotUnavailableError, format_table, plot_results, write_json
+    from kvstream.sim.blocks import SegmentHasher
+    from kvstream.sim.ceiling import reuse_ceiling
+    from kvstream.sim.report import PlotUnavailableError, capacity_line, format_table, plot_results, write_json
     from kvstream.sim.run import SimConfig, compare
     from kvstream.sim.workload import WorkloadError
 
     try:
+        # Everything the user can get wrong is checked before the first simulated second.
         policies = parse_policies(args.policies)
-        counts = [int(x) for x in str(args.engines).split(",") if x.strip()]
+        counts = _engine_counts(args.engines)
+        if args.json:
+            check_output_path(args.json, "--json")
+        if args.plot:
+            check_plot_path(args.plot)
+        scoring = kv_scoring(args)
+        if scoring is not None and "kv-aware" not in policies:
+            raise CLIError("routing weights apply to the kv-aware policy, which --policies leaves out")
         ec = engine_config(args)
         reqs, meta = load_workload(args)
         cfg = SimConfig(engines=counts[0], engine=ec, router_lag_s=args.router_lag, seed=args.seed,
-                        wire=args.wire, router_index=args.router_index)
-    except (WorkloadError, KVCachePlanningError, OSError, ValueError) as exc:
+                        wire=args.wire, router_index=args.router_index, kv_scoring=scoring)
+    except (WorkloadError, KVCachePlanningError, PlotUnavailableError, OSError, ValueError) as exc:
         print(f"kvstream simulate: {exc}", file=sys.stderr)
         return 2
 
+    done: list[Any] = []
+    total = len(policies) * len(counts)
+
     def progress(r: Any) -> None:
+        done.append(r)
         if not args.quiet:
             print(f"  {r.policy:<13} {r.engines:>3} engines: hit {100 * r.hit_rate:5.1f}%  "
                   f"TTFT p50 {r.ttft_p50_s:.3f}s  ({r.requests_per_wall_s:,.0f} req/s wall)", file=sys.stderr)
 
+    if not args.quiet:
+        print(f"simulating {len(reqs)} requests: {total} run(s) ({len(policies)} policies x "
+              f"{len(counts)} engine count(s)); Ctrl-C stops and prints the finished runs", file=sys.stderr)
     t0 = time.perf_counter()
-    results = compare(reqs, policies, cfg, engine_counts=counts, progress=progress)
+    hasher = SegmentHasher(ec.block_hasher())
+    prepared: dict[int, Any] = {}
+    try:
+        ceiling = reuse_ceiling(reqs, ec, hasher=hasher, prepared=prepared)
+        results = compare(reqs, policies, cfg, engine_counts=counts, progress=progress,
+                          hasher=hasher, prepared=prepared)
+    except KeyboardInterrupt:
+        if done:
+            print(format_table(done))
+        kept = (f"the table above shows the {len(done)} finished run(s) of {total}" if done
+                else f"none of the {total} runs had finished")
+        print(f"kvstream simulate: interrupted; {kept}; nothing was written"
+              + (f" ({', '.join(x for x in (args.json, args.plot) if x)} not created)" if args.json or args.plot
+                 else ""), file=sys.stderr)
+        return 130
     wall = time.perf_counter() - t0
-    print(format_table(results))
-    print(f"\n{len(reqs)} requests x {len(results)} runs in {wall:.2f}s wall "
-          f"(block {ec.block_size} tokens, granularity {ec.token_granularity}, {ec.num_blocks} blocks/engine)")
+    print(format_table(results, ceiling=ceiling.hit_rate))
+    print(f"\nreuse ceiling: {100 * ceiling.hit_rate:.1f}% of prompt tokens (an infinite cache shared by all "
+          f"engines; 'of best' = hit / ceiling)")
+    for n in counts:
+        print(capacity_line(n, ec, ceiling.distinct_blocks))
+    print(f"{len(reqs)} requests x {len(results)} runs in {wall:.2f}s wall "
+          f"(block {ec.block_size} tokens, granularity {ec.token_granularity})")
     meta.update(engine=_engine_meta(ec), seed=args.seed, router_lag_s=args.router_lag, wire=args.wire,
-                router_index=args.router_index)
+                router_index=args.router_index, reuse_ceiling=_struct_dict(ceiling),
+                kv_scoring=_scoring_meta(scoring))
     if args.json:
         write_json(args.json, results, meta)
         print(f"wrote {args.json}")
     if args.plot:
-        try:
-            plot_results(args.plot, results, title=str(meta.get("trace", "synthetic workload")))
-        except PlotUnavailableError as exc:
-            print(f"kvstream simulate: {exc}", file=sys.stderr)
-            return 2
+        plot_results(args.plot, results, title=_plot_title(meta, ec, counts), ceiling=ceiling.hit_rate)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _plot_title(meta: dict[str, Any], ec: Any, counts: list[int]) -> str:
+    import os
+
+    what = os.path.basename(str(meta["trace"])) if "trace" in meta else "synthetic workload"
+    return (f"{what}: {meta['requests']} requests, {'/'.join(map(str, counts))} engines x "
+            f"{ec.num_blocks} blocks of {ec.block_size} tokens")
+
+
+def _struct_dict(s: Any) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.structs.asdict(s)
+
+
+def _scoring_meta(scoring: Any) -> dict[str, Any] | None:
+    if scoring is None:
+        return None
+    return {"prefix_weight": scoring.prefix_weight, "queue_weight": scoring.queue_weight,
+            "running_weight": scoring.running_weight, "kv_weight": scoring.kv_weight}
 
 
 def _engine_meta(ec: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""``kvstream version``: print the package version and the versions of its wire stack."""
+"""``kvstream version`` (also ``kvstream --version``): kvstream's version and its
+dependencies' versions."""
 
 from __future__ import annotations
 
@@ -11,11 +12,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import msgspec
-    import zmq
+    from kvstream.cli._common import version_lines
 
-    import kvstream
-
-    print(f"kvstream {kvstream.__version__}")
-    print(f"msgspec {msgspec.__version__}, pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()})")
+    print("\n".join(version_lines()))
     return 0

@@ -53,6 +53,8 @@ __all__ = [
     "decode_header",
     "RecordEncoder",
     "SegmentCursor",
+    "find_records_start",
+    "MAX_CHUNK_BYTES",
 ]
 
 MAGIC: Final = b"KVEVTLOG"
@@ -325,39 +327,172 @@ class RecordEncoder:
         out += rec
 
 
-class SegmentCursor:
-    """Iterates the records of one segment held in memory, stopping at the first damage.
+def _plausible(buf: Any, mv: memoryview, p: int, end: int) -> int:
+    """The end offset of a record that starts at ``p`` and verifies (0 if none does, -1 if
+    ``buf`` ends before the record would, so more bytes are needed to tell)."""
+    if end - p < 9:
+        return -1
+    crc, n = _REC.unpack_from(buf, p)
+    if n == 0 or n > MAX_BODY or n < _MIN_BODY.get(buf[p + 8], MAX_BODY + 1):
+        return 0
+    stop = p + 8 + n
+    if stop > end:
+        return -1
+    return stop if (_xxh3(mv[p + 4:stop]) & _M32) == crc else 0
 
-    ``buf`` is the whole segment (bytes or an mmap); iteration yields
-    :class:`LogMessage` / :class:`LogControl` in file order. When it stops early,
-    :attr:`damage` says where and why; :attr:`valid_end` is the offset just past the last
-    intact record (where a writer may resume), and :attr:`sources` / :attr:`topics` hold
-    the name tables seen so far.
+
+def find_records_start(buf: Any, *, limit: int = 1 << 20) -> int | None:
+    """Where the records of a segment whose header is damaged begin: the first offset in
+    the first ``limit`` bytes at which a record verifies (its checksum covers its length, so
+    a false match has a chance of about 2**-32 per offset). None if there is none."""
+    end = len(buf)
+    mv = memoryview(buf)
+    try:
+        lo = _HEAD_FIXED.size + 4
+        if end >= _HEAD_FIXED.size:
+            guess = _HEAD_FIXED.size + _HEAD_FIXED.unpack_from(buf, 0)[6] + 4
+            if guess < end and _plausible(buf, mv, guess, end) > 0:
+                return guess
+        for p in range(lo, min(end, lo + limit)):
+            if _plausible(buf, mv, p, end) > 0:
+                return p
+        return None
+    finally:
+        mv.release()
+
+
+MAX_CHUNK_BYTES: Final = 64 << 20
+"""The largest decompressed size (bytes) a zstd chunk may declare; a reader rejects a
+bigger one before decompressing anything (a zstd bomb), and the writer never packs more
+than this into one chunk."""
+
+MAX_DAMAGES: Final = 100
+"""Damaged places reported per segment; further ones are merged into the last."""
+
+WINDOW: Final = 16 << 20
+"""Bytes a file reader hands the cursor at a time (a record larger than this is read
+whole). While resynchronising after damage, a candidate record larger than this is not
+considered (memory stays bounded on garbage)."""
+
+
+class SegmentCursor:
+    """Iterates the records of one segment, reporting damage and reading past it.
+
+    Give it the segment's first bytes (the whole segment, or at least its header). Iterate
+    the cursor itself to scan a segment held whole in memory, or call :meth:`scan` with
+    consecutive windows of a file (see :class:`~kvstream.eventlog.reader.LogReader`): each
+    call yields the records that are complete in the window and sets :attr:`next_pos` (the
+    file offset to read from next; None when done) and :attr:`need` (bytes the next window
+    must at least hold).
+
+    After a damaged place (a record whose checksum fails, a torn or implausible length)
+    the cursor looks for the next offset at which a record verifies and goes on from there,
+    so one damaged record costs that record only. Every damaged place is in
+    :attr:`damages`; :attr:`valid_end` is the offset just past the last intact record
+    (where a writer may resume: whatever follows it is unverifiable), and :attr:`sources`
+    / :attr:`topics` hold the name tables seen so far.
+
+    ``salvage=True``: a damaged header is reported (at offset 0) and the records after it
+    are still read (:attr:`header` is then None); otherwise it raises
+    :class:`HeaderDamagedError`.
     """
 
-    __slots__ = ("header", "name", "damage", "valid_end", "sources", "topics", "_buf",
-                 "_decompress", "records")
+    __slots__ = ("header", "name", "damages", "valid_end", "sources", "topics", "records",
+                 "next_pos", "need", "start", "_decompress", "_max_chunk", "_dmg_start",
+                 "_dmg_reason", "_buf")
 
-    def __init__(self, buf: Any, *, name: str = "segment", decompress: Any = None) -> None:
+    def __init__(self, buf: Any, *, name: str = "segment", decompress: Any = None,
+                 salvage: bool = False, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> None:
         self._buf = buf
         self.name = name
-        self.header = decode_header(buf, name=name)
-        self.damage: LogDamage | None = None
-        self.valid_end = self.header.size
+        self.damages: list[LogDamage] = []
+        self.header: SegmentHeader | None = None
         self.sources: dict[int, str] = {}
         self.topics: dict[int, bytes] = {}
         self._decompress = decompress
+        self._max_chunk = max_chunk_bytes
+        self._dmg_start: int | None = None
+        self._dmg_reason = ""
         self.records = 0
         """Records yielded so far."""
+        self.need = 0
+        try:
+            self.header = decode_header(buf, name=name)
+            self.start = self.header.size
+        except HeaderDamagedError as exc:
+            if not salvage:
+                raise
+            found = find_records_start(buf)
+            if found is None:
+                self.start = len(buf)
+                self.damages.append(LogDamage(name, 0, f"{exc}; no intact record found after it", len(buf)))
+            else:
+                self.start = found
+                self.damages.append(LogDamage(
+                    name, 0, f"{exc}; the records from byte {found} on verify and were read", found))
+        self.valid_end = self.start
+        self.next_pos: int | None = self.start
+
+    @property
+    def damage(self) -> LogDamage | None:
+        """The first damaged place (None if none)."""
+        return self.damages[0] if self.damages else None
 
     def __iter__(self) -> Iterator[LogRecord]:
-        buf = self._buf
-        yield from self._scan(buf, self.header.size, len(buf), outer=True)
+        if self.next_pos is None:
+            return
+        yield from self.scan(self._buf, 0, final=True)
 
-    def _damage(self, offset: int, reason: str, end: int) -> None:
-        self.damage = LogDamage(self.name, offset, reason, end - offset)
+    def note_shrunk(self, offset: int) -> None:
+        """The file ended at ``offset`` although an earlier read saw more bytes there (it
+        was truncated while being read): record the damage and stop."""
+        self._close_damage(offset)
+        self._add_damage(offset, "the segment shrank while it was read (truncated by another process)", offset)
+        self.next_pos = None
 
-    def _scan(self, buf: Any, pos: int, end: int, *, outer: bool, base: int = 0) -> Iterator[LogRecord]:
+    def _add_damage(self, offset: int, reason: str, stop: int) -> None:
+        d = self.damages
+        if len(d) >= MAX_DAMAGES:
+            last = d[-1]
+            d[-1] = LogDamage(self.name, last.offset, last.reason.split(" (and ")[0] + " (and more damage after it)",
+                              stop - last.offset)
+        else:
+            d.append(LogDamage(self.name, offset, reason, stop - offset))
+
+    def _open_damage(self, offset: int, reason: str) -> None:
+        if self._dmg_start is None:
+            self._dmg_start = offset
+            self._dmg_reason = reason
+
+    def _close_damage(self, stop: int) -> None:
+        if self._dmg_start is not None:
+            self._add_damage(self._dmg_start, self._dmg_reason, stop)
+            self._dmg_start = None
+
+    def scan(self, buf: Any, base: int = 0, *, final: bool = True) -> Iterator[LogRecord]:
+        """Yield the records in ``buf``, which holds the segment's bytes from offset
+        ``base``; it must start at or before :attr:`next_pos`. ``final``: ``buf`` reaches
+        the end of the segment (an incomplete record there is damage, not "read more")."""
+        if self.next_pos is None:
+            return
+        yield from self._scan(buf, self.next_pos - base, len(buf), outer=True, base=base, final=final)
+
+    def _resync(self, buf: Any, mv: memoryview, pos: int, end: int, final: bool) -> int:
+        """The next offset >= ``pos`` where a record verifies; -1: more bytes needed first
+        (``self.need`` set); ``end``: none in this buffer."""
+        while pos < end:
+            r = _plausible(buf, mv, pos, end)
+            if r > 0:
+                return pos
+            if r < 0 and not final:
+                n = _REC.unpack_from(buf, pos)[1] if end - pos >= 8 else 0
+                if 8 + n <= WINDOW:
+                    self.need = max(9, 8 + n)
+                    return -1
+            pos += 1
+        return end
+
+    def _scan(self, buf: Any, pos: int, end: int, *, outer: bool, base: int, final: bool) -> Iterator[LogRecord]:
         # Hot loop: locals only, struct.unpack_from on the big buffer, one checksum call
         # over a memoryview slice (no copy) per record.
         mv = memoryview(buf)
@@ -368,47 +503,84 @@ class SegmentCursor:
             sources = self.sources
             topics = self.topics
             rec: LogRecord
-            while pos < end:
-                if end - pos < 8:
-                    self._damage(base + pos, f"truncated record header ({end - pos} of 8 bytes)", base + end)
+            while True:
+                if outer and self._dmg_start is not None:
+                    p = self._resync(buf, mv, pos, end, final)
+                    if p < 0:
+                        self.next_pos = base + pos
+                        return
+                    if p >= end:
+                        if final:
+                            self._close_damage(base + end)
+                            self.next_pos = None
+                        else:
+                            self.next_pos = base + end
+                            self.need = 0
+                        return
+                    self._close_damage(base + p)
+                    pos = p
+                if pos >= end:
+                    if outer:
+                        self.next_pos = None if final else base + pos
+                        self.need = 0
                     return
+                if end - pos < 8:
+                    if outer and not final:
+                        self.next_pos, self.need = base + pos, 8
+                        return
+                    if not outer:
+                        self._add_damage(base + pos, f"truncated record header ({end - pos} of 8 bytes)", base + end)
+                        return
+                    self._open_damage(base + pos, f"truncated record header ({end - pos} of 8 bytes)")
+                    continue
                 crc, n = unpack_rec(buf, pos)
                 body = pos + 8
                 stop = body + n
                 if n == 0 or n > MAX_BODY:
                     reason = ("zero-filled tail (the file was extended but never written)"
                               if crc == 0 and n == 0 else f"implausible record length {n}")
-                    self._damage(base + pos, reason, base + end)
-                    return
+                    if not outer:
+                        self._add_damage(base + pos, reason, base + end)
+                        return
+                    self._open_damage(base + pos, reason)
+                    continue
                 if stop > end:
-                    self._damage(base + pos, f"truncated record: {n} byte body, {end - body} bytes left",
-                                 base + end)
-                    return
+                    if outer and not final:
+                        self.next_pos, self.need = base + pos, 8 + n
+                        return
+                    reason = f"truncated record: {n} byte body, {end - body} bytes left"
+                    if not outer:
+                        self._add_damage(base + pos, reason, base + end)
+                        return
+                    self._open_damage(base + pos, reason)
+                    continue
                 if (xxh3(mv[pos + 4:stop]) & _M32) != crc:
-                    self._damage(base + pos, "checksum mismatch", base + end)
-                    return
+                    if not outer:
+                        self._add_damage(base + pos, "checksum mismatch", base + end)
+                        return
+                    self._open_damage(base + pos, "checksum mismatch")
+                    pos += 1
+                    continue
                 kind = buf[body]
+                bad: str | None = None
                 if n < _MIN_BODY.get(kind, 1):
-                    self._damage(base + pos, f"record of kind {kind} is too short ({n} bytes)", base + end)
-                    return
-                if kind == KIND_MESSAGE:
+                    bad = f"record of kind {kind} is too short ({n} bytes)"
+                elif kind == KIND_MESSAGE:
                     flags, sid, tid, ts, seq = unpack_msg(buf, body + 1)
                     if flags & FLAG_NEGATIVE_SEQ:
                         seq -= _TWO64
-                    try:
-                        rec = LogMessage(ts, sources[sid], topics[tid], seq, buf[body + 22:stop],
-                                         flags & FLAG_REPLAYED != 0)
-                    except KeyError:
-                        self._damage(base + pos, f"message uses undefined source {sid} or topic {tid}",
-                                     base + end)
-                        return
-                    pos = stop
-                    if outer:
-                        self.valid_end = pos
-                    self.records += 1
-                    yield rec
-                    continue
-                if kind == KIND_NAME:
+                    src = sources.get(sid)
+                    top = topics.get(tid)
+                    if src is not None and top is not None:
+                        rec = LogMessage(ts, src, top, seq, bytes(buf[body + 22:stop]), flags & FLAG_REPLAYED != 0)
+                        pos = stop
+                        if outer:
+                            self.valid_end = base + pos
+                        self.records += 1
+                        yield rec
+                        continue
+                    bad = f"message uses undefined source {sid} or topic {tid} (its name record is lost)"
+                elif kind == KIND_NAME:
                     table, ident = _NAME_BODY.unpack_from(buf, body + 1)
                     raw = bytes(buf[body + 4:stop])
                     if table == NAME_SOURCE:
@@ -418,49 +590,58 @@ class SegmentCursor:
                 elif kind == KIND_CONTROL:
                     code, sid, ts, a, b = _CTL_BODY.unpack_from(buf, body + 1)
                     cname = _CONTROL_NAMES.get(code)
-                    if cname is None or sid not in sources:
-                        self._damage(base + pos, f"bad control record (code {code}, source {sid})", base + end)
-                        return
-                    reason = bytes(buf[body + 1 + _CTL_BODY.size:stop]).decode("utf-8", "replace")
-                    if cname == "stale":
-                        rec = LogControl(ts, sources[sid], cname, reason, None,
-                                         None if a == NO_SEQ else a, None if b == NO_SEQ else b)
-                    else:
-                        rec = LogControl(ts, sources[sid], cname, reason, None if a == NO_SEQ else a)
-                    pos = stop
-                    if outer:
-                        self.valid_end = pos
-                    self.records += 1
-                    yield rec
-                    continue
-                elif kind == KIND_CHUNK and outer:
-                    raw_len, count = _CHUNK_BODY.unpack_from(buf, body + 1)
-                    if self._decompress is None:
-                        raise LogFormatError(
-                            f"{self.name} is zstd-compressed; install the 'zstandard' package "
-                            "(pip install 'kvstream[zstd]') to read it"
-                        )
-                    try:
-                        raw = self._decompress(bytes(buf[body + 9:stop]), raw_len)
-                    except Exception as exc:  # noqa: BLE001 - checksum passed: report, don't crash
-                        self._damage(base + pos, f"zstd chunk does not decompress: {exc}", base + end)
-                        return
-                    before = self.records
-                    # Records inside a chunk are reported at the chunk's offset: a chunk is
-                    # written and recovered as a unit.
-                    for rec in self._scan(raw, 0, len(raw), outer=False, base=0):
+                    if cname is not None and sid in sources:
+                        reason = bytes(buf[body + 1 + _CTL_BODY.size:stop]).decode("utf-8", "replace")
+                        if cname == "stale":
+                            rec = LogControl(ts, sources[sid], cname, reason, None,
+                                             None if a == NO_SEQ else a, None if b == NO_SEQ else b)
+                        else:
+                            rec = LogControl(ts, sources[sid], cname, reason, None if a == NO_SEQ else a)
+                        pos = stop
+                        if outer:
+                            self.valid_end = base + pos
+                        self.records += 1
                         yield rec
-                    if self.damage is not None or self.records - before != count:
-                        self.damage = LogDamage(self.name, base + pos,
-                                                f"zstd chunk content is inconsistent "
-                                                f"({self.damage.reason if self.damage else 'record count'})",
-                                                base + end - pos)
-                        return
+                        continue
+                    bad = f"bad control record (code {code}, source {sid})"
+                elif kind == KIND_CHUNK and outer:
+                    yield from self._chunk(buf, body, stop, base + pos)
                 else:
-                    self._damage(base + pos, f"unknown record kind {kind}", base + end)
-                    return
+                    bad = f"unknown record kind {kind}"
+                if bad is not None:
+                    # The record verifies, so its bytes are what was written: skip it whole.
+                    if not outer:
+                        self._add_damage(base + pos, bad, base + end)
+                        return
+                    self._add_damage(base + pos, bad, base + stop)
                 pos = stop
                 if outer:
-                    self.valid_end = pos
+                    self.valid_end = base + pos
         finally:
             mv.release()
+
+    def _chunk(self, buf: Any, body: int, stop: int, at: int) -> Iterator[LogRecord]:
+        raw_len, count = _CHUNK_BODY.unpack_from(buf, body + 1)
+        size = stop - body
+        if self._decompress is None:
+            raise LogFormatError(
+                f"{self.name} is zstd-compressed; install the 'zstandard' package "
+                "(pip install 'kvstream[zstd]') to read it"
+            )
+        if raw_len > self._max_chunk:
+            self._add_damage(at, f"zstd chunk declares {raw_len} bytes, more than the "
+                                 f"{self._max_chunk} a chunk may hold: not decompressed", at + 8 + size)
+            return
+        try:
+            raw = self._decompress(bytes(buf[body + 9:stop]), raw_len)
+        except Exception as exc:  # noqa: BLE001 - checksum passed: report, don't crash
+            self._add_damage(at, f"zstd chunk does not decompress: {exc}", at + 8 + size)
+            return
+        before = self.records
+        n_damage = len(self.damages)
+        # Records inside a chunk are reported at the chunk's offset: a chunk is written and
+        # recovered as a unit.
+        yield from self._scan(raw, 0, len(raw), outer=False, base=0, final=True)
+        if len(self.damages) > n_damage or self.records - before != count:
+            inner = self.damages.pop().reason if len(self.damages) > n_damage else "record count"
+            self._add_damage(at, f"zstd chunk content is inconsistent ({inner})", at + 8 + size)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import anyio
 
+from kvstream.eventlog.resume import ResumeFilter
 from kvstream.eventlog.writer import LogWriter
 from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale
 
@@ -68,21 +69,30 @@ class Recorder:
     """Writes every item of ``subscriber`` to ``writer`` until stopped.
 
     ``on_item(item)`` is called after each item is written (e.g. to apply it to a live
-    index as well). ``poll_interval`` (seconds): how often the writer's time-based flush
+    index as well; it gets every item, including those a resumed log already held).
+    When the writer appends to an existing log (``writer.resumed``), items pass through a
+    :class:`~kvstream.eventlog.resume.ResumeFilter` built from that log (or ``resume``), so
+    the join replay does not record what the log already holds. ``poll_interval`` (seconds): how often the writer's time-based flush
     and rotation run while the stream is idle. The writer is not closed by the recorder:
     its owner closes it (``with LogWriter(...)``) after :meth:`run` returns.
     """
 
-    __slots__ = ("subscriber", "writer", "on_item", "poll_interval", "stats", "_stop")
+    __slots__ = ("subscriber", "writer", "on_item", "poll_interval", "stats", "_stop", "resume")
 
     def __init__(self, subscriber: Any, writer: LogWriter, *, on_item: Callable[[Any], Any] | None = None,
-                 poll_interval: float = 0.01) -> None:
+                 poll_interval: float = 0.01, resume: ResumeFilter | None = None) -> None:
         self.subscriber = subscriber
         self.writer = writer
         self.on_item = on_item
         self.poll_interval = poll_interval
         self.stats = RecorderStats()
         self._stop = anyio.Event()
+        if resume is None and writer.resumed:
+            from kvstream.eventlog.reader import LogReader
+
+            resume = ResumeFilter.from_records(LogReader(writer.path))
+        self.resume = resume
+        """What filters a resumed recording (None for a new log)."""
 
     def stop(self) -> None:
         """Make :meth:`run` return after the item in hand (callable from any task)."""
@@ -107,12 +117,14 @@ class Recorder:
 
             tg.start_soon(poll)
             tg.start_soon(watch_stop)
+            resume = self.resume
             async for item in self.subscriber:
-                try:
-                    write_item(w, item)
-                except ValueError as exc:  # absurd remote seqs must not stop a recording
-                    st.unrecordable += 1
-                    log.warning("item not recorded: %s", exc)
+                for out in (resume.admit(item) if resume is not None else (item,)):
+                    try:
+                        write_item(w, out)
+                    except ValueError as exc:  # absurd remote seqs must not stop a recording
+                        st.unrecordable += 1
+                        log.warning("item not recorded: %s", exc)
                 cls = type(item)
                 if cls is SourceBatch:
                     st.batches += 1

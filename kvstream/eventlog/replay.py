@@ -21,6 +21,7 @@ import anyio.lowlevel
 
 from kvstream.eventlog.format import LogMessage, LogRecord
 from kvstream.wire.events import EventDecodeError, EventDecoder
+from kvstream.wire.framing import END_SEQ
 
 __all__ = ["log_items", "replay_into_index", "Pacer", "PacingStats", "replay_to_publishers"]
 
@@ -139,27 +140,32 @@ class Pacer:
         speed = self.speed
         checkpoint = anyio.lowlevel.checkpoint
         n = 0
-        for rec in records:
-            if speed is not None:
-                if base is None:
-                    base = rec.recv_ns
-                target = t0 + (rec.recv_ns - base) / 1e9 / speed
-                wait = target - clock()
-                if wait > self.coarse:
-                    await anyio.sleep(wait - self.coarse / 2)
-                while clock() < target:
+        try:
+            for rec in records:
+                if speed is not None:
+                    if base is None:
+                        base = rec.recv_ns
+                    target = t0 + (rec.recv_ns - base) / 1e9 / speed
+                    wait = target - clock()
+                    if wait > self.coarse:
+                        await anyio.sleep(wait - self.coarse / 2)
+                    while clock() < target:
+                        await checkpoint()
+                    r = send(rec)
+                    late(clock() - target)
+                else:
+                    r = send(rec)
+                if r is not None:
+                    await r
+                n += 1
+                if speed is None and n % yield_every == 0:
+                    st.sent += yield_every
+                    n = 0
                     await checkpoint()
-                r = send(rec)
-                late(clock() - target)
-            else:
-                r = send(rec)
-            if r is not None:
-                await r
-            n += 1
-            if speed is None and n % yield_every == 0:
-                await checkpoint()
-        st.sent += n
-        st.elapsed += clock() - t0
+        finally:
+            # Also when cancelled: `sent` says how far a replay got.
+            st.sent += n
+            st.elapsed += clock() - t0
         return st
 
 
@@ -176,6 +182,7 @@ async def replay_to_publishers(records: Iterable[LogRecord], publishers: Mapping
     dropped.
     """
     sends = {src: p.publish_raw for src, p in publishers.items()}
+    topics = {src: p.config.topic.encode("utf-8") for src, p in publishers.items()}
     last: dict[str, int] = {}
     pacer = pacer or Pacer(speed)
     limits = {src: (max_queued if max_queued is not None else max(1, p.config.max_queue_size // 2))
@@ -194,19 +201,29 @@ async def replay_to_publishers(records: Iterable[LogRecord], publishers: Mapping
                     last.pop(rec.source, None)  # a new engine: its seqs start over
             return False
         prev = last.get(rec.source)
-        if rec.replayed and prev is not None and rec.seq <= prev:
+        if rec.replayed and ((prev is not None and rec.seq <= prev) or rec.seq < 0):
             return False
         last[rec.source] = rec.seq
         return True
 
     def send_paced(rec: LogMessage) -> Any:
-        sends[rec.source](rec.payload, rec.seq, topic=rec.topic)
-        pub = publishers[rec.source]
-        if pub.queued > limits[rec.source]:
-            return _drain(pub, limits[rec.source])
+        src = rec.source
+        pub = publishers[src]
+        if rec.topic != topics[src] or rec.seq >= END_SEQ or rec.seq < 0:
+            # What one publisher could not have produced itself (a second topic on the
+            # source, the end-marker seq): sent as it was recorded, in order.
+            return _send_verbatim(pub, rec)
+        sends[src](rec.payload, rec.seq, topic=rec.topic)
+        if pub.queued > limits[src]:
+            return _drain(pub, limits[src])
         return None
 
     return await pacer.run((r for r in records if wanted(r)), send_paced)
+
+
+async def _send_verbatim(pub: Any, rec: LogMessage) -> None:
+    await _drain(pub, 0)
+    pub.send_verbatim(rec.payload, rec.seq % (1 << 64), rec.topic)
 
 
 async def _drain(pub: Any, limit: int) -> None:

@@ -21,7 +21,7 @@ from kvstream.wire.events import (
     KVEventBatch,
 )
 
-__all__ = ["LogSummary", "SourceSummary", "event_rows"]
+__all__ = ["LogSummary", "SourceSummary", "event_rows", "format_hash"]
 
 
 class SourceSummary:
@@ -230,13 +230,29 @@ class LogSummary:
         }
 
 
-def _hex(h: Any) -> str:
-    return f"{h:016x}" if isinstance(h, int) else bytes(h).hex()
+def format_hash(h: Any, form: str = "hex", *, short: bool = False) -> Any:
+    """A block hash as ``inspect`` and ``subscribe`` show it: ``"hex"`` (a string: 16
+    digits for an int, every byte for a bytes hash) or ``"int"`` (an int; a bytes hash
+    read big-endian). ``short``: the first 16 hex digits only (text lines)."""
+    if isinstance(h, (bytes, bytearray)):
+        if form == "int":
+            return int.from_bytes(h, "big")
+        s = bytes(h).hex()
+        return s[:16] if short else s
+    if isinstance(h, int):
+        return h if form == "int" else f"{h:016x}"
+    return str(h)
 
 
-def event_rows(rec: LogMessage | LogControl, batch: KVEventBatch | None) -> list[dict[str, Any]]:
+def event_rows(rec: LogMessage | LogControl, batch: KVEventBatch | None,
+               hashes: str = "hex") -> list[dict[str, Any]]:
     """One JSON-able row per event of a message record (one row for a control record,
-    one ``"undecodable"`` row for a payload that did not decode)."""
+    one ``"undecodable"`` row for a payload that did not decode). ``hashes``: how block
+    hashes are shown, ``"hex"`` or ``"int"`` (:func:`format_hash`)."""
+
+    def _hex(h: Any) -> Any:
+        return format_hash(h, hashes)
+
     base = {"recv_ns": rec.recv_ns, "source": rec.source}
     if type(rec) is LogControl:
         row = {**base, "type": rec.kind, "reason": rec.reason}

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from kvstream.eventlog.format import (
     FLAG_ZSTD,
-    HeaderDamagedError,
+    MAX_CHUNK_BYTES,
     LogDamage,
     LogFormatError,
     RecordEncoder,
@@ -68,6 +68,11 @@ def _zstd_decompressor() -> Any:
     d = zstandard.ZstdDecompressor()
 
     def decompress(data: bytes, raw_len: int) -> bytes:
+        # Check the frame's own declared size before decompressing: zstandard allocates
+        # what the frame declares, whatever max_output_size says (a zstd bomb).
+        declared = zstandard.frame_content_size(data)
+        if declared >= 0 and declared != raw_len:
+            raise ValueError(f"the zstd frame declares {declared} bytes, the chunk {raw_len}: not decompressed")
         out = d.decompress(data, max_output_size=raw_len)
         if len(out) != raw_len:
             raise ValueError(f"decompressed to {len(out)} bytes, expected {raw_len}")
@@ -96,7 +101,8 @@ class LogWriter:
                  "_rotate_seconds", "_fsync", "_level", "_compressor", "_enc", "_buf",
                  "_buf_records", "_file", "_seg_index", "_seg_bytes", "_seg_start", "_seg_records",
                  "_log_id", "_last_flush", "_dir", "_closed", "tap_source", "recovered",
-                 "records", "bytes_written", "segments_opened", "flags", "_clock")
+                 "records", "bytes_written", "segments_opened", "flags", "_clock", "moved_aside",
+                 "resumed")
 
     def __init__(
         self,
@@ -149,7 +155,10 @@ class LogWriter:
         self._closed = False
         self.tap_source = tap_source
         self.recovered: list[LogDamage] = []
-        """Damage cut off the end of an existing log when resuming."""
+        """Damage found in the last segment of an existing log when resuming, each saying
+        what was done about it (bytes moved aside, or kept in place)."""
+        self.moved_aside: list[Path] = []
+        """``.damaged`` files this writer moved unreadable bytes into when resuming."""
         self.records = 0
         """Message and control records written (or buffered) by this writer."""
         self.bytes_written = 0
@@ -170,6 +179,8 @@ class LogWriter:
                 f"event log {self.path} already exists; pass resume=True (CLI: --append) to append "
                 "to it, or choose another path"
             )
+        self.resumed = exists
+        """True if this writer appends to a log that existed."""
         if exists:
             self._resume()
         else:
@@ -198,52 +209,114 @@ class LogWriter:
         self.bytes_written += len(head)
         self.segments_opened += 1
 
+    def _aside(self, seg: Path) -> Path:
+        """A free ``<segment>.damaged[.N]`` path next to ``seg`` (never a segment name)."""
+        cand = seg.with_name(seg.name + ".damaged")
+        n = 1
+        while cand.exists():
+            cand = seg.with_name(f"{seg.name}.damaged.{n}")
+            n += 1
+        return cand
+
     def _resume(self) -> None:
+        # Appending never deletes a record that verifies: bytes the reader cannot use are
+        # moved into a `.damaged` file next to the segment, never dropped, and each move
+        # is reported in `recovered` and `moved_aside`.
+        from kvstream.eventlog.reader import scan_segment
+
         if self.path.is_dir():
             segs = list_segments(self.path)
             index, p = segs[-1]
         else:
             index, p = 0, self.path
-        data = p.read_bytes()
-        try:
-            cur = SegmentCursor(data, name=str(p), decompress=_zstd_decompressor())
-        except HeaderDamagedError as exc:
-            # The crash hit while the header was being written: nothing after it exists.
-            self.recovered.append(LogDamage(str(p), 0, str(exc), len(data)))
-            if self._dir and index > 0:
-                self._log_id = SegmentCursor(list_segments(self.path)[-2][1].read_bytes()).header.log_id
-            self._open_segment(index)
+        cur = scan_segment(p)
+        size = p.stat().st_size
+        if cur.header is None:
+            self._resume_damaged_header(index, p, cur, size)
             return
-        for _ in cur:
-            pass
-        if cur.damage is not None:
-            self.recovered.append(cur.damage)
         h = cur.header
-        self._log_id = h.log_id
-        if self._dir:
-            # Directory logs resume in a fresh segment (after cutting the tail of the last
-            # one), so settings such as compression may change between runs.
-            if cur.valid_end < len(data):
-                with open(p, "r+b") as f:
-                    f.truncate(cur.valid_end)
-            self.metadata = {**h.metadata, **self.metadata}
-            self._open_segment(index + 1)
-            return
-        if h.flags != self.flags:
+        if not self._dir and h.flags != self.flags:
             raise LogFormatError(
                 f"{p} was written with flags {h.flags} (zstd={bool(h.flags & FLAG_ZSTD)}) but this "
                 f"writer uses zstd={bool(self.flags & FLAG_ZSTD)}; resume with the same compression "
                 "setting, or write a new log"
             )
+        for d in cur.damages:
+            if d.offset + d.lost_bytes <= cur.valid_end:
+                self.recovered.append(LogDamage(d.segment, d.offset, d.reason + " (kept in place: readers "
+                                                "skip it and read the records after it)", d.lost_bytes))
+        if cur.valid_end < size:
+            aside = self._aside(p)
+            with open(p, "r+b") as f:
+                f.seek(cur.valid_end)
+                with open(aside, "wb") as out:
+                    while chunk := f.read(1 << 20):
+                        out.write(chunk)
+                    out.flush()
+                    os.fsync(out.fileno())
+                f.truncate(cur.valid_end)
+            self.moved_aside.append(aside)
+            tail = [d for d in cur.damages if d.offset + d.lost_bytes > cur.valid_end]
+            why = tail[0].reason if tail else "unverifiable bytes"
+            self.recovered.append(LogDamage(str(p), cur.valid_end, f"{why}; the {size - cur.valid_end} "
+                                            f"bytes from there were moved to {aside}", size - cur.valid_end))
+        self._log_id = h.log_id
+        if self._dir:
+            # Directory logs resume in a fresh segment, so settings such as compression may
+            # change between runs.
+            self.metadata = {**h.metadata, **self.metadata}
+            self._open_segment(index + 1)
+            return
         self.metadata = h.metadata
         self._file = open(p, "r+b", buffering=0)
-        self._file.truncate(cur.valid_end)
         self._file.seek(cur.valid_end)
         self._enc.preload_names(cur.sources, cur.topics)
         self._seg_index = 0
         self._seg_bytes = cur.valid_end
         self._seg_records = cur.records
         self.segments_opened += 1
+
+    def _resume_damaged_header(self, index: int, p: Path, cur: SegmentCursor, size: int) -> None:
+        from kvstream.eventlog.reader import scan_segment
+
+        if self._dir and index > 0:
+            prev = scan_segment(list_segments(self.path)[-2][1], records=False)
+            if prev.header is not None:
+                self._log_id = prev.header.log_id
+        head = cur.damages[0]
+        if cur.records == 0 and cur.start >= size:
+            # Nothing after the header verifies (a crash while the segment was created):
+            # there is no record to keep, so the segment is written anew.
+            self.recovered.append(LogDamage(str(p), 0, f"{head.reason}; the segment held no "
+                                            "record and was written anew", size))
+            self._open_segment(index)
+            return
+        aside = self._aside(p)
+        os.replace(p, aside)
+        self.moved_aside.append(aside)
+        self.metadata = {**self.metadata, "salvaged_from": aside.name}
+        self._open_segment(index)
+        with open(aside, "rb") as f:
+            f.seek(cur.start)
+            left = cur.valid_end - cur.start
+            while left > 0:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                self._file.write(chunk)
+                left -= len(chunk)
+        copied = cur.valid_end - cur.start
+        self._seg_bytes += copied
+        self.bytes_written += copied
+        self._seg_records = cur.records
+        self.recovered.append(LogDamage(
+            str(p), 0, f"{head.reason}; the whole segment was moved to {aside} and its {cur.records} "
+            f"records that verify were copied under a new header", head.lost_bytes))
+        if self._dir:
+            self._file.close()
+            self._open_segment(index + 1)
+        else:
+            self._enc.preload_names(cur.sources, cur.topics)
 
     def _rotate(self) -> None:
         self._file.close()
@@ -308,12 +381,14 @@ class LogWriter:
             return
         self._last_flush = self._clock()
         if self._buf:
-            if self._compressor is not None:
+            if self._compressor is not None and len(self._buf) <= MAX_CHUNK_BYTES:
                 raw = bytes(self._buf)
                 out = bytearray()
                 RecordEncoder.chunk(out, self._compressor.compress(raw), len(raw), self._buf_records)
                 data: bytes | bytearray = out
             else:
+                # Readers refuse chunks that declare more than MAX_CHUNK_BYTES (zstd bombs),
+                # so a bigger flush goes out as plain records, which every reader accepts.
                 data = self._buf
             self._file.write(data)
             if self._fsync:

@@ -15,6 +15,7 @@ mm_items)`` (a prompt's keys, one per scoring block) and ``_drop_source(s, tiers
 from __future__ import annotations
 
 import copy
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -23,6 +24,9 @@ from kvstream.errors import LocalProtocolError
 from kvstream.routing.scoring import _NO_LOAD, Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
 
 __all__ = ["IndexUsageError", "SourceInfo"]
+
+_log = logging.getLogger("kvstream.routing")
+_MEDIA_WARNED: set[str] = set()
 
 
 class IndexUsageError(LocalProtocolError, ValueError):
@@ -41,8 +45,22 @@ class SourceInfo:
     """Per medium, how many engine blocks (hashes) the source holds (unlinked included)."""
 
 
+REANNOUNCE_RULES = ("count", "detect", "session")
+"""``reannounce`` settings, by code 0, 1, 2 (see :class:`kvstream.routing.index.KVIndex`)."""
+
+
+def _reannounce_code(rule: str) -> int:
+    try:
+        return REANNOUNCE_RULES.index(rule)
+    except ValueError:
+        raise IndexUsageError(
+            f"reannounce must be one of {REANNOUNCE_RULES} (see docs/router.md, report-mode "
+            f"re-announcements), got {rule!r}"
+        ) from None
+
+
 class _Source:
-    __slots__ = ("name", "slot", "bit", "stale", "per", "block_size", "count")
+    __slots__ = ("name", "slot", "bit", "stale", "per", "block_size", "count", "reannounce")
 
     def __init__(self, name: str, slot: int) -> None:
         self.name = name
@@ -52,6 +70,7 @@ class _Source:
         self.per: int | None = None  # router blocks per engine block
         self.block_size: int | None = None
         self.count: list[int] = []  # per tier: engine hashes held
+        self.reannounce = 2  # the re-announcement rule's code (REANNOUNCE_RULES)
 
 
 def _bits(x: int) -> Iterable[int]:
@@ -206,6 +225,7 @@ class _IndexCore:
             out.append(sn._Source(
                 s.name, s.stale, sn.cursor_of(cursors, s.name), s.block_size, s.per,
                 [sn._Tier(m, sn.pack_u64(p), o) for m, (p, o) in tiers.items()],
+                REANNOUNCE_RULES[s.reannounce],
             ))
         keys, unlinked = self._dump_keys(held)
         return sn.encode(sn._Snapshot(
@@ -247,6 +267,12 @@ class _IndexCore:
                 f"this index is {self._keying!r}-keyed with {self._R}-token blocks "
                 "(load it with the same index class and block size)"
             )
+        media = {td.medium for sd in snap.sources for td in sd.tiers}
+        if len(media | set(self._media)) > self.MAX_MEDIA or any(
+                len(sd.tiers) > self.MAX_MEDIA_PER_SOURCE for sd in snap.sources):
+            raise sn.SnapshotError(
+                f"snapshot holds blocks in {len(media)} media; an index tracks at most {self.MAX_MEDIA} "
+                f"({self.MAX_MEDIA_PER_SOURCE} per source)")
         prepared = self._prepare_load(snap)  # validates; raises before any change
         saved = copy.copy(getattr(self, "stats"))
         try:
@@ -260,6 +286,8 @@ class _IndexCore:
                     rows.extend(td.rows)
                     self._load_rows(s, t, rows, prepared)
                 self._set_stale(s, sd.stale)
+                if sd.reannounce is not None:
+                    s.reannounce = _reannounce_code(sd.reannounce)
             self._load_done(prepared)
         finally:
             setattr(self, "stats", saved)  # loading is not ingest
@@ -312,9 +340,55 @@ class _IndexCore:
                 s.count.append(0)
         return t
 
+    MAX_MEDIA = 8
+    """Media (tiers) an index tracks at once, GPU and CPU included. A tier nobody holds
+    anything in is reused for a new medium; beyond that, stores in a new medium are
+    rejected (``stats.rejected_media``): a source naming a new medium per batch cannot
+    make every score walk more tiers (issue #15 item 10)."""
+    MAX_MEDIA_PER_SOURCE = 4
+    """Media one source may hold blocks in at once (GPU and CPU included); stores in a
+    further medium are rejected and counted (``stats.rejected_media``)."""
+
     def _tier(self, medium: str | None) -> int:
+        """The tier of ``medium`` (created if new: only for trusted callers)."""
         t = self._tier_of.get(medium or "GPU")
         return self._new_tier(medium) if t is None else t  # type: ignore[arg-type]
+
+    def _store_tier(self, s: _Source, medium: str | None) -> int:
+        """The tier a store of ``s`` in ``medium`` goes to, or -1 when the medium bounds
+        reject it (counted by the caller)."""
+        t = self._tier_of.get(medium or "GPU")
+        if t is None:
+            if not isinstance(medium, str) or len(medium) > 64:
+                return -1
+            if len(self._media) < self.MAX_MEDIA:
+                t = self._new_tier(medium)
+            else:
+                t = self._reuse_tier(medium)
+                if t < 0:
+                    self._warn_media(s, medium)
+                    return -1
+        if t > 1 and not s.count[t] and sum(1 for c in s.count if c) >= self.MAX_MEDIA_PER_SOURCE:
+            self._warn_media(s, medium)
+            return -1
+        return t
+
+    def _reuse_tier(self, medium: str) -> int:
+        for t in range(2, len(self._media)):
+            if not self._held[t] and not any(x is not None and x.count[t] for x in self._src):
+                del self._tier_of[self._media[t]]
+                self._media[t] = medium
+                self._tier_of[medium] = t
+                return t
+        return -1
+
+    def _warn_media(self, s: _Source, medium: Any) -> None:
+        if s.name not in _MEDIA_WARNED:
+            _MEDIA_WARNED.add(s.name)
+            _log.warning(
+                "source %s: stores in medium %r rejected: the index tracks at most %d media, %d per "
+                "source (counted in stats.rejected_media; logged once per source name)",
+                s.name, str(medium)[:64], self.MAX_MEDIA, self.MAX_MEDIA_PER_SOURCE)
 
     def add_source(self, source: str) -> None:
         """Register a source before its first batch (so it can be ranked with no blocks)."""
@@ -333,6 +407,7 @@ class _IndexCore:
             self._src.append(None)
         s = _Source(name, slot)
         s.count = [0] * len(self._media)
+        s.reannounce = self._reannounce  # type: ignore[attr-defined]  # the index default
         self._src[slot] = s
         self._slot_of[name] = slot
         self._live |= s.bit  # type: ignore[misc]
@@ -343,6 +418,13 @@ class _IndexCore:
         if slot is None:
             raise IndexUsageError(f"unknown source {name!r}; known sources: {self.sources}")
         return self._src[slot]  # type: ignore[return-value]
+
+    def configure_source(self, source: str, *, reannounce: str) -> None:
+        """Set ``source``'s re-announcement rule from what its engine announced (e.g.
+        ``"count"`` for an engine that never re-announces, ``"detect"`` for one whose
+        requests all use ``kv_cache_report_mode="full"``); registers unknown sources.
+        See ``reannounce`` of :class:`~kvstream.routing.index.KVIndex`."""
+        self._source(source).reannounce = _reannounce_code(reannounce)
 
     def clear_source(self, source: str) -> None:
         """Drop everything ``source`` holds, in every medium, and un-stale it (a restart or

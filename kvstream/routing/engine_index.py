@@ -38,7 +38,7 @@ from itertools import islice
 from typing import Any, Iterable, Sequence
 
 from kvstream.routing import snapshot as sn
-from kvstream.routing._core import IndexUsageError, _bits, _IndexCore, _sort_key, _Source
+from kvstream.routing._core import REANNOUNCE_RULES, IndexUsageError, _reannounce_code, _bits, _IndexCore, _sort_key, _Source
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvstream.hashing import BlockHasher, LoRA, MMItem, RequestBlockHasher, to_external_list
 
@@ -72,6 +72,9 @@ class EngineIndexStats:
     """Blocks of report-mode re-announcements, which add no copy."""
     rejected_events: int = 0
     """Events of an unknown type, skipped."""
+    rejected_media: int = 0
+    """Blocks stored in a medium beyond the index's media bounds (``MAX_MEDIA``,
+    ``MAX_MEDIA_PER_SOURCE``), skipped."""
     foreign_block_size: int = 0
     """Blocks rejected because their ``BlockStored.block_size`` is not the hasher's."""
     foreign_hash_form: int = 0
@@ -109,9 +112,8 @@ class EngineKeyIndex(_IndexCore):
             from any source; dropped between ``ttl_s`` and ``2 * ttl_s`` after it. Time is
             the ``now`` given to :meth:`apply_batch` (default: the batch's ``ts``). Costs
             one set entry (~32 bytes) per block stored within a generation.
-        reannounce: ``"detect"`` (default) or ``"count"``, as in
-            :class:`~kvstream.routing.index.KVIndex`: a ``BlockStored`` run from block 0 whose
-            blocks the source all already holds in that medium and group adds no copy.
+        reannounce: ``"session"`` (default), ``"detect"`` or ``"count"``, as in
+            :class:`~kvstream.routing.index.KVIndex`.
     """
 
     __slots__ = (
@@ -129,7 +131,7 @@ class EngineKeyIndex(_IndexCore):
         hash_form: str = "int",
         max_bytes: int | None = None,
         ttl_s: float | None = None,
-        reannounce: str = "detect",
+        reannounce: str = "session",
     ) -> None:
         if not isinstance(hasher, BlockHasher):
             raise IndexUsageError(
@@ -145,8 +147,6 @@ class EngineKeyIndex(_IndexCore):
             raise IndexUsageError(f"max_bytes must be positive (bytes) or None, got {max_bytes!r}")
         if ttl_s is not None and not ttl_s > 0:
             raise IndexUsageError(f"ttl_s must be positive (seconds) or None, got {ttl_s!r}")
-        if reannounce not in ("detect", "count"):
-            raise IndexUsageError(f"reannounce must be 'detect' or 'count', got {reannounce!r}")
         self._R = hasher.block_size
         self._hasher = hasher
         self._form = hash_form
@@ -170,7 +170,7 @@ class EngineKeyIndex(_IndexCore):
         self._ttl = ttl_s
         self._touched: set[Any] | None = set() if ttl_s is not None else None
         self._gen_start: float | None = None
-        self._reannounce = reannounce == "detect"
+        self._reannounce = _reannounce_code(reannounce)
         self._warned: set[tuple[str, str]] = set()
         self.stats = EngineIndexStats()
         """Cumulative counters (:class:`EngineIndexStats`)."""
@@ -239,7 +239,10 @@ class EngineKeyIndex(_IndexCore):
                 if medium == "GPU" or medium is None:
                     t, h = 0, gpu
                 else:
-                    t = self._tier(medium)
+                    t = self._tier_of.get(medium, -1)
+                    if t < 0:
+                        st.unknown_removed += len(ev.block_hashes)  # type: ignore[union-attr]
+                        continue
                     h = held[t]
                 g = ev.group_idx  # type: ignore[union-attr]
                 n = 0
@@ -280,10 +283,15 @@ class EngineKeyIndex(_IndexCore):
                 if medium == "GPU" or medium is None:
                     t, h = 0, gpu
                 else:
-                    t = self._tier(medium)
+                    t = self._store_tier(s, medium)
+                    if t < 0:
+                        st.rejected_media += len(hs)
+                        continue
                     h = held[t]
                 g = ev.group_idx or 0  # type: ignore[union-attr]
-                if (ev.parent_block_hash is None and self._reannounce and h.get(hs[0], 0) & bit  # type: ignore[union-attr]
+                ra = s.reannounce
+                if (ev.parent_block_hash is None and ra and (ra == 1 or ev.session_id is not None)  # type: ignore[union-attr]
+                        and h.get(hs[0], 0) & bit
                         and self._holds_all(s, hs, t, g)):
                     st.reannounced_blocks += len(hs)
                     continue
@@ -546,7 +554,7 @@ class EngineKeyIndex(_IndexCore):
     _keying = "engine"
 
     def _options(self) -> Any:
-        return sn._Options(self._max_bytes, self._ttl, "detect" if self._reannounce else "count")
+        return sn._Options(self._max_bytes, self._ttl, REANNOUNCE_RULES[self._reannounce])
 
     def _hasher_spec(self) -> Any:
         h = self._hasher

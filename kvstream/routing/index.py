@@ -45,7 +45,9 @@ import xxhash
 from kvstream.routing import snapshot as sn
 from kvstream.routing._compactmap import U64Map
 from kvstream.routing._core import (
+    REANNOUNCE_RULES,
     IndexUsageError,
+    _reannounce_code,
     SourceInfo,
     _bits,
     _hash_sort_key,
@@ -94,6 +96,9 @@ class IndexStats:
     """Blocks of report-mode re-announcements, which add no copy (see :class:`KVIndex`)."""
     rejected_events: int = 0
     """Malformed events skipped (bad token counts, unreadable extra keys)."""
+    rejected_media: int = 0
+    """Blocks stored in a medium beyond the index's media bounds (``MAX_MEDIA``,
+    ``MAX_MEDIA_PER_SOURCE``), skipped."""
     unkeyable_blocks: int = 0
     """Blocks whose engine block size is not a multiple of the router block size."""
     unlinked_blocks: int = 0
@@ -144,14 +149,19 @@ class KVIndex(_IndexCore):
             from any source; a block is dropped between ``ttl_s`` and ``2 * ttl_s`` after
             it (two generations). Time is the ``now`` given to :meth:`apply_batch`
             (default: the batch's ``ts``).
-        reannounce: ``"detect"`` (default) treats a ``BlockStored`` run that starts at
-            block 0 (parent None) and whose blocks the source *all* already holds in that
-            medium and group as a report-mode re-announcement (vLLM's
-            ``kv_cache_report_mode="full"``): it adds no copy. ``"count"`` counts every
-            stored block as a new copy. (The one real duplicate that looks the same is a
-            fully cached one-block prompt recomputed by the engine; "detect" then
-            under-counts by one copy, which can only make the router miss, never
-            route to a block that is gone.)
+        reannounce: which ``BlockStored`` runs are report-mode re-announcements (vLLM's
+            ``kv_cache_report_mode="full"`` re-sends a request's cached prefix without
+            changing the pool), which add no copy. A candidate starts at block 0 (parent
+            None) and the source *already holds all* its blocks in that medium and group.
+            ``"session"`` (default): only candidates that carry a ``session_id`` (vLLM sends
+            it with report-mode events; 0.11 and requests without report mode never do),
+            so every other store counts, exactly. ``"detect"``: every candidate.
+            ``"count"``: none (every store is a copy; exact for engines that never
+            re-announce). The one real store that looks like a re-announcement is a fully
+            cached prompt of exactly one block, recomputed; under ``"session"`` it is
+            misread only for report-mode requests, under ``"detect"`` for all, and then
+            the index under-counts by one copy (the router may miss; it never routes to a
+            block that is gone). :meth:`configure_source` sets the rule per source.
         hasher: optional :class:`kvstream.hashing.BlockHasher` with the engines' algorithm,
             seed and block size, for :meth:`engine_hashes` (matching by engine hashes).
         compact: keep both maps (engine hash -> key, key -> source mask) in array-backed
@@ -176,7 +186,7 @@ class KVIndex(_IndexCore):
         router_block_size: int | None = None,
         max_bytes: int | None = None,
         ttl_s: float | None = None,
-        reannounce: str = "detect",
+        reannounce: str = "session",
         hasher: Any = None,
         compact: bool = False,
     ) -> None:
@@ -194,8 +204,6 @@ class KVIndex(_IndexCore):
             raise IndexUsageError(f"max_bytes must be positive (bytes) or None, got {max_bytes!r}")
         if ttl_s is not None and not ttl_s > 0:
             raise IndexUsageError(f"ttl_s must be positive (seconds) or None, got {ttl_s!r}")
-        if reannounce not in ("detect", "count"):
-            raise IndexUsageError(f"reannounce must be 'detect' or 'count', got {reannounce!r}")
         self._R = R
         self._compact = bool(compact)
         self._bpb = BYTES_PER_BLOCK_COMPACT if compact else BYTES_PER_BLOCK
@@ -224,7 +232,7 @@ class KVIndex(_IndexCore):
         self._ttl = ttl_s
         self._gen = 0
         self._gen_start: float | None = None
-        self._reannounce = reannounce == "detect"
+        self._reannounce = _reannounce_code(reannounce)
         self._hasher = hasher
         self.stats = IndexStats()
         """Cumulative counters (:class:`IndexStats`)."""
@@ -343,7 +351,10 @@ class KVIndex(_IndexCore):
         n = len(hashes)
         if n == 0:
             return
-        t = self._tier(ev.medium)
+        t = self._store_tier(s, ev.medium)
+        if t < 0:
+            self.stats.rejected_media += n
+            return
         g = ev.group_idx or 0
         toks = ev.token_ids
         if not toks:
@@ -378,7 +389,9 @@ class KVIndex(_IndexCore):
         young = self._young
         if parent is None:
             seed = event_namespace(ev.lora_name, ev.lora_id, salt)
-            if self._reannounce and (hashes[0] in young or hashes[0] in self._old) and self._holds_all(s, hashes, t, g):
+            ra = s.reannounce
+            if (ra and (ra == 1 or ev.session_id is not None) and (hashes[0] in young or hashes[0] in self._old)
+                    and self._holds_all(s, hashes, t, g)):
                 self.stats.reannounced_blocks += n
                 return
         else:
@@ -651,7 +664,10 @@ class KVIndex(_IndexCore):
                     del self._waiting[u.parent]
 
     def _removed(self, s: _Source, ev: BlockRemoved) -> None:
-        t = self._tier(ev.medium)
+        t = self._tier_of.get(ev.medium or "GPU", -1)
+        if t < 0:
+            self.stats.unknown_removed += len(ev.block_hashes)
+            return
         g = ev.group_idx or 0
         young = self._young
         held = self._held[t]
@@ -963,7 +979,7 @@ class KVIndex(_IndexCore):
     _keying = "tokens"
 
     def _options(self) -> Any:
-        return sn._Options(self._max_bytes, self._ttl, "detect" if self._reannounce else "count")
+        return sn._Options(self._max_bytes, self._ttl, REANNOUNCE_RULES[self._reannounce])
 
     def _hasher_spec(self) -> Any:
         h = self._hasher

@@ -17,7 +17,8 @@ positional arrays so a newer minor version may append fields at the end::
     keys      = [hashes: u64 LE bytes, keys: u64 LE bytes, other: [[hash, [key, ...]], ...]]
     unlinked  = [[hash, parent|nil, tokens u32 LE bytes|nil, extras|nil, per], ...]
     sources   = [[name, stale, cursor, block_size|nil, per|nil,
-                  [[medium, plain: u64 LE bytes, rows: [[hash, group, copies], ...]], ...]], ...]
+                  [[medium, plain: u64 LE bytes, rows: [[hash, group, copies], ...]], ...],
+                  reannounce rule], ...]
 
 ``plain`` lists the int engine hashes a source holds exactly once, in group 0 (the common
 case, 8 bytes each); ``rows`` everything else (bytes hashes, other groups, several
@@ -95,6 +96,7 @@ class _Source(msgspec.Struct, array_like=True):
     block_size: Union[int, None]
     per: Union[int, None]
     tiers: list[_Tier]
+    reannounce: Union[str, None] = None
 
 
 class _Snapshot(msgspec.Struct, array_like=True):
@@ -168,6 +170,8 @@ def decode(data: bytes) -> _Snapshot:
     if snap.router_block_size <= 0:
         raise SnapshotError(f"snapshot router_block_size {snap.router_block_size} is not positive")
     for s in snap.sources:
+        if s.reannounce is not None and s.reannounce not in ("count", "detect", "session"):
+            raise SnapshotError(f"snapshot source {s.name!r}: unknown reannounce rule {s.reannounce!r:.40}")
         for t in s.tiers:
             for row in t.rows:
                 if row[1] < 0 or row[2] < 1:

@@ -278,6 +278,25 @@ class EngineModel:
         self._schedule(now)
         return self.manager.take_events()
 
+    def abort(self, state: SimRequestState, now: float) -> bool:
+        """Drop a request that is no longer wanted (its client went away) at ``now``
+        (seconds): taken out of the queue, or freed if running. Returns False if it had
+        already finished (or is finishing at the end of this step)."""
+        if state.kv is None or state in self._to_free:
+            return False
+        if state in self.running:
+            self.running.remove(state)
+            if state.kv.running:
+                self.manager.free(state.kv)
+        elif state in self.waiting:
+            self.waiting.remove(state)
+        else:
+            return False
+        state.kv = None
+        state.finished_at = now
+        self._blocked = False
+        return True
+
     # -- internals ----------------------------------------------------------------------
 
     def _finish(self, now: float) -> None:

@@ -51,11 +51,13 @@ class RoutingPolicy:
 
     __slots__ = ("name", "uses_index", "scoring", "_rng", "_next")
 
-    def __init__(self, name: str, seed: int = 0) -> None:
+    def __init__(self, name: str, seed: int = 0, *, scoring: PrefixLoadPolicy | None = None) -> None:
         if name not in ALL_POLICY_NAMES:
             raise WorkloadError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICY_NAMES)}")
+        if scoring is not None and name not in _SCORING:
+            raise WorkloadError(f"policy {name!r} uses no prefix scoring, so it takes no scoring weights")
         self.name = name
-        self.scoring: Any = _SCORING.get(name)
+        self.scoring: Any = scoring if scoring is not None else _SCORING.get(name)
         self.uses_index = self.scoring is not None
         self._rng = random.Random(f"kvstream-sim-{seed}")
         self._next = 0
@@ -97,6 +99,7 @@ class RoutingPolicy:
         return names[src]
 
 
-def make_policy(name: str, seed: int = 0) -> RoutingPolicy:
-    """The policy called ``name`` (see :data:`POLICY_NAMES`), seeded with ``seed``."""
-    return RoutingPolicy(name, seed)
+def make_policy(name: str, seed: int = 0, *, scoring: PrefixLoadPolicy | None = None) -> RoutingPolicy:
+    """The policy called ``name`` (see :data:`POLICY_NAMES`), seeded with ``seed``;
+    ``scoring`` replaces a KV-aware policy's default weights."""
+    return RoutingPolicy(name, seed, scoring=scoring)

@@ -14,7 +14,8 @@ import msgspec
 from kvstream.errors import LocalProtocolError
 from kvstream.sim.metrics import PolicyResult
 
-__all__ = ["format_table", "results_json", "write_json", "plot_results", "PlotUnavailableError"]
+__all__ = ["format_table", "capacity_line", "results_json", "write_json", "plot_results",
+           "plotting_available", "PlotUnavailableError"]
 
 
 class PlotUnavailableError(LocalProtocolError, RuntimeError):
@@ -56,10 +57,20 @@ def _row(r: PolicyResult) -> list[str]:
     ]
 
 
-def format_table(results: Sequence[PolicyResult]) -> str:
-    """The side-by-side comparison as fixed-width text (one row per result)."""
-    rows = [[name for name, _ in _COLUMNS]] + [_row(r) for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+def format_table(results: Sequence[PolicyResult], *, ceiling: float | None = None) -> str:
+    """The side-by-side comparison as fixed-width text (one row per result).
+
+    ``ceiling``: the workload's reuse ceiling (hit rate, 0..1, see
+    :mod:`kvstream.sim.ceiling`); adds an ``of best %`` column (hit rate / ceiling) next
+    to the hit rate."""
+    head = [name for name, _ in _COLUMNS]
+    body = [_row(r) for r in results]
+    if ceiling is not None:
+        head.insert(3, "of best %")
+        for row, r in zip(body, results):
+            row.insert(3, f"{100 * r.hit_rate / ceiling:.0f}" if ceiling > 0 else "-")
+    rows = [head] + body
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = []
     for k, row in enumerate(rows):
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
@@ -67,6 +78,28 @@ def format_table(results: Sequence[PolicyResult]) -> str:
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def capacity_line(engines: int, config: Any, working_set_blocks: int | None = None) -> str:
+    """One line saying how much prefix cache a run had: ``engines`` engines of
+    ``config`` (an :class:`~kvstream.sim.engine.EngineConfig`), in blocks and tokens, and
+    against the workload's working set (distinct blocks) when given."""
+    blocks = engines * config.num_blocks
+    line = (f"cache capacity: {engines} engines x {config.num_blocks:,} blocks x {config.block_size} tokens "
+            f"= {blocks:,} blocks ({blocks * config.block_size:,} tokens)")
+    if working_set_blocks:
+        line += (f", {100 * blocks / working_set_blocks:.0f}% of the workload's "
+                 f"{working_set_blocks:,} distinct blocks")
+    return line
+
+
+def plotting_available() -> bool:
+    """True if matplotlib can be imported (``kvstream[plot]``)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def results_json(results: Sequence[PolicyResult], meta: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -79,10 +112,14 @@ def write_json(path: str | Path, results: Sequence[PolicyResult], meta: dict[str
     Path(path).write_text(json.dumps(results_json(results, meta), indent=2) + "\n", encoding="utf-8")
 
 
-def plot_results(path: str | Path, results: Sequence[PolicyResult], title: str = "") -> None:
-    """Bar charts of hit rate and TTFT (p50 and p99) by policy, one group per engine count.
+def plot_results(path: str | Path, results: Sequence[PolicyResult], title: str = "", *,
+                 ceiling: float | None = None) -> None:
+    """Bar charts of hit rate and TTFT (p50 and p99) by policy, one group per engine
+    count, each bar labelled with its value; ``ceiling`` (0..1) draws the workload's reuse
+    ceiling across the hit-rate chart; ``title`` should name the configuration.
 
-    The format follows the suffix (``.png``, ``.svg``, ``.pdf``). Raises
+    TTFT is on a linear axis (bars on a log axis have no meaningful length). The format
+    follows the suffix (``.png``, ``.svg``, ``.pdf``). Raises
     :class:`PlotUnavailableError` without matplotlib.
     """
     try:
@@ -97,23 +134,30 @@ def plot_results(path: str | Path, results: Sequence[PolicyResult], title: str =
     policies = list(dict.fromkeys(r.policy for r in results))
     counts = sorted({r.engines for r in results})
     by = {(r.policy, r.engines): r for r in results}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     width = 0.8 / max(1, len(counts))
+    small = 7 if len(counts) * len(policies) <= 12 else 5
     for j, n in enumerate(counts):
         xs = [i + j * width for i in range(len(policies))]
         hit = [100 * by[(p, n)].hit_rate if (p, n) in by else 0 for p in policies]
         p50 = [by[(p, n)].ttft_p50_s if (p, n) in by else 0 for p in policies]
         p99 = [by[(p, n)].ttft_p99_s if (p, n) in by else 0 for p in policies]
-        ax1.bar(xs, hit, width, label=f"{n} engines")
-        ax2.bar(xs, p99, width, alpha=0.35, color=f"C{j}")
-        ax2.bar(xs, p50, width, color=f"C{j}", label=f"{n} engines (p50; light: p99)")
+        bars = ax1.bar(xs, hit, width, label=f"{n} engines", color=f"C{j}")
+        ax1.bar_label(bars, labels=[f"{v:.1f}" for v in hit], fontsize=small, padding=2)
+        light = ax2.bar(xs, p99, width, alpha=0.35, color=f"C{j}")
+        ax2.bar(xs, p50, width, color=f"C{j}", label=f"{n} engines (dark p50, light p99)")
+        ax2.bar_label(light, labels=[f"{a:.2f}/{b:.2f}" for a, b in zip(p50, p99)], fontsize=small, padding=2)
+    if ceiling is not None:
+        ax1.axhline(100 * ceiling, color="0.3", linestyle="--", linewidth=1,
+                    label=f"reuse ceiling {100 * ceiling:.1f}%")
     for ax in (ax1, ax2):
         ax.set_xticks([i + width * (len(counts) - 1) / 2 for i in range(len(policies))])
         ax.set_xticklabels(policies, rotation=20)
         ax.legend(fontsize=8)
+        ax.margins(y=0.12)
     ax1.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
-    ax2.set_ylabel("time to first token (s)")
-    ax2.set_yscale("log")
+    ax1.set_ylim(0, 105)
+    ax2.set_ylabel("time to first token (s; labels p50/p99)")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -79,6 +79,9 @@ class SimConfig:
     seed: int = 0
     wire: bool = False
     router_index: str = "engine"
+    kv_scoring: Any = None
+    """The ``kv-aware`` policy's :class:`~kvstream.routing.scoring.PrefixLoadPolicy`
+    (weights of the prefix and of each load term); None: the router's defaults."""
 
     def __post_init__(self) -> None:
         if self.router_index not in ("engine", "token"):
@@ -114,7 +117,8 @@ class SimRun:
     ) -> None:
         self.requests = requests
         self.config = config
-        self.policy = make_policy(policy, config.seed)
+        self.policy = make_policy(policy, config.seed,
+                                  scoring=config.kv_scoring if policy == "kv-aware" else None)
         ec = config.engine
         self.hasher = hasher if hasher is not None else SegmentHasher(ec.block_hasher())
         # request_id -> Prepared; share one dict between runs of the same workload and
@@ -333,11 +337,17 @@ def compare(
     *,
     engine_counts: Sequence[int] | None = None,
     progress: Callable[[PolicyResult], None] | None = None,
+    hasher: SegmentHasher | None = None,
+    prepared: dict[int, Prepared] | None = None,
 ) -> list[PolicyResult]:
-    """Every policy (times every engine count) on the same workload, in order."""
+    """Every policy (times every engine count) on the same workload, in order.
+
+    ``hasher``/``prepared``: shared with other computations over the same workload and
+    engine config (e.g. :func:`~kvstream.sim.ceiling.reuse_ceiling`), so each request is
+    hashed once."""
     cfg = config or SimConfig()
-    hasher = SegmentHasher(cfg.engine.block_hasher())
-    prepared: dict[int, Prepared] = {}
+    hasher = hasher if hasher is not None else SegmentHasher(cfg.engine.block_hasher())
+    prepared = prepared if prepared is not None else {}
     out: list[PolicyResult] = []
     for n in engine_counts or (cfg.engines,):
         for p in policies:

@@ -132,7 +132,9 @@ class Publisher:
     ``tap``: called as ``tap(seq, topic, payload)`` for every batch given a seq (for
     example :meth:`kvstream.eventlog.LogWriter.tap`, so an engine logs its own stream); an
     exception from it is logged and counted in ``stats.tap_errors``, never raised into
-    the engine loop.
+    the engine loop. ``bind``: None (default) binds or connects the PUB endpoint by vLLM's
+    rule (engine-side publishers); True always binds it (a server, such as ``kvstream
+    replay``, that serves exactly the address it is given).
     """
 
     def __init__(
@@ -143,7 +145,9 @@ class Publisher:
         snapshot_provider: SnapshotProvider | None = None,
         context: zmq.Context | None = None,
         tap: Callable[[int, bytes, bytes], None] | None = None,
+        bind: bool | None = None,
     ) -> None:
+        self._bind = bind
         self.config = cfg = config if config is not None else KVEventsConfig()
         self.data_parallel_rank = data_parallel_rank
         self._pub_ep, self._replay_ep = check_rank_endpoints(cfg, data_parallel_rank)
@@ -237,7 +241,7 @@ class Publisher:
         pub.linger = int(cfg.linger_s * 1000)
         if curve is not None:
             _curve.apply_server(pub, curve)
-        if should_bind(self._pub_ep):
+        if self._bind or (self._bind is None and should_bind(self._pub_ep)):
             pub.bind(self._pub_ep)
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
@@ -339,6 +343,25 @@ class Publisher:
         else:
             next(self._seq)
         self._enqueue(seq, payload, 0, full)
+
+    def send_verbatim(self, payload: bytes, seq: int, topic: bytes) -> None:
+        """Send one live message exactly as given, outside the seq and replay machinery:
+        any topic and any 64-bit ``seq`` (re-publishing a recording whose messages this
+        publisher could not have produced itself: a second topic, seq ``2**64 - 1``). Not
+        kept for replay. Only while nothing is queued (else :class:`QueueFullError`; wait
+        until :attr:`queued` is 0), so messages keep their order."""
+        if not self._open or self._pub is None:
+            raise PublisherClosedError("send_verbatim() needs an open publisher: use `async with Publisher(...) as pub:`")
+        if self._queue:
+            raise QueueFullError(f"{len(self._queue)} batches are still queued; send_verbatim() keeps order, "
+                                 "so wait until `queued` is 0")
+        if not 0 <= seq <= END_SEQ:
+            raise ValueError(f"seq must fit 64 bits unsigned, got {seq}")
+        more = zmq.SNDMORE | zmq.NOBLOCK
+        self._pub.send(bytes(topic), more)
+        self._pub.send(encode_seq(seq), more)
+        self._pub.send(payload, zmq.NOBLOCK)
+        self.stats.sent += 1
 
     def _queue_full(self) -> bool:
         """Whether the send queue is full; raises under the ``"raise"`` policy."""

@@ -301,3 +301,43 @@ def test_an_array_prompt_gives_the_same_blocks_and_events_as_a_list() -> None:
         runs.append((m.take_events(), pool.snapshot_events(), r.block_hashes))
     assert runs[0] == runs[1]
     assert all(type(e.token_ids) is list for e in runs[1][0] if hasattr(e, "token_ids"))
+
+
+@pytest.mark.parametrize("bad", [1.5, "7", None, -1, 2**64, [3]])
+def test_token_ids_that_cannot_go_on_the_wire_are_refused_when_the_request_is_created(bad) -> None:
+    mgr = make()
+    before = pool_state(mgr)
+    with pytest.raises(KVCacheManagerError, match="cannot go on the wire"):
+        mgr.new_request("r", [1, 2, bad, 4])
+    assert pool_state(mgr) == before and not mgr.requests
+
+
+@pytest.mark.parametrize("bad", [1.5, "7", True, -1, 2**64])
+def test_an_output_token_that_cannot_go_on_the_wire_is_refused_and_not_appended(bad) -> None:
+    mgr = make()
+    req = mgr.new_request("r", list(range(6)))
+    assert mgr.admit(req)
+    before = (pool_state(mgr), list(req.token_ids), req.num_computed_tokens)
+    for n in range(BS):  # at a block boundary and inside a block
+        with pytest.raises(KVCacheManagerError, match="cannot go on the wire"):
+            mgr.decode(req, bad)
+        with pytest.raises(KVCacheManagerError, match="cannot go on the wire"):
+            mgr.decode_many(req, [5, bad])
+        assert (pool_state(mgr), list(req.token_ids), req.num_computed_tokens) == before
+        assert mgr.decode(req, 9)
+        before = (pool_state(mgr), list(req.token_ids), req.num_computed_tokens)
+
+
+def test_a_duplicate_running_request_id_is_refused_and_the_first_keeps_its_blocks() -> None:
+    mgr = make()
+    first = mgr.new_request("same", list(range(10)))
+    twin = mgr.new_request("same", list(range(50, 60)))  # allowed while neither runs
+    assert mgr.admit(first)
+    before = pool_state(mgr)
+    with pytest.raises(KVCacheManagerError, match="already running"):
+        mgr.admit(twin)
+    with pytest.raises(KVCacheManagerError, match="already running"):
+        mgr.new_request("same", [1, 2, 3])
+    assert pool_state(mgr) == before and mgr.requests["same"] is first and not twin.blocks
+    mgr.free(first)
+    assert mgr.pool.get_num_free_blocks() == 15  # nothing leaked

@@ -316,3 +316,35 @@ def test_bad_constructor_arguments_say_what_to_do() -> None:
         BlockPool(4, BS, hash_form="hex")  # type: ignore[arg-type]
     with pytest.raises(BlockPoolError, match="free_order"):
         BlockPool(4, BS, free_order="lifo")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("call", ["free", "touch", "cache"])
+def test_a_block_of_another_pool_is_refused_and_neither_pool_changes(call: str) -> None:
+    mine, theirs = BlockPool(8, BS), BlockPool(8, BS)
+    held = mine.get_new_blocks(2)
+    stranger = theirs.get_new_blocks(1)[0]
+    before, their_before = state(mine), state(theirs)
+    with pytest.raises(BlockPoolError, match="another BlockPool"):
+        if call == "free":
+            mine.free_blocks([held[0], stranger, held[1]])
+        elif call == "touch":
+            mine.touch([held[0], stranger])
+        else:
+            cache(mine, [held[0], stranger], digests("a", "b"))
+    assert state(mine) == before and state(theirs) == their_before
+    mine.check_invariants()
+    theirs.check_invariants()
+
+
+def test_hash_index_keeps_copies_oldest_first_and_promotes_the_next() -> None:
+    pool = BlockPool(8, BS)
+    a, b, c = (pool.get_new_blocks(1) for _ in range(3))
+    h = digests("same")
+    for blocks in (a, b, c):
+        cache(pool, blocks, h)
+    assert pool.cached_blocks()[(h[0], 0)] == [a[0].block_id, b[0].block_id, c[0].block_id]
+    assert pool.lookup(h[0]) is a[0]
+    pool.free_blocks(a + c)  # a then c go to the tail; b stays held
+    pool.get_new_blocks(6)  # evicts every free block: a (the first copy) and c
+    assert pool.lookup(h[0]) is b[0] and pool.cached_blocks()[(h[0], 0)] == [b[0].block_id]
+    pool.check_invariants()

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 import zmq
 import zmq.asyncio
@@ -147,3 +148,106 @@ def test_the_engine_loop_example_runs(capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "prefix-cache hit rate" in out and "preempt" in out and "finish req-5" in out
     assert batches and all(isinstance(b, KVEventBatch) for b in batches)
+
+
+async def test_a_refusing_sink_loses_no_batch_and_keeps_the_order() -> None:
+    mgr = make_manager()
+    sink: list[KVEventBatch] = []
+    refuse = [True]
+
+    def flaky(batch: KVEventBatch) -> None:
+        if refuse[0]:
+            raise OverflowError("queue full")
+        sink.append(batch)
+
+    async with AsyncKVCacheManager(mgr, flaky) as kv:
+        assert mgr.admit(mgr.new_request("a", range(8)))
+        with pytest.raises(OverflowError):
+            kv.end_step(ts=1.0)
+        assert kv.held_batches == 1 and kv.batches_published == 0
+        assert mgr.admit(mgr.new_request("b", range(20, 28)))
+        with pytest.raises(OverflowError):
+            kv.end_step(ts=2.0)
+        refuse[0] = False
+        assert kv.end_step(ts=3.0) is None  # nothing new, but the backlog goes out
+    assert [b.ts for b in sink] == [1.0, 2.0] and kv.held_batches == 0
+    assert counts(e for b in sink for e in b.events) == Counter(
+        {int.from_bytes(h[-8:], "big"): len(ids) for (h, _), ids in mgr.pool.cached_blocks().items()})
+
+
+async def test_a_backlog_past_its_bound_collapses_into_one_resync_batch() -> None:
+    mgr = make_manager(num_blocks=64)
+    sink: list[KVEventBatch] = []
+    refuse = [True]
+
+    def flaky(batch: KVEventBatch) -> None:
+        if refuse[0]:
+            raise OverflowError("queue full")
+        sink.append(batch)
+
+    async with AsyncKVCacheManager(mgr, flaky, max_held_events=3) as kv:
+        for i in range(6):
+            req = mgr.new_request(f"r{i}", range(100 * i, 100 * i + 8))
+            assert mgr.admit(req)
+            with pytest.raises(OverflowError):
+                kv.end_step()
+            mgr.free(req)
+        assert kv.held_batches == 1 and kv.resyncs >= 1
+        refuse[0] = False
+        kv.end_step()
+    assert isinstance(sink[0].events[0], AllBlocksCleared)
+    assert counts(e for b in sink for e in b.events) == Counter(
+        {int.from_bytes(h[-8:], "big"): len(ids) for (h, _), ids in mgr.pool.cached_blocks().items()})
+
+
+async def test_queue_full_raise_on_a_real_publisher_leaves_no_hole(tmp_path: Path) -> None:
+    # issue #15 item 7: a step refused with QueueFullError used to be dropped silently
+    # (no seq gap). Now it is published later, in order: seqs stay contiguous and a
+    # consumer replaying them ends at the pool's exact state.
+    from kvstream.transport.config import KVEventsConfig
+    from kvstream.transport.publisher import Publisher, QueueFullError
+
+    cfg = KVEventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock", replay_endpoint=f"ipc://{tmp_path}/replay.sock",
+                         topic="kv", max_queue_size=1, queue_full="raise")
+    mgr = make_manager(num_blocks=64)
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    refused = 0
+    try:
+        async with Publisher(cfg) as pub, AsyncKVCacheManager(mgr, pub.publish) as kv:
+            for i in range(12):
+                req = mgr.new_request(f"r{i}", range(50 * i, 50 * i + 12))
+                assert mgr.admit(req)
+                mgr.free(req)
+                try:
+                    kv.end_step()  # no await between steps: the send queue fills up
+                except QueueFullError:
+                    refused += 1
+                if i % 4 == 3:
+                    with anyio.fail_after(10):
+                        while pub.queued:
+                            await anyio.lowlevel.checkpoint()
+            with anyio.fail_after(10):
+                while kv.held_batches or pub.queued:
+                    await anyio.lowlevel.checkpoint()
+                    try:
+                        kv.end_step()
+                    except QueueFullError:
+                        pass
+            assert refused > 0
+            dealer.connect(pub.replay_endpoint)
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            got = []
+            with anyio.fail_after(10):
+                while True:
+                    frames = await dealer.recv_multipart()
+                    if frames[-2] == b"\xff" * 8:
+                        break
+                    got.append((int.from_bytes(frames[-2], "big"), decode_batch(frames[-1])))
+    finally:
+        dealer.close()
+        ctx.term()
+    assert [s for s, _ in got] == list(range(len(got))) and len(got) == kv.batches_published == 12
+    assert counts(e for _, b in got for e in b.events) == Counter(
+        {int.from_bytes(h[-8:], "big"): len(ids) for (h, _), ids in mgr.pool.cached_blocks().items()})

@@ -63,9 +63,9 @@ async def test_json_lines_live_then_sigint_exits_cleanly_with_health(tmp_path):
                 err = (await proc.stderr.receive()).decode()
     recs = [json.loads(line) for line in lines]
     assert recs[0]["event"]["type"] == "BlockStored" and recs[0]["seq"] == 0 and recs[0]["replayed"]
-    assert recs[0]["event"]["block_hashes"] == [7] and recs[0]["source"] == "e0" and recs[0]["rank"] == 0
+    assert recs[0]["event"]["block_hashes"] == ["0000000000000007"] and recs[0]["source"] == "e0" and recs[0]["rank"] == 0
     assert recs[1] == {"source": "e0", "notice": "live", "seq": 0}
-    assert recs[2]["event"] == {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+    assert recs[2]["event"] == {"type": "BlockRemoved", "block_hashes": ["0000000000000007"], "medium": "GPU"}
     assert recs[2]["replayed"] is False
     assert rc == 0
     assert "[health] e0: live seq=1 batches=2" in err

@@ -223,21 +223,35 @@ def test_golden_capture_replays_onto_a_socket_as_identical_frames(golden_dir, sh
 
 
 def test_timed_replay_keeps_relative_timing(short_tmp):
+    """Records are never sent before their time relative to the first one, at any speed.
+
+    How *late* they are depends on the machine (bench/bench_eventlog.py measures lateness on
+    a quiet one); a test on a shared machine can only check the order and the lower bounds."""
+    import time
+
     from kvstream.eventlog.format import LogMessage
     from kvstream.eventlog.replay import Pacer
 
-    # 2,000 records at 10,000/s: 0.2 s of wall time.
+    # 2,000 records at 10,000/s: 0.2 s of wall time at 1x.
     recs = [LogMessage(i * 100_000, "e", b"t", i, b"") for i in range(2000)]
-    sent = []
 
-    async def go():
-        return await Pacer(1.0).run(recs, sent.append)
+    def run(speed):
+        sent = []
 
-    st = anyio.run(go)
-    assert len(sent) == 2000 and 0.19 < st.elapsed < 0.4
-    assert st.percentile(0.5) < 0.001
-    fast = anyio.run(lambda: Pacer(10.0).run(recs, sent.append))
-    assert fast.elapsed < 0.1
+        def send(rec):
+            sent.append((time.perf_counter(), rec.seq))
+
+        st = anyio.run(lambda: Pacer(speed).run(recs, send))
+        t0 = sent[0][0]
+        early = [seq for t, seq in sent if t - t0 < seq * 1e-4 / speed - 1e-4]
+        return st, [seq for _, seq in sent], early
+
+    st, order, early = run(1.0)
+    assert order == list(range(2000)) and not early
+    assert st.elapsed >= 0.19
+    fast, order, early = run(10.0)
+    assert order == list(range(2000)) and not early
+    assert 0.019 <= fast.elapsed < st.elapsed
 
 
 def test_stale_items_keep_their_seqs_through_the_log(short_tmp):

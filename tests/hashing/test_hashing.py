@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from array import array
 import json
 import pickle
 import struct
@@ -384,6 +385,43 @@ def test_fast_cbor_path_equals_cbor2_dumps_plus_digest(algorithm, block_size, da
         prev = ref((prev, tuple(tokens[i * block_size : (i + 1) * block_size]), extras[i] if extras else None))
         expected.append(prev)
     assert h.hash_blocks(tokens, parent, extras) == expected
+
+
+width_class_ints = st.one_of(
+    st.integers(min_value=0, max_value=23),
+    st.integers(min_value=24, max_value=255),
+    st.integers(min_value=256, max_value=65535),
+    st.integers(min_value=65536, max_value=2**32 - 1),
+    st.integers(min_value=0, max_value=128_000),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    algorithm=st.sampled_from(["sha256_cbor", "xxhash_cbor"]),
+    block_size=st.sampled_from([1, 2, 16, 51, 52, 64]),
+    blocks=st.integers(min_value=12, max_value=40),
+    data=st.data(),
+)
+def test_bulk_cbor_path_equals_the_naive_loop_for_long_prompts(algorithm, block_size, blocks, data):
+    # Prompts of 12+ blocks take the bulk encoder (one cbor2 call, cut by computed sizes);
+    # ids from every CBOR width class, and now and then one it cannot take (bigint,
+    # negative, bool), which must fall back without changing a digest.
+    tokens = data.draw(st.lists(width_class_ints, min_size=blocks * block_size, max_size=blocks * block_size + 3))
+    odd = data.draw(st.none() | st.sampled_from([2**40, -5, True, False, 2**64]))
+    if odd is not None:
+        tokens[data.draw(st.integers(min_value=0, max_value=len(tokens) - 1))] = odd
+    h = BlockHasher(algorithm, block_size, seed="x")
+    digest = hashlib.sha256 if algorithm == "sha256_cbor" else None
+    expected = []
+    prev = h.root
+    for i in range(len(tokens) // block_size):
+        raw = cbor2.dumps((prev, tuple(tokens[i * block_size : (i + 1) * block_size]), None), canonical=True)
+        prev = digest(raw).digest() if digest else xxhash.xxh3_128_digest(raw)
+        expected.append(prev)
+    assert h.hash_blocks(tokens) == expected
+    assert h.hash_blocks(array("I", [t for t in tokens if type(t) is int and 0 <= t < 2**32])) == h.hash_blocks(
+        [t for t in tokens if type(t) is int and 0 <= t < 2**32])
 
 
 # ---------------------------------------------------------------------------------------

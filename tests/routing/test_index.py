@@ -52,13 +52,28 @@ def test_report_mode_reannouncement_adds_no_copy() -> None:
     idx = KVIndex()
     p = P(0, 2)
     apply(idx, "e", stored([1, 2], p))
-    apply(idx, "e", stored([1, 2], p))  # vLLM kv_cache_report_mode="full": no pool change
+    again = stored([1, 2], p)
+    again.session_id = "sess-42"  # vLLM kv_cache_report_mode="full": no pool change
+    apply(idx, "e", again)
     assert blocks(idx, "e") == {("GPU", 0, 1): 1, ("GPU", 0, 2): 1}
     assert idx.stats.reannounced_blocks == 2
     counting = KVIndex(reannounce="count")
     apply(counting, "e", stored([1, 2], p))
     apply(counting, "e", stored([1, 2], p))
     assert blocks(counting, "e")[("GPU", 0, 1)] == 2
+
+
+def test_the_reannounce_rule_is_set_per_source_from_its_engines_configuration() -> None:
+    idx = KVIndex()
+    p = P(0, 1)
+    idx.configure_source("report", reannounce="detect")  # every request in report mode
+    for name in ("report", "plain"):
+        apply(idx, name, stored([1], p))
+        apply(idx, name, stored([1], p))  # no session id
+    assert blocks(idx, "report") == {("GPU", 0, 1): 1}
+    assert blocks(idx, "plain") == {("GPU", 0, 1): 2}
+    with pytest.raises(IndexUsageError, match="reannounce"):
+        idx.configure_source("plain", reannounce="sometimes")
 
 
 def test_removed_unknown_block_is_counted_not_an_error() -> None:

@@ -179,3 +179,15 @@ def test_a_snapshot_with_a_hash_held_but_never_keyed_is_refused() -> None:
     with pytest.raises(SnapshotError, match="no key"):
         idx.load_source(sn.encode(snap))
     assert idx.sources == []
+
+
+def test_the_per_source_reannounce_rule_travels_with_the_snapshot() -> None:
+    idx = KVIndex()
+    idx.configure_source("a", reannounce="detect")
+    again = KVIndex.load(idx.dump())
+    p = SEGS[0]
+    for i in (idx, again):
+        for _ in range(2):
+            i.apply_batch("a", KVEventBatch(1.0, [BlockStored([1], None, p, BS, None, "GPU", None)]))
+    assert again.state() == idx.state()
+    assert again.state()["sources"]["a"]["blocks"] == (("GPU", 0, 1, 1),)

@@ -181,3 +181,70 @@ def test_model_config_sizes_engines_and_a_config_without_context_length_is_a_cle
     (tmp_path / "bare.json").write_text(json.dumps(bare))
     assert main([*args, "--model-config", str(tmp_path / "bare.json")]) == 2
     assert "no context length" in capsys.readouterr().err
+
+
+# -- conventions and what the table tells -----------------------------------------------
+
+def _options(command: str) -> set[str]:
+    import argparse
+
+    from kvstream.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {o for a in sub.choices[command]._actions for o in a.option_strings}
+
+
+def test_simulate_and_plan_share_vllm_flag_names() -> None:
+    shared = {"--block-size", "--max-num-batched-tokens", "--num-gpu-blocks-override", "--gpu-memory",
+              "--gpu-memory-utilization", "--max-model-len", "--model-config"}
+    assert shared <= _options("simulate") and shared <= _options("plan")
+    # vLLM's names, with the old spellings kept as aliases
+    assert {"--max-num-seqs", "--max-running", "--max-batched-tokens", "--blocks", "--hash-algo",
+            "--prefix-caching-hash-algo", "--kv-overlap-score-weight"} <= _options("simulate")
+
+
+def _json_run(tmp_path: Path, *extra: str) -> list[dict]:
+    out = tmp_path / f"r{abs(hash(extra))}.json"
+    assert main(["simulate", "--requests", "150", "--duration", "3", "--engines", "3", "--quiet",
+                 "--policies", "kv-aware", "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_old_and_vllm_spellings_run_the_same_simulation(tmp_path: Path) -> None:
+    a = _json_run(tmp_path, "--max-running", "8", "--max-batched-tokens", "1024", "--blocks", "300")
+    b = _json_run(tmp_path, "--max-num-seqs", "8", "--max-num-batched-tokens", "1024",
+                  "--num-gpu-blocks-override", "300")
+    strip = ("wall_seconds", "requests_per_wall_s", "events_per_wall_s")
+    assert [{k: v for k, v in r.items() if k not in strip} for r in a["results"]] == \
+           [{k: v for k, v in r.items() if k not in strip} for r in b["results"]]
+    assert a["meta"]["engine"]["max_running"] == 8
+
+
+def test_routing_weights_from_the_cli_change_the_kv_aware_decisions(tmp_path: Path) -> None:
+    default = _json_run(tmp_path)
+    blind = _json_run(tmp_path, "--kv-overlap-score-weight", "0", "--queue-weight", "1")
+    assert blind["meta"]["kv_scoring"]["prefix_weight"] == 0.0 and default["meta"]["kv_scoring"] is None
+    assert blind["results"][0]["hit_rate"] < default["results"][0]["hit_rate"]
+
+
+def test_reuse_ceiling_bounds_every_policy_and_an_unbounded_engine_nears_it() -> None:
+    from kvstream.sim.ceiling import reuse_ceiling
+
+    reqs = _workload(3)
+    c = reuse_ceiling(reqs, SMALL.engine)
+    assert 0 < c.hit_rate < 1 and c.distinct_blocks > 0
+    for r in compare(reqs, POLICY_NAMES, SMALL):
+        assert r.hit_rate <= c.hit_rate
+    huge = SimConfig(engines=1, engine=EngineConfig(num_blocks=c.distinct_blocks + 100, block_size=16,
+                                                    max_running=1024))
+    one = simulate(reqs, "round-robin", huge)
+    assert one.preemptions == 0 and 0.9 * c.hit_rate <= one.hit_rate <= c.hit_rate
+
+
+def test_simulate_prints_the_ceiling_and_the_capacity_beside_the_hit_rates(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--requests", "100", "--duration", "2", "--engines", "2", "--quiet",
+                 "--policies", "kv-aware,round-robin", "--blocks", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "of best %" in out.splitlines()[0]
+    assert "reuse ceiling:" in out
+    assert "cache capacity: 2 engines x 500 blocks x 16 tokens = 1,000 blocks (16,000 tokens)" in out

@@ -1,0 +1,353 @@
+"""``kvstream serve`` against NVIDIA Dynamo's standalone indexer, on the same state.
+
+    python bench/bench_serve.py                    # both services, defaults below
+    python bench/bench_serve.py --no-dynamo        # kvstream only
+    python bench/bench_serve.py --workers 2        # kvstream serve --workers 2
+
+The state: ``--engines`` (64) real kvstream publishers in one "farm" process, each
+publishing ``--docs`` (17) cached documents of ``--prompt-tokens`` (4096) tokens as vLLM
+``BlockStored`` batches (blocks of 16 tokens: 64 x 17 x 256 = 278,528 blocks). Documents
+come from a shared pool, so most prompts are cached on several engines.
+
+For each service, in its own run: start the farm and the service (subscribed to every
+engine), publish everything, and time until the service has applied the last block of every
+engine (**ingest**, block events/s); then load ``/query`` (the Mooncake API both serve)
+with 4,096-token prompts over 1 and 32 connections with ``wrk`` (Debian's; a Python
+client if wrk is missing) and print requests/s, p50 and p99.
+
+Dynamo (``ai-dynamo-runtime==1.6.1``, ``python -m dynamo.indexer``) is installed on demand
+into ``~/.cache/kvstream-bench/dynamo-1.6.1`` (a venv); it is not a dependency of kvstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("KVSTREAM_BENCH_CACHE", Path.home() / ".cache" / "kvstream-bench"))
+DYNAMO_VERSION = "1.6.1"
+BS = 16
+
+
+# -- the workload ---------------------------------------------------------------------
+
+
+def workload(engines: int, docs: int, tokens: int, seed: int = 7) -> tuple[list[list[int]], list[list[int]]]:
+    """(documents, per engine the document indexes it holds). Documents share a 1,024-token
+    system prefix in groups of 8 so prompts hit several engines with different depths."""
+    rng = random.Random(seed)
+    pool = max(engines * docs // 3, docs)
+    prefixes = [[rng.randrange(1, 120_000) for _ in range(1024)] for _ in range(pool // 8 + 1)]
+    documents = [prefixes[i // 8] + [rng.randrange(1, 120_000) for _ in range(tokens - 1024)] for i in range(pool)]
+    held = [rng.sample(range(pool), docs) for _ in range(engines)]
+    return documents, held
+
+
+# -- the farm: every engine's publisher, in one process ----------------------------------
+
+
+def farm_main(args: argparse.Namespace) -> None:
+    import anyio
+
+    from kvstream.hashing import BlockHasher, to_external_list
+    from kvstream.transport import KVEventsConfig, Publisher
+    from kvstream.wire.events import BlockStored, EventEncoder, KVEventBatch
+
+    documents, held = workload(args.engines, args.docs, args.prompt_tokens)
+    hasher = BlockHasher("sha256_cbor", BS, seed="0")
+    hashes = [to_external_list(hasher.hash_blocks(d)) for d in documents]
+    enc = EventEncoder()
+    payloads = [[enc.encode(KVEventBatch(time.time(), [BlockStored(hashes[d], None, documents[d], BS, None, "GPU",
+                                                                   None)], 0)) for d in docs] for docs in held]
+
+    async def main() -> None:
+        from contextlib import AsyncExitStack
+
+        async with AsyncExitStack() as stack:
+            pubs = []
+            for i in range(args.engines):
+                cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                                     buffer_steps=args.docs + 8)
+                pubs.append(await stack.enter_async_context(Publisher(cfg)))
+            print(json.dumps([[p.endpoint, p.replay_endpoint] for p in pubs]), flush=True)
+            stdin = anyio.wrap_file(sys.stdin)
+            await stdin.readline()  # "go"
+            for j in range(args.docs):
+                for i, p in enumerate(pubs):
+                    p.publish_raw(payloads[i][j], j)
+                await anyio.sleep(0)
+            print("published", flush=True)
+            await stdin.readline()  # EOF: done
+
+    anyio.run(main)
+
+
+def _line(proc: subprocess.Popen, timeout: float = 120.0) -> str:
+    r, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not r:
+        raise SystemExit(f"no output from {proc.args!r} in {timeout}s")
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if not line:
+        raise SystemExit(f"{proc.args!r} exited early ({proc.wait()})")
+    return line
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# -- the services -----------------------------------------------------------------------
+
+
+def dynamo_python() -> Path:
+    """The venv Python with Dynamo installed (installed on first use)."""
+    venv = CACHE / f"dynamo-{DYNAMO_VERSION}"
+    py = venv / "bin" / "python"
+    if not (venv / "lib").exists() or subprocess.run([str(py), "-c", "import dynamo.indexer"],
+                                                      capture_output=True).returncode:
+        print(f"installing ai-dynamo-runtime=={DYNAMO_VERSION} into {venv} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"ai-dynamo-runtime=={DYNAMO_VERSION}"],
+                       check=True)
+    return py
+
+
+class Service:
+    def __init__(self, kind: str, endpoints: list[list[str]], workers: int, log: Any) -> None:
+        self.kind = kind
+        self.names = [f"e{i}" for i in range(len(endpoints))]
+        if kind == "kvstream":
+            args = [sys.executable, "-m", "kvstream", "serve", "--port", "0", "--load-interval", "0",
+                    "--model-name", "bench", "--log-level", "warning", "--workers", str(workers)]
+            args += [f"e{i}={pub},{rep}" for i, (pub, rep) in enumerate(endpoints)]
+            self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True,
+                                         env={**os.environ, "PYTHONPATH": str(REPO)})
+            self.url = _line(self.proc).split("listening on ", 1)[1].split()[0]
+        else:
+            port = _free_port()
+            workers_arg = ",".join(f"{i}={pub}" for i, (pub, _rep) in enumerate(endpoints))
+            self.proc = subprocess.Popen([str(dynamo_python()), "-m", "dynamo.indexer", "--port", str(port),
+                                          "--block-size", str(BS), "--model-name", "bench", "--workers", workers_arg],
+                                         stdout=log, stderr=log, text=True)
+            self.url = f"http://127.0.0.1:{port}"
+        self.client = httpx.Client(base_url=self.url, timeout=30, headers={"Content-Type": "application/json"})
+        end = time.monotonic() + 60
+        while True:
+            try:
+                if self.client.post("/query", content=self.query_body([1] * BS)).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > end or self.proc.poll() is not None:
+                log.flush()
+                tail = Path(log.name).read_text()[-3000:] if hasattr(log, "name") else ""
+                raise SystemExit(f"{kind} did not come up:\n{tail}")
+            time.sleep(0.05)
+
+    def query_body(self, tokens: list[int]) -> bytes:
+        if self.kind == "kvstream":
+            return json.dumps({"model": "bench", "token_ids": tokens, "block_size": BS}).encode()
+        return json.dumps({"token_ids": tokens, "model_name": "bench"}).encode()
+
+    def matched_blocks(self, tokens: list[int]) -> dict[str, int]:
+        """Per engine name, blocks of ``tokens`` the service says it holds."""
+        r = self.client.post("/query", content=self.query_body(tokens))
+        r.raise_for_status()
+        doc = r.json()
+        if self.kind == "kvstream":
+            return {k: v["longest_matched"] // BS for k, v in doc["default"].items()}
+        out = {}
+        for inst, ranks in doc.get("scores", {}).items():
+            tokens = max(ranks.values()) if isinstance(ranks, dict) else ranks
+            out[f"e{inst}"] = tokens // BS  # Dynamo 1.6 scores in tokens
+        return out
+
+    def close(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+# -- load -------------------------------------------------------------------------------
+
+_WRK_LUA = """
+local bodies = {}
+local i = 0
+for line in io.lines("%s") do bodies[#bodies + 1] = line end
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+request = function()
+  i = i %% #bodies + 1
+  return wrk.format(nil, "/query", nil, bodies[i])
+end
+done = function(summary, latency, requests)
+  io.write(string.format("RESULT %%d %%f %%f %%f %%d\\n", summary.requests, summary.duration / 1e6,
+    latency:percentile(50) / 1e3, latency:percentile(99) / 1e3,
+    summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout))
+end
+"""
+
+
+def load(svc: Service, bodies: list[bytes], conns: int, seconds: float, tmp: Path) -> dict[str, float]:
+    """requests/s, p50 and p99 (ms), errors, over ``conns`` connections for ``seconds``."""
+    if shutil.which("wrk"):
+        (tmp / "bodies.txt").write_bytes(b"\n".join(bodies) + b"\n")
+        (tmp / "q.lua").write_text(_WRK_LUA % (tmp / "bodies.txt"))
+        out = subprocess.run(["wrk", "-t", str(min(conns, 2)), "-c", str(conns), "-d", f"{max(1, round(seconds))}s",
+                              "-s", str(tmp / "q.lua"), svc.url], capture_output=True, text=True, check=True).stdout
+        line = next(x for x in out.splitlines() if x.startswith("RESULT"))
+        n, dur, p50, p99, errors = line.split()[1:]
+        return {"rps": int(n) / float(dur), "p50_ms": float(p50), "p99_ms": float(p99), "errors": int(errors)}
+    return _py_load(svc, bodies, conns, seconds)
+
+
+def _py_load(svc: Service, bodies: list[bytes], conns: int, seconds: float) -> dict[str, float]:
+    import anyio
+
+    lat: list[float] = []
+    errors = 0
+
+    async def one(k: int, end: float) -> None:
+        nonlocal errors
+        async with httpx.AsyncClient(base_url=svc.url, timeout=30) as c:
+            i = k
+            while time.perf_counter() < end:
+                t = time.perf_counter()
+                r = await c.post("/query", content=bodies[i % len(bodies)], headers={"Content-Type": "application/json"})
+                lat.append(time.perf_counter() - t)
+                errors += r.status_code != 200
+                i += conns
+
+    async def main() -> float:
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for k in range(conns):
+                tg.start_soon(one, k, t0 + seconds)
+        return time.perf_counter() - t0
+
+    dur = anyio.run(main)
+    lat.sort()
+    return {"rps": len(lat) / dur, "p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
+            "errors": errors}
+
+
+# -- one run ----------------------------------------------------------------------------
+
+
+def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    documents, held = workload(args.engines, args.docs, args.prompt_tokens)
+    total_blocks = args.engines * args.docs * (args.prompt_tokens // BS)
+    farm = subprocess.Popen([sys.executable, __file__, "--farm", "--engines", str(args.engines), "--docs",
+                             str(args.docs), "--prompt-tokens", str(args.prompt_tokens)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    log = open(tmp / f"{kind}.log", "w")
+    svc = None
+    try:
+        endpoints = json.loads(_line(farm))
+        svc = Service(kind, endpoints, args.workers, log)
+        time.sleep(1.0)  # let every SUB socket finish connecting (a slow joiner loses messages)
+        last = [documents[h[-1]] for h in held]
+        t0 = time.perf_counter()
+        farm.stdin.write("go\n")  # type: ignore[union-attr]
+        farm.stdin.flush()  # type: ignore[union-attr]
+        want = args.prompt_tokens // BS
+        pending = list(range(args.engines))
+        # One query per poll (the first engine not done yet), so polling costs the service
+        # little; engines progress in parallel, so most are done when the first is.
+        while pending:
+            if time.perf_counter() - t0 > 120:
+                raise SystemExit(f"{kind}: engines {pending[:8]} never caught up")
+            i = pending[0]
+            if svc.matched_blocks(last[i]).get(f"e{i}", 0) >= want:
+                pending.pop(0)
+            else:
+                time.sleep(0.005)
+        ingest_s = time.perf_counter() - t0
+        rng = random.Random(3)
+        bodies = [svc.query_body(documents[rng.randrange(len(documents))]) for _ in range(64)]
+        res: dict[str, Any] = {"ingest_blocks_per_s": total_blocks / ingest_s, "ingest_s": ingest_s,
+                               "blocks": total_blocks}
+        for conns in args.connections:
+            load(svc, bodies, conns, 1.0, tmp)  # warm up
+            res[f"c{conns}"] = load(svc, bodies, conns, args.seconds, tmp)
+        # same answers for a spot check
+        res["spot"] = svc.matched_blocks(documents[held[0][0]])
+        return res
+    finally:
+        if svc is not None:
+            svc.close()
+        farm.stdin.close()  # type: ignore[union-attr]
+        farm.wait(30)
+        log.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=int, default=64)
+    p.add_argument("--docs", type=int, default=17, help="documents cached per engine")
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument("--seconds", type=float, default=5.0, help="seconds of load per connection count")
+    p.add_argument("--connections", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
+    p.add_argument("--workers", type=int, default=1, help="kvstream serve --workers")
+    p.add_argument("--no-dynamo", action="store_true")
+    p.add_argument("--only-dynamo", action="store_true")
+    p.add_argument("--farm", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.farm:
+        farm_main(args)
+        return
+    kinds = ([] if args.only_dynamo else ["kvstream"]) + ([] if args.no_dynamo else ["dynamo"])
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        for kind in kinds:
+            results[kind] = run_one(kind, args, Path(d))
+    blocks = args.engines * args.docs * (args.prompt_tokens // BS)
+    print(f"\n{args.engines} engines, {blocks:,} blocks, {args.prompt_tokens}-token prompts, POST /query; "
+          f"kvstream serve --workers {args.workers}; load by {'wrk' if shutil.which('wrk') else 'python'}")
+    head = f"{'service':<10} {'ingest blocks/s':>16}"
+    for c in args.connections:
+        head += f" | {'c' + str(c) + ' req/s':>11} {'p50 ms':>7} {'p99 ms':>7}"
+    print(head)
+    for kind, r in results.items():
+        line = f"{kind:<10} {r['ingest_blocks_per_s']:>16,.0f}"
+        for c in args.connections:
+            x = r[f"c{c}"]
+            line += f" | {x['rps']:>11,.0f} {x['p50_ms']:>7.2f} {x['p99_ms']:>7.2f}"
+            if x["errors"]:
+                line += f" ({x['errors']} errors)"
+        print(line)
+    if len(results) == 2:
+        a, b = results["kvstream"]["spot"], results["dynamo"]["spot"]
+        print(f"spot check, blocks matched per engine (first doc of e0): kvstream {dict(sorted(a.items()))} "
+              f"dynamo {dict(sorted(b.items()))}")
+
+
+if __name__ == "__main__":
+    main()

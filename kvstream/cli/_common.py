@@ -1,0 +1,168 @@
+"""What every sub-command shares: one-line errors, checked numeric flags, output paths,
+``--log-level``, the hash display format, and the versions ``--version`` prints.
+
+Bad input on the command line gets one line on stderr naming the problem and a non-zero
+exit, before any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+from kvstream.eventlog.summary import format_hash
+
+__all__ = [
+    "CLIParser",
+    "CLIError",
+    "positive_int",
+    "non_negative_int",
+    "positive_float",
+    "non_negative_float",
+    "check_output_path",
+    "add_log_level",
+    "configure_logging",
+    "add_hash_format",
+    "format_hash",
+    "version_lines",
+    "LOG_LEVELS",
+    "exception_leaves",
+    "quiet_stdout",
+]
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class CLIError(Exception):
+    """A problem with what the user asked for: printed as ``kvstream CMD: message``,
+    exit status 2."""
+
+
+class CLIParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (what is wrong, where to look)
+    instead of a usage block, with exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _number(kind: Callable[[str], Any], test: Callable[[Any], bool], want: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {want}") from None
+        if not test(v):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
+        return v
+
+    parse.__name__ = want  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+"""argparse type: an integer >= 1."""
+non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+"""argparse type: an integer >= 0."""
+positive_float = _number(float, lambda v: v > 0 and v != float("inf"), "a positive number")
+"""argparse type: a finite number > 0."""
+non_negative_float = _number(float, lambda v: v >= 0 and v != float("inf"), "a number >= 0")
+"""argparse type: a finite number >= 0."""
+
+
+def check_output_path(path: str | os.PathLike[str], flag: str, *, suffixes: tuple[str, ...] = ()) -> Path:
+    """Check, before any work, that a file can be written at ``path`` (for option
+    ``flag``): its folder exists and is writable, it is not a folder, and its suffix is
+    one of ``suffixes`` (if given). Raises :class:`CLIError` saying what to fix."""
+    p = Path(path)
+    if p.is_dir():
+        raise CLIError(f"{flag} {str(path)!r} is a directory; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise CLIError(f"{flag} {str(path)!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise CLIError(f"{flag} {str(path)!r}: directory {str(parent)!r} is not writable")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise CLIError(f"{flag} {str(path)!r} exists and is not writable")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise CLIError(f"{flag} {str(path)!r}: the file name must end in {' or '.join(suffixes)}")
+    return p
+
+
+def add_log_level(p: argparse.ArgumentParser) -> None:
+    """``--log-level``: what a long-running command logs on stderr."""
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                   help="log messages of this level and above on stderr (default warning)")
+
+
+def configure_logging(level: str | None, fmt: str = "text") -> None:
+    """Send kvstream's log records of ``level`` and above to stderr, one line each (``fmt``
+    ``text`` or ``json``). One setup for every command (:func:`kvstream.service.logs.setup_logging`):
+    only kvstream's and the HTTP server's loggers, so other libraries' debug output stays out."""
+    if level is None:
+        return
+    from kvstream.service.logs import setup_logging
+
+    setup_logging(fmt, level)
+
+
+def add_hash_format(p: argparse.ArgumentParser) -> None:
+    """``--hash-format``: how block hashes are shown (the same in every command)."""
+    p.add_argument("--hash-format", choices=("hex", "int"), default="hex",
+                   help="block hashes as hex (default; 16 digits for 64-bit hashes, all bytes for "
+                        "byte hashes) or as unsigned integers")
+
+
+def version_lines() -> list[str]:
+    """kvstream's version and every dependency's (required, then optional with the extra
+    that brings it), one per line, as the installed package's metadata declares them."""
+    import re
+    from importlib import metadata
+
+    import kvstream
+
+    lines = [f"kvstream {kvstream.__version__} (Python {sys.version.split()[0]})"]
+    try:
+        reqs = metadata.requires("kvstream") or []
+    except metadata.PackageNotFoundError:
+        reqs = ["anyio", "msgspec", "pyzmq", "cbor2", "xxhash"]
+    seen: dict[str, str] = {}
+    for req in reqs:
+        name = re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0]
+        extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)", req)
+        if extra is not None and extra.group(1) == "test":
+            continue
+        if name not in seen:
+            seen[name] = f" (optional: kvstream[{extra.group(1)}])" if extra else ""
+    for name, note in seen.items():
+        try:
+            v = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            v = "not installed"
+        if name == "pyzmq" and v != "not installed":
+            import zmq
+
+            v += f" (libzmq {zmq.zmq_version()})"
+        lines.append(f"  {name} {v}{note}")
+    return lines
+
+
+def exception_leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or ``[exc]``."""
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return [exc]
+    return [leaf for e in inner for leaf in exception_leaves(e)]
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null: its reader went away (``kvstream ... | head``), and the
+    interpreter's last flush must not print a BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

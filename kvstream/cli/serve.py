@@ -1,0 +1,295 @@
+"""``kvstream serve``: the router as an HTTP service a load balancer can ask.
+
+::
+
+    kvstream serve e0=tcp://h0:5557,tcp://h0:5558,http=http://h0:8000 e1=tcp://h1:5557 --port 8080
+    kvstream serve --config serve.toml          # same names as the flags; SIGHUP reloads engines
+
+Prints ``kvstream serve: listening on http://HOST:PORT`` on stdout once it accepts
+requests. SIGINT/SIGTERM stop it cleanly (exit 0); SIGHUP re-reads ``--config`` and follows
+the new engine list (engines that stay keep their index). See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from typing import Any, Iterator
+
+from kvstream.service.config import ENGINE_SYNTAX, FILE_KEYS
+
+__all__ = ["register", "run"]
+
+log = logging.getLogger("kvstream.service")
+
+
+def register(sub: Any) -> None:
+    """Add the ``serve`` sub-command."""
+    p = sub.add_parser(
+        "serve", help="serve the router over HTTP (/v1/route, Mooncake indexer API, /metrics)",
+        description="Follow engines' KV event streams and answer routing queries over HTTP. "
+                    "Flags and the --config file use the same names.",
+    )
+    p.add_argument("engines", nargs="*", metavar="ENGINE", help=f"an engine to follow: {ENGINE_SYNTAX}")
+    p.add_argument("--config", metavar="FILE", help="TOML file with the same names as the flags "
+                   f"({', '.join(FILE_KEYS)}); SIGHUP reloads its engine list")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8080; 0: any free port)")
+    p.add_argument("--log-format", choices=("text", "json"), help="log lines as text or one JSON object each")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="local tokenizer.json or model folder (HF tokenizers) for {\"prompt\": ...} requests")
+    p.add_argument("--load-interval", type=float, metavar="SECONDS",
+                   help="scrape each engine's http=URL/metrics this often (default 2; 0: never)")
+    p.add_argument("--max-prompt-tokens", type=int, metavar="N", help="longest prompt accepted (default 262144)")
+    p.add_argument("--max-body-bytes", type=int, metavar="N", help="largest request body (default 8 MiB)")
+    p.add_argument("--router-block-size", type=int, metavar="TOKENS", help="router block of /v1/route (default 16)")
+    p.add_argument("--index-max-bytes", type=int, metavar="BYTES", help="memory bound of each index")
+    p.add_argument("--index-ttl", type=float, metavar="SECONDS", help="drop blocks not stored again for this long")
+    p.add_argument("--speculate-ttl", type=float, metavar="SECONDS",
+                   help="life of a \"speculate\": true insert (default 2)")
+    for w, d in (("prefix", 1.0), ("queue", 0.1), ("running", 0.02), ("kv", 0.2)):
+        p.add_argument(f"--{w}-weight", type=float, metavar="W", help=f"scoring weight (default {d})")
+    p.add_argument("--register-token-file", metavar="FILE",
+                   help="file holding the bearer token /register and /unregister require")
+    p.add_argument("--topic", help="topic prefix to subscribe to (default: all)")
+    p.add_argument("--replay-timeout", type=float, metavar="SECONDS", help="replay request timeout (default 2)")
+    p.add_argument("--mooncake-seed", type=int, metavar="S", help="seed of the RFC #1527 standard hash (default 0)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="worker processes sharing the port (SO_REUSEPORT); each follows every engine and keeps "
+                        "its own index (default 1). Engines added with /register reach one worker only: use "
+                        "--config for engines when N > 1")
+    p.add_argument("--peers", nargs="+", action="extend", metavar="URL",
+                   help="running replicas (http://host:port): load the index from the first that answers "
+                        "GET /v1/dump, then follow the engines from there (put it after the engines)")
+    p.add_argument("--model-name", help="model the configured engines serve, for the Mooncake /query API "
+                   "(default: default)")
+    p.set_defaults(func=run)
+
+
+_FLAGS = ("host", "port", "log_format", "log_level", "tokenizer", "load_interval", "max_prompt_tokens",
+          "max_body_bytes", "router_block_size", "index_max_bytes", "index_ttl", "speculate_ttl",
+          "prefix_weight", "queue_weight", "running_weight", "kv_weight", "register_token_file", "topic",
+          "replay_timeout", "mooncake_seed", "model_name", "peers")
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k, None) for k in _FLAGS}
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """A local HF ``tokenizers`` tokenizer from a ``tokenizer.json`` or a folder holding
+    one (None: no tokenizer). Raises ``ConfigError``."""
+    if path is None:
+        return None
+    from pathlib import Path
+
+    from kvstream.service.errors import ConfigError
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise ConfigError(f"no tokenizer.json at {path!r}; give a local tokenizer.json or a model folder "
+                          "holding one (nothing is downloaded)")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError("--tokenizer needs the 'tokenizers' package: pip install tokenizers") from None
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as exc:  # noqa: BLE001 - the library raises plain Exception
+        raise ConfigError(f"cannot load tokenizer {str(p)!r}: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the service until SIGINT/SIGTERM; 2 for a bad flag or config."""
+    from kvstream.service.config import build_config
+    from kvstream.service.errors import ConfigError
+    from kvstream.service.logs import setup_logging
+
+    try:
+        cfg = build_config(_flags(args), list(args.engines), args.config)
+        tok = load_tokenizer(cfg.tokenizer)
+    except ConfigError as exc:
+        print(f"kvstream serve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_format, cfg.log_level)
+    workers = getattr(args, "workers", 1) or 1
+    if workers < 1:
+        print(f"kvstream serve: --workers must be at least 1, got {workers}", file=sys.stderr)
+        return 2
+    try:
+        sock = _bind(cfg.host, cfg.port, listen=workers == 1, reuseport=workers > 1)
+    except OSError as exc:
+        print(f"kvstream serve: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
+        return 2
+    if workers > 1:
+        return _supervise(cfg, tok, sock, _flags(args), list(args.engines), workers)
+    import anyio
+
+    with contextlib.closing(sock):
+        anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, backend="asyncio",
+                  backend_options=_loop_options())
+    return 0
+
+
+def _loop_options() -> dict[str, Any]:
+    """uvloop when installed (``pip install kvstream[fast]``): a faster event loop."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return {}
+    return {"use_uvloop": True}
+
+
+def _bind(host: str, port: int, *, listen: bool = True, reuseport: bool = False) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP explicitly: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose
+    # proto says TCP, and a header write followed by a body write would otherwise wait
+    # for the client's delayed ACK (40 ms per request).
+    s = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuseport:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind((host, port))
+        if listen:
+            s.listen(2048)
+        s.setblocking(False)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def _supervise(cfg: Any, tok: Any, holder: socket.socket, flags: dict[str, Any], cli_engines: list[str],
+               workers: int) -> int:
+    """Fork ``workers`` processes, each listening on the same port with SO_REUSEPORT (the
+    kernel spreads connections over them); forward SIGHUP/SIGINT/SIGTERM to them; exit
+    when they all have. ``holder`` reserves the port (bound, never listening)."""
+    import os
+
+    host, port = holder.getsockname()[:2]
+    ready_r, ready_w = os.pipe()
+    pids = []
+    for _ in range(workers):
+        pid = os.fork()
+        if pid == 0:  # the worker
+            os.close(ready_r)
+            holder.close()
+            code = 1
+            try:
+                sock = _bind(host, port, reuseport=True)
+                import anyio
+
+                with contextlib.closing(sock):
+                    anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, backend="asyncio",
+                              backend_options=_loop_options())
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported, then the worker exits
+                log.exception("worker %d failed", os.getpid())
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    os.close(ready_w)
+    got = b""
+    while len(got) < workers:
+        chunk = os.read(ready_r, workers)
+        if not chunk:
+            break
+        got += chunk
+    os.close(ready_r)
+    holder.close()
+    shown = f"[{host}]" if ":" in host else host
+    if len(got) == workers:
+        print(f"kvstream serve: listening on http://{shown}:{port} ({len(cfg.engines)} engines, {workers} workers)",
+              flush=True)
+    def forward(sig: int, frame: Any) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    worst = 0
+    for pid in pids:
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        worst = max(worst, os.waitstatus_to_exitcode(status) if status else 0)
+    return 0 if worst == 0 else 1
+
+
+@contextlib.contextmanager
+def _no_signal_capture() -> Iterator[None]:
+    yield  # kvstream serve handles SIGINT/SIGTERM itself (uvicorn would re-raise them)
+
+
+async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any], cli_engines: list[str],
+                 ready_fd: int | None) -> None:
+    import anyio
+    import uvicorn
+
+    from kvstream.service.app import create_app
+    from kvstream.service.core import ServiceCore
+
+    core = ServiceCore(cfg, tokenizer=tok)
+    app = create_app(core)
+    ucfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", server_header=False,
+                          date_header=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(ucfg)
+    server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        async def serve_then_stop() -> None:
+            try:
+                await server.serve(sockets=[sock])
+            finally:
+                tg.cancel_scope.cancel()
+
+        tg.start_soon(serve_then_stop)
+        while not server.started:  # uvicorn sets it once the lifespan ran and it accepts
+            await anyio.sleep(0.01)
+        if ready_fd is None:
+            host, port = sock.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"kvstream serve: listening on http://{shown}:{port} ({len(core.engines)} engines)", flush=True)
+        else:  # a worker: tell the supervisor
+            import os
+
+            os.write(ready_fd, b"!")
+            os.close(ready_fd)
+        with anyio.open_signal_receiver(signal.SIGHUP, signal.SIGINT, signal.SIGTERM) as signals:
+            async for sig in signals:
+                if sig == signal.SIGHUP:
+                    _reload(core, flags, cli_engines)
+                else:
+                    log.info("stopping on %s", signal.Signals(sig).name)
+                    server.should_exit = True
+
+
+def _reload(core: Any, flags: dict[str, Any], cli_engines: list[str]) -> None:
+    from kvstream.service.config import build_config
+    from kvstream.service.errors import ConfigError
+
+    try:
+        cfg = build_config(flags, cli_engines, core.config.config_file)
+    except ConfigError as exc:
+        log.error("reload refused, keeping the running engines: %s", exc)
+        return
+    try:
+        added, removed, kept = core.set_engines(cfg.engines)
+    except ValueError as exc:  # ApiError: an endpoint the subscriber cannot connect to
+        log.error("reload stopped part way: %s", exc)
+        return
+    log.info("reloaded %s: %d added, %d removed, %d kept", core.config.config_file, len(added), len(removed),
+             len(kept), extra={"added": added, "removed": removed, "kept": kept})

@@ -1,0 +1,355 @@
+"""The emulated engine's async shell: an OpenAI-compatible HTTP server (Starlette on
+uvicorn) over :class:`~kvstream.emulator.core.EmulatedEngine`, its KV events on a real
+:class:`~kvstream.transport.publisher.Publisher`, vLLM's metric names on ``/metrics``.
+
+Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as
+server-sent events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+One task runs the engine: it sleeps until the engine's next step is due (or a request
+arrives), runs the step, publishes its events as one batch and wakes the handlers whose
+requests changed. Handlers never touch the engine between steps except to submit or abort.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+import msgspec
+
+from kvstream.emulator.core import EmulatedEngine, EmulatorConfig, Generation
+from kvstream.wire.events import KVEventBatch
+from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids, requested_model
+from kvstream.proxy.tokenize import PromptTokenizer
+from kvstream.transport.config import KVEventsConfig
+from kvstream.transport.publisher import Publisher
+
+__all__ = ["EngineReady", "EngineServer", "MAX_BODY_BYTES"]
+
+MAX_BODY_BYTES = 16 << 20
+"""Largest request body accepted (bytes); larger ones get a 413 JSON error."""
+
+_enc = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """Where a started engine listens (what its ready line prints)."""
+
+    http: str
+    events: str | None
+    replay: str | None
+
+
+class EngineServer:
+    """One emulated engine: HTTP + KV events. ``async with`` it, then :meth:`serve`.
+
+    Args:
+        config: the engine's :class:`EmulatorConfig`.
+        tokenizer: for text prompts, chat templates and output text (see
+            :mod:`kvstream.proxy.tokenize`).
+        events: the KV event publisher's config (vLLM's ``--kv-events-config``), or None
+            for no events.
+        clock: monotonic seconds for the engine's timing model.
+    """
+
+    def __init__(self, config: EmulatorConfig, tokenizer: PromptTokenizer,
+                 events: KVEventsConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engine = EmulatedEngine(config)
+        self.events_config = events if events is not None and events.publisher == "zmq" else None
+        self.publisher: Publisher | None = None
+        self._clock = clock
+        self._kick = anyio.Event()
+        self._created = int(time.time())
+        self.batches_published = 0
+        self.app = self._build_app()
+
+    # -- the engine task ------------------------------------------------------------------
+
+    async def run_engine(self) -> None:
+        """Step the engine forever (cancel to stop)."""
+        eng = self.engine
+        while True:
+            due = eng.wakeup
+            now = self._clock()
+            if due > now:
+                delay = None if due == math.inf else due - now
+                with anyio.move_on_after(math.inf if delay is None else delay):
+                    await self._kick.wait()
+                if self._kick.is_set():
+                    self._kick = anyio.Event()
+                if eng.wakeup > self._clock():
+                    continue
+            events, touched = eng.step(self._clock())
+            self._publish(events)
+            for gen in touched:
+                ev = gen.waker
+                if ev is not None:
+                    gen.waker = None
+                    ev.set()
+            await anyio.lowlevel.checkpoint()
+
+    def _submit(self, prompt: list[int], max_tokens: Any) -> Generation:
+        gen = self.engine.submit(prompt, max_tokens, self._clock())
+        self._kick.set()
+        return gen
+
+    async def _changed(self, gen: Generation) -> None:
+        ev = anyio.Event()
+        gen.waker = ev
+        await ev.wait()
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    def _build_app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        return Starlette(routes=[
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/reset_prefix_cache", self._reset, methods=["POST"]),
+        ])
+
+    async def _reset(self, request: Any) -> Any:
+        from starlette.responses import Response
+
+        # vLLM's dev endpoint: refuses (and changes nothing) while requests hold blocks.
+        if not self.engine.model.manager.reset_prefix_cache():
+            body = error_body(400, "the prefix cache cannot be reset while requests are running; retry when idle")
+            return Response(_enc.encode(body), status_code=400, media_type="application/json")
+        self._publish(self.engine.model.manager.take_events())
+        return Response(status_code=200)
+
+    def _publish(self, events: list[Any]) -> None:
+        if events and self.publisher is not None:
+            self.publisher.publish(KVEventBatch(time.time(), events, 0))
+            self.batches_published += 1
+
+    async def _health(self, request: Any) -> Any:
+        from starlette.responses import Response
+
+        return Response(status_code=200)
+
+    async def _models(self, request: Any) -> Any:
+        from starlette.responses import Response
+
+        cfg = self.config
+        body = {"object": "list", "data": [{
+            "id": cfg.model, "object": "model", "created": self._created, "owned_by": "kvstream",
+            "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len}]}
+        return Response(_enc.encode(body), media_type="application/json")
+
+    async def _metrics(self, request: Any) -> Any:
+        from starlette.responses import Response
+
+        return Response(self.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus text exposition, with vLLM's metric names (``vllm:...``)."""
+        eng = self.engine
+        labels = f'{{engine="0",model_name="{self.config.model}"}}'
+        c = eng.counters
+        lines = [
+            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", eng.num_running),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", eng.num_waiting),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", eng.kv_usage),
+            ("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage (pre-0.10 name). 1 means 100 percent usage.",
+             eng.kv_usage),
+            ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+             eng.prefix_queries),
+            ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+             eng.prefix_hits),
+            ("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.", eng.preemptions),
+            ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", c["prompt_tokens"]),
+            ("vllm:generation_tokens", "counter", "Number of generation tokens processed.", c["generation_tokens"]),
+            ("vllm:request_success", "counter", "Count of successfully processed requests.", c["finished"]),
+        ]
+        pub = self.publisher
+        lines.append(("kvstream:kv_event_batches_published", "counter",
+                      "KV event batches published (the last seq is this minus 1).",
+                      pub.next_seq if pub is not None else 0))
+        out = []
+        for name, kind, help_, value in lines:
+            out.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n")
+            suffix = "_total" if kind == "counter" else ""
+            out.append(f"{name}{suffix}{labels} {float(value)!r}\n")
+        return "".join(out).encode()
+
+    async def _completions(self, request: Any) -> Any:
+        return await self._generate(request, "completions")
+
+    async def _chat(self, request: Any) -> Any:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Any, kind: str) -> Any:
+        from starlette.responses import Response, StreamingResponse
+
+        try:
+            body = parse_json_body(await request.body(), MAX_BODY_BYTES)
+            model = requested_model(body, self.config.model)
+            prompt = prompt_token_ids(body, kind, self.tokenizer)
+            if body.get("n", 1) != 1:
+                raise OpenAIError(400, "the emulated engine generates one choice per request (n must be 1)", "n")
+            max_tokens = body.get("max_tokens")
+            if max_tokens is None:
+                max_tokens = body.get("max_completion_tokens")
+            gen = self._submit(prompt, max_tokens)
+        except OpenAIError as exc:
+            return Response(_enc.encode(exc.body()), status_code=exc.status, media_type="application/json")
+        want_ids = bool(body.get("return_token_ids"))
+        if body.get("stream"):
+            opts = body.get("stream_options") or {}
+            usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+            return StreamingResponse(self._stream(gen, kind, model, usage, want_ids, prompt),
+                                     media_type="text/event-stream")
+        try:
+            while not gen.finished:
+                await self._changed(gen)
+        finally:
+            if not gen.finished:
+                self.engine.abort(gen, self._clock())
+        text = self.tokenizer.decode(gen.output)
+        choice: dict[str, Any]
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": "length", "stop_reason": None}
+            obj, rid = "chat.completion", f"chatcmpl-{gen.request_id}"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            obj, rid = "text_completion", f"cmpl-{gen.request_id}"
+        if want_ids:
+            choice["token_ids"] = gen.output
+        out: dict[str, Any] = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+                               "choices": [choice], "usage": self._usage(gen)}
+        if want_ids:
+            out["prompt_token_ids"] = prompt
+        return Response(_enc.encode(out), media_type="application/json")
+
+    def _usage(self, gen: Generation) -> dict[str, Any]:
+        n_out = gen.delivered
+        return {"prompt_tokens": gen.prompt_tokens, "total_tokens": gen.prompt_tokens + n_out,
+                "completion_tokens": n_out,
+                "prompt_tokens_details": {"cached_tokens": gen.cached_tokens or 0}}
+
+    async def _stream(self, gen: Generation, kind: str, model: str, include_usage: bool, want_ids: bool,
+                      prompt: list[int]) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        chat = kind == "chat"
+        rid = f"chatcmpl-{gen.request_id}" if chat else f"cmpl-{gen.request_id}"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> bytes:
+            body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
+                                    "choices": [] if choice is None else [choice]}
+            if usage is not None:
+                body["usage"] = usage
+            return b"data: " + _enc.encode(body) + b"\n\n"
+
+        sent = 0
+        text_so_far = ""
+        try:
+            if chat:
+                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            while True:
+                if gen.delivered == sent and not gen.finished:
+                    await self._changed(gen)
+                    continue
+                if gen.delivered > sent:
+                    new_ids = gen.output[sent:gen.delivered]
+                    full = self.tokenizer.decode(gen.output[:gen.delivered])
+                    delta, text_so_far = full[len(text_so_far):], full
+                    last = gen.finished and gen.delivered == len(gen.output)
+                    reason = "length" if last else None
+                    choice: dict[str, Any]
+                    if chat:
+                        choice = {"index": 0, "delta": {"content": delta}, "logprobs": None, "finish_reason": reason}
+                    else:
+                        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason,
+                                  "stop_reason": None}
+                    if want_ids:
+                        choice["token_ids"] = new_ids
+                        if sent == 0:
+                            choice["prompt_token_ids"] = prompt
+                    sent = gen.delivered
+                    yield chunk(choice)
+                    continue
+                break  # finished and everything sent
+            if include_usage:
+                yield chunk(None, self._usage(gen))
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not gen.finished:
+                self.engine.abort(gen, self._clock())
+
+    # -- running --------------------------------------------------------------------------
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 0,
+                    on_ready: Callable[[EngineReady], None] | None = None,
+                    log_level: str = "warning") -> None:
+        """Bind HTTP on ``host:port`` (0: any free port) and the publisher's sockets, call
+        ``on_ready`` once both accept, and serve until SIGINT/SIGTERM (then return)."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port") from None
+        sock.listen(2048)
+        sock.setblocking(False)
+        bound_port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level=log_level, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=1)
+        server = uvicorn.Server(config)
+        try:
+            async with _maybe_publisher(self.events_config, self.engine) as pub, \
+                    anyio.create_task_group() as tg:
+                self.publisher = pub
+                tg.start_soon(self.run_engine)
+
+                async def announce() -> None:
+                    while not server.started:
+                        await anyio.sleep(0.005)
+                    if on_ready is not None:
+                        shown = f"[{host}]" if ":" in host else host
+                        on_ready(EngineReady(f"http://{shown}:{bound_port}",
+                                             pub.endpoint if pub is not None else None,
+                                             pub.replay_endpoint if pub is not None else None))
+
+                tg.start_soon(announce)
+                await server.serve(sockets=[sock])
+                tg.cancel_scope.cancel()
+        finally:
+            self.publisher = None
+            sock.close()
+
+
+class _maybe_publisher:
+    """``async with`` a :class:`Publisher` (with the engine's pool as snapshot provider),
+    or None when events are off."""
+
+    def __init__(self, cfg: KVEventsConfig | None, engine: EmulatedEngine) -> None:
+        self._pub = None if cfg is None else Publisher(
+            cfg, snapshot_provider=engine.model.manager.pool.snapshot_events)
+
+    async def __aenter__(self) -> Publisher | None:
+        if self._pub is None:
+            return None
+        return await self._pub.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._pub is not None:
+            await self._pub.__aexit__(*exc)

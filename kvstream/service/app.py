@@ -1,0 +1,154 @@
+"""The HTTP layer of ``kvstream serve``: a Starlette app over a :class:`ServiceCore`.
+
+Routes are plain functions that read the body (bounded in bytes), call one core handler
+and wrap its bytes in a response; the lifespan owns the :class:`ServiceRuntime` (the
+subscriber, the pump, the scraper). Every error a client can cause is a 4xx JSON document
+``{"error": {"code", "message", "where"}}``, unknown paths and methods included.
+
+Compose it: :func:`routes` returns the route list, so another app (a proxy, an emulated
+engine) can mount the same endpoints beside its own; :func:`create_app` builds the
+standalone app.
+
+::
+
+    core = ServiceCore(config)
+    app = create_app(core)            # run with any ASGI server (uvicorn in `kvstream serve`)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from kvstream.observe.metrics import CONTENT_TYPE
+from kvstream.service.core import ServiceCore
+from kvstream.service.errors import ApiError
+from kvstream.service.runtime import ServiceRuntime
+
+__all__ = ["create_app", "routes", "read_body", "JSON"]
+
+log = logging.getLogger("kvstream.service")
+
+JSON = "application/json"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 :class:`ApiError` past ``limit`` bytes (checked
+    against Content-Length first, then while streaming)."""
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            n = int(cl)
+        except ValueError:
+            raise ApiError(400, "bad_request", f"Content-Length is not a number: {cl[:40]!r}") from None
+        if n > limit:
+            raise ApiError(413, "too_large", f"the body is {n} bytes; the limit is {limit} (--max-body-bytes)")
+    chunks = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes (--max-body-bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(core: ServiceCore, exc: ApiError, api: str | None) -> Response:
+    core.metrics.rejected(api, exc.status, exc.code)
+    return Response(exc.body(), exc.status, media_type=JSON)
+
+
+def _post(core: ServiceCore, handler: Callable[[bytes], bytes], api: str | None,
+          check: Callable[[Request], None] | None = None) -> Callable[[Request], Any]:
+    limit = core.config.max_body_bytes
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            if check is not None:
+                check(request)
+            body = await read_body(request, limit)
+            return Response(handler(body), media_type=JSON)
+        except ApiError as exc:
+            return _error(core, exc, api)
+
+    endpoint.__name__ = getattr(handler, "__name__", "endpoint")
+    return endpoint
+
+
+def routes(core: ServiceCore) -> list[BaseRoute]:
+    """Every route of the service over ``core`` (kvstream's API, health, metrics, and the
+    Mooncake indexer API)."""
+    from kvstream.service.mooncake import MooncakeAPI
+
+    mc = MooncakeAPI(core)
+
+    async def engines(request: Request) -> Response:
+        return Response(core.engines_view(), media_type=JSON)
+
+    async def healthz(request: Request) -> Response:
+        return Response(b'{"alive":true}', media_type=JSON)
+
+    async def readyz(request: Request) -> Response:
+        status, body = core.readyz()
+        return Response(body, status, media_type=JSON)
+
+    async def metrics(request: Request) -> Response:
+        return Response(core.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def dump(request: Request) -> Response:
+        return Response(core.dump(), media_type="application/msgpack")
+
+    return [
+        Route("/v1/route", _post(core, core.route, "route"), methods=["POST"]),
+        Route("/v1/engines", engines, methods=["GET"]),
+        Route("/v1/dump", dump, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/register", _post(core, mc.register, None, mc.check_token), methods=["POST"]),
+        Route("/unregister", _post(core, mc.unregister, None, mc.check_token), methods=["POST"]),
+        Route("/query", _post(core, mc.query, "query"), methods=["POST"]),
+        Route("/query_by_hash", _post(core, mc.query_by_hash, "query_by_hash"), methods=["POST"]),
+    ]
+
+
+def create_app(core: ServiceCore, *, runtime: bool = True, **subscriber_options: Any) -> Starlette:
+    """The standalone app. ``runtime``: the lifespan runs a :class:`ServiceRuntime` for
+    ``core`` (False: the caller runs one, or none, e.g. a test of the HTTP layer alone).
+    ``subscriber_options`` go to the runtime's subscriber."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if not runtime:
+            yield
+            return
+        t0 = time.monotonic()
+        async with ServiceRuntime(core, **subscriber_options):
+            log.info("following %d engine(s)", len(core.engines),
+                     extra={"engines": sorted(core.engines), "startup_s": round(time.monotonic() - t0, 3)})
+            yield
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 404:
+            msg += "; paths: /v1/route, /v1/engines, /v1/dump, /healthz, /readyz, /metrics, /register, " \
+                   "/unregister, /query, /query_by_hash"
+        return _error(core, ApiError(exc.status_code, code, msg), None)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return Response(ApiError(500, "internal", f"internal error: {type(exc).__name__}").body(), 500,
+                        media_type=JSON)
+
+    return Starlette(routes=routes(core), lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error, Exception: internal_error})

@@ -1,0 +1,366 @@
+"""The Mooncake KV indexer API (RFC kvcache-ai/Mooncake#1403, Mooncake conductor's
+``indexer-api-design.md``), served beside ``/v1/route`` with its field names and shapes.
+
+* ``POST /register`` (``endpoint``, ``replay_endpoint``, ``type``, ``modelname``,
+  ``lora_name``, ``tenant_id``, ``instance_id``, ``block_size``, ``dp_rank``,
+  ``additionalsalt``) starts following a publisher -> ``{"status": "registered
+  successfully", "instance_id": ...}``.
+* ``POST /unregister`` (``instance_id``, ``tenant_id``, ``dp_rank``, ...) stops it ->
+  ``{"status": "unregistered successfully", "removed_instances": ["inst|tenant|rank"]}``.
+* ``POST /query`` (``model``, ``token_ids``, ``block_size``, ``lora_name``, ``tenant_id``,
+  ``instance_id``, ``cache_salt``) and ``POST /query_by_hash`` (``seq_hashes`` instead of
+  ``token_ids``) -> ``{tenant: {instance: {"longest_matched": N, "GPU": n, "CPU": n,
+  "DISK": n, "DP": {"0": n, ...}}}}``, all in tokens; instances with no cached prefix are
+  left out (absent means 0).
+
+Isolation: every registration lands in the index of its (model, tenant, block size,
+additional salt, LoRA) group; a query reads only the groups of its model, tenant and block
+size whose LoRA is the query's (or the base model) and whose salt is the query's
+``cache_salt`` (or none). Publishers of type ``Mooncake`` (RFC #1527 events, standard
+hash) are indexed by their ``seq_hashes`` (:class:`~kvstream.routing.engine_index.EngineKeyIndex`),
+and ``/query`` computes the standard hash of the tokens; ``vLLM`` and ``SGLang`` publishers
+are indexed by tokens (:class:`~kvstream.routing.index.KVIndex`), so their own hash algorithm and
+seed do not matter, and ``/query_by_hash`` matches their engine hashes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+from starlette.requests import Request
+
+from kvstream.routing.engine_index import EngineKeyIndex
+from kvstream.hashing import BlockHasher
+from kvstream.routing.keys import RouterKeyError
+from kvstream.service.core import DEFAULT_INDEX, ServiceCore
+from kvstream.service.errors import ApiError, from_msgspec
+from kvstream.hashing.mooncake import MooncakeHasher
+from kvstream.service.schema import ENCODER, TokenId
+from kvstream.transport.subscriber import SourceSpec
+
+__all__ = ["MooncakeAPI", "RegisterRequest", "UnregisterRequest", "QueryRequest", "QueryByHashRequest",
+           "PUBLISHER_TYPES", "MEDIA"]
+
+PUBLISHER_TYPES = {"vllm": "vLLM", "sglang": "SGLang", "mooncake": "Mooncake"}
+"""Publisher ``type`` values (case-insensitive) and their canonical spelling."""
+
+MEDIA = ("GPU", "CPU", "DISK")
+"""Media every per-instance answer lists (others appear when an engine holds them)."""
+
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+Opt = Annotated[str, Meta(max_length=256)]
+BlockSize = Annotated[int, Meta(ge=1, le=1 << 20)]
+Rank = Annotated[int, Meta(ge=0, le=1 << 16)]
+U64 = Annotated[int, Meta(ge=0)]  # the upper bound is checked by hand (msgspec bounds are int64)
+
+
+class RegisterRequest(Struct):
+    """``POST /register`` (RFC #1403 field names)."""
+
+    endpoint: Name
+    type: Name
+    modelname: Name
+    instance_id: Name
+    block_size: BlockSize
+    dp_rank: Rank
+    replay_endpoint: Opt | None = None
+    lora_name: Opt | None = None
+    tenant_id: Opt = "default"
+    additionalsalt: Opt | None = None
+
+
+class UnregisterRequest(Struct):
+    """``POST /unregister``: removes ``(instance_id, tenant_id, dp_rank)`` (every rank when
+    ``dp_rank`` is omitted)."""
+
+    instance_id: Name
+    tenant_id: Opt = "default"
+    dp_rank: Rank | None = None
+    type: Opt | None = None
+    modelname: Opt | None = None
+    lora_name: Opt | None = None
+    block_size: BlockSize | None = None
+
+
+class QueryRequest(Struct):
+    """``POST /query``."""
+
+    model: Name
+    token_ids: list[TokenId]
+    block_size: BlockSize
+    lora_name: Opt | None = None
+    lora_id: int | None = None
+    tenant_id: Opt = "default"
+    instance_id: Opt | None = None
+    cache_salt: Opt | None = None
+
+
+class QueryByHashRequest(Struct):
+    """``POST /query_by_hash`` (``block_hash`` is the earlier drafts' name of ``seq_hashes``)."""
+
+    model: Name
+    block_size: BlockSize
+    seq_hashes: list[U64] | None = None
+    block_hash: list[U64] | None = None
+    lora_name: Opt | None = None
+    lora_id: int | None = None
+    tenant_id: Opt = "default"
+    instance_id: Opt | None = None
+    cache_salt: Opt | None = None
+
+
+_REG = msgspec.json.Decoder(RegisterRequest)
+_UNREG = msgspec.json.Decoder(UnregisterRequest)
+_QUERY = msgspec.json.Decoder(QueryRequest)
+_QHASH = msgspec.json.Decoder(QueryByHashRequest)
+
+
+def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
+    try:
+        return dec.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise from_msgspec(exc) from None
+
+
+def group_name(model: str, tenant: str, block_size: int, salt: str, lora: str, kind: str) -> str:
+    """The index name of a registration group (shown in ``/v1/engines`` and metrics)."""
+    return f"mooncake:{model}|{tenant}|{block_size}|{salt}|{lora}|{kind}"
+
+
+class MooncakeAPI:
+    """The Mooncake handlers over a :class:`ServiceCore` (bodies in, bodies out)."""
+
+    def __init__(self, core: ServiceCore) -> None:
+        self.core = core
+        self._token = core.config.register_token()
+        # (model, tenant, block_size, salt, lora) -> index name, per publisher kind
+        self._groups: dict[tuple[str, str, int, str, str], dict[str, str]] = {}
+        self._hashers: dict[int, MooncakeHasher] = {}
+        # The configured engines answer /query as one vLLM group of the configured model.
+        cfg = core.config
+        self._groups[(cfg.model_name, "default", cfg.router_block_size, "", "")] = {"vLLM": DEFAULT_INDEX}
+
+    # -- auth ------------------------------------------------------------------------
+
+    def check_token(self, request: Request) -> None:
+        """Refuse (401) a ``register``/``unregister`` without the configured bearer token."""
+        if self._token is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, tok = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(tok.strip().encode(), self._token.encode()):
+            raise ApiError(401, "unauthorized", "register and unregister need 'Authorization: Bearer TOKEN' "
+                           "(the token in --register-token-file)")
+
+    # -- registration ----------------------------------------------------------------
+
+    def register(self, body: bytes) -> bytes:
+        """``POST /register``."""
+        r: RegisterRequest = _decode(_REG, body)
+        kind = PUBLISHER_TYPES.get(r.type.lower())
+        if kind is None:
+            raise ApiError(422, "bad_field", f"type must be one of vLLM, SGLang, Mooncake; got {r.type!r}", "$.type")
+        for f, v in (("endpoint", r.endpoint), ("replay_endpoint", r.replay_endpoint)):
+            if v is not None and "://" not in v:
+                raise ApiError(422, "bad_field", f"{f} must be a ZMQ endpoint like tcp://host:5557, got {v!r}",
+                               f"$.{f}")
+        core = self.core
+        name = f"{r.instance_id}|{r.tenant_id}|{r.dp_rank}"
+        spec = SourceSpec(r.endpoint, r.replay_endpoint or None, name)
+        salt, lora = r.additionalsalt or "", r.lora_name or ""
+        key = (r.modelname, r.tenant_id, r.block_size, salt, lora)
+        kinds = self._groups.setdefault(key, {})
+        ixname = kinds.get(kind)
+        if ixname is None:
+            ixname = group_name(*key, kind)
+            if ixname not in core.indexes:
+                core.indexes[ixname] = self._new_index(kind, r.block_size)
+            kinds[kind] = ixname
+        meta = {"type": kind, "modelname": r.modelname, "tenant_id": r.tenant_id, "instance_id": r.instance_id,
+                "dp_rank": r.dp_rank, "block_size": r.block_size, "lora_name": r.lora_name,
+                "additionalsalt": r.additionalsalt}
+        old = core.engines.get(name)
+        if old is not None:
+            if old.spec == spec and old.index == ixname:
+                return ENCODER.encode({"status": "registered successfully", "instance_id": r.instance_id})
+            raise ApiError(409, "engine_exists", f"{r.instance_id!r} rank {r.dp_rank} of tenant {r.tenant_id!r} is "
+                           "already registered with other settings; unregister it first", "$.instance_id")
+        core.add_engine(spec, ixname, meta=meta)
+        core.metrics.registration("register")
+        return ENCODER.encode({"status": "registered successfully", "instance_id": r.instance_id})
+
+    def _new_index(self, kind: str, block_size: int) -> Any:
+        if kind == "Mooncake":
+            # Keyed by the publishers' own seq_hashes; the hasher is never used to hash
+            # (queries pass the standard hashes as keys), it only fixes the block size.
+            return EngineKeyIndex(BlockHasher("xxhash", block_size), max_bytes=self.core.config.index_max_bytes,
+                                  ttl_s=self.core.config.index_ttl)
+        return self.core.new_index(block_size)
+
+    def unregister(self, body: bytes) -> bytes:
+        """``POST /unregister``."""
+        r: UnregisterRequest = _decode(_UNREG, body)
+        core = self.core
+        gone = []
+        for name, e in list(core.engines.items()):
+            m = e.meta
+            if (m.get("instance_id") == r.instance_id and m.get("tenant_id") == r.tenant_id
+                    and (r.dp_rank is None or m.get("dp_rank") == r.dp_rank)):
+                core.remove_engine(name)
+                gone.append(name)
+        if not gone:
+            raise ApiError(404, "unknown_instance", f"no registered publisher for instance {r.instance_id!r}, "
+                           f"tenant {r.tenant_id!r}" + ("" if r.dp_rank is None else f", dp_rank {r.dp_rank}"),
+                           "$.instance_id")
+        core.metrics.registration("unregister")
+        return ENCODER.encode({"status": "unregistered successfully", "removed_instances": gone})
+
+    # -- queries ---------------------------------------------------------------------
+
+    def _targets(self, model: str, tenant: str, block_size: int, lora: str, salt: str) -> list[str]:
+        out: list[str] = []
+        for (m, t, b, s, lo), kinds in self._groups.items():
+            if m == model and t == tenant and b == block_size and lo in ("", lora) and s in ("", salt):
+                out.extend(kinds.values())
+        return out
+
+    def _instances(self, tenant: str, instance: str | None) -> None:
+        if instance is None:
+            return
+        for name, e in self.core.engines.items():
+            if e.meta.get("instance_id", name) == instance and e.meta.get("tenant_id", "default") == tenant:
+                return
+        raise ApiError(404, "unknown_instance", f"instance {instance!r} is not registered under tenant {tenant!r}",
+                       "$.instance_id")
+
+    def _hasher(self, block_size: int) -> MooncakeHasher:
+        h = self._hashers.get(block_size)
+        if h is None:
+            h = self._hashers[block_size] = MooncakeHasher(block_size, self.core.config.mooncake_seed)
+        return h
+
+    def query(self, body: bytes) -> bytes:
+        """``POST /query``: prefix hits of ``token_ids`` per instance, in tokens."""
+        t0 = time.perf_counter()
+        q: QueryRequest = _decode(_QUERY, body)
+        self._check_lora(q.lora_name, q.lora_id)
+        core = self.core
+        tokens = core.tokens_of(q.token_ids, None)
+        self._instances(q.tenant_id, q.instance_id)
+        lora, salt = q.lora_name or "", q.cache_salt or ""
+        result: dict[str, dict[str, Any]] = {}
+        std: list[int] | None = None
+        for ixname in self._targets(q.model, q.tenant_id, q.block_size, lora, salt):
+            ix = core.indexes[ixname]
+            if isinstance(ix, EngineKeyIndex):
+                if std is None:
+                    std = self._hasher(q.block_size).seq_hashes(tokens)
+                matches = ix.match((), keys=std)
+            else:
+                try:
+                    matches = ix.match(tokens, q.lora_name or None, q.cache_salt or None)
+                except RouterKeyError as exc:
+                    raise ApiError(422, "bad_field", str(exc), "$") from None
+            self._merge(result, matches, q.block_size, q.instance_id)
+        return self._answer("query", t0, q.tenant_id, result)
+
+    def query_by_hash(self, body: bytes) -> bytes:
+        """``POST /query_by_hash``: prefix hits of rolling sequence hashes per instance;
+        ``longest_matched = block_size * matched hashes``."""
+        t0 = time.perf_counter()
+        q: QueryByHashRequest = _decode(_QHASH, body)
+        self._check_lora(q.lora_name, q.lora_id)
+        hashes = q.seq_hashes if q.seq_hashes is not None else q.block_hash
+        if hashes is None:
+            raise ApiError(422, "bad_field", "give seq_hashes (rolling sequence hashes, in prefix order)",
+                           "$.seq_hashes")
+        field = "seq_hashes" if q.seq_hashes is not None else "block_hash"
+        for i, h in enumerate(hashes):
+            if h > 0xFFFF_FFFF_FFFF_FFFF:
+                raise ApiError(422, "bad_field", f"{field}[{i}] is {h}, not an unsigned 64-bit hash",
+                               f"$.{field}[{i}]")
+        if len(hashes) * q.block_size > self.core.config.max_prompt_tokens:
+            raise ApiError(413, "too_large", f"{len(hashes)} hashes of {q.block_size} tokens are over the limit of "
+                           f"{self.core.config.max_prompt_tokens} tokens (--max-prompt-tokens)", "$.seq_hashes")
+        self._instances(q.tenant_id, q.instance_id)
+        core = self.core
+        result: dict[str, dict[str, Any]] = {}
+        for ixname in self._targets(q.model, q.tenant_id, q.block_size, q.lora_name or "", q.cache_salt or ""):
+            ix = core.indexes[ixname]
+            if isinstance(ix, EngineKeyIndex):
+                self._merge(result, ix.match((), keys=hashes), q.block_size, q.instance_id)
+            else:
+                # A token-keyed index knows engine hashes per source but not per medium.
+                blocks = ix.match_engine_hashes(hashes)
+                self._merge_longest(result, blocks, q.block_size, q.instance_id)
+        return self._answer("query_by_hash", t0, q.tenant_id, result)
+
+    @staticmethod
+    def _check_lora(name: str | None, lora_id: int | None) -> None:
+        if name and lora_id is not None:
+            raise ApiError(422, "bad_field", "give lora_name or the deprecated lora_id, not both", "$.lora_id")
+
+    def _row(self, result: dict[str, dict[str, Any]], source: str, only: str | None) -> tuple[dict[str, Any], str] | None:
+        e = self.core.engines.get(source)
+        if e is None:
+            return None
+        inst = e.meta.get("instance_id", source)
+        if only is not None and inst != only:
+            return None
+        row = result.get(inst)
+        if row is None:
+            row = result[inst] = {"longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "DP": {}}
+        return row, str(e.meta.get("dp_rank", 0))
+
+    def _merge(self, result: dict[str, dict[str, Any]], matches: dict[str, Any], B: int, only: str | None) -> None:
+        # Instances with no cached prefix are left out (as Dynamo does): absent means 0.
+        for source, m in matches.items():
+            if not m.blocks:
+                continue
+            got = self._row(result, source, only)
+            if got is None:
+                continue
+            row, rank = got
+            tokens = m.blocks * B
+            if tokens > row["longest_matched"]:
+                row["longest_matched"] = tokens
+            for med, nb in m.tier_blocks.items():
+                if nb * B > (row.get(med) or 0):
+                    row[med] = nb * B
+            dp = row["DP"]
+            if tokens > dp.get(rank, 0):
+                dp[rank] = tokens
+
+    def _merge_longest(self, result: dict[str, dict[str, Any]], blocks: dict[str, int], B: int,
+                       only: str | None) -> None:
+        for source, n in blocks.items():
+            if not n:
+                continue
+            got = self._row(result, source, only)
+            if got is None:
+                continue
+            row, rank = got
+            tokens = n * B
+            row["longest_matched"] = max(row["longest_matched"], tokens)
+            row["DP"][rank] = max(row["DP"].get(rank, 0), tokens)
+            try:
+                held = [k for k, v in self.core.indexes[self.core.engines[source].index].source_info(source)
+                        .blocks.items() if v]
+            except Exception:  # noqa: BLE001
+                held = []
+            if len(held) == 1:
+                # Every block of this source is in one medium: its prefix there is the prefix.
+                row[held[0]] = max(row.get(held[0]) or 0, tokens)
+            elif len(held) > 1:
+                for med in held:
+                    row[med] = None  # not known per medium for a token-keyed index
+
+    def _answer(self, api: str, t0: float, tenant: str, result: dict[str, dict[str, Any]]) -> bytes:
+        best = max((r["longest_matched"] for r in result.values()), default=0)
+        out = ENCODER.encode({tenant: result})
+        self.core.metrics.routed(api, time.perf_counter() - t0, best)
+        return out

@@ -1,0 +1,79 @@
+"""The JSON documents of ``kvstream serve``'s own API (``/v1/...``), as msgspec Structs.
+
+The Mooncake indexer API's documents are in :mod:`kvstream.service.mooncake`.
+Requests forbid unknown fields (a typo is an error that names the field, not a silent
+default); token ids are unsigned 32-bit ints.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
+
+__all__ = ["MMHash", "LoadIn", "RouteRequest", "EngineScore", "RouteResponse", "TokenId"]
+
+TokenId = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
+Count = Annotated[int, Meta(ge=0, le=1 << 31)]
+
+
+class MMHash(Struct, forbid_unknown_fields=True):
+    """A multimodal item of the prompt: its content hash (vLLM's ``mm_feature.identifier``),
+    its first placeholder token (``offset``, tokens from the prompt start) and its
+    placeholder count (``length``, tokens)."""
+
+    identifier: Annotated[str, Meta(min_length=1, max_length=1024)]
+    offset: Count
+    length: Annotated[int, Meta(ge=1, le=1 << 31)] = 1
+
+
+class LoadIn(Struct, forbid_unknown_fields=True):
+    """A load the caller reports for one engine: requests waiting (``queue``), running
+    (``running``), and KV cache usage (``kv_usage``, 0..1)."""
+
+    queue: Count = 0
+    running: Count = 0
+    kv_usage: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+
+
+class RouteRequest(Struct, forbid_unknown_fields=True):
+    """``POST /v1/route``: exactly one of ``token_ids`` and ``prompt`` (the latter needs
+    ``--tokenizer``). ``lora_name``/``cache_salt``/``mm_hashes`` put the request in the
+    same hash namespace as the engine would; ``loads`` override the scraped loads per
+    engine; ``speculate`` inserts the routed prefix for the chosen engine for
+    ``--speculate-ttl`` seconds."""
+
+    token_ids: list[TokenId] | None = None
+    prompt: str | None = None
+    lora_name: Annotated[str, Meta(max_length=1024)] | None = None
+    cache_salt: Annotated[str, Meta(max_length=1024)] | None = None
+    mm_hashes: list[MMHash] | None = None
+    loads: dict[str, msgspec.Raw] | None = None  # each a LoadIn, decoded by name (errors name the engine)
+    speculate: bool = False
+
+
+class EngineScore(Struct):
+    """One engine's line of a route answer: its prefix in router blocks and tokens, the
+    prefix per medium (tokens), the load routed with, the policy's score and its state."""
+
+    engine: str
+    matched_blocks: int
+    matched_tokens: int
+    tiers: dict[str, int]
+    load: dict[str, float]
+    score: float
+    state: str
+
+
+class RouteResponse(Struct):
+    """``POST /v1/route``'s answer: the chosen ``engine`` (None: no engine), its matched
+    prefix in tokens, and every engine's :class:`EngineScore`, the chosen one first."""
+
+    engine: str | None
+    matched_tokens: int
+    scores: list[EngineScore]
+
+
+ENCODER = msgspec.json.Encoder()
+"""The service's JSON encoder."""

@@ -1,0 +1,127 @@
+"""``kvstream engine`` as a real process: the OpenAI API, vLLM's errors and metrics, timing."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from kvstream.cli import main
+from kvstream.emulator.launch import Proc, start_engine
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    with start_engine("e0", extra=["--prefill-tokens-per-s", "4000", "--decode-tokens-per-s", "100",
+                                   "--max-model-len", "2048", "--num-gpu-blocks", "256"],
+                      log_dir=str(tmp_path_factory.mktemp("logs"))) as proc:
+        yield proc
+
+
+def sse(text: str) -> list[dict]:
+    out = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: ") and block != "data: [DONE]":
+            out.append(json.loads(block[6:]))
+    return out
+
+
+def test_completion_reports_cached_tokens_and_is_deterministic(engine: Proc) -> None:
+    prompt = list(range(1000, 1040))
+    with httpx.Client(base_url=engine.url) as c:
+        first = c.post("/v1/completions", json={"model": "kvstream-emulated", "prompt": prompt, "max_tokens": 5})
+        second = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5})
+    assert first.status_code == 200 and second.status_code == 200
+    a, b = first.json(), second.json()
+    assert a["object"] == "text_completion" and a["choices"][0]["finish_reason"] == "length"
+    assert a["usage"]["prompt_tokens"] == 40 and a["usage"]["completion_tokens"] == 5
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] and len(a["choices"][0]["text"]) == 5
+
+
+def test_streaming_chat_sends_one_chunk_per_token_then_usage_and_done(engine: Proc) -> None:
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+    with httpx.Client(base_url=engine.url) as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.endswith("data: [DONE]\n\n")
+    chunks = sse(r.text)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    tokens = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(tokens) == 4 and tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    # The byte tokenizer's ChatML rendering: <|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n
+    assert chunks[-1]["usage"]["prompt_tokens"] == len("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_bad_requests_get_vllm_shaped_json_errors(engine: Proc) -> None:
+    with httpx.Client(base_url=engine.url) as c:
+        malformed = c.post("/v1/completions", content=b'{"prompt": [1, 2', headers={"content-type": "application/json"})
+        unknown = c.post("/v1/completions", json={"model": "gpt-17", "prompt": [1, 2]})
+        oversized = c.post("/v1/completions", json={"prompt": [1] * 2040, "max_tokens": 16})
+        no_prompt = c.post("/v1/chat/completions", json={"messages": []})
+    for r, status, kind in ((malformed, 400, "BadRequestError"), (unknown, 404, "NotFoundError"),
+                            (oversized, 400, "BadRequestError"), (no_prompt, 400, "BadRequestError")):
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == kind and err["code"] == status
+    assert "The model `gpt-17` does not exist." == unknown.json()["error"]["message"]
+    assert "maximum context length is 2048 tokens" in oversized.json()["error"]["message"]
+
+
+def test_models_health_and_vllm_metric_names(engine: Proc) -> None:
+    with httpx.Client(base_url=engine.url) as c:
+        assert c.get("/health").status_code == 200
+        models = c.get("/v1/models").json()
+        metrics = c.get("/metrics").text
+    assert models["data"][0]["id"] == "kvstream-emulated" and models["data"][0]["max_model_len"] == 2048
+    for name in ("vllm:num_requests_running{", "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc{",
+                 "vllm:prefix_cache_queries_total{", "vllm:prefix_cache_hits_total{", "vllm:num_preemptions_total{"):
+        assert name in metrics
+
+
+def test_time_to_first_token_skips_the_cached_prefix(engine: Proc) -> None:
+    prompt = list(range(5000, 6200))  # 1200 tokens: 0.3 s of prefill at 4000 tokens/s
+
+    def ttft(c: httpx.Client) -> float:
+        t0 = time.perf_counter()
+        with c.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    return time.perf_counter() - t0
+        raise AssertionError("no token")
+
+    with httpx.Client(base_url=engine.url) as c:
+        cold = ttft(c)
+        warm = ttft(c)
+    assert cold >= 0.3
+    assert warm < cold / 2
+
+
+def test_cli_refuses_bad_configuration_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["engine", "--kv-events-config", "{nope"]) == 2
+    assert "--kv-events-config is not valid JSON" in capsys.readouterr().err
+    assert main(["engine", "--kv-events-config", '{"endpont": "tcp://*:1"}']) == 2
+    assert "unknown KVEventsConfig keys ['endpont']" in capsys.readouterr().err
+    assert main(["engine", "--model-config", "/nonexistent.json", "--gpu-memory", "80"]) == 2
+    assert "cannot read --model-config" in capsys.readouterr().err
+
+
+def test_model_config_sizes_the_cache_as_kvstream_plan_does(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstream.cli import build_parser
+    from kvstream.cli.engine import build_config
+
+    cfg_path = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "llama-3-8b.json")
+    common = [cfg_path, "--gpu-memory", "80GiB", "--model-weights-gib", "15"]
+    assert main(["plan", *common, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["num_blocks"]
+    args = build_parser().parse_args(["engine", "--model-config", *common])
+    cfg = build_config(args)
+    assert cfg.num_gpu_blocks == planned and cfg.max_model_len == 8192

@@ -1,0 +1,85 @@
+"""Load sources: vLLM's /metrics parsed with prometheus-client, the in-flight seam, and
+scrapes that hang or fail never holding up routing."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from kvstream.routing.scoring import Load
+from kvstream.service.load import LoadBoard, parse_vllm_metrics
+from tests.service.conftest import wait_for
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.5
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.5
+"""
+
+
+def test_vllm_gauges_are_summed_over_ranks_and_kv_usage_is_the_highest() -> None:
+    s = parse_vllm_metrics(VLLM_METRICS, at=5.0)
+    assert (s.running, s.waiting, s.kv_usage, s.at, s.found) == (5, 7, 0.5, 5.0, 3)
+
+
+@pytest.mark.parametrize("text", ["", "# nothing here\nfoo 1\n", "vllm:num_requests_running{ 3\n"])
+def test_expositions_without_the_gauges_are_errors(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_vllm_metrics(text, 0.0)
+
+
+def test_request_loads_win_then_scrapes_then_in_flight() -> None:
+    b = LoadBoard(stale_after_s=6.0)
+    b.scraped("e0", parse_vllm_metrics(VLLM_METRICS, at=0.0))
+    assert b.known()["e0"] == Load(queue=7, running=5, kv_usage=0.5)
+    b.started("e0", 9)  # a proxy has 9 requests in flight: more than the engine reported
+    b.started("e1")
+    assert b.known()["e0"] == Load(queue=7, running=9, kv_usage=0.5)
+    assert b.known()["e1"] == Load(running=1)
+    assert b.effective({"e0": Load(queue=1)})["e0"] == Load(queue=1)
+    b.finished("e0", 9)
+    b.finished("e1", 5)  # never below zero
+    assert b.known()["e0"].running == 5 and "e1" not in b.known()
+    assert b.view("e0", now=1.0)["stale"] is False
+    assert b.view("e0", now=7.0)["stale"] is True
+    b.scrape_failed("e2", "ConnectError")
+    assert b.view("e2", now=0.0) | {} == {"queue": 0, "running": 0, "kv_usage": 0.0, "in_flight": 0, "scraped": False,
+                                          "age_s": None, "stale": True, "error": "ConnectError"}
+
+
+def test_a_hanging_metrics_endpoint_is_shown_stale_and_never_stalls_routing(engines, serve) -> None:
+    e0 = engines("e0")
+    # A listener that never answers: connects succeed, the scrape hangs until its timeout.
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(64)
+    try:
+        url = f"http://127.0.0.1:{hang.getsockname()[1]}"
+        srv = serve(f"e0={e0.pub},{e0.replay},http={url}", "--load-interval", "0.3")
+        srv.wait_applied("e0", -1)
+        t0 = time.monotonic()
+        for _ in range(20):
+            srv.route(token_ids=list(range(64)))
+        assert time.monotonic() - t0 < 5.0
+        view = wait_for(lambda: (v := srv.engines()["e0"]["load"])["error"] and v, "the scrape to time out")
+        assert view["stale"] is True and view["scraped"] is False and "Timeout" in view["error"]
+        assert srv.engines()["e0"]["state"] == "live"
+    finally:
+        hang.close()
