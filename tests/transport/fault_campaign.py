@@ -180,7 +180,7 @@ class World:
         self.p_hole = rng.choice((0.0, 0.05, 0.2))
         self.p_cut = rng.choice((0.0, 0.1, 0.3))
         self.p_delay = rng.choice((0.0, 0.05, 0.2))
-        self.index = KVIndex(router_block_size=BLOCK, reannounce="count")
+        self.index = KVIndex(router_block_size=BLOCK)  # the default rule, as routers use it
         self.pubs: dict[str, Publisher] = {}
         self.trackers: dict[str, SourceTracker] = {}
         self.blocks = rng.choice((8, 16, 32))

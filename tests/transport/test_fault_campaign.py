@@ -38,15 +38,11 @@ def test_regression_seed(seed, case):
     assert run_seed(seed).silent_wrong == 0, case
 
 
-@pytest.mark.xfail(reason="index-side (kvstream/routing, the index helper): KVIndex's default "
-                          "reannounce='detect' takes a recomputed one-block prompt for a report-mode "
-                          "re-announcement; the default must be exact ('count') unless the engine "
-                          "runs kv_cache_report_mode='full'", strict=False)
-def test_reannouncement_rule_undercounts_a_recomputed_one_block_prompt_with_the_default_index():
+def test_a_recomputed_one_block_prompt_is_a_second_copy_for_the_default_index():
     """Item 4: real pool traffic. A fully cached one-block prompt is recomputed (vLLM
     always computes the last prompt token), so the block is stored again from block 0
-    (parent None) as a second physical copy. The default index takes it for a report-mode
-    re-announcement; when one copy is evicted the index drops a block the engine holds."""
+    (parent None) as a second physical copy. The index used to take it for a report-mode
+    re-announcement; when one copy was evicted it dropped a block the engine still held."""
     from collections import Counter
 
     from kvstream.allocator.manager import KVCacheManager
