@@ -293,6 +293,7 @@ async def test_a_source_without_a_publisher_is_connecting_never_live(tmp_path):
         async with Publisher(cfg) as pub:
             pub.publish(_batch(1))
             specs = [SourceSpec(f"ipc://{tmp_path}/nobody.sock", name="no-pub"),
+                     SourceSpec("tcp://127.0.0.1:99999", name="port-99999"),  # ZMQ accepts it
                      SourceSpec("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", name="closed-port"),
                      SourceSpec("tcp://no-such-host.invalid:5557", "tcp://no-such-host.invalid:5558",
                                 name="no-host"),
