@@ -16,11 +16,16 @@ ARGS=("$@")
 [ ${#ARGS[@]} -eq 0 ] && ARGS=(tests)
 
 BURNERS=()
+RUNNING=""
+LOG=$(mktemp)
 cleanup() {
+    [ -n "$RUNNING" ] && kill "$RUNNING" 2>/dev/null
     for pid in "${BURNERS[@]}"; do kill "$pid" 2>/dev/null; done
-    for pid in "${BURNERS[@]}"; do wait "$pid" 2>/dev/null; done
+    for pid in "${BURNERS[@]}" $RUNNING; do wait "$pid" 2>/dev/null; done
+    rm -f "$LOG"
 }
-trap cleanup EXIT INT TERM
+trap 'cleanup; exit 130' INT TERM
+trap cleanup EXIT
 for _ in 1 2; do
     "$PY" -c "while True: pass" &
     BURNERS+=($!)
@@ -30,8 +35,13 @@ echo "burners: ${BURNERS[*]}; $RUNS run(s) of: pytest ${ARGS[*]}"
 failed=0
 for i in $(seq 1 "$RUNS"); do
     start=$(date +%s)
-    out=$("$PY" -m pytest -q -p no:cacheprovider "${ARGS[@]}" 2>&1)
+    # In the background and waited for, so that a signal reaches the trap at once.
+    "$PY" -m pytest -q -p no:cacheprovider "${ARGS[@]}" > "$LOG" 2>&1 &
+    RUNNING=$!
+    wait "$RUNNING"
     rc=$?
+    RUNNING=""
+    out=$(cat "$LOG")
     secs=$(( $(date +%s) - start ))
     summary=$(printf '%s\n' "$out" | grep -E '(passed|failed|error)' | tail -n 1)
     if [ $rc -eq 0 ]; then
