@@ -36,7 +36,7 @@ failed=0
 for i in $(seq 1 "$RUNS"); do
     start=$(date +%s)
     # In the background and waited for, so that a signal reaches the trap at once.
-    "$PY" -m pytest -q -p no:cacheprovider "${ARGS[@]}" > "$LOG" 2>&1 &
+    "$PY" -m pytest -p no:cacheprovider "${ARGS[@]}" > "$LOG" 2>&1 &
     RUNNING=$!
     wait "$RUNNING"
     rc=$?
