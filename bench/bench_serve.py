@@ -68,12 +68,16 @@ def farm_main(args: argparse.Namespace) -> None:
     from kvstream.transport import KVEventsConfig, Publisher
     from kvstream.wire.events import BlockStored, EventEncoder, KVEventBatch
 
-    documents, held = workload(args.engines, args.docs, args.prompt_tokens)
-    hasher = BlockHasher("sha256_cbor", BS, seed="0")
-    hashes = [to_external_list(hasher.hash_blocks(d)) for d in documents]
     enc = EventEncoder()
-    payloads = [[enc.encode(KVEventBatch(time.time(), [BlockStored(hashes[d], None, documents[d], BS, None, "GPU",
+    hasher = BlockHasher("sha256_cbor", BS, seed="0")
+
+    def encode_round(seed: int) -> list[list[bytes]]:
+        documents, held = workload(args.engines, args.docs, args.prompt_tokens, seed)
+        hashes = [to_external_list(hasher.hash_blocks(d)) for d in documents]
+        return [[enc.encode(KVEventBatch(time.time(), [BlockStored(hashes[d], None, documents[d], BS, None, "GPU",
                                                                    None)], 0)) for d in docs] for docs in held]
+
+    rounds = [encode_round(7), encode_round(8)]
 
     async def main() -> None:
         from contextlib import AsyncExitStack
@@ -86,12 +90,14 @@ def farm_main(args: argparse.Namespace) -> None:
                 pubs.append(await stack.enter_async_context(Publisher(cfg)))
             print(json.dumps([[p.endpoint, p.replay_endpoint] for p in pubs]), flush=True)
             stdin = anyio.wrap_file(sys.stdin)
-            await stdin.readline()  # "go"
-            for j in range(args.docs):
-                for i, p in enumerate(pubs):
-                    p.publish_raw(payloads[i][j], j)
-                await anyio.sleep(0)
-            print("published", flush=True)
+            for r, payloads in enumerate(rounds):
+                if (await stdin.readline()).strip() != "go":  # EOF: done
+                    return
+                for j in range(args.docs):
+                    for i, p in enumerate(pubs):
+                        p.publish_raw(payloads[i][j], r * args.docs + j)
+                    await anyio.sleep(0)
+                print("published", flush=True)
             await stdin.readline()  # EOF: done
 
     anyio.run(main)
@@ -158,6 +164,7 @@ class Service:
             except httpx.TransportError:
                 pass
             if time.monotonic() > end or self.proc.poll() is not None:
+                self.close()  # never leave the service running behind a failed start
                 log.flush()
                 tail = Path(log.name).read_text()[-3000:] if hasattr(log, "name") else ""
                 raise SystemExit(f"{kind} did not come up:\n{tail}")
@@ -217,13 +224,7 @@ end
 def load(svc: Service, bodies: list[bytes], conns: int, seconds: float, tmp: Path) -> dict[str, float]:
     """requests/s, p50 and p99 (ms), errors, over ``conns`` connections for ``seconds``."""
     if shutil.which("wrk"):
-        (tmp / "bodies.txt").write_bytes(b"\n".join(bodies) + b"\n")
-        (tmp / "q.lua").write_text(_WRK_LUA % (tmp / "bodies.txt"))
-        out = subprocess.run(["wrk", "-t", str(min(conns, 2)), "-c", str(conns), "-d", f"{max(1, round(seconds))}s",
-                              "-s", str(tmp / "q.lua"), svc.url], capture_output=True, text=True, check=True).stdout
-        line = next(x for x in out.splitlines() if x.startswith("RESULT"))
-        n, dur, p50, p99, errors = line.split()[1:]
-        return {"rps": int(n) / float(dur), "p50_ms": float(p50), "p99_ms": float(p99), "errors": int(errors)}
+        return wrk_result(start_wrk(svc, bodies, conns, max(1, round(seconds)), tmp))
     return _py_load(svc, bodies, conns, seconds)
 
 
@@ -257,6 +258,40 @@ def _py_load(svc: Service, bodies: list[bytes], conns: int, seconds: float) -> d
             "errors": errors}
 
 
+def ingest(svc: Service, farm: subprocess.Popen, last: list[list[int]], args: argparse.Namespace) -> float:
+    """Tell the farm to publish a round; seconds until every engine's last document of it
+    is fully queryable. One query per poll (the first engine not done yet), so polling
+    costs the service little; engines progress in parallel."""
+    t0 = time.perf_counter()
+    farm.stdin.write("go\n")  # type: ignore[union-attr]
+    farm.stdin.flush()  # type: ignore[union-attr]
+    want = args.prompt_tokens // BS
+    pending = list(range(args.engines))
+    while pending:
+        if time.perf_counter() - t0 > 180:
+            raise SystemExit(f"{svc.kind}: engines {pending[:8]} never caught up")
+        i = pending[0]
+        if svc.matched_blocks(last[i]).get(f"e{i}", 0) >= want:
+            pending.pop(0)
+        else:
+            time.sleep(0.005)
+    return time.perf_counter() - t0
+
+
+def start_wrk(svc: Service, bodies: list[bytes], conns: int, seconds: int, tmp: Path) -> subprocess.Popen:
+    (tmp / "bodies.txt").write_bytes(b"\n".join(bodies) + b"\n")
+    (tmp / "q.lua").write_text(_WRK_LUA % (tmp / "bodies.txt"))
+    return subprocess.Popen(["wrk", "-t", str(min(conns, 2)), "-c", str(conns), "-d", f"{seconds}s",
+                             "-s", str(tmp / "q.lua"), svc.url], stdout=subprocess.PIPE, text=True)
+
+
+def wrk_result(proc: subprocess.Popen) -> dict[str, float]:
+    out, _ = proc.communicate(timeout=120)
+    line = next(x for x in out.splitlines() if x.startswith("RESULT"))
+    n, dur, p50, p99, errors = line.split()[1:]
+    return {"rps": int(n) / float(dur), "p50_ms": float(p50), "p99_ms": float(p99), "errors": int(errors)}
+
+
 # -- one run ----------------------------------------------------------------------------
 
 
@@ -273,23 +308,7 @@ def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         endpoints = json.loads(_line(farm))
         svc = Service(kind, endpoints, args.workers, log)
         time.sleep(1.0)  # let every SUB socket finish connecting (a slow joiner loses messages)
-        last = [documents[h[-1]] for h in held]
-        t0 = time.perf_counter()
-        farm.stdin.write("go\n")  # type: ignore[union-attr]
-        farm.stdin.flush()  # type: ignore[union-attr]
-        want = args.prompt_tokens // BS
-        pending = list(range(args.engines))
-        # One query per poll (the first engine not done yet), so polling costs the service
-        # little; engines progress in parallel, so most are done when the first is.
-        while pending:
-            if time.perf_counter() - t0 > 120:
-                raise SystemExit(f"{kind}: engines {pending[:8]} never caught up")
-            i = pending[0]
-            if svc.matched_blocks(last[i]).get(f"e{i}", 0) >= want:
-                pending.pop(0)
-            else:
-                time.sleep(0.005)
-        ingest_s = time.perf_counter() - t0
+        ingest_s = ingest(svc, farm, [documents[h[-1]] for h in held], args)
         rng = random.Random(3)
         bodies = [svc.query_body(documents[rng.randrange(len(documents))]) for _ in range(64)]
         res: dict[str, Any] = {"ingest_blocks_per_s": total_blocks / ingest_s, "ingest_s": ingest_s,
@@ -297,6 +316,15 @@ def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for conns in args.connections:
             load(svc, bodies, conns, 1.0, tmp)  # warm up
             res[f"c{conns}"] = load(svc, bodies, conns, args.seconds, tmp)
+        if shutil.which("wrk"):
+            # Ingest while serving: a second round of documents while wrk keeps 32
+            # connections busy; wrk is stopped once every engine's last block is in.
+            docs2, held2 = workload(args.engines, args.docs, args.prompt_tokens, 8)
+            wrk = start_wrk(svc, bodies, 32, 60, tmp)
+            time.sleep(1.0)  # let the load ramp up before the events start
+            res["ingest_serving_blocks_per_s"] = total_blocks / ingest(svc, farm, [docs2[h[-1]] for h in held2], args)
+            wrk.send_signal(signal.SIGINT)
+            res["c32_during_ingest"] = wrk_result(wrk)
         # same answers for a spot check
         res["spot"] = svc.matched_blocks(documents[held[0][0]])
         return res
@@ -331,18 +359,23 @@ def main() -> None:
     blocks = args.engines * args.docs * (args.prompt_tokens // BS)
     print(f"\n{args.engines} engines, {blocks:,} blocks, {args.prompt_tokens}-token prompts, POST /query; "
           f"kvstream serve --workers {args.workers}; load by {'wrk' if shutil.which('wrk') else 'python'}")
-    head = f"{'service':<10} {'ingest blocks/s':>16}"
+    head = f"{'service':<10} {'ingest blocks/s':>16} {'while serving':>14}"
     for c in args.connections:
         head += f" | {'c' + str(c) + ' req/s':>11} {'p50 ms':>7} {'p99 ms':>7}"
     print(head)
     for kind, r in results.items():
-        line = f"{kind:<10} {r['ingest_blocks_per_s']:>16,.0f}"
+        line = f"{kind:<10} {r['ingest_blocks_per_s']:>16,.0f} {r.get('ingest_serving_blocks_per_s', 0):>14,.0f}"
         for c in args.connections:
             x = r[f"c{c}"]
             line += f" | {x['rps']:>11,.0f} {x['p50_ms']:>7.2f} {x['p99_ms']:>7.2f}"
             if x["errors"]:
                 line += f" ({x['errors']} errors)"
         print(line)
+    for kind, r in results.items():
+        x = r.get("c32_during_ingest")
+        if x:
+            print(f"{kind}: 32 connections while ingesting: {x['rps']:,.0f} req/s, p50 {x['p50_ms']:.2f} ms, "
+                  f"p99 {x['p99_ms']:.2f} ms")
     if len(results) == 2:
         a, b = results["kvstream"]["spot"], results["dynamo"]["spot"]
         print(f"spot check, blocks matched per engine (first doc of e0): kvstream {dict(sorted(a.items()))} "

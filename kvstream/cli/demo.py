@@ -1,8 +1,8 @@
 """``kvstream demo``: the whole stack on loopback, KV-aware routing against round robin.
 
 1. Starts ``--engines`` emulated vLLM engines (``kvstream engine`` processes: OpenAI HTTP
-   API + KV events over ZMQ) and two proxies in front of them (one KV-aware, one round
-   robin); this process follows every engine's event stream with a router index and
+   API + KV events over ZMQ) and ``kvstream serve`` twice in proxy mode in front of them
+   (one KV-aware, one round robin); this process follows every engine's event stream with a router index and
    records it to ``OUT/events.kvlog``.
 2. Sends the same multi-turn chat workload over HTTP through each proxy in turn (every
    engine's prefix cache is reset in between) and measures, as a client would, time to
@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` sub-command."""
     p = sub.add_parser(
         "demo",
-        help="run emulated engines + KV-aware proxy on loopback and compare with round robin",
+        help="run emulated engines + kvstream serve --proxy on loopback: KV-aware vs round robin",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -138,7 +138,7 @@ def _run(args: argparse.Namespace) -> int:
                      num_gpu_blocks=600 if quick else 1500)
     print(f"kvstream demo: {engines} emulated engines (HTTP + KV events over loopback {args.transport}), "
           f"{cfg.num_gpu_blocks} KV blocks x {cfg.block_size} tokens each; {sessions} conversations x {turns} "
-          f"turns sent through a KV-aware proxy, then through a round-robin one", flush=True)
+          f"turns sent through kvstream serve --proxy, KV-aware, then round robin", flush=True)
     tty = sys.stdout.isatty()
     last: dict[str, float] = {}
 
@@ -181,7 +181,7 @@ def _run(args: argparse.Namespace) -> int:
             print()
         kept = (f"kept {result.log_path} ({result.batches_recorded} event batches recorded so far)"
                 if result.batches_recorded else "nothing was recorded yet")
-        print(f"kvstream demo: interrupted; {kept}; engines and proxies stopped", file=sys.stderr)
+        print(f"kvstream demo: interrupted; {kept}; engines and services stopped", file=sys.stderr)
         return 130
     return _report(result, cfg, args)
 

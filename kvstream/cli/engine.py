@@ -159,6 +159,7 @@ def events_config(text: str | None, wire_version: str) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     import anyio
+    import zmq
 
     from kvstream.emulator.server import EngineReady, EngineServer
     from kvstream.planning import KVCachePlanningError
@@ -186,6 +187,10 @@ def _run(args: argparse.Namespace) -> int:
         anyio.run(lambda: server.serve(args.host, args.port, ready, log_level=args.log_level), backend_options=_loop_options())
     except OSError as exc:
         print(f"kvstream engine: {exc}", file=sys.stderr)
+        return 2
+    except zmq.ZMQError as exc:
+        print(f"kvstream engine: cannot open the KV event sockets ({exc}); check --kv-events-config's endpoints",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvstream engine: stopped", file=sys.stderr)

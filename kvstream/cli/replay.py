@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvstream.cli._common import add_log_level, non_negative_float
+from kvstream.cli._common import CLIError, add_log_level, non_negative_float
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,12 +57,16 @@ def _run(args: argparse.Namespace) -> int:
     from kvstream.eventlog.format import LogFormatError, LogMessage
 
     try:
+        # What the command line says is checked first (exit status 2), the log after (1).
         speed = parse_speed(args.speed)
         specs = [parse_source(ep) for ep in args.publish]
         for spec in specs:
             check_bind_endpoint(spec.endpoint, "--publish")
             if spec.replay_endpoint:
                 check_bind_endpoint(spec.replay_endpoint, "--publish (replay endpoint)")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    try:
         from kvstream.cli.inspect import _records
 
         records_iter, reader = _records(args.log)
@@ -74,9 +78,9 @@ def _run(args: argparse.Namespace) -> int:
         sources = args.source or list(first)
         missing = [s for s in sources if s not in first]
         if missing:
-            raise ValueError(f"no messages from source(s) {missing} in the log; sources: {list(first)}")
+            raise CLIError(f"no messages from source(s) {missing} in the log; sources: {list(first)}")
         if len(sources) != len(args.publish):
-            raise ValueError(
+            raise CLIError(
                 f"the log has {len(sources)} source(s) to replay ({', '.join(sources)}) but "
                 f"{len(args.publish)} --publish endpoint(s) were given; give one --publish per source, "
                 f"or pick sources with --source (e.g. --source {sources[0]})"
@@ -157,9 +161,13 @@ async def _replay(args, specs, records, sources, first, speed):
                                            + (f" or {spec.replay_endpoint}" if spec.replay_endpoint else "")
                                            + f" ({exc.strerror})") from None
                     print(f"{src} -> {pubs[src].endpoint}" + (f" (replay {pubs[src].replay_endpoint})"
-                                                              if spec.replay_endpoint else ""), file=sys.stderr)
+                                                              if spec.replay_endpoint else ""),
+                          file=sys.stderr, flush=True)
                 await anyio.sleep(args.wait_s)
                 await replay_to_publishers(records, pubs, speed=speed, pacer=pacer)
+                if args.hold_s > 0:
+                    print(f"sent {pacer.stats.sent} batches; answering replay requests for {args.hold_s:g} s more",
+                          file=sys.stderr, flush=True)
                 await anyio.sleep(args.hold_s)
         except zmq.ZMQError as exc:
             error = exc  # raised below, outside the task group (which would wrap it)

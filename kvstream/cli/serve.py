@@ -68,6 +68,19 @@ def register(sub: Any) -> None:
                         "GET /v1/dump, then follow the engines from there (put it after the engines)")
     p.add_argument("--model-name", help="model the configured engines serve, for the Mooncake /query API "
                    "(default: default)")
+    g = p.add_argument_group("proxy mode (OpenAI-compatible API in the request path; see docs/proxy.md)")
+    g.add_argument("--proxy", action="store_true",
+                   help="also serve POST /v1/completions, /v1/chat/completions and GET /v1/models, forwarded "
+                        "to the best engine's http=URL (chat templates from --tokenizer's folder)")
+    g.add_argument("--proxy-policy", choices=("kv-aware", "round-robin"), default="kv-aware",
+                   help="how the proxy picks an engine (default kv-aware)")
+    g.add_argument("--speculate", action="store_true",
+                   help="the proxy assumes the chosen engine holds the routed prompt for --speculate-ttl "
+                        "seconds, until its BlockStored events arrive")
+    g.add_argument("--proxy-max-attempts", type=int, default=3, metavar="N",
+                   help="engines tried per request on connection failures (default 3)")
+    g.add_argument("--proxy-backoff", type=float, default=1.0, metavar="SECONDS",
+                   help="first mark-down of an engine that failed (doubles per failure; default 1)")
     p.set_defaults(func=run)
 
 
@@ -119,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstream serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_format, cfg.log_level)
+    proxy_opts = _proxy_options(args, cfg)
+    if isinstance(proxy_opts, str):
+        print(f"kvstream serve: {proxy_opts}", file=sys.stderr)
+        return 2
     workers = getattr(args, "workers", 1) or 1
     if workers < 1:
         print(f"kvstream serve: --workers must be at least 1, got {workers}", file=sys.stderr)
@@ -129,13 +146,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstream serve: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
         return 2
     if workers > 1:
-        return _supervise(cfg, tok, sock, _flags(args), list(args.engines), workers)
+        return _supervise(cfg, tok, sock, _flags(args), list(args.engines), workers, proxy_opts)
     import anyio
 
     with contextlib.closing(sock):
-        anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, backend="asyncio",
+        anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, proxy_opts, backend="asyncio",
                   backend_options=_loop_options())
     return 0
+
+
+def _proxy_options(args: argparse.Namespace, cfg: Any) -> dict[str, Any] | None | str:
+    """The proxy mode's settings (None: off), or why they are wrong (a message)."""
+    if not getattr(args, "proxy", False):
+        return None
+    from kvstream.proxy.tokenize import TokenizerError
+    from kvstream.proxy.tokenize import load_tokenizer as load_chat_tokenizer
+
+    if args.proxy_max_attempts < 1 or not args.proxy_backoff > 0:
+        return "--proxy-max-attempts must be >= 1 and --proxy-backoff > 0"
+    try:
+        tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    except TokenizerError as exc:
+        return str(exc)
+    return {"tokenizer": tok, "policy": args.proxy_policy, "speculate": args.speculate,
+            "max_attempts": args.proxy_max_attempts, "backoff_s": args.proxy_backoff}
 
 
 def _loop_options() -> dict[str, Any]:
@@ -168,7 +202,7 @@ def _bind(host: str, port: int, *, listen: bool = True, reuseport: bool = False)
 
 
 def _supervise(cfg: Any, tok: Any, holder: socket.socket, flags: dict[str, Any], cli_engines: list[str],
-               workers: int) -> int:
+               workers: int, proxy_opts: dict[str, Any] | None = None) -> int:
     """Fork ``workers`` processes, each listening on the same port with SO_REUSEPORT (the
     kernel spreads connections over them); forward SIGHUP/SIGINT/SIGTERM to them; exit
     when they all have. ``holder`` reserves the port (bound, never listening)."""
@@ -188,7 +222,7 @@ def _supervise(cfg: Any, tok: Any, holder: socket.socket, flags: dict[str, Any],
                 import anyio
 
                 with contextlib.closing(sock):
-                    anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, backend="asyncio",
+                    anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, proxy_opts, backend="asyncio",
                               backend_options=_loop_options())
                 code = 0
             except BaseException:  # noqa: BLE001 - reported, then the worker exits
@@ -236,7 +270,7 @@ def _no_signal_capture() -> Iterator[None]:
 
 
 async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any], cli_engines: list[str],
-                 ready_fd: int | None) -> None:
+                 ready_fd: int | None, proxy_opts: dict[str, Any] | None = None) -> None:
     import anyio
     import uvicorn
 
@@ -244,11 +278,28 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
     from kvstream.service.core import ServiceCore
 
     core = ServiceCore(cfg, tokenizer=tok)
-    app = create_app(core)
+    proxy: Any = None
+    if proxy_opts is not None:  # proxy mode: the OpenAI API on top of the same core
+        from kvstream.proxy.app import KVProxy
+
+        proxy = KVProxy.for_service(core, **proxy_opts)
+        core.engine_view_extras.append(proxy.engine_view)
+        core.metrics_extras.append(proxy.metrics_text)
+    app = create_app(core, extra_routes=proxy.openai_routes() if proxy is not None else ())
     ucfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", server_header=False,
                           date_header=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(ucfg)
     server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
+    async with contextlib.AsyncExitStack() as stack:
+        if proxy is not None:
+            await stack.enter_async_context(proxy)  # closes its upstream connections at the end
+        await _run_server(server, sock, core, flags, cli_engines, ready_fd)
+
+
+async def _run_server(server: Any, sock: socket.socket, core: Any, flags: dict[str, Any], cli_engines: list[str],
+                      ready_fd: int | None) -> None:
+    import anyio
+
     async with anyio.create_task_group() as tg:
         async def serve_then_stop() -> None:
             try:

@@ -2,8 +2,8 @@
 recorder, and the replay proof.
 
 :func:`run_demo` starts ``engines`` emulated engines (``kvstream engine``: HTTP + KV events
-on loopback) and two proxies in front of them (``kvstream.proxy``, one KV-aware, one round
-robin). In this process, a :class:`~kvstream.routing.router.Router` follows every engine's
+on loopback) and two ``kvstream serve --proxy`` services in front of them (one KV-aware,
+one round robin). In this process, a :class:`~kvstream.routing.router.Router` follows every engine's
 stream (the "live index") and a :class:`~kvstream.eventlog.recorder.Recorder` writes it to
 ``OUT/events.kvlog``. The same multi-turn workload then runs through each proxy in turn
 (with every engine's prefix cache reset in between), measured by the client. At the end the
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import anyio
 
-from kvstream.emulator.launch import Proc, start_engine, start_proxy
+from kvstream.emulator.launch import Proc, start_engine, start_serve_proxy
 from kvstream.emulator.loadgen import ChatWorkload, PhaseResult, TurnResult, run_workload
 
 __all__ = ["DemoConfig", "DemoResult", "PhaseReport", "Progress", "run_demo"]
@@ -81,6 +81,19 @@ class DemoResult:
     interrupted: bool = False
 
 
+def _accuracy(engines: list[dict[str, Any]]) -> dict[str, Any]:
+    """Routing accuracy over every engine of ``kvstream serve --proxy``'s ``/v1/engines``."""
+    n = exact = pred = real = 0
+    for e in engines:
+        a = e.get("proxy", {}).get("routing_accuracy") or {}
+        n += a.get("requests", 0)
+        exact += a.get("exact", 0)
+        pred += a.get("predicted_tokens", 0)
+        real += a.get("realized_tokens", 0)
+    return {"requests": n, "exact": exact, "exact_rate": exact / n if n else None, "predicted_tokens": pred,
+            "realized_tokens": real}
+
+
 def _published(text: str) -> int:
     m = re.search(r"^kvstream:kv_event_batches_published_total\{[^}]*\} (\S+)$", text, re.M)
     return int(float(m.group(1))) if m else 0
@@ -124,8 +137,8 @@ async def run_demo(cfg: DemoConfig, result: DemoResult,
         for e in engines:
             await anyio.to_thread.run_sync(e.wait_ready, abandon_on_cancel=True)
         for pol in POLICIES:
-            proxies.append(start_proxy(engines, policy=pol, block_size=cfg.block_size, log_dir=str(logs),
-                                       wait=False))
+            proxies.append(start_serve_proxy(engines, policy=pol, log_dir=str(logs), wait=False,
+                                             extra=["--router-block-size", str(cfg.block_size)]))
         for p in proxies:
             await anyio.to_thread.run_sync(p.wait_ready, abandon_on_cancel=True)
         if on_started is not None:
@@ -192,8 +205,9 @@ async def run_demo(cfg: DemoConfig, result: DemoResult,
 
                     phase = await run_workload(proxy.url, cfg.workload, on_turn=on_turn)
                     view = (await client.get(proxy.url + "/v1/engines")).json()
-                    result.phases.append(PhaseReport(pol, phase, view["routing_accuracy"],
-                                                     {e["name"]: e["served"] for e in view["engines"]}))
+                    result.phases.append(PhaseReport(pol, phase, _accuracy(view["engines"]),
+                                                     {e["name"]: e.get("proxy", {}).get("served", 0)
+                                                      for e in view["engines"]}))
                 await synced()
                 result.record_wall_s = time.perf_counter() - t_rec
                 recorder.stop()

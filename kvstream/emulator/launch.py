@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Sequence
 
-__all__ = ["LaunchError", "Proc", "start_engine", "start_proxy"]
+__all__ = ["LaunchError", "Proc", "start_engine", "start_proxy", "start_serve_proxy"]
 
 
 class LaunchError(RuntimeError):
@@ -84,6 +84,8 @@ class Proc:
             self.events, self.replay = m.group(2), m.group(3)
             if self.replay == "None":
                 self.replay = None
+        elif self._kind == "serve":
+            m = _wait_ready(self, r"listening on (http://\S+)", timeout_s)
         else:
             m = _wait_ready(self, r"ready (http://\S+)", timeout_s)
         self.url = m.group(1)
@@ -177,6 +179,23 @@ def start_proxy(engines: Sequence[Proc], *, port: int = 0, policy: str = "kv-awa
         argv += ["--engine", f"{e.name}={spec}"]
     proc = _spawn(f"proxy-{policy}", argv, log_dir)
     proc._kind = "proxy"
+    if wait:
+        proc.wait_ready(timeout_s)
+    return proc
+
+
+def start_serve_proxy(engines: Sequence[Proc], *, port: int = 0, policy: str = "kv-aware",
+                      extra: Sequence[str] = (), log_dir: str | None = None, timeout_s: float = 30.0,
+                      wait: bool = True) -> Proc:
+    """Start ``kvstream serve --proxy`` following ``engines`` (events, replay and ``http=``
+    URL each). Returns once it listens (``wait=False``: at once)."""
+    argv = ["kvstream", "serve", "--host", "127.0.0.1", "--port", str(port), "--proxy", "--proxy-policy", policy,
+            *extra]
+    for e in engines:
+        parts = [x for x in (e.events, e.replay) if x]
+        argv.append(f"{e.name}={','.join(parts)},http={e.url}")
+    proc = _spawn(f"serve-{policy}", argv, log_dir)
+    proc._kind = "serve"
     if wait:
         proc.wait_ready(timeout_s)
     return proc

@@ -23,7 +23,8 @@ import msgspec
 
 from kvstream.emulator.core import EmulatedEngine, EmulatorConfig, Generation
 from kvstream.wire.events import KVEventBatch
-from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids, requested_model
+from kvstream.proxy.openai import (OpenAIError, error_body, parse_json_body, prompt_token_ids, read_body,
+                                    requested_model)
 from kvstream.proxy.tokenize import PromptTokenizer
 from kvstream.transport.config import KVEventsConfig
 from kvstream.transport.publisher import Publisher
@@ -195,7 +196,7 @@ class EngineServer:
         from starlette.responses import Response, StreamingResponse
 
         try:
-            body = parse_json_body(await request.body(), MAX_BODY_BYTES)
+            body = parse_json_body(await read_body(request, MAX_BODY_BYTES), MAX_BODY_BYTES)
             model = requested_model(body, self.config.model)
             prompt = prompt_token_ids(body, kind, self.tokenizer)
             if body.get("n", 1) != 1:
@@ -303,6 +304,7 @@ class EngineServer:
 
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
         try:
             sock.bind((host, port))
         except OSError as exc:

@@ -19,8 +19,9 @@ Every byte is documented in ``docs/eventlog.md``; in short (all integers little-
 
 The checksum is the low 32 bits of xxh3-64 (seed 0): the fastest of crc32/xxh32/xxh3 on
 records of a few hundred bytes here (see ``bench/bench_eventlog.py``). Because it covers
-the length field too, a damaged length is caught like a damaged body, so a reader stops
-exactly at the first damaged record and can report its offset.
+the length field too, a damaged length is caught like a damaged body, so a reader knows
+exactly where a damaged record starts, reports that offset, and finds the next record
+that verifies to read on from (a false match has a chance of about 2**-32 per offset).
 
 This module encodes and decodes bytes only: no files, no clocks. :mod:`.writer` and
 :mod:`.reader` put it on disk.

@@ -8,9 +8,12 @@ source, the last seq the log holds and a digest of each recent payload, and deci
 every item of the new recording:
 
 * a batch whose seq the log holds with the same payload bytes: already recorded, skipped;
-* a batch whose seq the log holds with other bytes (or too old to compare): the engine
-  restarted while nothing was recording: a ``reset`` control (reason ``restart``) is
-  written before it, so replaying the log drops the old instance's blocks;
+* a batch whose seq the log holds with other bytes: the engine restarted while nothing
+  was recording: a ``reset`` control (reason ``restart``) is written before it, so
+  replaying the log drops the old instance's blocks;
+* batches older than anything the log can compare (before its digest window, or before
+  a snapshot it holds) are held, bounded in bytes, until the first comparable seq decides
+  between "already recorded" (dropped) and "a new instance" (a reset, then all of them);
 * the first batch past the log's last seq with seqs missing in between: a ``stale``
   control naming the missing seqs is written before it (recorded nowhere);
 * a ``stale`` item about seqs the log already holds is dropped (nothing is missing from
@@ -21,7 +24,7 @@ Once a source's new recording has moved past what the log held, everything passe
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
 from typing import Any, Iterable
 
 import xxhash
@@ -29,22 +32,66 @@ import xxhash
 from kvstream.eventlog.format import LogMessage, LogRecord
 from kvstream.transport.items import SourceBatch, SourceReset, SourceStale
 
-__all__ = ["ResumeFilter", "DIGEST_WINDOW"]
+__all__ = ["ResumeFilter", "DIGEST_WINDOW", "MAX_HELD_BYTES", "MAX_HELD_ITEMS"]
 
-DIGEST_WINDOW = 65_536
-"""Recent seqs per source whose payload digest is kept (more than vLLM's default replay
-buffer of 10,000 batches, so a join replay of the same engine is always compared)."""
+DIGEST_WINDOW = 16_384
+"""Recent seqs per source whose payload digest is kept, 8 bytes each (128 KiB per source
+at most twice over): more than vLLM's default replay buffer of 10,000 batches, so a join
+replay of the same engine is always compared."""
+
+MAX_HELD_BYTES = 8 << 20
+"""Payload bytes a source's undecided batches may hold (see :meth:`ResumeFilter.admit`);
+past it the source is taken for restarted (everything held is written after a reset)."""
+MAX_HELD_ITEMS = 100_000
+"""Undecided batches a source may hold."""
 
 _digest = xxhash.xxh3_64_intdigest
 
 
 class _Tail:
-    __slots__ = ("last", "digests", "open")
+    """The end of one source's recorded stream: its last seq and the payload digests of
+    a contiguous window of seqs (``base`` .. ``base + len(digests) - 1``; 0: not held)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("last", "base", "digests", "open", "window", "held", "held_bytes")
+
+    def __init__(self, window: int) -> None:
         self.last = -1
-        self.digests: OrderedDict[int, int] = OrderedDict()
+        self.base = 0
+        self.digests = array("Q")
         self.open = True  # still comparing against the log
+        self.window = window
+        self.held: list[Any] = []  # batches waiting for a comparable seq to decide
+        self.held_bytes = 0
+
+    def clear(self) -> None:
+        self.last = -1
+        self.base = 0
+        self.digests = array("Q")
+
+    def record(self, seq: int, digest: int) -> None:
+        d = self.digests
+        end = self.base + len(d)
+        if not d or seq >= end + self.window:
+            self.base, self.digests = seq, array("Q", [digest])
+            return
+        if seq >= end:
+            d.extend(array("Q", bytes(8 * (seq - end))))
+            d.append(digest)
+            if len(d) > 2 * self.window:  # trim in bulk: amortised O(1) per seq
+                cut = len(d) - self.window
+                del d[:cut]
+                self.base += cut
+        elif seq >= self.base:
+            d[seq - self.base] = digest
+
+    def lookup(self, seq: int) -> int | None:
+        """The digest recorded for ``seq``; None if not held; -1 if older than the window."""
+        i = seq - self.base
+        if i < 0:
+            return -1
+        if i >= len(self.digests):
+            return None
+        return self.digests[i] or None
 
 
 class ResumeFilter:
@@ -70,25 +117,31 @@ class ResumeFilter:
         """The filter for a log holding ``records`` (in order)."""
         f = cls()
         tails = f._tails
+        snap: dict[str, int] = {}  # source -> tag of the snapshot being read
         for r in records:
             t = tails.get(r.source)
             if t is None:
-                t = tails[r.source] = _Tail()
+                t = tails[r.source] = _Tail(window)
             if type(r) is LogMessage:
                 if r.seq < 0:
                     continue
-                d = t.digests
-                d[r.seq] = _digest(r.payload)
-                d.move_to_end(r.seq)
-                if len(d) > window:
-                    d.popitem(last=False)
+                tag = snap.get(r.source)
+                if tag is not None and r.replayed and r.seq == tag - 1:
+                    # A snapshot batch: tagged with a seq, but not that seq's batch.
+                    t.last = max(t.last, r.seq)
+                    continue
+                snap.pop(r.source, None)
+                t.record(r.seq, _digest(r.payload))
                 t.last = max(t.last, r.seq) if r.replayed else r.seq
             elif r.kind == "reset":  # type: ignore[union-attr]
                 # A new engine instance (or a snapshot): older seqs say nothing any more.
-                t.digests.clear()
-                t.last = -1
+                t.clear()
+                snap.pop(r.source, None)
                 if r.reason == "snapshot" and r.seq is not None:  # type: ignore[union-attr]
+                    # Seqs below the tag are in the snapshot, not comparable one by one.
                     t.last = r.seq - 1
+                    t.base = r.seq
+                    snap[r.source] = r.seq
         return f
 
     @property
@@ -110,13 +163,28 @@ class ResumeFilter:
         if cls is SourceBatch:
             s = item.seq
             if s <= t.last:
-                d = t.digests.get(s)
-                if d is not None and d == _digest(item.payload):
-                    self.skipped += 1
+                d = t.lookup(s)
+                if d == -1:
+                    # Older than what the log can compare (before its window, or before a
+                    # snapshot it holds): the same engine's buffer or a new engine's first
+                    # seqs. Held until a comparable seq decides, within a bound.
+                    t.held.append(item)
+                    t.held_bytes += len(item.payload)
+                    if t.held_bytes > MAX_HELD_BYTES or len(t.held) > MAX_HELD_ITEMS:
+                        return self._restarted(t, item.source, [])
                     return []
-                t.open = False
-                self.restarts += 1
-                return [SourceReset(item.source, "restart", s), item]
+                if d is None or d == _digest(item.payload):
+                    # Recorded with the same bytes, or a seq the log lacks (a hole it
+                    # already marked): either way nothing to record again.
+                    self.skipped += 1 + len(t.held)
+                    t.held.clear()
+                    t.held_bytes = 0
+                    return []
+                return self._restarted(t, item.source, [item])  # other bytes: a new instance
+            if t.held:
+                # Seqs jumped from below the comparable window to past the log's end: not
+                # one engine's contiguous replay, so not provably recorded.
+                return self._restarted(t, item.source, [item])
             t.open = False
             if s > t.last + 1:
                 self.gaps += 1
@@ -124,6 +192,8 @@ class ResumeFilter:
                                     "recorder ran (between the appended log and this recording)",
                                     t.last + 1, s), item]
             return [item]
+        if t.held:
+            return self._restarted(t, item.source, [item])
         if cls is SourceReset:
             t.open = False
             return [item]
@@ -137,3 +207,12 @@ class ResumeFilter:
             return [item]
         return [item]
 
+    def _restarted(self, t: _Tail, source: str, then: list[Any]) -> list[Any]:
+        """Decide "a new engine instance": a reset, then everything held, then ``then``."""
+        t.open = False
+        self.restarts += 1
+        held = list(t.held)
+        t.held.clear()
+        t.held_bytes = 0
+        first = held[0] if held else (then[0] if then and type(then[0]) is SourceBatch else None)
+        return [SourceReset(source, "restart", first.seq if first is not None else None), *held, *then]

@@ -2,8 +2,8 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are tokenized locally
 (:mod:`kvstream.proxy.tokenize`; ``prompt`` token ids need no tokenizer), scored against
-every engine's cached prefixes and the requests in flight, and forwarded with ``httpx`` to
-the best engine. Streaming responses are passed through event by event as they arrive;
+every engine's cached prefixes and the requests in flight, and forwarded to the best
+engine over kept-alive HTTP/1.1 connections (:mod:`kvstream.proxy.upstream`). Streaming responses are passed through event by event as they arrive;
 other responses as they are; the engine's status code and error body come back unchanged.
 Every proxied response carries ``x-kvstream-engine: NAME``.
 
@@ -26,15 +26,18 @@ Other routes: ``GET /v1/models`` (forwarded to an engine that is up), ``GET /v1/
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Mapping, Sequence
+from urllib.parse import urlsplit
 
 import anyio
 import msgspec
 
 from kvstream.routing.index import KVIndex
+from kvstream.proxy.backends import RouterBackend, RoutingBackend, ServiceBackend
 from kvstream.proxy.core import ProxyCore, Upstream
-from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids
+from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids, read_body
 from kvstream.proxy.tokenize import PromptTokenizer
+from kvstream.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvstream.routing.router import Router
 from kvstream.routing.scoring import PrefixLoadPolicy
 from kvstream.transport.subscriber import SourceSpec
@@ -48,6 +51,7 @@ POLICIES = ("kv-aware", "round-robin")
 """Routing policies: by cached prefix and load, or the round-robin baseline."""
 
 MAX_BODY_BYTES = 16 << 20
+_MAX_EVENT_BYTES = 1 << 20  # the most one SSE event may buffer before it is passed on as is
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
 _HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
@@ -57,6 +61,13 @@ def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> Any:
     from starlette.responses import Response
 
     return Response(_enc.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def _check_url(name: str, url: str) -> Any:
+    u = urlsplit(url)
+    if u.scheme != "http" or not u.hostname:
+        raise ValueError(f"engine {name}: base URL {url!r} must be http://HOST:PORT[/PATH]")
+    return u
 
 
 def _cached_tokens(usage: Any) -> int | None:
@@ -87,42 +98,86 @@ class KVProxy:
     def __init__(self, upstreams: Sequence[Upstream], *, tokenizer: PromptTokenizer | None = None,
                  block_size: int = 16, policy: str = "kv-aware", speculate_s: float | None = None,
                  max_attempts: int = 3, backoff_s: float = 1.0, connect_timeout_s: float = 2.0,
-                 subscriber_options: dict[str, Any] | None = None) -> None:
+                 subscriber_options: dict[str, Any] | None = None,
+                 backend: RoutingBackend | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.core = ProxyCore(upstreams, backoff_s=backoff_s, max_attempts=max_attempts)
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.policy = policy
-        specs = [SourceSpec(u.events, u.replay, name=u.name) for u in upstreams if u.events]
-        self.router = Router(specs, index=KVIndex(router_block_size=block_size),
-                             policy=PrefixLoadPolicy(), speculative_ttl_s=speculate_s,
-                             **(subscriber_options or {}))
-        for u in upstreams:  # engines without a stream still get routed (by load)
-            self.router.index.add_source(u.name)
+        self.speculate = speculate_s is not None
+        for u in upstreams:
+            _check_url(u.name, u.base_url)
+        if backend is None:
+            specs = [SourceSpec(u.events, u.replay, name=u.name) for u in upstreams if u.events]
+            scoring = PrefixLoadPolicy()
+            router = Router(specs, index=KVIndex(router_block_size=block_size), policy=scoring,
+                            speculative_ttl_s=speculate_s, **(subscriber_options or {}))
+            for u in upstreams:  # engines without a stream still get routed (by load)
+                router.index.add_source(u.name)
+            backend = RouterBackend(router, {u.name: u.base_url for u in upstreams}, scoring)
+        self.backend = backend
         self._connect_timeout_s = connect_timeout_s
-        self._client: Any = None
+        self._pools: dict[str, tuple[str, UpstreamPool, str]] = {}
         self._metrics = _Metrics()
         self.app = self._build_app()
 
-    async def __aenter__(self) -> "KVProxy":
-        import httpx
+    @classmethod
+    def for_service(cls, core: Any, *, tokenizer: PromptTokenizer | None = None, policy: str = "kv-aware",
+                    speculate: bool = False, max_attempts: int = 3, backoff_s: float = 1.0,
+                    connect_timeout_s: float = 2.0) -> "KVProxy":
+        """The proxy mode of ``kvstream serve``: route with the service's core (its default
+        index, weights and load board) and forward to its engines' ``http=`` URLs. The
+        service runs the subscriber; mount :meth:`openai_routes` in its app, add
+        :meth:`engine_view` to its ``/v1/engines`` and :meth:`metrics_text` to its
+        ``/metrics``, and hold ``async with proxy`` while serving (it closes the pools)."""
+        proxy = cls([], tokenizer=tokenizer, block_size=core.config.router_block_size, policy=policy,
+                    speculate_s=core.config.speculate_ttl if speculate else None, max_attempts=max_attempts,
+                    backoff_s=backoff_s, connect_timeout_s=connect_timeout_s, backend=ServiceBackend(core))
+        return proxy
 
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=self._connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        try:
-            await self.router.__aenter__()
-        except BaseException:
-            await self._client.aclose()
-            raise
+    async def __aenter__(self) -> "KVProxy":
+        await self.backend.__aenter__()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         try:
-            await self.router.__aexit__(*exc)
+            await self.backend.__aexit__(*exc)
         finally:
-            await self._client.aclose()
+            for _, pool, _ in self._pools.values():
+                await pool.aclose()
+
+    @property
+    def router(self) -> Any:
+        """The standalone proxy's :class:`Router` (None in the service's proxy mode)."""
+        return getattr(self.backend, "router", None)
+
+    def _sync_upstreams(self) -> Mapping[str, str]:
+        urls = self.backend.upstreams()
+        for name, url in urls.items():
+            self.core.ensure(name, url)
+        return urls
+
+    def _pool(self, name: str) -> tuple[UpstreamPool, str]:
+        url = self.core.engines[name].upstream.base_url
+        hit = self._pools.get(name)
+        if hit is None or hit[0] != url:
+            u = _check_url(name, url)
+            pool = UpstreamPool(u.hostname or "", u.port or 80, connect_timeout_s=self._connect_timeout_s)
+            hit = (url, pool, u.path.rstrip("/"))
+            self._pools[name] = hit
+        return hit[1], hit[2]
+
+    def engine_view(self, name: str) -> dict[str, Any]:
+        """The proxy's part of ``name``'s ``/v1/engines`` entry (in flight, failures,
+        mark-down, routing accuracy): ``{"proxy": {...}}``, or ``{}`` if never proxied to."""
+        v = self.core.engine_view(name, time.monotonic())
+        return {"proxy": v} if v else {}
+
+    def metrics_text(self) -> bytes:
+        """The proxy's Prometheus metrics (accuracy histograms, in flight, requests, failovers)."""
+        return self._metrics.render(self.core)
 
     # -- routes ---------------------------------------------------------------------------
 
@@ -132,14 +187,23 @@ class KVProxy:
 
         return Starlette(routes=self.routes())
 
-    def routes(self) -> list[Any]:
-        """The proxy's Starlette routes (to mount them in another app)."""
+    def openai_routes(self) -> list[Any]:
+        """The OpenAI-compatible routes alone (``/v1/completions``, ``/v1/chat/completions``,
+        ``/v1/models``): what another service adds to its own app to proxy requests."""
         from starlette.routing import Route
 
         return [
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+        ]
+
+    def routes(self) -> list[Any]:
+        """Every route of the standalone proxy: :meth:`openai_routes` plus ``/v1/engines``,
+        ``/metrics`` and ``/health``."""
+        from starlette.routing import Route
+
+        return self.openai_routes() + [
             Route("/v1/engines", self._engines, methods=["GET"]),
             Route("/metrics", self._prom, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
@@ -151,34 +215,30 @@ class KVProxy:
         return _json(200 if up else 503, {"status": "ok" if up else "no engine is up", "engines_up": len(up)})
 
     async def _engines(self, request: Any) -> Any:
-        streams = self.router.health()
-        index = self.router.index
-        view: dict[str, Any] = {}
-        for n in self.core.engines:
-            info = index.source_info(n)
-            h = streams.get(n)
-            view[n] = {"state": h.state if h is not None else "not followed", "stale": info.stale,
-                       "blocks": info.blocks, "applied_seq": self.router.applied_seq(n),
-                       "restarts": h.counters.get("restarts", 0) if h is not None else 0}
+        self._sync_upstreams()
+        view = {n: self.backend.stream_view(n) for n in self.core.engines}
         return _json(200, self.core.view(time.monotonic(), view))
 
     async def _prom(self, request: Any) -> Any:
         from starlette.responses import Response
 
-        return Response(self._metrics.render(self.core), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(self.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _models(self, request: Any) -> Any:
-        import httpx
         from starlette.responses import Response
 
-        for name in self.core.candidates(list(self.core.engines), time.monotonic()):
-            url = self.core.engines[name].upstream.base_url + "/v1/models"
+        for name in self.core.candidates(list(self._sync_upstreams()), time.monotonic()):
+            pool, prefix = self._pool(name)
             try:
-                r = await self._client.get(url)
-            except httpx.TransportError as exc:
+                r = await pool.request("GET", prefix + "/v1/models", b"", [])
+                try:
+                    content = await r.read()
+                finally:
+                    await r.aclose()
+            except UpstreamError as exc:
                 self._failed(name, exc)
                 continue
-            return Response(r.content, status_code=r.status_code, media_type="application/json",
+            return Response(content, status_code=r.status_code, media_type="application/json",
                             headers={ENGINE_HEADER: name})
         return _json(503, error_body(503, "no engine is reachable"))
 
@@ -192,7 +252,15 @@ class KVProxy:
 
     def _failed(self, name: str, exc: BaseException) -> None:
         self.core.failed(name, f"{type(exc).__name__}: {exc}"[:300], time.monotonic())
-        self.router.index.mark_stale(name, True)
+        self.backend.mark_failed(name)
+
+    def _started(self, name: str) -> None:
+        self.core.started(name)
+        self.backend.started(name)
+
+    def _finished(self, name: str) -> None:
+        self.core.finished(name)
+        self.backend.finished(name)
 
     def _route(self, body: dict[str, Any], kind: str) -> tuple[list[str], dict[str, int]]:
         """Candidates best first, and per engine the predicted cached prompt tokens."""
@@ -203,29 +271,29 @@ class KVProxy:
             if self.tokenizer is not None:
                 raise
             tokens = None  # a text prompt without a tokenizer: route by load only
-        loads = self.core.loads()
+        urls = self._sync_upstreams()
+        loads = self.backend.loads() or self.core.loads()
         predicted: dict[str, int] = {}
+        ranking: list[str]
         if tokens:
-            res = self.router.route(tokens, loads) if self.policy == "kv-aware" else \
-                self.router.index.score(tokens, loads=loads)
+            res = self.backend.score(tokens, loads, self.policy == "kv-aware" and self.speculate)
             # The engine never reuses the prompt's last token: its hit is capped below it.
             cap = (len(tokens) - 1) // self.block_size * self.block_size
             predicted = {n: min(m.tokens, cap) for n, m in res.matches.items()}
-            ranking = res.ranking
+            ranking = [n for n in res.ranking if n in urls]
         else:
-            ranking = sorted(self.core.engines, key=lambda n: loads[n].running)
+            ranking = sorted(urls, key=lambda n: loads[n].running if n in loads else 0)
         if self.policy == "round-robin":
             ranking = self.core.round_robin()
         else:
-            ranking = ranking + [n for n in self.core.engines if n not in ranking]
+            ranking = ranking + [n for n in urls if n not in ranking]
         return self.core.candidates(ranking, time.monotonic()), predicted
 
     async def _proxy(self, request: Any, path: str, kind: str) -> Any:
-        import httpx
         from starlette.responses import Response, StreamingResponse
 
         try:
-            body = parse_json_body(await request.body(), MAX_BODY_BYTES)
+            body = parse_json_body(await read_body(request, MAX_BODY_BYTES), MAX_BODY_BYTES)
             candidates, predicted = self._route(body, kind)
         except OpenAIError as exc:
             return _json(exc.status, exc.body())
@@ -237,20 +305,19 @@ class KVProxy:
                 body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
                 strip_usage = True
         payload = _enc.encode(body)
-        headers = {"content-type": "application/json"}
+        headers = [(b"content-type", b"application/json")]
         auth = request.headers.get("authorization")
         if auth:
-            headers["authorization"] = auth
+            headers.append((b"authorization", auth.encode("latin-1")))
         errors: list[str] = []
         for attempt, name in enumerate(candidates):
-            up = self.core.engines[name].upstream
-            self.core.started(name)
+            pool, prefix = self._pool(name)
+            self._started(name)
             sent = False
             try:
-                req = self._client.build_request("POST", up.base_url + path, content=payload, headers=headers)
-                resp = await self._client.send(req, stream=True)
+                resp = await pool.request("POST", prefix + path, payload, headers)
                 sent = True
-            except httpx.TransportError as exc:
+            except UpstreamError as exc:
                 self._failed(name, exc)
                 errors.append(f"{name}: {type(exc).__name__}")
                 if attempt + 1 < len(candidates):
@@ -258,22 +325,23 @@ class KVProxy:
                 continue
             finally:
                 if not sent:
-                    self.core.finished(name)
-            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+                    self._finished(name)
+            out_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in resp.headers
+                           if k.lower().decode("latin-1") not in _HOP}
             out_headers[ENGINE_HEADER] = name
             self._metrics.requests.setdefault((name, resp.status_code), 0)
             self._metrics.requests[(name, resp.status_code)] += 1
             if not stream or resp.status_code != 200:
                 try:
-                    content = await resp.aread()
-                except httpx.TransportError as exc:
+                    content = await resp.read()
+                except UpstreamError as exc:
                     self._failed(name, exc)
-                    self.core.finished(name)
+                    self._finished(name)
                     await resp.aclose()
                     return _json(502, error_body(502, f"engine {name} dropped the connection while answering"),
                                  {ENGINE_HEADER: name})
                 await resp.aclose()
-                self.core.finished(name)
+                self._finished(name)
                 realized = None
                 if resp.status_code == 200:
                     try:
@@ -292,14 +360,12 @@ class KVProxy:
         if predicted is not None and realized is not None:
             self._metrics.observe(name, predicted, realized)
 
-    async def _pass_through(self, name: str, resp: Any, predicted: int | None, strip_usage: bool
+    async def _pass_through(self, name: str, resp: UpstreamResponse, predicted: int | None, strip_usage: bool
                             ) -> AsyncIterator[bytes]:
-        import httpx
-
         buf = b""
         realized: int | None = None
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.aiter_bytes():
                 buf += chunk
                 out = []
                 while True:
@@ -319,16 +385,19 @@ class KVProxy:
                             if strip_usage and not obj.get("choices"):
                                 continue
                     out.append(event)
+                if len(buf) > _MAX_EVENT_BYTES:  # not SSE framing we know: pass it on unparsed
+                    out.append(buf)
+                    buf = b""
                 if out:
                     yield b"".join(out)
             if buf:
                 yield buf
-        except httpx.TransportError as exc:
+        except UpstreamError as exc:
             self._failed(name, exc)
             return
         finally:
             await resp.aclose()
-            self.core.finished(name)
+            self._finished(name)
         self._answered(name, predicted, realized)
 
 
@@ -381,6 +450,7 @@ async def serve_proxy(proxy: KVProxy, host: str, port: int, on_ready: Any = None
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
     try:
         sock.bind((host, port))
     except OSError as exc:

@@ -87,8 +87,6 @@ class ProxyCore:
             if u.name in self.engines:
                 raise ValueError(f"two engines are named {u.name!r}; give each a unique name")
             self.engines[u.name] = UpstreamState(u)
-        if not self.engines:
-            raise ValueError("the proxy needs at least one engine")
         if backoff_s <= 0 or max_backoff_s < backoff_s or max_attempts < 1:
             raise ValueError("need backoff_s > 0, max_backoff_s >= backoff_s and max_attempts >= 1")
         self.backoff_s = backoff_s
@@ -98,6 +96,17 @@ class ProxyCore:
         self.failovers = 0
         self.unroutable = 0
         self._rr = 0
+
+    def ensure(self, name: str, base_url: str) -> UpstreamState:
+        """Know ``name`` at ``base_url`` (engines may come and go while serving)."""
+        s = self.engines.get(name)
+        if s is None or s.upstream.base_url != base_url:
+            old = s
+            s = UpstreamState(Upstream(name, base_url))
+            if old is not None:
+                s.accuracy = old.accuracy
+            self.engines[name] = s
+        return s
 
     def loads(self) -> dict[str, Load]:
         """Per engine, its load as the policy sees it (requests in flight as ``running``)."""
@@ -151,6 +160,15 @@ class ProxyCore:
         if predicted is not None and realized is not None:
             s.accuracy.add(predicted, realized)
             self.total.add(predicted, realized)
+
+    def engine_view(self, name: str, now: float) -> dict[str, Any]:
+        """The proxy's part of one engine's ``/v1/engines`` entry (empty if unknown)."""
+        s = self.engines.get(name)
+        if s is None:
+            return {}
+        return {"state": "down" if self.is_down(name, now) else "up", "in_flight": s.in_flight,
+                "served": s.served, "failures": s.failures, "down_for_s": max(0.0, s.down_until - now),
+                "last_error": s.last_error, "routing_accuracy": s.accuracy.view()}
 
     def view(self, now: float, health: dict[str, Any]) -> dict[str, Any]:
         """The ``/v1/engines`` JSON body; ``health``: per engine what the router knows of

@@ -21,6 +21,7 @@ __all__ = [
     "OpenAIError",
     "error_body",
     "parse_json_body",
+    "read_body",
     "prompt_token_ids",
     "requested_model",
 ]
@@ -60,6 +61,19 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 _decoder = msgspec.json.Decoder()
+
+
+async def read_body(request: Any, max_bytes: int) -> bytes:
+    """A Starlette request's body, read chunk by chunk; :class:`OpenAIError` 413 as soon as
+    it passes ``max_bytes`` (bytes), so an oversized body is never held whole."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise OpenAIError(413, f"request body is over the limit of {max_bytes} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -88,7 +88,9 @@ def routes(core: ServiceCore) -> list[BaseRoute]:
     Mooncake indexer API)."""
     from kvstream.service.mooncake import MooncakeAPI
 
-    mc = MooncakeAPI(core)
+    mc = core.mooncake
+    if mc is None:  # one registry of Mooncake groups per core, however many apps mount it
+        mc = core.mooncake = MooncakeAPI(core)
 
     async def engines(request: Request) -> Response:
         return Response(core.engines_view(), media_type=JSON)
@@ -101,7 +103,10 @@ def routes(core: ServiceCore) -> list[BaseRoute]:
         return Response(body, status, media_type=JSON)
 
     async def metrics(request: Request) -> Response:
-        return Response(core.metrics.render(), media_type=CONTENT_TYPE)
+        text = core.metrics.render()
+        for extra in core.metrics_extras:  # the proxy mode's metrics
+            text += extra()
+        return Response(text, media_type=CONTENT_TYPE)
 
     async def dump(request: Request) -> Response:
         return Response(core.dump(), media_type="application/msgpack")
@@ -120,10 +125,12 @@ def routes(core: ServiceCore) -> list[BaseRoute]:
     ]
 
 
-def create_app(core: ServiceCore, *, runtime: bool = True, **subscriber_options: Any) -> Starlette:
+def create_app(core: ServiceCore, *, runtime: bool = True, extra_routes: Sequence[BaseRoute] = (),
+               **subscriber_options: Any) -> Starlette:
     """The standalone app. ``runtime``: the lifespan runs a :class:`ServiceRuntime` for
     ``core`` (False: the caller runs one, or none, e.g. a test of the HTTP layer alone).
-    ``subscriber_options`` go to the runtime's subscriber."""
+    ``extra_routes``: more routes (the proxy mode's OpenAI API). ``subscriber_options``
+    go to the runtime's subscriber."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -150,5 +157,5 @@ def create_app(core: ServiceCore, *, runtime: bool = True, **subscriber_options:
         return Response(ApiError(500, "internal", f"internal error: {type(exc).__name__}").body(), 500,
                         media_type=JSON)
 
-    return Starlette(routes=routes(core), lifespan=lifespan,
+    return Starlette(routes=routes(core) + list(extra_routes), lifespan=lifespan,
                      exception_handlers={HTTPException: http_error, Exception: internal_error})

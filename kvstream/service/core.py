@@ -31,7 +31,7 @@ from kvstream.service.config import EngineSpec, ServeConfig
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.service.load import LoadBoard
 from kvstream.service.schema import ENCODER, EngineScore, LoadIn, RouteRequest, RouteResponse
-from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale
+from kvstream.transport.items import SourceBatch, SourceReset
 from kvstream.transport.subscriber import SourceHealth, SourceSpec
 from kvstream.observe.metrics import EngineSnapshot, IndexSnapshot, ServiceMetrics
 
@@ -56,17 +56,14 @@ class Engine:
     """One followed engine.
 
     ``index``: the name of the index its events go to; ``http``: its base URL (for load
-    scrapes); ``meta``: what registration said about it (Mooncake fields); ``reached``:
-    the engine has answered (a batch, or a replay reply) since it was added: until then it
-    is ``connecting``.
+    scrapes); ``meta``: what registration said about it (Mooncake fields); ``added_at``:
+    when it was added (seconds, the core's clock).
     """
 
     spec: SourceSpec
     index: str
     http: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
-    reached: bool = False
-    last_stale: bool = False
     added_at: float = 0.0
 
     @property
@@ -108,6 +105,13 @@ class ServiceCore:
         self._resume: dict[str, int] = {}
         self.resumed: dict[str, int] = {}
         """Per engine, the seq a loaded replica dump resumed it from."""
+        self.engine_view_extras: list[Callable[[str], dict[str, Any]]] = []
+        """Seam for layers on top (the proxy mode): each adds keys to an engine's
+        ``/v1/engines`` entry."""
+        self.metrics_extras: list[Callable[[], bytes]] = []
+        """Seam for layers on top (the proxy mode): more Prometheus text for ``/metrics``."""
+        self.mooncake: Any = None
+        """The :class:`~kvstream.service.mooncake.MooncakeAPI` over this core, once routes exist."""
         self.items_applied = 0
         self.items_skipped = 0
         """Batches not applied because a loaded replica dump already held them."""
@@ -197,14 +201,14 @@ class ServiceCore:
         if self._resume and name in self._resume:
             if cls is SourceBatch and item.seq <= self._resume[name]:
                 self.items_skipped += 1  # the loaded dump already holds it
-                e0 = self.engines.get(name)
-                if e0 is not None:
-                    e0.reached = True
+                if name in self.engines:
                     self.applied[name] = item.seq
                 return
             if cls is SourceBatch or cls is SourceReset:
                 del self._resume[name]  # past the dump, or the state is being rebuilt
-        ix = self._leaving.get(name) or self._route_of.get(name)
+        ix = self._leaving.get(name)
+        if ix is None:
+            ix = self._route_of.get(name)
         if ix is None:
             return  # an engine removed before the subscriber knew it
         e = self.engines.get(name) if name not in self._leaving else None
@@ -217,8 +221,6 @@ class ServiceCore:
         if cls is SourceBatch:
             if e is not None:
                 self.applied[name] = item.seq
-                e.reached = True
-                e.last_stale = False
         elif cls is SourceReset:
             if item.reason == "removed":
                 self._leaving.pop(name, None)
@@ -228,17 +230,10 @@ class ServiceCore:
                     new.add_source(name)
             elif e is not None:
                 self.applied.pop(name, None)
-        elif cls is SourceStale:
-            if e is not None:
-                e.last_stale = True
-        elif cls is SourceLive and e is not None and not e.last_stale:
-            e.reached = True
 
     def state_of(self, name: str, health: SourceHealth | None) -> str:
-        """``connecting`` (not reached yet), ``live``, ``recovering`` or ``stale``."""
-        e = self.engines[name]
-        if not e.reached:
-            return "connecting"
+        """``connecting`` (nothing heard from it yet), ``live``, ``recovering`` or
+        ``stale``: the subscriber's state of the engine's stream."""
         return health.state if health is not None else "connecting"
 
     # -- replicas ----------------------------------------------------------------------
@@ -310,6 +305,7 @@ class ServiceCore:
                 "blocks": blocks,
                 "load": self.loads.view(name, now),
                 **({"meta": e.meta} if e.meta else {}),
+                **{k: v for extra in self.engine_view_extras for k, v in extra(name).items()},
             })
         return ENCODER.encode({"engines": out})
 
@@ -378,6 +374,10 @@ class ServiceCore:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise from_msgspec(exc) from None
         tokens = self.tokens_of(req.token_ids, req.prompt)
+        if req.lora_name is not None and req.lora_id is not None:
+            raise ApiError(422, "bad_field", "give lora_name (vLLM >= 0.26) or lora_id (vLLM 0.11), not both",
+                           "$.lora_id")
+        lora = req.lora_name if req.lora_name is not None else req.lora_id
         requested = self.check_loads(req.loads, DEFAULT_INDEX)
         ix: Any = self.indexes[DEFAULT_INDEX]
         mm = None
@@ -386,7 +386,7 @@ class ServiceCore:
         now = self.clock()
         ix.expire(now)
         try:
-            keys = ix.keys(tokens, req.lora_name, req.cache_salt, mm)
+            keys = ix.keys(tokens, lora, req.cache_salt, mm)
         except RouterKeyError as exc:
             raise ApiError(422, "bad_field", str(exc), "$.mm_hashes") from None
         loads = self.loads.effective(requested)

@@ -262,7 +262,8 @@ class MooncakeAPI:
                 matches = ix.match((), keys=std)
             else:
                 try:
-                    matches = ix.match(tokens, q.lora_name or None, q.cache_salt or None)
+                    lora_key = q.lora_name or (q.lora_id if q.lora_id is not None else None)
+                    matches = ix.match(tokens, lora_key, q.cache_salt or None)
                 except RouterKeyError as exc:
                     raise ApiError(422, "bad_field", str(exc), "$") from None
             self._merge(result, matches, q.block_size, q.instance_id)

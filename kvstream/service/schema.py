@@ -39,14 +39,16 @@ class LoadIn(Struct, forbid_unknown_fields=True):
 
 class RouteRequest(Struct, forbid_unknown_fields=True):
     """``POST /v1/route``: exactly one of ``token_ids`` and ``prompt`` (the latter needs
-    ``--tokenizer``). ``lora_name``/``cache_salt``/``mm_hashes`` put the request in the
-    same hash namespace as the engine would; ``loads`` override the scraped loads per
+    ``--tokenizer``). ``lora_name`` (or, for vLLM 0.11 engines, the adapter's int
+    ``lora_id``), ``cache_salt`` and ``mm_hashes`` put the request in the same hash
+    namespace as the engine would; ``loads`` override the scraped loads per
     engine; ``speculate`` inserts the routed prefix for the chosen engine for
     ``--speculate-ttl`` seconds."""
 
     token_ids: list[TokenId] | None = None
     prompt: str | None = None
     lora_name: Annotated[str, Meta(max_length=1024)] | None = None
+    lora_id: Annotated[int, Meta(ge=0, le=1 << 31)] | None = None
     cache_salt: Annotated[str, Meta(max_length=1024)] | None = None
     mm_hashes: list[MMHash] | None = None
     loads: dict[str, msgspec.Raw] | None = None  # each a LoadIn, decoded by name (errors name the engine)

@@ -15,6 +15,10 @@ Endpoint rules (vLLM's, checked against vLLM 0.33's ``dp1.bin`` capture):
 * Data-parallel rank ``r > 0``: a ``tcp://`` endpoint gets its port increased by ``r``, an
   ``inproc://`` endpoint gets the suffix ``_dp{r}``, and ``ipc://`` is rejected (vLLM raises
   too, less clearly). Rank 0 endpoints are used as given.
+* Port 0 (an ephemeral port) depends on the release (``VllmVersion.dp_offsets_port_zero``):
+  vLLM 0.11 adds the rank to it like to any port (rank 2 binds port 2), vLLM 0.33 keeps
+  ``:0`` so every rank gets its own ephemeral port. ``KVEventsConfig.vllm_version`` picks
+  the rule (default ``"0.33"``); a wildcard port ``:*`` always stays a wildcard.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Final, Literal, Mapping
 
+from kvstream.compat import VLLM_0_33, VllmVersion, version as _version
 from kvstream.errors import LocalProtocolError
 
 __all__ = [
@@ -103,11 +108,31 @@ class KVEventsConfig:
     batch still gets its seq and enters the replay buffer but is not sent live (counted in
     ``stats.live_dropped``); subscribers see a gap and fetch it by replay. ``"raise"``:
     :meth:`Publisher.publish` raises :class:`QueueFullError` and the batch is not published."""
-    max_replay_jobs: int = 64
-    """Replay/snapshot requests served concurrently; more are ignored and counted
+    max_replay_jobs: int = 256
+    """Replay/snapshot requests answered concurrently (at most one per requester); others
+    wait (see ``max_pending_replays``)."""
+    max_pending_replays: int = 1024
+    """Requests waiting for a free job slot; more are ignored and counted
     (``stats.replay_rejected``), the requester's retry comes later."""
     replay_chunk: int = 256
-    """Replay messages sent per turn before live publishing gets the loop back."""
+    """Replay messages sent to one requester per round before the next requester's turn."""
+    replay_slice_s: float = 0.002
+    """Seconds of event-loop time the replay server takes per turn before yielding (bounds
+    how late an engine loop sharing the event loop can be made by replays)."""
+    replay_hwm: int = 10_000
+    """ZMQ send high-water mark of the replay socket (messages per requester)."""
+    replay_client_max_bytes: int = 4 * 1024 * 1024
+    """Reply bytes one requester may have queued in ZMQ and not yet read (plus one message)."""
+    replay_max_bytes: int = 64 * 1024 * 1024
+    """Reply bytes all requesters together may have queued in ZMQ and not yet read."""
+    replay_client_timeout_s: float = 5.0
+    """Seconds a requester may read nothing while its replay waits on it; then the replay
+    is dropped (``stats.replay_stalled``)."""
+    snapshot_reuse_s: float = 0.1
+    """Snapshot requests within this many seconds of the last call of the snapshot provider
+    share its state (tagged with its seq; the requester replays what followed)."""
+    max_snapshot_states: int = 2
+    """Distinct snapshot states held at once (each about the size of the pool's state)."""
     snapshot_batch_events: int = 512
     """Events per batch in a snapshot reply."""
     linger_s: float = 1.0
@@ -117,6 +142,9 @@ class KVEventsConfig:
     startup instead of only ranks up to this one."""
     curve: CurveServerConfig | None = field(default=None, repr=False)
     """CURVE encryption/authentication for tcp endpoints; None (default, like vLLM) is plaintext."""
+    vllm_version: str = VLLM_0_33.name
+    """The vLLM release whose endpoint rules apply (``"0.11"`` or ``"0.33"``, see
+    :mod:`kvstream.compat`): decides whether a data-parallel rank offsets port 0."""
 
     def __post_init__(self) -> None:
         if self.publisher is None:
@@ -131,8 +159,19 @@ class KVEventsConfig:
             raise ValueError(f"encoding must be 'map' or 'array', got {self.encoding!r}")
         if self.queue_full not in QUEUE_FULL_POLICIES:
             raise ValueError(f"queue_full must be one of {QUEUE_FULL_POLICIES}, got {self.queue_full!r}")
-        if self.max_replay_jobs < 1 or self.replay_chunk < 1 or self.snapshot_batch_events < 1:
-            raise ValueError("max_replay_jobs, replay_chunk and snapshot_batch_events must be >= 1")
+        for name in ("max_replay_jobs", "max_pending_replays", "replay_chunk", "snapshot_batch_events",
+                     "replay_hwm", "replay_client_max_bytes", "replay_max_bytes", "max_snapshot_states"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("replay_slice_s", "replay_client_timeout_s", "snapshot_reuse_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        self.vllm_version = _version(self.vllm_version).name  # raises naming the known releases
+
+    @property
+    def vllm(self) -> VllmVersion:
+        """The :class:`~kvstream.compat.VllmVersion` named by ``vllm_version``."""
+        return _version(self.vllm_version)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "KVEventsConfig":
@@ -159,12 +198,16 @@ def _split_tcp(endpoint: str) -> tuple[str, str]:
     return endpoint[:i], endpoint[i + 1:]
 
 
-def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
-    """The endpoint data-parallel rank ``rank`` uses, by vLLM's rule (module docstring).
+def offset_endpoint(endpoint: str | None, rank: int, vllm: VllmVersion | str = VLLM_0_33) -> str | None:
+    """The endpoint data-parallel rank ``rank`` uses, by the rule of release ``vllm``
+    (a :class:`~kvstream.compat.VllmVersion` or its name; module docstring).
 
     A wildcard port (``tcp://127.0.0.1:*``) stays a wildcard: every bind gets its own port.
+    Port 0 is offset under vLLM 0.11 and kept under 0.33 (the default).
     Raises :class:`EndpointError` for ``ipc://`` with ``rank > 0`` or an unknown scheme.
     """
+    if isinstance(vllm, str):
+        vllm = _version(vllm)
     if rank < 0:
         raise EndpointError(f"data_parallel_rank must be >= 0, got {rank}")
     if not endpoint or rank == 0:
@@ -179,6 +222,8 @@ def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
             p = int(port)
         except ValueError:
             raise EndpointError(f"tcp endpoint {endpoint!r} has a non-numeric port {port!r}") from None
+        if p == 0 and not vllm.dp_offsets_port_zero:
+            return endpoint
         return f"{base}:{p + rank}"
     if endpoint.startswith("ipc://"):
         raise EndpointError(
@@ -203,19 +248,26 @@ def check_rank_endpoints(config: KVEventsConfig, rank: int) -> tuple[str, str | 
     on a rank's replay port (``tcp://*:5557`` with replay ``tcp://*:5558`` collides at
     rank 1). Checks every rank when ``config.data_parallel_size`` is set, else ranks
     ``0..rank``. Raises :class:`EndpointError` naming both ports and the fix."""
-    pub = offset_endpoint(config.endpoint, rank)
-    replay = offset_endpoint(config.replay_endpoint, rank)
+    vllm = config.vllm
+    pub = offset_endpoint(config.endpoint, rank, vllm)
+    replay = offset_endpoint(config.replay_endpoint, rank, vllm)
     assert pub is not None
     p0, r0 = _tcp_port(config.endpoint), _tcp_port(config.replay_endpoint)
+    if not vllm.dp_offsets_port_zero:
+        # An ephemeral port that stays 0 at every rank never collides with anything.
+        p0 = None if p0 == 0 else p0
+        r0 = None if r0 == 0 else r0
     if p0 is not None and r0 is not None:
         n = config.data_parallel_size if config.data_parallel_size else rank + 1
-        if abs(p0 - r0) < n:
-            # The lowest rank whose PUB port equals some rank's replay port.
-            bad = next(r for r in range(n) if 0 <= p0 + r - r0 < n)
+        # The lowest rank whose PUB port equals some rank's replay port (port 0, kept by
+        # rank 0 under every release, is ephemeral: never a collision).
+        bad = next((r for r in range(n) if 0 <= p0 + r - r0 < n and p0 + r != 0), None)
+        if bad is not None:
             raise EndpointError(
                 f"data_parallel_rank {bad} would publish on port {p0 + bad}, which is the replay "
                 f"port of rank {p0 + bad - r0} (endpoint {config.endpoint!r}, replay_endpoint "
-                f"{config.replay_endpoint!r}, {n} rank(s)). Ports are offset by rank, so put the "
-                f"replay port at least {n} away from the PUB port, e.g. replay port {p0 + max(n, 100)}."
+                f"{config.replay_endpoint!r}, {n} rank(s), vLLM {vllm.name} port rules). Ports are "
+                f"offset by rank, so put the replay port at least {n} away from the PUB port, e.g. "
+                f"replay port {p0 + max(n, 100)}."
             )
     return pub, replay

@@ -20,20 +20,20 @@ Wire (identical to vLLM's ``ZmqEventPublisher``):
 
 Concurrency: :meth:`Publisher.publish` assigns the seq, encodes, stores the batch in the
 replay buffer and appends the frames to a bounded deque; a sender task drains it to the
-PUB socket with non-blocking low-level sends. A replay task waits for the ROUTER's FD to
-become readable (ZMQ FDs are edge-triggered: it drains while ``EVENTS & POLLIN``) and
-serves replays in chunks of ``replay_chunk`` messages, yielding to the sender between
-chunks, so a replay never holds up live publishing for long. Every task belongs to the
-task group owned by ``async with``; leaving it sends what is queued, then closes.
+PUB socket with non-blocking low-level sends. The replay server (:mod:`._replay`) answers
+the ROUTER in turns of at most ``replay_slice_s`` seconds and bounds what requesters can
+make it hold (jobs, bytes, time; nobody needs credentials to reach a replay port), so
+neither replays nor floods of requests hold up the engine loop or live publishing for long.
+Every task belongs to the task group owned by ``async with``; leaving it sends what is
+queued, then closes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import errno
-import itertools
+import struct
 import logging
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -42,9 +42,10 @@ import anyio.lowlevel
 import zmq
 
 from kvstream.errors import LocalProtocolError
-from kvstream.wire.events import AllBlocksCleared, AnyEvent, EventEncoder, KVEventBatch
-from kvstream.wire.framing import END_SEQ, END_SEQ_BYTES, FrameError, encode_seq, parse_replay_request
+from kvstream.wire.events import AnyEvent, EventEncoder, KVEventBatch
+from kvstream.wire.framing import END_SEQ
 from kvstream.transport._ratelog import RateLimitedLog
+from kvstream.transport._replay import ReplayServer
 from kvstream.transport.config import KVEventsConfig, check_rank_endpoints, should_bind
 
 if TYPE_CHECKING:
@@ -55,6 +56,26 @@ __all__ = ["Publisher", "PublisherStats", "QueueFullError", "PublisherClosedErro
 log = logging.getLogger(__name__)
 
 SnapshotProvider = Callable[[], "Sequence[AnyEvent]"]
+
+_MAX_SUBSCRIPTION_BYTES = 4096
+"""Longest subscription message accepted from a SUB (a topic prefix plus one byte)."""
+
+_SUBSCRIPTION_POLL_S = 0.1
+"""Sends on the XPUB can consume the wake-up of its edge-triggered FD: look this often."""
+
+# Plain ints: pyzmq's flags are enum.Flag members, and OR-ing two of them costs about 2 us.
+_MORE = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+_NB = int(zmq.NOBLOCK)
+_pack_seq = struct.Struct(">Q").pack  # the seq frame (kvstream.wire.framing.encode_seq, inlined)
+_socket_send = zmq.backend.Socket.send  # pyzmq's send without the sugar layer's extra checks
+
+
+def _asyncio_call_soon() -> Callable[..., asyncio.Handle] | None:
+    """The running asyncio loop's ``call_soon`` (None on other event loops)."""
+    try:
+        return asyncio.get_running_loop().call_soon
+    except RuntimeError:
+        return None
 
 
 class QueueFullError(LocalProtocolError, RuntimeError):
@@ -72,8 +93,9 @@ class PublisherStats:
 
     __slots__ = ("published", "events", "sent", "live_dropped", "queue_full_errors",
                  "replay_requests", "replay_batches_sent", "replay_rejected", "replay_aborted",
-                 "malformed_requests", "snapshot_requests", "snapshot_batches_sent",
-                 "snapshot_errors", "tap_errors")
+                 "replay_evicted", "replay_stalled", "replay_recycles", "malformed_requests", "snapshot_requests",
+                 "snapshot_batches_sent", "snapshot_provider_calls", "snapshot_errors", "tap_errors",
+                 "subscriptions", "unsubscriptions")
 
     def __init__(self) -> None:
         self.published = 0
@@ -91,33 +113,40 @@ class PublisherStats:
         self.replay_batches_sent = 0
         """Batches sent as replay replies."""
         self.replay_rejected = 0
-        """Requests ignored because ``max_replay_jobs`` replays were already running."""
+        """Requests ignored because ``max_pending_replays`` requests were already waiting, or
+        the requester already had 4 requests running or waiting."""
         self.replay_aborted = 0
         """Replays abandoned because the requester disconnected."""
+        self.replay_evicted = 0
+        """Waiting requests dropped (unanswered) to make room for another requester's first
+        request when ``max_pending_replays`` were waiting; counted in ``replay_requests`` or
+        ``snapshot_requests`` too."""
+        self.replay_stalled = 0
+        """Replays dropped because the requester read nothing for ``replay_client_timeout_s``."""
+        self.replay_recycles = 0
+        """Times the replay socket was closed and bound again because requesters that do not
+        read held more than half of ``replay_max_bytes``."""
         self.malformed_requests = 0
         """Requests on the ROUTER that were not ``[identity, b"", 8-byte start]``."""
         self.snapshot_requests = 0
         """Snapshot requests received."""
         self.snapshot_batches_sent = 0
         """Batches sent as snapshot replies."""
+        self.snapshot_provider_calls = 0
+        """Times the snapshot provider was called (concurrent requests share one state)."""
         self.snapshot_errors = 0
         """Snapshot requests answered with the end marker alone because the provider failed."""
         self.tap_errors = 0
         """Exceptions raised by the ``tap`` callback (logged, never raised to the caller)."""
+        self.subscriptions = 0
+        """Subscribe messages received from SUB sockets (one per topic prefix per subscriber
+        that joined; a reconnecting subscriber subscribes again)."""
+        self.unsubscriptions = 0
+        """Unsubscribe messages received (a prefix that no subscriber holds any more)."""
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""
         return {k: getattr(self, k) for k in self.__slots__}
-
-
-class _ReplayJob:
-    __slots__ = ("ident", "frames", "pos", "snapshot")
-
-    def __init__(self, ident: bytes, frames: list[tuple[bytes, bytes]], snapshot: bool) -> None:
-        self.ident = ident
-        self.frames = frames  # (seq frame, payload); the end marker follows them
-        self.pos = 0
-        self.snapshot = snapshot
 
 
 class Publisher:
@@ -158,20 +187,25 @@ class Publisher:
         self._own_ctx = False
         self._encoder = EventEncoder(cfg.encoding)
         self._topic = cfg.topic.encode("utf-8")
-        self._seq = itertools.count()
+        self._encode = self._encoder.encode
         self._next_seq = 0
         self._buffer: deque[tuple[bytes, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._queue: deque[tuple[bytes, bytes]] = deque()
         self._max_queue = cfg.max_queue_size
         self._raise_when_full = cfg.queue_full == "raise"
         self._wake: anyio.Event | None = None
+        self._kicked = False  # a flush is arranged for this loop turn
+        self._subscribed: anyio.Event | None = None
+        self._call_soon: Callable[..., asyncio.Handle] | None = None
+        self._tick_handle: asyncio.Handle | None = None
         self._open = False
         self._pub: zmq.Socket | None = None
-        self._router: zmq.Socket | None = None
         self._zap: ZapHandler | None = None
         self._denied_at_close = 0
         self._stack: contextlib.AsyncExitStack | None = None
-        self._jobs: deque[_ReplayJob] = deque()
+        self._epoch = 0  # bumped when the replay buffer restarts (publish_raw)
+        self._replay: ReplayServer | None = None
+        self._log = log
         self._rlog = RateLimitedLog(log)
         self.stats = PublisherStats()
         """Counters (:class:`PublisherStats`)."""
@@ -195,15 +229,18 @@ class Publisher:
         except BaseException:
             self._close_sockets(0)
             raise
+        self._call_soon = _asyncio_call_soon()
         stack = contextlib.AsyncExitStack()
         await stack.__aenter__()
         try:
             tg = await stack.enter_async_context(anyio.create_task_group())
-            tg.start_soon(self._sender)
-            if self._router is not None:
-                tg.start_soon(self._replay_loop)
+            if self._call_soon is None:
+                tg.start_soon(self._sender)
+            if self._replay is not None:
+                tg.start_soon(self._replay.run)
             if self._zap is not None:
                 tg.start_soon(self._zap.run)
+            tg.start_soon(self._watch_subscriptions)
         except BaseException:
             await stack.aclose()
             self._close_sockets(0)
@@ -214,6 +251,11 @@ class Publisher:
 
     async def __aexit__(self, *exc: object) -> None:
         self._open = False
+        if self._subscribed is not None:
+            self._subscribed.set()  # waiters see the publisher closed
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
         assert self._stack is not None
         self._tg.cancel_scope.cancel()
         try:
@@ -236,7 +278,11 @@ class Publisher:
             if curve.allowed_clients is not None:
                 self._zap = _curve.ZapHandler(ctx, curve.allowed_clients)
                 self._zap.start()
-        pub = self._pub = ctx.socket(zmq.PUB)
+        # An XPUB is a PUB on the wire (same frames to every SUB) that also hands us the
+        # subscriptions, so readiness ("a subscriber has joined") is observable.
+        pub = self._pub = ctx.socket(zmq.XPUB)
+        pub.xpub_verbose = 1  # every subscribe, not only a topic's first
+        pub.maxmsgsize = _MAX_SUBSCRIPTION_BYTES
         pub.sndhwm = cfg.hwm
         pub.linger = int(cfg.linger_s * 1000)
         if curve is not None:
@@ -247,25 +293,80 @@ class Publisher:
         else:
             pub.connect(self._pub_ep)
         if self._replay_ep is not None:
-            r = self._router = ctx.socket(zmq.ROUTER)
-            # A whole replay plus its end marker must fit; ROUTER_MANDATORY turns "peer pipe
-            # full" into EAGAIN (we retry later) instead of a silent drop.
-            r.sndhwm = 2 * (cfg.buffer_steps + 1) + 1024
+            self._replay = ReplayServer(self, self._make_router)
+            self.replay_endpoint = self._replay.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _make_router(self) -> zmq.Socket:
+        """A new replay ROUTER bound to the replay endpoint (the resolved one once bound, so
+        a recycled socket keeps its port)."""
+        cfg, ctx = self.config, self._ctx
+        assert ctx is not None
+        r = ctx.socket(zmq.ROUTER)
+        try:
+            # ROUTER_MANDATORY turns "peer pipe full" into EAGAIN (retried later) instead of
+            # a silent drop; the replay server bounds what each peer may hold in bytes.
+            r.sndhwm = cfg.replay_hwm
             r.router_mandatory = 1
             r.linger = int(cfg.linger_s * 1000)
-            if curve is not None:
-                _curve.apply_server(r, curve)
-            r.bind(self._replay_ep)
-            self.replay_endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
+            r.copy_threshold = 0  # copy=False really is zero-copy: trackers see every reply
+            if cfg.curve is not None:
+                from kvstream.transport import curve as _curve
+
+                _curve.apply_server(r, cfg.curve)
+            ep = self.replay_endpoint if self._replay is not None else self._replay_ep
+            assert ep is not None
+            r.bind(ep)
+        except BaseException:
+            r.close(0)
+            raise
+        return r
 
     def _close_sockets(self, linger_ms: int) -> None:
-        for s in (self._pub, self._router):
-            if s is not None and not s.closed:
-                s.close(linger=linger_ms)
+        if self._pub is not None and not self._pub.closed:
+            self._pub.close(linger=linger_ms)
+        if self._replay is not None:
+            self._replay.close(linger_ms)
         if self._zap is not None:
             self._denied_at_close = self._zap.denied
             self._zap.close()
             self._zap = None
+
+    # -- subscribers -------------------------------------------------------------------
+
+    async def wait_subscribed(self, count: int = 1) -> None:
+        """Wait until ``stats.subscriptions`` reaches ``count``: a SUB that connected has told
+        this publisher its topic filter, so everything published from now on reaches it
+        (ZMQ's "slow joiner" is over). Wrap it in ``anyio.fail_after`` for a deadline."""
+        while self.stats.subscriptions < count:
+            if not self._open:
+                raise PublisherClosedError("wait_subscribed() needs an open publisher")
+            ev = self._subscribed = self._subscribed or anyio.Event()
+            await ev.wait()
+
+    async def _watch_subscriptions(self) -> None:
+        pub = self._pub
+        assert pub is not None
+        st = self.stats
+        while True:
+            got = False
+            for _ in range(256):  # bounded per turn: a subscription flood cannot hold the loop
+                try:
+                    msg = pub.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                got = True
+                if msg[:1] == b"\x01":
+                    st.subscriptions += 1
+                elif msg[:1] == b"\x00":
+                    st.unsubscriptions += 1
+            if got:
+                ev, self._subscribed = self._subscribed, None
+                if ev is not None:
+                    ev.set()
+                await anyio.lowlevel.checkpoint()
+                continue
+            with anyio.move_on_after(_SUBSCRIPTION_POLL_S):
+                await anyio.wait_readable(pub.FD)
 
     # -- publishing --------------------------------------------------------------------
 
@@ -294,6 +395,18 @@ class Publisher:
         return self._zap.denied if self._zap is not None else self._denied_at_close
 
     @property
+    def replay_inflight_bytes(self) -> int:
+        """Replay reply bytes handed to ZMQ that requesters have not yet read (bounded by
+        ``replay_max_bytes`` plus one message per running replay; 0 without replay)."""
+        return self._replay.inflight_bytes if self._replay is not None else 0
+
+    @property
+    def replay_jobs(self) -> tuple[int, int]:
+        """``(running, waiting)`` replay/snapshot requests."""
+        r = self._replay
+        return (r.jobs, r.pending) if r is not None else (0, 0)
+
+    @property
     def queued(self) -> int:
         """Batches waiting to be sent live."""
         return len(self._queue)
@@ -306,16 +419,35 @@ class Publisher:
         batch for replay and queues it. When ``max_queue_size`` batches are already waiting,
         applies ``config.queue_full`` (see :class:`KVEventsConfig`).
         """
+        # The hot path of the engine loop: everything inline, no per-call allocation beyond
+        # the payload, the seq frame and the tuple that holds both.
         if not self._open:
             raise PublisherClosedError("publish() needs an open publisher: use `async with Publisher(...) as pub:`")
-        if not batch.events:
+        events = batch.events
+        if not events:
             return None
-        full = self._queue_full()
+        q = self._queue
+        full = len(q) >= self._max_queue
+        if full and self._raise_when_full:
+            self._refuse_full()
         if batch.data_parallel_rank is None:
             batch.data_parallel_rank = self.data_parallel_rank
-        payload = self._encoder.encode(batch)
-        seq = next(self._seq)
-        self._enqueue(seq, payload, len(batch.events), full)
+        payload = self._encode(batch)
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        item = (_pack_seq(seq), payload)
+        self._buffer.append(item)
+        st = self.stats
+        st.published += 1
+        st.events += len(events)
+        if self._tap is not None:
+            self._call_tap(seq, payload)
+        if full:
+            self._drop_live(seq)
+        else:
+            q.append(item)
+            if not self._kicked:
+                self._kick()
         return seq
 
     def publish_raw(self, payload: bytes, seq: int, *, topic: bytes | None = None) -> None:
@@ -336,13 +468,25 @@ class Publisher:
             )
         if not 0 <= seq < END_SEQ:
             raise ValueError(f"seq must be in [0, 2**64 - 1), got {seq}")
-        full = self._queue_full()
+        q = self._queue
+        full = len(q) >= self._max_queue
+        if full and self._raise_when_full:
+            self._refuse_full()
         if seq != self._next_seq:
             self._buffer.clear()
-            self._seq = itertools.count(seq + 1)
+            self._epoch += 1  # running replays end here; their requesters see the new seqs
+        self._next_seq = seq + 1
+        item = (_pack_seq(seq), payload)
+        self._buffer.append(item)
+        self.stats.published += 1
+        if self._tap is not None:
+            self._call_tap(seq, payload)
+        if full:
+            self._drop_live(seq)
         else:
-            next(self._seq)
-        self._enqueue(seq, payload, 0, full)
+            q.append(item)
+            if not self._kicked:
+                self._kick()
 
     def send_verbatim(self, payload: bytes, seq: int, topic: bytes) -> None:
         """Send one live message exactly as given, outside the seq and replay machinery:
@@ -359,193 +503,79 @@ class Publisher:
             raise ValueError(f"seq must fit 64 bits unsigned, got {seq}")
         more = zmq.SNDMORE | zmq.NOBLOCK
         self._pub.send(bytes(topic), more)
-        self._pub.send(encode_seq(seq), more)
+        self._pub.send(_pack_seq(seq), more)
         self._pub.send(payload, zmq.NOBLOCK)
         self.stats.sent += 1
 
-    def _queue_full(self) -> bool:
-        """Whether the send queue is full; raises under the ``"raise"`` policy."""
+    def _refuse_full(self) -> None:
         q = self._queue
-        full = len(q) >= self._max_queue
-        if full and self._raise_when_full:
-            self.stats.queue_full_errors += 1
-            raise QueueFullError(
-                f"{len(q)} batches are waiting to be sent (max_queue_size={self._max_queue}); "
-                "the batch was not published. Raise max_queue_size or use queue_full='replay_only'."
-            )
-        return full
+        self.stats.queue_full_errors += 1
+        raise QueueFullError(
+            f"{len(q)} batches are waiting to be sent (max_queue_size={self._max_queue}); "
+            "the batch was not published. Raise max_queue_size or use queue_full='replay_only'."
+        )
 
-    def _enqueue(self, seq: int, payload: bytes, n_events: int, full: bool) -> None:
-        q = self._queue
-        self._next_seq = seq + 1
-        seqb = encode_seq(seq)
-        self._buffer.append((seqb, payload))
-        st = self.stats
-        st.published += 1
-        st.events += n_events
-        tap = self._tap
-        if tap is not None:
-            try:
-                tap(seq, self._topic, payload)
-            except Exception:  # noqa: BLE001 - a broken tap must not break publishing
-                st.tap_errors += 1
-                self._rlog.warning("tap", "publisher tap failed for seq %d", seq, exc_info=True)
-        if full:
-            st.live_dropped += 1
-            self._rlog.warning("queue_full", "publisher queue full (%d batches): seq %d goes to the "
-                               "replay buffer only", len(q), seq)
-            return
-        q.append((seqb, payload))
-        w = self._wake
-        if w is not None:
-            self._wake = None
-            w.set()
+    def _call_tap(self, seq: int, payload: bytes) -> None:
+        assert self._tap is not None
+        try:
+            self._tap(seq, self._topic, payload)
+        except Exception:  # noqa: BLE001 - a broken tap must not break publishing
+            self.stats.tap_errors += 1
+            self._rlog.warning("tap", "publisher tap failed for seq %d", seq, exc_info=True)
+
+    def _drop_live(self, seq: int) -> None:
+        self.stats.live_dropped += 1
+        self._rlog.warning("queue_full", "publisher queue full (%d batches): seq %d goes to the "
+                           "replay buffer only", len(self._queue), seq)
+
+    def _kick(self) -> None:
+        """Arrange for the queue to be sent once the engine's current callback returns:
+        every batch published in one loop turn goes out in one flush."""
+        self._kicked = True
+        call_soon = self._call_soon
+        if call_soon is not None:
+            self._tick_handle = call_soon(self._on_tick)
+        elif self._wake is not None:
+            self._wake.set()
+
+    def _on_tick(self) -> None:
+        # A loop callback owned by the publisher (its handle is cancelled on exit); sends
+        # are non-blocking, so it cannot wait or fail on a slow subscriber.
+        self._kicked = False
+        self._tick_handle = None
+        self._flush(1024)
+        if self._queue and self._open:
+            self._kick()  # bounded bursts: other callbacks run in between
 
     def _flush(self, limit: int | None = None) -> None:
         """Send up to ``limit`` queued batches (all if None) with non-blocking frame sends."""
         pub, q, topic = self._pub, self._queue, self._topic
         if pub is None or pub.closed:
             return
-        send, more, nb = pub.send, zmq.SNDMORE | zmq.NOBLOCK, zmq.NOBLOCK
+        send, more, nb = _socket_send, _MORE, _NB
         n = len(q) if limit is None else min(limit, len(q))
         popleft = q.popleft
         for _ in range(n):
             seqb, payload = popleft()
             # PUB never blocks: past the HWM, ZMQ drops for the slow subscriber itself.
-            send(topic, more)
-            send(seqb, more)
-            send(payload, nb, copy=len(payload) < 65536)
+            # Payloads are copied into ZMQ (cheaper than zero-copy below 64 KiB, pyzmq's
+            # own threshold); large ones go zero-copy.
+            send(pub, topic, more)
+            send(pub, seqb, more)
+            if len(payload) < 65536:
+                send(pub, payload, nb)
+            else:
+                send(pub, payload, nb, copy=False)
         self.stats.sent += n
 
     async def _sender(self) -> None:
+        """The sender on event loops other than asyncio's (no ``call_soon``): woken by
+        :meth:`_kick` through an event."""
         q = self._queue
         while True:
-            if q:
-                # Bounded bursts: the replay task and the engine get the loop in between.
-                self._flush(1024)
-                await anyio.lowlevel.checkpoint()
-                continue
-            ev = self._wake = anyio.Event()
-            await ev.wait()
-
-    # -- replay ------------------------------------------------------------------------
-
-    async def _replay_loop(self) -> None:
-        sock = self._router
-        assert sock is not None
-        jobs = self._jobs
-        while True:
-            # getsockopt is typed int | bytes; EVENTS is an int option.
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_request(frames)
-            if not jobs:
-                await anyio.wait_readable(sock.FD)
-                continue
-            progressed = self._serve_round()
-            if progressed:
-                await anyio.lowlevel.checkpoint()
-            else:
-                # Every requester's pipe is full: give them time to read.
-                with anyio.move_on_after(0.002):
-                    await anyio.wait_readable(sock.FD)
-
-    def _on_request(self, frames: list[bytes]) -> None:
-        st = self.stats
-        try:
-            ident, start = parse_replay_request(frames)
-        except FrameError as exc:
-            st.malformed_requests += 1
-            self._rlog.warning("malformed", "ignoring malformed replay request (%d frames): %s", len(frames), exc)
-            return
-        if len(self._jobs) >= self.config.max_replay_jobs:
-            st.replay_rejected += 1
-            self._rlog.warning("rejected", "ignoring replay request: %d replays already running "
-                               "(max_replay_jobs)", len(self._jobs))
-            return
-        if start is None:
-            st.snapshot_requests += 1
-            self._jobs.append(_ReplayJob(ident, self._snapshot_frames(), True))
-            return
-        st.replay_requests += 1
-        buf = self._buffer
-        first = self._next_seq - len(buf)
-        skip = max(0, start - first)
-        frames_out = list(itertools.islice(buf, skip, None)) if skip < len(buf) else []
-        self._jobs.append(_ReplayJob(ident, frames_out, False))
-
-    def _snapshot_frames(self) -> list[tuple[bytes, bytes]]:
-        provider = self._snapshot_provider
-        if provider is None:
-            return []
-        try:
-            events = list(provider())
-        except Exception:  # noqa: BLE001 - a provider bug must not end the publisher
-            self.stats.snapshot_errors += 1
-            log.exception("snapshot provider failed; answering the snapshot request with the end marker only")
-            return []
-        # Read R after the provider ran: a provider that flushes pending events publishes
-        # them first, and the snapshot then includes them.
-        tag = encode_seq(self._next_seq)
-        if not events or not isinstance(events[0], AllBlocksCleared):
-            events.insert(0, AllBlocksCleared())
-        n = self.config.snapshot_batch_events
-        ts = time.time()
-        rank = self.data_parallel_rank
-        enc = self._encoder.encode
-        out = []
-        for i in range(0, len(events), n):
-            out.append((tag, enc(KVEventBatch(ts, events[i:i + n], rank))))
-        return out
-
-    def _serve_round(self) -> bool:
-        """Send up to ``replay_chunk`` messages of each running job; True if any progress."""
-        sock = self._router
-        assert sock is not None
-        jobs, chunk, topic = self._jobs, self.config.replay_chunk, self._topic
-        with_topic = self.config.replay_topic_frame
-        more = zmq.SNDMORE | zmq.NOBLOCK
-        st = self.stats
-        send = sock.send
-        progressed = False
-        for _ in range(len(jobs)):
-            job = jobs.popleft()
-            frames, ident = job.frames, job.ident
-            n = len(frames)
-            budget = chunk
-            try:
-                while budget and job.pos <= n:
-                    if job.pos < n:
-                        seqb, payload = frames[job.pos]
-                        t = topic
-                    else:
-                        seqb, payload, t = END_SEQ_BYTES, b"", b""
-                    # With ROUTER_MANDATORY a full pipe raises EAGAIN on the identity frame,
-                    # before anything of the message is queued.
-                    send(ident, more)
-                    send(b"", more)
-                    if with_topic:
-                        send(t, more)
-                    send(seqb, more)
-                    send(payload, zmq.NOBLOCK)
-                    if job.pos < n:
-                        if job.snapshot:
-                            st.snapshot_batches_sent += 1
-                        else:
-                            st.replay_batches_sent += 1
-                    job.pos += 1
-                    budget -= 1
-                    progressed = True
-            except zmq.Again:
-                pass  # the requester's pipe is full; resume this job next round
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EHOSTUNREACH:
-                    raise
-                st.replay_aborted += 1  # the requester is gone
-                continue
-            if job.pos <= n:
-                jobs.append(job)
-        return progressed
+            self._wake = anyio.Event()
+            if not q:
+                await self._wake.wait()
+            self._kicked = False
+            self._flush(1024)
+            await anyio.lowlevel.checkpoint()

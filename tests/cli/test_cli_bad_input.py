@@ -159,7 +159,7 @@ def test_ctrl_c_in_replay_says_how_far_it_got(log):
 
 
 def test_ctrl_c_in_simulate_keeps_the_finished_runs(tmp_path):
-    rc, out, err = _interrupt(["simulate", "--requests", "3000", "--engines", "2,3,4,5,6,7,8",
+    rc, out, err = _interrupt(["simulate", "--requests", "800", "--engines", "2,3,4,5,6,7,8",
                                "--json", str(tmp_path / "r.json")], "kv-aware")
     assert rc == 130 and "Traceback" not in err
     assert "interrupted; the table above shows the" in err and "nothing was written" in err

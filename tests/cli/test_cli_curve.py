@@ -3,7 +3,6 @@ publisher that only admits allow-listed subscribers (real tcp sockets on loopbac
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import anyio
@@ -22,19 +21,20 @@ def _batch(h: int) -> KVEventBatch:
     return KVEventBatch(float(h), [BlockStored([h], None, list(range(16)), 16, None, "GPU", None)])
 
 
-async def _record_while_publishing(pub: Publisher, args: list[str], deadline_s: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstream", "record", *args, "--quiet"],
-                            stderr=subprocess.PIPE, text=True)
-    i = 0
-    with anyio.move_on_after(deadline_s):
-        while proc.poll() is None:
-            pub.publish(_batch(i + 1))
-            i += 1
-            await anyio.sleep(0.05)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(5)
-    return proc
+async def _record(pub: Publisher, args: list[str], *, joins: bool, publish: int) -> tuple[int, str]:
+    """Run ``kvstream record`` against ``pub``; once it has subscribed (if ``joins``),
+    publish ``publish`` batches; returns (exit code, stderr)."""
+    joined = pub.stats.subscriptions + 1
+    async with await anyio.open_process([sys.executable, "-m", "kvstream", "record", *args, "--quiet"],
+                                        stdout=None) as proc:
+        if joins:
+            await pub.wait_subscribed(joined)  # readiness: its SUB's filter reached the publisher
+            for i in range(publish):
+                pub.publish(_batch(pub.next_seq + 1))
+        code = await proc.wait()
+        assert proc.stderr is not None
+        err = (await proc.stderr.receive()).decode() if code else ""
+    return code, err
 
 
 async def test_record_with_an_allowed_certificate_records_and_a_stranger_is_refused(tmp_path):
@@ -47,21 +47,21 @@ async def test_record_with_an_allowed_certificate_records_and_a_stranger_is_refu
                          curve=CurveServerConfig(secret_key=server_sec, public_key=server_pub,
                                                  allowed_clients=(router_pub,)))
     good, bad = tmp_path / "good.kvlog", tmp_path / "bad.kvlog"
-    async with Publisher(cfg) as pub:
-        ep = f"e0={pub.endpoint},{pub.replay_endpoint}"
-        ok = await _record_while_publishing(
-            pub, [ep, "-o", str(good), "--max-batches", "3", "--curve-server-key", str(server_pub_file),
-                  "--curve-cert", str(router_sec_file)], deadline_s=20)
-        refused = await _record_while_publishing(
-            pub, [ep, "-o", str(bad), "--duration", "1.5", "--curve-server-key", str(server_pub_file),
-                  "--curve-cert", str(stranger_sec_file)], deadline_s=20)
-        denied = pub.auth_denied
-    assert ok.returncode == 0, ok.stderr.read()
+    with anyio.fail_after(30):
+        async with Publisher(cfg) as pub:
+            ep = f"e0={pub.endpoint},{pub.replay_endpoint}"
+            ok = await _record(pub, [ep, "-o", str(good), "--max-batches", "3", "--curve-server-key",
+                                     str(server_pub_file), "--curve-cert", str(router_sec_file)], joins=True, publish=3)
+            refused = await _record(pub, [ep, "-o", str(bad), "--duration", "1.5", "--curve-server-key",
+                                          str(server_pub_file), "--curve-cert", str(stranger_sec_file)],
+                                    joins=False, publish=0)
+            denied = pub.auth_denied
+    assert ok[0] == 0, ok[1]
     msgs = [r for r in read_log(good)[0] if isinstance(r, LogMessage)]
     assert len(msgs) >= 3 and all(m.source == "e0" for m in msgs)
-    assert refused.returncode == 0, refused.stderr.read()
+    assert refused[0] == 0, refused[1]
     assert not [r for r in read_log(bad)[0] if isinstance(r, LogMessage)]
-    assert denied > 0
+    assert denied > 0 and pub.stats.subscriptions == 1
 
 
 def test_curve_cert_without_server_key_is_a_usage_error(tmp_path, capsys):

@@ -143,3 +143,52 @@ def test_record_and_replay_commands_round_trip_a_golden_capture_over_real_socket
     got = [(m.seq, m.payload) for m in recs if m.__class__.__name__ == "LogMessage"]
     assert got == want
     assert "recorded batches 19" in recorder.stderr.read()
+
+
+def test_record_append_does_not_record_what_the_log_holds(tmp_path):
+    """`kvstream record --append` against the same engine (a `kvstream replay` serving a
+    50-batch log from its replay buffer): the second recording is offered all 50 batches
+    again by its join replay and records none of them, and says so."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from kvstream.eventlog import LogWriter, read_log
+    from kvstream.eventlog.format import LogMessage
+    from kvstream.wire.events import BlockStored, KVEventBatch, encode_batch
+
+    src = tmp_path / "engine.kvlog"
+    with LogWriter(src) as w:
+        for i in range(50):
+            batch = KVEventBatch(float(i), [BlockStored([i + 1], i or None, list(range(16)), 16, None, "GPU", None)])
+            w.write_message("engine", b"", i, encode_batch(batch), recv_ns=i * 1000)
+    sock = tempfile.mkdtemp(prefix="kva")
+    pub, rep = f"ipc://{sock}/p", f"ipc://{sock}/r"
+    py = [sys.executable, "-m", "kvstream"]
+    replayer = subprocess.Popen(py + ["replay", str(src), "--publish", f"{pub},{rep}", "--speed", "max",
+                                      "--wait-s", "0", "--hold-s", "60"], stderr=subprocess.PIPE, text=True)
+    out = tmp_path / "rec.kvlog"
+    try:
+        err = ""
+        while "sent 50 batches" not in err:  # ready: every batch is in its replay buffer
+            line = replayer.stderr.readline()
+            assert line, err
+            err += line
+        record = py + ["record", f"e={pub},{rep}", "-o", str(out), "--quiet", "--max-batches", "50"]
+        first = subprocess.run(record, capture_output=True, text=True, timeout=30)
+        assert first.returncode == 0, first.stderr
+        second = subprocess.run(record + ["--append"], capture_output=True, text=True, timeout=30)
+        assert second.returncode == 0, second.stderr
+    finally:
+        replayer.send_signal(signal.SIGINT)
+        try:
+            replayer.wait(10)
+        finally:
+            if replayer.poll() is None:
+                replayer.kill()
+            replayer.stderr.close()
+    assert "50 batch(es) the log already held were not recorded again" in second.stderr
+    recs, damage = read_log(out)
+    assert damage == []
+    assert [r.seq for r in recs if isinstance(r, LogMessage)] == list(range(50))

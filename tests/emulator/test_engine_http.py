@@ -16,7 +16,7 @@ from kvstream.emulator.launch import Proc, start_engine
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    with start_engine("e0", extra=["--prefill-tokens-per-s", "4000", "--decode-tokens-per-s", "100",
+    with start_engine("e0", extra=["--prefill-tokens-per-s", "2000", "--decode-tokens-per-s", "100",
                                    "--max-model-len", "2048", "--num-gpu-blocks", "256"],
                       log_dir=str(tmp_path_factory.mktemp("logs"))) as proc:
         yield proc
@@ -66,8 +66,10 @@ def test_bad_requests_get_vllm_shaped_json_errors(engine: Proc) -> None:
         unknown = c.post("/v1/completions", json={"model": "gpt-17", "prompt": [1, 2]})
         oversized = c.post("/v1/completions", json={"prompt": [1] * 2040, "max_tokens": 16})
         no_prompt = c.post("/v1/chat/completions", json={"messages": []})
+        huge = c.post("/v1/completions", content=b" " * (17 << 20), headers={"content-type": "application/json"})
     for r, status, kind in ((malformed, 400, "BadRequestError"), (unknown, 404, "NotFoundError"),
-                            (oversized, 400, "BadRequestError"), (no_prompt, 400, "BadRequestError")):
+                            (oversized, 400, "BadRequestError"), (no_prompt, 400, "BadRequestError"),
+                            (huge, 413, "BadRequestError")):
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
@@ -88,7 +90,7 @@ def test_models_health_and_vllm_metric_names(engine: Proc) -> None:
 
 
 def test_time_to_first_token_skips_the_cached_prefix(engine: Proc) -> None:
-    prompt = list(range(5000, 6200))  # 1200 tokens: 0.3 s of prefill at 4000 tokens/s
+    prompt = list(range(5000, 6200))  # 1200 tokens: 0.6 s of prefill at 2000 tokens/s
 
     def ttft(c: httpx.Client) -> float:
         t0 = time.perf_counter()
@@ -101,7 +103,7 @@ def test_time_to_first_token_skips_the_cached_prefix(engine: Proc) -> None:
     with httpx.Client(base_url=engine.url) as c:
         cold = ttft(c)
         warm = ttft(c)
-    assert cold >= 0.3
+    assert cold >= 0.6
     assert warm < cold / 2
 
 
@@ -125,3 +127,15 @@ def test_model_config_sizes_the_cache_as_kvstream_plan_does(capsys: pytest.Captu
     args = build_parser().parse_args(["engine", "--model-config", *common])
     cfg = build_config(args)
     assert cfg.num_gpu_blocks == planned and cfg.max_model_len == 8192
+
+
+def test_event_port_in_use_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"})
+        assert main(["engine", "--port", "0", "--kv-events-config", cfg]) == 2
+    assert "cannot open the KV event sockets" in capsys.readouterr().err

@@ -221,3 +221,31 @@ def test_replay_sends_a_second_topic_and_the_largest_seq_as_recorded(tmp_path):
         st, got = anyio.run(go, d)
     assert st.sent == len(recs)
     assert got == [(r.topic, r.seq, r.payload) for r in recs]
+
+
+def test_a_log_larger_than_a_read_window_reads_back_whole(tmp_path):
+    from kvstream.eventlog.format import WINDOW
+
+    recs = _msgs(70_000, size=256)
+    big = LogMessage(5, "e1", b"kv@e1", 0, bytes(range(256)) * ((WINDOW + (3 << 20)) // 256))  # > one window
+    p = _write(tmp_path / "big.kvlog", recs[:40_000] + [big] + recs[40_000:], flush="close")
+    assert p.stat().st_size > 2 * WINDOW
+    got, damage = read_log(p)
+    assert damage == [] and len(got) == 70_001
+    assert got[40_000] == big and got[:40_000] == recs[:40_000] and got[40_001:] == recs[40_000:]
+
+
+def test_damage_across_a_read_window_boundary_costs_only_the_records_it_hits(tmp_path):
+    from kvstream.eventlog.format import WINDOW
+
+    recs = _msgs(70_000, size=256)
+    p = _write(tmp_path / "big.kvlog", recs, flush="close")
+    data = bytearray(p.read_bytes())
+    lo, hi = WINDOW - 700, WINDOW + 700  # garbage spanning the first window's end
+    data[lo:hi] = bytes(0xA5 for _ in range(hi - lo))
+    p.write_bytes(bytes(data))
+    got, damage = read_log(p)
+    assert len(damage) == 1 and damage[0].offset <= lo < hi <= damage[0].offset + damage[0].lost_bytes
+    missing = sorted(set(range(70_000)) - {m.seq for m in got})
+    assert missing == list(range(missing[0], missing[-1] + 1)) and len(missing) <= 7  # 1,400 bytes: ~6 records
+    assert got == [r for r in recs if r.seq not in set(missing)]

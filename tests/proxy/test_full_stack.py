@@ -161,7 +161,9 @@ def test_killed_engine_fails_over_goes_stale_and_comes_back(stack: tuple[Proc, l
     r = complete(proxy, {"prompt": prompt, "max_tokens": 2})
     assert r.status_code == 200 and r.headers["x-kvstream-engine"] != home
     view = engines_view(proxy)
-    assert view[home]["state"] == "down" and view[home]["stream"]["stale"] is True
+    # Marked down (for a 0.3 s backoff, maybe over by now) and stale until its stream resets.
+    assert view[home]["failures"] >= 1 and view[home]["last_error"]
+    assert view[home]["stream"]["stale"] is True
     assert view["_total"]["failovers"] >= 1
     # Same addresses again: the proxy notices by itself once the backoff has passed.
     engines[idx] = start_engine(home, port=port, events=victim.events, replay=victim.replay,
@@ -181,3 +183,22 @@ def test_killed_engine_fails_over_goes_stale_and_comes_back(stack: tuple[Proc, l
     assert engines_view(proxy)[home]["stream"]["restarts"] >= 1
     synced(proxy, engines)
     assert engines_view(proxy)[home]["state"] == "up"
+
+
+def test_a_client_that_goes_away_mid_stream_frees_the_engine_and_the_load(stack: tuple[Proc, list[Proc]]) -> None:
+    proxy, engines = stack
+    with httpx.stream("POST", proxy.url + "/v1/completions",
+                      json={"prompt": [11] * 30, "max_tokens": 2000, "stream": True}, timeout=30) as r:
+        name = r.headers["x-kvstream-engine"]
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one token, then hang up
+    engine = next(e for e in engines if e.name == name)
+
+    def running() -> float:
+        text = httpx.get(engine.url + "/metrics").text
+        m = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+        assert m
+        return float(m.group(1))
+    wait_for(lambda: running() == 0.0, "the engine to drop the abandoned request")
+    wait_for(lambda: engines_view(proxy)[name]["in_flight"] == 0, "the proxy to forget it")

@@ -109,6 +109,7 @@ class ServeProc:
                                      env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
         line = read_line(self.proc, err=self.err)
         assert "listening on " in line, line
+        self.listening = line
         self.url = line.split("listening on ", 1)[1].split()[0]
         self.client = httpx.Client(base_url=self.url, timeout=10.0)
 

@@ -55,6 +55,15 @@ def test_copy_counts_bytes_hashes_salts_and_images(engines, serve) -> None:
     other = [{"identifier": "img-2", "offset": BS + 3, "length": 4}]
     assert srv.route(token_ids=m, mm_hashes=other)["matched_tokens"] == BS
 
+    # a vLLM 0.11 engine (array-shaped events) caching for LoRA adapter id 3
+    lo = list(range(3000, 3000 + 2 * BS))
+    cmd = {"raw": encode_batch(KVEventBatch(1.0, [BlockStored([31, 32], None, lo, BS, 3, None, None)], 0),
+                               "array").hex()}
+    srv.wait_applied("e1", e1.cmd(**cmd)["seq"])
+    assert srv.route(token_ids=lo, lora_id=3)["matched_tokens"] == 2 * BS
+    assert srv.route(token_ids=lo)["matched_tokens"] == 0
+    assert srv.route(token_ids=lo, lora_id=4)["matched_tokens"] == 0
+
 
 def test_a_restarted_engine_loses_its_blocks_and_lost_batches_are_replayed(engines, serve) -> None:
     e0 = engines("e0")

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import signal
 
+import httpx
+
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.service.conftest import wait_for
 
 BS = 16
 
@@ -42,8 +46,6 @@ def test_the_engine_holding_the_prefix_is_chosen_and_load_shifts_the_choice(engi
     assert r["engine"] == "e0"
     # ... and so does load scraped from the engine's own /metrics.
     assert e1.cmd(load={"running": 2, "waiting": 30, "kv": 0.9}) == {"ok": True}
-    from tests.service.conftest import wait_for
-
     wait_for(lambda: srv.engines()["e1"]["load"]["queue"] == 30, "the scrape of e1's load")
     view = srv.engines()["e1"]["load"]
     assert view["running"] == 2 and view["kv_usage"] == 0.9 and view["stale"] is False
@@ -89,8 +91,6 @@ def test_sighup_reloads_the_engine_list_keeping_engines_that_stay(engines, serve
 
     cfg.write_text(f'engines = ["{e1.arg}"]\nload-interval = 0\n')
     srv.signal(signal.SIGHUP)
-    from tests.service.conftest import wait_for
-
     wait_for(lambda: set(srv.engines()) == {"e1"}, "e0 to be dropped")
     r = srv.route(token_ids=_prompt(7000, 3))
     assert r["engine"] == "e1" and r["matched_tokens"] == 0
@@ -99,4 +99,42 @@ def test_sighup_reloads_the_engine_list_keeping_engines_that_stay(engines, serve
     srv.signal(signal.SIGHUP)
     wait_for(lambda: "reload refused" in srv.stderr(), "the bad reload to be logged")
     assert set(srv.engines()) == {"e1"}
+    assert srv.close() == 0
+
+
+def test_speculate_makes_the_next_similar_prompt_follow_the_first(engines, serve) -> None:
+    e0, e1 = engines("e0"), engines("e1")
+    srv = serve(e0.arg, e1.arg, "--load-interval", "0", "--speculate-ttl", "30")
+    srv.wait_applied("e0", -1)
+    srv.wait_applied("e1", -1)
+    doc = _prompt(30_000, 4)
+    first = srv.route(token_ids=doc, loads={"e0": {"queue": 1}}, speculate=True)
+    assert first["engine"] == "e1" and first["matched_tokens"] == 0
+    # no events yet, but the choice is remembered: the same prefix follows it even when
+    # e1 is now a little busier
+    again = srv.route(token_ids=doc + [1, 2], loads={"e1": {"running": 1}})
+    assert again["engine"] == "e1" and again["matched_tokens"] == 4 * BS
+    # without speculation nothing is remembered
+    other = _prompt(40_000, 4)
+    srv.route(token_ids=other, loads={"e0": {"queue": 1}})
+    assert srv.route(token_ids=other)["matched_tokens"] == 0
+
+
+def test_workers_share_the_port_and_each_follows_every_engine(engines, serve) -> None:
+    e0, e1 = engines("e0"), engines("e1")
+    doc = _prompt(60_000, 5)
+    e1.admit(doc, "r")
+    srv = serve(e0.arg, e1.arg, "--load-interval", "0", "--workers", "2")
+    assert "2 workers" in srv.listening
+
+    def all_caught_up() -> bool:
+        # new connections land on either worker: ask until several in a row agree
+        for _ in range(6):
+            with httpx.Client(base_url=srv.url) as c:
+                r = c.post("/v1/route", json={"token_ids": doc})
+                if r.json()["engine"] != "e1" or r.json()["matched_tokens"] != 5 * BS:
+                    return False
+        return True
+
+    wait_for(all_caught_up, "both workers to hold e1's blocks")
     assert srv.close() == 0

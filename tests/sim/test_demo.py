@@ -74,5 +74,5 @@ def test_ctrl_c_during_the_run_exits_130_and_says_what_was_kept(tmp_path: Path) 
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
-    assert "kvstream demo: interrupted; kept" in err and "engines and proxies stopped" in err
+    assert "kvstream demo: interrupted; kept" in err and "engines and services stopped" in err
     assert "Traceback" not in err

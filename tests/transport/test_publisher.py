@@ -9,6 +9,7 @@ import anyio
 import pytest
 import zmq
 
+from kvstream.errors import LocalProtocolError
 from kvstream.wire.events import AllBlocksCleared, BlockStored, KVEventBatch, decode_batch
 from kvstream.wire.framing import END_SEQ_BYTES, decode_seq, encode_seq
 from kvstream.transport import (
@@ -27,6 +28,11 @@ from tests.transport.zmq_helpers import ipc, recv, wait_readable
 pytestmark = pytest.mark.anyio
 
 
+async def wait_state() -> None:
+    """One step of polling a publisher's state (callers hold a deadline)."""
+    await anyio.sleep(0.005)
+
+
 
 def _stored(h: int) -> BlockStored:
     return BlockStored([h], None, list(range(16)), 16, None, "GPU", None)
@@ -41,12 +47,14 @@ def ctx():
     return zmq.Context.instance()
 
 
-async def _sub(ctx, ep: str) -> zmq.Socket:
+async def _sub(ctx, pub: Publisher) -> zmq.Socket:
+    """A SUB on ``pub`` that is subscribed: the publisher has seen its subscription."""
     s = ctx.socket(zmq.SUB)
     s.linger = 0
     s.subscribe(b"")
-    s.connect(ep)
-    await anyio.sleep(0.15)  # slow joiner
+    joined = pub.stats.subscriptions + 1
+    s.connect(pub.endpoint)
+    await pub.wait_subscribed(joined)
     return s
 
 
@@ -83,6 +91,37 @@ def test_dp_rank_offsets_endpoints_like_vllm():
     assert cfg.endpoint == "tcp://*:25557"  # the caller's config is not mutated
 
 
+def test_port_zero_at_a_dp_rank_follows_the_selected_vllm_release():
+    from kvstream.compat import VLLM_0_11, VLLM_0_33
+
+    # vLLM 0.33 (the default) keeps an ephemeral :0 at every rank; 0.11 adds the rank to it.
+    assert offset_endpoint("tcp://*:0", 2) == "tcp://*:0"
+    assert offset_endpoint("tcp://*:0", 2, VLLM_0_33) == "tcp://*:0"
+    assert offset_endpoint("tcp://*:0", 2, VLLM_0_11) == "tcp://*:2"
+    assert offset_endpoint("tcp://*:0", 2, "0.11") == "tcp://*:2"
+    assert offset_endpoint("tcp://*:0", 0, VLLM_0_11) == "tcp://*:0"
+    # Other ports are offset under both releases.
+    assert offset_endpoint("tcp://*:7000", 2, VLLM_0_33) == offset_endpoint("tcp://*:7000", 2, VLLM_0_11) == "tcp://*:7002"
+    both_zero = KVEventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    assert both_zero.vllm_version == "0.33" and both_zero.vllm is VLLM_0_33
+    assert check_rank_endpoints(both_zero, 3) == ("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    old = dataclasses.replace(both_zero, vllm_version="v0.11.0")
+    assert old.vllm_version == "0.11"
+    assert check_rank_endpoints(old, 0) == ("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")  # rank 0: ephemeral
+    with pytest.raises(EndpointError, match="rank 1 would publish on port 1, which is the replay port of rank 1"):
+        check_rank_endpoints(old, 1)  # 0.11 puts both sockets of rank 1 on port 1
+    with pytest.raises(LocalProtocolError, match="unknown vLLM version '0.2'"):
+        KVEventsConfig(vllm_version="0.2")
+
+
+async def test_rank_above_zero_binds_ephemeral_ports_under_vllm_0_33(ctx):
+    cfg = KVEventsConfig(endpoint="tcp://*:0", replay_endpoint="tcp://*:0")  # "*": bind, like vLLM
+    with anyio.fail_after(5):
+        async with Publisher(cfg, data_parallel_rank=2) as a, Publisher(cfg, data_parallel_rank=3) as b:
+            ports = {ep.rsplit(":", 1)[1] for ep in (a.endpoint, a.replay_endpoint, b.endpoint, b.replay_endpoint)}
+    assert len(ports) == 4 and "0" not in ports
+
+
 def test_pub_port_colliding_with_a_replay_port_is_a_startup_error():
     cfg = KVEventsConfig(endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558")
     check_rank_endpoints(cfg, 0)  # fine on its own
@@ -96,7 +135,7 @@ async def test_live_frames_are_topic_seq_payload_from_zero_without_empty_batches
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), topic="kv@t")
     with anyio.fail_after(5):
         async with Publisher(cfg, data_parallel_rank=0) as pub:
-            s = await _sub(ctx, pub.endpoint)
+            s = await _sub(ctx, pub)
             assert pub.publish(_batch(1)) == 0
             assert pub.publish(KVEventBatch(2.0, [])) is None  # empty: not published
             assert pub.publish(KVEventBatch(3.0, [_stored(3)], data_parallel_rank=5)) == 1
@@ -112,7 +151,7 @@ async def test_rank_is_stamped_and_tcp_endpoints_are_offset(ctx):
     cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
     with anyio.fail_after(5):
         async with Publisher(cfg, data_parallel_rank=3) as pub:
-            s = await _sub(ctx, pub.endpoint)
+            s = await _sub(ctx, pub)
             pub.publish(_batch(1))
             (_, _, payload) = await recv(s)
             s.close(0)
@@ -208,7 +247,7 @@ async def test_full_queue_keeps_batches_for_replay_only_and_counts_them(tmp_path
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"), max_queue_size=3)
     with anyio.fail_after(5):
         async with Publisher(cfg) as pub:
-            s = await _sub(ctx, pub.endpoint)
+            s = await _sub(ctx, pub)
             seqs = [pub.publish(_batch(i)) for i in range(10)]  # no await: the sender cannot run
             live = [decode_seq((await recv(s))[1]) for _ in range(3)]
             d = ctx.socket(zmq.DEALER)
@@ -247,7 +286,7 @@ async def test_graceful_shutdown_sends_everything_queued(tmp_path, ctx):
     with anyio.fail_after(5):
         async with Publisher(cfg) as pub:
             s.connect(pub.endpoint)
-            await anyio.sleep(0.15)
+            await pub.wait_subscribed(1)
             for i in range(2000):
                 pub.publish(_batch(i))
             assert pub.queued == 2000  # nothing sent yet; leaving the block must send it all
@@ -264,12 +303,33 @@ async def test_publisher_connects_when_the_endpoint_is_not_a_wildcard(ctx):
     port = s.bind_to_random_port("tcp://127.0.0.1")
     with anyio.fail_after(5):
         async with Publisher(KVEventsConfig(endpoint=f"tcp://127.0.0.1:{port}")) as pub:
-            # The connection and subscription take a moment to form: publish until one lands.
-            while not await wait_readable(s, 0.05):
-                pub.publish(_batch(7))
+            # Connected, and the SUB's filter has arrived. A SUB attaches new connections only
+            # inside a call on it, so it is asked for its events meanwhile.
+            while pub.stats.subscriptions < 1:
+                s.getsockopt(zmq.EVENTS)
+                await wait_state()
+            assert pub.publish(_batch(7)) == 0
             msg = await recv(s)
     s.close(0)
-    assert decode_batch(msg[2]).events[0].block_hashes == [7]
+    assert decode_seq(msg[1]) == 0 and decode_batch(msg[2]).events[0].block_hashes == [7]
+
+
+async def test_wait_subscribed_reports_each_joining_subscriber_and_the_first_batch_reaches_it(tmp_path, ctx):
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), topic="kv")
+    with anyio.fail_after(5):
+        async with Publisher(cfg) as pub:
+            assert pub.stats.subscriptions == 0
+            subs = [await _sub(ctx, pub) for _ in range(3)]
+            assert pub.stats.subscriptions == 3
+            pub.publish(_batch(1))
+            first = [await recv(s) for s in subs]  # no slow joiner: seq 0 reaches every one
+            for s in subs:
+                s.close(0)
+            while pub.stats.unsubscriptions < 1:  # the last one gone: the filter is dropped
+                await wait_state()
+    assert [decode_seq(m[1]) for m in first] == [0, 0, 0]
+    with pytest.raises(PublisherClosedError):
+        await pub.wait_subscribed(4)
 
 
 async def test_replay_request_flood_does_not_stall_live_publishing(tmp_path, ctx):
@@ -277,7 +337,7 @@ async def test_replay_request_flood_does_not_stall_live_publishing(tmp_path, ctx
                          max_replay_jobs=8)
     with anyio.fail_after(10):
         async with Publisher(cfg) as pub:
-            s = await _sub(ctx, pub.endpoint)
+            s = await _sub(ctx, pub)
             for i in range(2000):
                 pub.publish(_batch(i))
             d = ctx.socket(zmq.DEALER)
@@ -286,7 +346,9 @@ async def test_replay_request_flood_does_not_stall_live_publishing(tmp_path, ctx
             d.connect(pub.replay_endpoint)
             for _ in range(300):
                 d.send_multipart([b"", encode_seq(0)])
-            await anyio.sleep(0.05)
+            st = pub.stats
+            while st.replay_requests + st.replay_rejected < 300:  # the flood has been taken in
+                await wait_state()
             for i in range(2000, 2100):
                 pub.publish(_batch(i))
             got = [decode_seq((await recv(s))[1]) for _ in range(2100)]
@@ -302,7 +364,7 @@ async def test_publish_raw_sends_given_bytes_and_seq_and_restarts_the_replay_buf
     p = [encode_batch_raw(i) for i in range(6)]
     with anyio.fail_after(5):
         async with Publisher(cfg) as pub:
-            s = await _sub(ctx, pub.endpoint)
+            s = await _sub(ctx, pub)
             pub.publish_raw(p[0], 7)  # a log may start mid-stream
             pub.publish_raw(p[1], 8, topic=b"kv")
             pub.publish_raw(p[2], 0)  # went backwards: a new engine incarnation

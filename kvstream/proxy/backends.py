@@ -1,0 +1,166 @@
+"""Where the proxy's routing decisions come from: its own router, or ``kvstream serve``'s core.
+
+The proxy (:mod:`kvstream.proxy.app`) needs, per request, the engines ranked for a prompt
+with each engine's cached prefix, the engines' HTTP base URLs, a way to mark an engine's
+index state stale when it stops answering, and a place to report requests in flight.
+
+* :class:`RouterBackend` owns a :class:`~kvstream.routing.router.Router` (the standalone
+  proxy, ``python -m kvstream.proxy``); the load is the proxy's own in-flight count.
+* :class:`ServiceBackend` reads ``kvstream serve``'s :class:`~kvstream.service.core.ServiceCore`
+  (proxy mode of the service): its default index and scoring weights, its engines (those
+  with an ``http=`` URL are proxied to), and its load board, which the proxy's in-flight
+  requests feed (with the engines' scraped vLLM metrics).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol
+
+from kvstream.routing.scoring import Load, PrefixLoadPolicy, ScoreResult
+
+__all__ = ["RouterBackend", "RoutingBackend", "ServiceBackend"]
+
+
+class RoutingBackend(Protocol):
+    """What the proxy asks of a router."""
+
+    def upstreams(self) -> Mapping[str, str]:
+        """Engines the proxy may send to: name -> HTTP base URL."""
+        ...
+
+    def score(self, tokens: list[int], loads: Mapping[str, Load] | None, speculate: bool) -> ScoreResult:
+        """Rank every engine for ``tokens``; ``loads`` None: the backend's own."""
+        ...
+
+    def loads(self) -> Mapping[str, Load] | None:
+        """The loads to route with (None: the proxy's in-flight counts)."""
+        ...
+
+    def started(self, name: str) -> None:
+        """A request was sent to ``name``."""
+        ...
+
+    def finished(self, name: str) -> None:
+        """A request to ``name`` ended."""
+        ...
+
+    def mark_failed(self, name: str) -> None:
+        """``name`` stopped answering: its cached state is unknown until its stream resets it."""
+        ...
+
+    def stream_view(self, name: str) -> dict[str, Any]:
+        """What the router knows of ``name``'s event stream and index (JSON)."""
+        ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(self, *exc: Any) -> None: ...
+
+
+class RouterBackend:
+    """A :class:`Router` of the proxy's own (started and stopped with the proxy).
+
+    Args:
+        router: the router (its index has a source per engine).
+        urls: engine name -> HTTP base URL.
+        policy: the scoring policy.
+    """
+
+    def __init__(self, router: Any, urls: Mapping[str, str], policy: PrefixLoadPolicy) -> None:
+        self.router = router
+        self._urls = dict(urls)
+        self._policy = policy
+
+    def upstreams(self) -> Mapping[str, str]:
+        return self._urls
+
+    def score(self, tokens: list[int], loads: Mapping[str, Load] | None, speculate: bool) -> ScoreResult:
+        if speculate:
+            res: ScoreResult = self.router.route(tokens, loads)
+            return res
+        return self.router.index.score(tokens, loads=loads, policy=self._policy)
+
+    def loads(self) -> Mapping[str, Load] | None:
+        return None
+
+    def started(self, name: str) -> None:
+        pass
+
+    def finished(self, name: str) -> None:
+        pass
+
+    def mark_failed(self, name: str) -> None:
+        self.router.index.mark_stale(name, True)
+
+    def stream_view(self, name: str) -> dict[str, Any]:
+        h = self.router.health().get(name)
+        info = self.router.index.source_info(name)
+        return {"state": h.state if h is not None else "not followed", "stale": info.stale,
+                "blocks": info.blocks, "applied_seq": self.router.applied_seq(name),
+                "restarts": h.counters.get("restarts", 0) if h is not None else 0}
+
+    async def __aenter__(self) -> "RouterBackend":
+        await self.router.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.router.__aexit__(*exc)
+
+
+class ServiceBackend:
+    """``kvstream serve``'s core as the proxy's router (the service runs its subscriber).
+
+    Args:
+        core: the service core.
+        speculate_ttl_s: life of a speculative insert (seconds; the service's setting).
+        clock: monotonic seconds (the core's).
+    """
+
+    def __init__(self, core: Any, *, clock: Callable[[], float] | None = None) -> None:
+        self.core = core
+        self._clock = clock or core.clock
+
+    def _index(self, name: str | None = None) -> Any:
+        from kvstream.service.core import DEFAULT_INDEX
+
+        if name is not None and name in self.core.engines:
+            return self.core.indexes[self.core.engines[name].index]
+        return self.core.indexes[DEFAULT_INDEX]
+
+    def upstreams(self) -> Mapping[str, str]:
+        from kvstream.service.core import DEFAULT_INDEX
+
+        return {n: e.http for n, e in self.core.engines.items() if e.http and e.index == DEFAULT_INDEX}
+
+    def score(self, tokens: list[int], loads: Mapping[str, Load] | None, speculate: bool) -> ScoreResult:
+        ix = self._index()
+        now = self._clock()
+        ix.expire(now)
+        keys = ix.keys(tokens)
+        res: ScoreResult = ix.score(tokens, loads=loads, policy=self.core.policy, keys=keys)
+        if speculate and res.best is not None:
+            ix.speculate(res.best, tokens, now, self.core.config.speculate_ttl, keys=keys)
+        return res
+
+    def loads(self) -> Mapping[str, Load] | None:
+        return self.core.loads.effective(None)
+
+    def started(self, name: str) -> None:
+        self.core.loads.started(name)
+
+    def finished(self, name: str) -> None:
+        self.core.loads.finished(name)
+
+    def mark_failed(self, name: str) -> None:
+        if name in self.core.engines:
+            self._index(name).mark_stale(name, True)
+
+    def stream_view(self, name: str) -> dict[str, Any]:
+        # The service's /v1/engines shows the stream already; the proxy adds its own part.
+        return {}
+
+    async def __aenter__(self) -> "ServiceBackend":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        pass
