@@ -687,7 +687,8 @@ class SourceTracker:
             # anything before the first live seq is unknown, so only a gap is a loss.
             if not self._drain_held():
                 return
-            if self.held or self.expected <= self.live_high:
+            if self.held or self.expected <= self.live_high or self.live_high < 0:
+                # A gap, or nothing heard live either: the state cannot be vouched for.
                 self.on_request_failed(reason)
                 return
             self._live_again()

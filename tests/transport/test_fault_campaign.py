@@ -33,6 +33,7 @@ def test_a_few_hundred_seeds_never_leave_a_source_live_and_wrong():
     (4659, "a snapshot tagged below a seq already seen live is another instance"),
     (247, "a probe that found a lost tail looks again soon"),
     (5389, "a probe is a short answer: vLLM's HWM cannot hole it"),
+    (95764, "a join after a restart that never gets an answer is stale, not live at -1"),
 ])
 def test_regression_seed(seed, case):
     assert run_seed(seed).silent_wrong == 0, case
