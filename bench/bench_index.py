@@ -1,6 +1,12 @@
 """Router index benchmarks: ingest rate, scoring latency, bytes per entry.
 
-    .venv/bin/python bench/bench_index.py [--quick]
+    .venv/bin/python bench/bench_index.py [--quick] [--layout default|reference|engine|all]
+
+Runs the default token-keyed ``KVIndex`` and, in the same process, its reference: the
+previous layout (dict ``engine hash -> key`` and ``key -> mask``, kept unmodified in
+``bench/reference_index/``), then ``EngineKeyIndex``. Issue #13's goal 4 for the default
+index: <= 100 bytes per (block, source) entry, >= 1 M block events/s ingested (decode +
+apply), and <= 200 us median to score 4,096 tokens x 64 sources, all at once.
 
 1. Ingest: msgpack payloads of vLLM-shaped batches (runs of BlockStored with 16-token
    blocks, one BlockRemoved per evicted block) decoded with EventDecoder and applied to a
@@ -11,7 +17,7 @@
 3. Memory: tracemalloc bytes per (block, source) residency at 10**6 entries, for
    distinct blocks on one source and for blocks shared by 8 and by 64 sources.
 
-``--layout engine`` runs the same three on :class:`kvstream.routing.engine_index.EngineKeyIndex`
+``engine`` runs the same three on :class:`kvstream.routing.engine_index.EngineKeyIndex`
 (keyed by engine hashes): scoring once per hasher (native, xxhash, sha256_cbor), the
 prompt's engine hashes computed inside the timed call; memory with random 64-bit hashes
 (the int objects real events carry).
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
+import sys
 import statistics
 import time
 import tracemalloc
@@ -31,6 +39,9 @@ from kvstream.wire.events import BlockRemoved, BlockStored, EventDecoder, KVEven
 from kvstream.hashing import BlockHasher
 from kvstream.routing.index import KVIndex
 from kvstream.routing.scoring import Load
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reference_index  # noqa: E402  (the previous layout, bench/reference_index/)
 
 BS = 16
 
@@ -61,10 +72,12 @@ def _payloads(n_blocks: int, run: int, seed: int = 1) -> list[bytes]:
     return out
 
 
-def _new_index(layout: str, hasher: str = "native") -> KVIndex | EngineKeyIndex:
+def _new_index(layout: str, hasher: str = "native"):
     if layout == "engine":
         return EngineKeyIndex(BlockHasher(hasher, BS, seed="0"))
-    return KVIndex(compact=layout == "compact")
+    if layout == "reference":
+        return reference_index.KVIndex()
+    return KVIndex()
 
 
 def bench_ingest(n_blocks: int, layout: str = "dict") -> None:
@@ -193,13 +206,15 @@ def bench_memory(entries: int, sharers: int, layout: str = "dict") -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    ap.add_argument("--layout", choices=("dict", "compact", "engine", "both", "all"), default="all",
-                    help="KVIndex dicts (default index), KVIndex(compact=True), EngineKeyIndex, "
-                         "both KVIndex layouts, or all three")
+    ap.add_argument("--layout", choices=("default", "reference", "engine", "all"), default="all",
+                    help="KVIndex() (the default index), the previous layout (reference), "
+                         "EngineKeyIndex, or all three")
     a = ap.parse_args()
-    layouts = {"both": ("dict", "compact"), "all": ("dict", "compact", "engine")}.get(a.layout, (a.layout,))
+    layouts = ("default", "reference", "engine") if a.layout == "all" else (a.layout,)
     for layout in layouts:
-        title = {"dict": "KVIndex()", "compact": "KVIndex(compact=True)", "engine": "EngineKeyIndex"}[layout]
+        title = {"default": "KVIndex() (block table in arrays, key -> mask dicts)",
+                 "reference": "reference: the previous KVIndex() layout (dicts), same process",
+                 "engine": "EngineKeyIndex"}[layout]
         print(f"== {title}")
         bench_ingest(200_000 if a.quick else 2_000_000, layout)
         for hasher in (("native", "xxhash", "sha256_cbor") if layout == "engine" else ("native",)):

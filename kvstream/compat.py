@@ -36,6 +36,8 @@ class VllmVersion:
         wire_format: payload shape the release's publisher writes (``EventEncoder(format)``).
         dp_offsets_port_zero: True if a data-parallel rank > 0 adds its rank to port 0 too
             (0.11 did; 0.33 keeps an ephemeral ``:0`` as it is).
+        reserve_full_prompt: a new request is admitted only if its whole prompt fits
+            (``KVCacheManager(reserve_full_prompt=)``; 0.33's ``scheduler_reserve_full_isl``).
     """
 
     name: str
@@ -45,6 +47,7 @@ class VllmVersion:
     free_order: Literal["v0.11", "v0.33"]
     wire_format: Literal["array", "map"]
     dp_offsets_port_zero: bool
+    reserve_full_prompt: bool = True
 
     def hasher(self, algorithm: str = "sha256_cbor", block_size: int = 16, *, seed: str | None = None) -> BlockHasher:
         """A :class:`~kvstream.hashing.BlockHasher` hashing blocks as this release does."""
@@ -57,6 +60,10 @@ class VllmVersion:
         """Keyword arguments for :class:`~kvstream.allocator.BlockPool` matching this release."""
         return {"event_style": self.event_style, "free_order": self.free_order}
 
+    def manager_options(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`~kvstream.allocator.KVCacheManager` matching this release."""
+        return {"reserve_full_prompt": self.reserve_full_prompt}
+
     def encoder(self) -> EventEncoder:
         """An :class:`~kvstream.wire.EventEncoder` writing payloads as this release's publisher does."""
         from kvstream.wire import EventEncoder
@@ -66,7 +73,7 @@ class VllmVersion:
 
 VLLM_0_11 = VllmVersion(
     name="0.11", hash_rules="0.11", extra_key_style="0.11", event_style="0.11",
-    free_order="v0.11", wire_format="array", dp_offsets_port_zero=True,
+    free_order="v0.11", wire_format="array", dp_offsets_port_zero=True, reserve_full_prompt=False,
 )
 """vLLM 0.11.x: array-shaped events, random root seed, untagged extra keys."""
 

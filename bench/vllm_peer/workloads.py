@@ -184,19 +184,20 @@ def run_vllm(vl: Any, release: str, trace: list[TraceRequest], events: bool, has
 
 
 def run_kvstream_pool(trace: list[TraceRequest], events: bool, free_order: str) -> tuple[float, dict[str, Any]]:
-    """The same driver as :func:`run_vllm` on kvstream's ``BlockPool`` (hashes precomputed)."""
+    """The same call sequence as :func:`run_vllm` on kvstream's ``BlockPool`` (hashes
+    precomputed); the cached prefix is found with ``cached_prefix`` (one call per request,
+    kvstream's API for what vLLM's manager asks ``get_cached_block`` block by block)."""
     from kvstream.allocator.pool import BlockPool
 
     pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, enable_kv_cache_events=events, free_order=free_order)
     bs = BLOCK_SIZE
-    get_cached = pool.get_cached_block
+    cached_prefix = pool.cached_prefix
     get_new = pool.get_new_blocks
     cache = pool.cache_full_blocks
     free = pool.free_blocks
     touch = pool.touch
     num_free = pool.get_num_free_blocks
     take = pool.take_events
-    groups = [0]
     running: list[list[Any]] = []  # [tokens, hashes, blocks, num_cached, outputs, i]
     nxt = 0
     n = len(trace)
@@ -208,12 +209,7 @@ def run_kvstream_pool(trace: list[TraceRequest], events: bool, free_order: str) 
             tokens = tr.prefix + tr.suffix
             hashes = tr.hashes
             ntok = len(tokens)
-            hits: list[Any] = []
-            for h in hashes[: (ntok - 1) // bs]:
-                got = get_cached(h, groups)
-                if not got:
-                    break
-                hits.append(got[0])
+            hits = cached_prefix(hashes, (ntok - 1) // bs)  # kvstream's one-call prefix lookup
             need = -(-ntok // bs) - len(hits)
             if need + sum(1 for b in hits if b.ref_cnt == 0) > num_free():
                 break
@@ -340,3 +336,60 @@ def naive_sha256_cbor(tokens: list[int], block_size: int, root: bytes) -> list[b
         ).digest()
         out.append(parent)
     return out
+
+
+def run_kvstream_pool_compat(trace: list[TraceRequest]) -> tuple[float, dict[str, Any]]:
+    """:func:`run_kvstream_pool` with ``get_cached_block`` per hash, exactly vLLM's driver
+    (for A/B runs against kvstream versions without ``cached_prefix``)."""
+    from kvstream.allocator.pool import BlockPool
+
+    pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, enable_kv_cache_events=True, free_order="v0.11")
+    bs = BLOCK_SIZE
+    get_cached = pool.get_cached_block
+    groups = [0]
+    running: list[list[Any]] = []
+    nxt = 0
+    n = len(trace)
+    t0 = time.perf_counter()
+    while nxt < n or running:
+        while nxt < n and len(running) < RUNNING:
+            tr = trace[nxt]
+            tokens = tr.prefix + tr.suffix
+            hashes = tr.hashes
+            ntok = len(tokens)
+            hits: list[Any] = []
+            for h in hashes[: (ntok - 1) // bs]:
+                got = get_cached(h, groups)
+                if not got:
+                    break
+                hits.append(got[0])
+            need = -(-ntok // bs) - len(hits)
+            if need + sum(1 for b in hits if b.ref_cnt == 0) > pool.get_num_free_blocks():
+                break
+            if hits:
+                pool.touch(hits)
+            blocks = hits + pool.get_new_blocks(need)
+            nf = ntok // bs
+            pool.cache_full_blocks(blocks, hashes, len(hits), nf, tokens, 0)
+            running.append([tokens, hashes, blocks, nf, tr.outputs, 0])
+            nxt += 1
+        still = []
+        for st in running:
+            tokens, hashes, blocks, nc, outs, i = st
+            tokens.append(outs[i])
+            total = len(tokens)
+            if total > len(blocks) * bs:
+                blocks += pool.get_new_blocks(1)
+            if total % bs == 0:
+                pool.cache_full_blocks(blocks, hashes, nc, total // bs, tokens, 0)
+                st[3] = total // bs
+            i += 1
+            if i == len(outs):
+                blocks.reverse()
+                pool.free_blocks(blocks)
+            else:
+                st[5] = i
+                still.append(st)
+        running = still
+        pool.take_events()
+    return time.perf_counter() - t0, {}

@@ -33,6 +33,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Iterable, Sequence
 
+from kvstream.compat import VllmVersion, version
 from kvstream.errors import LocalProtocolError
 from kvstream.hashing import BlockHasher, LoRA, MMItem, RequestBlockHasher
 from kvstream.allocator.prefix_stats import PrefixCacheStats, PrefixCachingMetrics
@@ -84,14 +85,18 @@ class KVRequest:
         num_cached_blocks: leading blocks already cached (blocks).
         num_prefix_hit_tokens: tokens found in the prefix cache at the last admission.
         lora: the request's LoRA adapter, or None.
+        session_id: put on every ``BlockStored`` of the request (vLLM 0.33), or None.
+        report_full: ``kv_cache_report_mode="full"``: every admission attempt re-announces
+            the request's prefix-cache hits (see :meth:`KVCacheManager.admit`).
     """
 
     __slots__ = ("request_id", "token_ids", "block_hashes", "extra_keys", "hasher", "blocks",
                  "num_computed_tokens", "num_cached_blocks", "num_prefix_hit_tokens", "lora",
-                 "lora_id", "lora_name", "running")
+                 "lora_id", "lora_name", "running", "session_id", "report_full")
 
     def __init__(self, request_id: Any, token_ids: list[int], hasher: RequestBlockHasher | None,
-                 block_hashes: list[bytes], lora: LoRA | None) -> None:
+                 block_hashes: list[bytes], lora: LoRA | None, session_id: str | None = None,
+                 report_full: bool = False) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
         self.hasher = hasher
@@ -105,6 +110,8 @@ class KVRequest:
         self.lora_id = lora.int_id if lora is not None else None
         self.lora_name = lora.name if lora is not None else None
         self.running = False
+        self.session_id = session_id
+        self.report_full = report_full
 
     @property
     def num_tokens(self) -> int:
@@ -134,8 +141,10 @@ class KVCacheManager:
         reserve_full_prompt: admit a request only if its *whole* prompt fits, even when
             this step schedules only a chunk of it (vLLM 0.33's default,
             ``scheduler_reserve_full_isl=True``). False: only the scheduled chunk must fit
-            (vLLM 0.11).
+            (vLLM 0.11). Default: the release's, else True.
         max_recent_requests: window of :attr:`metrics` (requests).
+        release: a :class:`~kvstream.compat.VllmVersion` (or its name) giving the defaults
+            of ``hasher`` (its hash rules and extra-key style) and ``reserve_full_prompt``.
 
     Attributes: ``pool``, ``hasher``, ``requests`` (running requests by id), ``stats``
     (cumulative :class:`PrefixCacheStats`), ``metrics`` (:class:`PrefixCachingMetrics`
@@ -143,7 +152,7 @@ class KVCacheManager:
     """
 
     __slots__ = ("pool", "hasher", "kv_cache_group_id", "reserve_full_prompt", "requests",
-                 "stats", "metrics", "_bs", "_queue", "_index", "_step_stats")
+                 "stats", "metrics", "_bs", "_queue", "_step_stats")
 
     def __init__(
         self,
@@ -151,11 +160,16 @@ class KVCacheManager:
         hasher: BlockHasher | None = None,
         *,
         kv_cache_group_id: int = 0,
-        reserve_full_prompt: bool = True,
+        reserve_full_prompt: bool | None = None,
         max_recent_requests: int = 1000,
+        release: VllmVersion | str | None = None,
     ) -> None:
+        rel = version(release) if isinstance(release, str) else release
+        if reserve_full_prompt is None:
+            reserve_full_prompt = rel.reserve_full_prompt if rel is not None else True
         if hasher is None:
-            hasher = BlockHasher("sha256_cbor", pool.block_size)
+            hasher = (rel.hasher("sha256_cbor", pool.block_size) if rel is not None
+                      else BlockHasher("sha256_cbor", pool.block_size))
         if hasher.block_size != pool.block_size:
             raise KVCacheManagerError(
                 f"the hasher hashes blocks of {hasher.block_size} tokens but the pool's blocks hold "
@@ -176,8 +190,6 @@ class KVCacheManager:
         self._step_stats = PrefixCacheStats()
         self._bs = pool.block_size
         self._queue = pool.free_block_queue
-        # The group's HashIndex.first: hash -> oldest cached copy (cleared in place on reset).
-        self._index = pool._index[kv_cache_group_id].first
 
     # -- requests ----------------------------------------------------------------------
 
@@ -190,8 +202,15 @@ class KVCacheManager:
         mm_items: Iterable[MMItem] = (),
         cache_salt: str | None = None,
         block_hashes: Sequence[bytes] | None = None,
+        session_id: str | None = None,
+        kv_cache_report_mode: str | None = None,
     ) -> KVRequest:
         """A request's state with its prompt hashed; the pool is not touched.
+
+        ``session_id`` goes on the request's ``BlockStored`` events (vLLM 0.33);
+        ``kv_cache_report_mode="full"`` (vLLM 0.33's per-request ``extra_args`` setting)
+        makes every admission attempt re-announce the prefix-cache hits; None or
+        ``"delta"`` announce only newly cached blocks.
 
         ``block_hashes``: precomputed digests of the prompt's full blocks (e.g. hashed once
         for many simulated engines); then the request has no hasher, and blocks completed
@@ -218,38 +237,40 @@ class KVCacheManager:
             _check_token_ids(request_id, tokens)
         if not tokens:
             raise KVCacheManagerError(f"request {request_id!r} has an empty prompt; give at least one token")
+        if kv_cache_report_mode not in (None, "delta", "full"):
+            raise KVCacheManagerError(
+                f"kv_cache_report_mode must be None, 'delta' or 'full', got {kv_cache_report_mode!r}")
+        if session_id is not None and not isinstance(session_id, str):
+            raise KVCacheManagerError(f"session_id must be a str or None, got {type(session_id).__name__}")
+        full = kv_cache_report_mode == "full"
         if block_hashes is not None:
             if lora is not None or cache_salt or tuple(mm_items):
                 raise KVCacheManagerError(
                     "with precomputed block_hashes the extra keys (lora, mm_items, cache_salt) are "
                     "already in the hashes; pass lora only via new_request without block_hashes"
                 )
-            return KVRequest(request_id, tokens, None, list(block_hashes), None)
+            return KVRequest(request_id, tokens, None, list(block_hashes), None, session_id, full)
         rh = RequestBlockHasher(self.hasher, lora=lora, mm_items=mm_items, cache_salt=cache_salt)
         rh.extend(tokens)
-        return KVRequest(request_id, tokens, rh, rh.block_hashes, lora)
+        return KVRequest(request_id, tokens, rh, rh.block_hashes, lora, session_id, full)
 
     def get_computed_blocks(self, request: KVRequest) -> list[KVCacheBlock]:
         """The longest cached prefix of ``request`` (blocks), capped at ``num_tokens - 1``
         tokens so the last prompt token is always computed. Pure query."""
-        get = self._index.get
-        hashes = request.block_hashes
-        limit = min((len(request.token_ids) - 1) // self._bs, len(hashes))
-        hits: list[KVCacheBlock] = []
-        append = hits.append
-        for i in range(limit):
-            v = get(hashes[i])
-            if v is None:
-                break
-            append(v)
-        return hits
+        return self.pool.cached_prefix(request.block_hashes, (len(request.token_ids) - 1) // self._bs,
+                                       self.kv_cache_group_id)
 
-    def admit(self, request: KVRequest, num_new_tokens: int | None = None) -> bool:
+    def admit(self, request: KVRequest, num_new_tokens: int | None = None, *, cache: bool = True) -> bool:
         """Start ``request``: reuse its cached prefix and allocate slots for the next tokens.
 
         ``num_new_tokens`` (tokens) is what this step computes after the cached prefix;
         default all the rest of the prompt. Returns False (nothing changed, except the
         prefix-cache statistics, as in vLLM) if the blocks do not fit.
+
+        ``cache=False`` allocates without caching the blocks that became full; call
+        :meth:`cache_computed_blocks` afterwards. A hybrid model admits a request in every
+        KV cache group (one manager each, one pool) first and caches in every group after,
+        as vLLM's coordinator does, so all the groups' evictions precede their stores.
         """
         if request.running:
             raise KVCacheManagerError(
@@ -264,17 +285,15 @@ class KVCacheManager:
         bs = self._bs
         hits: list[KVCacheBlock] = []
         if self.pool.enable_caching:
-            # get_computed_blocks, inlined.
-            get = self._index.get
-            append = hits.append
-            for h in request.block_hashes[: (len(request.token_ids) - 1) // bs]:
-                v = get(h)
-                if v is None:
-                    break
-                append(v)
+            hits = self.pool.cached_prefix(request.block_hashes, (len(request.token_ids) - 1) // bs,
+                                           self.kv_cache_group_id)
         num_tokens = len(request.token_ids)
         nh = len(hits)
         computed = nh * bs
+        if nh and request.report_full:
+            # vLLM announces the reused prefix while it looks it up: before (and whatever)
+            # the admission decides.
+            self.pool.announce_cached_prefix(request, nh, self.kv_cache_group_id)
         if num_new_tokens is None:
             num_new = num_tokens - computed
         else:
@@ -308,13 +327,24 @@ class KVCacheManager:
             blocks += pool.get_new_blocks(n)
         request.blocks = blocks
         num_full = total // bs
-        if num_full > nh:
+        if num_full > nh and cache:
             self._cache(request, nh, num_full)
-        request.num_cached_blocks = num_full if num_full > nh else nh
+            request.num_cached_blocks = num_full
+        else:
+            request.num_cached_blocks = nh
         request.num_computed_tokens = total
         request.running = True
         self.requests[request.request_id] = request
         return True
+
+    def cache_computed_blocks(self, request: KVRequest) -> None:
+        """Cache the running request's blocks that are full but not cached yet (see
+        :meth:`admit`'s ``cache=False``); nothing to do is fine."""
+        self._check_running(request)
+        nf = request.num_computed_tokens // self._bs
+        if nf > request.num_cached_blocks:
+            self._cache(request, request.num_cached_blocks, nf)
+            request.num_cached_blocks = nf
 
     def allocate(self, request: KVRequest, num_new_tokens: int) -> bool:
         """Allocate slots for the next ``num_new_tokens`` prompt tokens of a running request
@@ -457,6 +487,28 @@ class KVCacheManager:
     def take_events(self) -> list[Any]:
         """The pool's events since the last call (see :meth:`BlockPool.take_events`)."""
         return self.pool.take_events()
+
+    def offload_stored(self, request: KVRequest, block_indices: Iterable[int], medium: str = "CPU") -> None:
+        """A KV connector finished copying blocks of ``request`` to ``medium`` (e.g. CPU).
+
+        Records vLLM 0.33's offloading events (see :meth:`BlockPool.offload_events`) for the
+        request's logical blocks ``block_indices``; the GPU pool is not changed.
+        """
+        self.pool.offload_events(medium, stored=self._hashes_at(request, block_indices))
+
+    def offload_removed(self, request: KVRequest, block_indices: Iterable[int], medium: str = "CPU") -> None:
+        """A KV connector evicted blocks of ``request`` from ``medium``: one ``BlockRemoved``."""
+        self.pool.offload_events(medium, removed=self._hashes_at(request, block_indices))
+
+    def _hashes_at(self, request: KVRequest, block_indices: Iterable[int]) -> list[bytes]:
+        hashes = request.block_hashes
+        idx = list(block_indices)
+        bad = [i for i in idx if type(i) is not int or not 0 <= i < len(hashes)]
+        if bad:
+            raise KVCacheManagerError(
+                f"request {request.request_id!r} has {len(hashes)} hashed blocks; block indices {bad} "
+                "are out of range")
+        return [hashes[i] for i in idx]
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Statistics since the previous call (vLLM's per-step ``PrefixCacheStats``)."""

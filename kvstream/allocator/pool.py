@@ -25,8 +25,12 @@ raised before any state changes.
 from __future__ import annotations
 
 from array import array
+from functools import partial
+from itertools import takewhile
+from operator import is_not
 from typing import Any, Iterable, Literal, Sequence
 
+from kvstream.compat import VllmVersion, version
 from kvstream.errors import LocalProtocolError
 from kvstream.wire.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvstream.hashing import to_external, to_external_list
@@ -36,6 +40,7 @@ __all__ = [
     "BlockPoolError",
     "NoFreeBlocksError",
     "FreeBlockQueue",
+    "HashIndex",
     "KVCacheBlock",
     "EventStyle",
     "FreeOrder",
@@ -113,15 +118,17 @@ class KVCacheBlock:
 class _Origin:
     """The request-side lists a run of blocks is cached from (for one cache_full_blocks call)."""
 
-    __slots__ = ("token_ids", "block_hashes", "extra_keys", "lora_id", "lora_name")
+    __slots__ = ("token_ids", "block_hashes", "extra_keys", "lora_id", "lora_name", "session_id")
 
     def __init__(self, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes],
-                 extra_keys: Sequence[Any] | None, lora_id: int | None, lora_name: str | None) -> None:
+                 extra_keys: Sequence[Any] | None, lora_id: int | None, lora_name: str | None,
+                 session_id: str | None = None) -> None:
         self.token_ids = token_ids
         self.block_hashes = block_hashes
         self.extra_keys = extra_keys
         self.lora_id = lora_id
         self.lora_name = lora_name
+        self.session_id = session_id
 
 
 class FreeBlockQueue:
@@ -266,6 +273,9 @@ class HashIndex:
         self.dups.clear()
 
 
+_is_block = partial(is_not, None)
+
+
 def _foreign(blk: KVCacheBlock) -> BlockPoolError:
     return BlockPoolError(
         f"block {blk.block_id} belongs to another BlockPool (or none); a pool only takes back "
@@ -292,6 +302,8 @@ class BlockPool:
             hashed blocks at the tail. ``"v0.11"``: every freed block goes to the tail.
         kv_cache_event_metadata: one ``(spec_kind, sliding_window)`` per KV cache group;
             its length is the number of groups (group ids ``0..n-1``).
+        release: a :class:`~kvstream.compat.VllmVersion` (or its name, ``"0.11"``) whose
+            ``event_style`` and ``free_order`` apply where those are not given.
 
     Hot-path methods do no per-block allocation beyond the result lists.
     """
@@ -310,10 +322,16 @@ class BlockPool:
         enable_kv_cache_events: bool = True,
         hash_form: HashForm = "int",
         medium: str = MEDIUM_GPU,
-        event_style: EventStyle = "0.33",
-        free_order: FreeOrder = "v0.33",
+        event_style: EventStyle | None = None,
+        free_order: FreeOrder | None = None,
         kv_cache_event_metadata: Sequence[tuple[str | None, int | None]] = DEFAULT_EVENT_METADATA,
+        release: VllmVersion | str | None = None,
     ) -> None:
+        rel = version(release) if isinstance(release, str) else release
+        if event_style is None:
+            event_style = rel.event_style if rel is not None else "0.33"
+        if free_order is None:
+            free_order = rel.free_order if rel is not None else "v0.33"
         if type(num_gpu_blocks) is not int or num_gpu_blocks < 2:
             raise BlockPoolError(
                 f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}"
@@ -375,6 +393,16 @@ class BlockPool:
     def lookup(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
         """The first cached copy of ``block_hash`` in ``group_id``, or None. Pure query."""
         return self._index[group_id].first.get(block_hash)
+
+    def cached_prefix(self, block_hashes: Sequence[bytes], max_blocks: int | None = None,
+                      kv_cache_group_id: int = 0) -> list[KVCacheBlock]:
+        """The longest cached prefix of a hash chain: the first copy of each leading hash
+        that is cached, stopping at the first miss, at most ``max_blocks`` (blocks). Pure
+        query; one call per request instead of one :meth:`get_cached_block` per block."""
+        get = self._index[kv_cache_group_id].first.get
+        hs = block_hashes if max_blocks is None else block_hashes[:max_blocks]
+        # map/takewhile run the loop in C: one dict lookup per hash, no Python frame.
+        return list(takewhile(_is_block, map(get, hs)))  # type: ignore[arg-type]
 
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """vLLM's form: one cached block per group in ``kv_cache_group_ids``, or None if any
@@ -618,6 +646,7 @@ class BlockPool:
         lora_id: int | None = None,
         lora_name: str | None = None,
         extra_keys: Sequence[Any] | None = None,
+        session_id: str | None = None,
     ) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
@@ -632,6 +661,7 @@ class BlockPool:
             lora_id, lora_name: the request's LoRA, for the event.
             extra_keys: the request's per-block wire extra keys (``BlockStored.extra_keys``
                 entries, indexed like ``block_hashes``), or None.
+            session_id: the request's session (vLLM 0.33's ``BlockStored.session_id``), or None.
 
         Emits one ``BlockStored`` for the run; its parent is ``block_hashes[num_cached_blocks
         - 1]`` (None when the run starts at block 0). A block that already holds this very
@@ -639,7 +669,7 @@ class BlockPool:
         :class:`BlockPoolError` before anything changes. The lists are only read during
         the call: what :meth:`snapshot_events` needs later is kept in the emitted event.
         """
-        src = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name)
+        src = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name, session_id)
                if self.enable_kv_cache_events else None)
         self._check_run(blocks, block_hashes, token_ids, num_cached_blocks, num_full_blocks, kv_cache_group_id)
         if num_cached_blocks < num_full_blocks and self.enable_caching:
@@ -650,8 +680,8 @@ class BlockPool:
         """:meth:`cache_full_blocks` for an object that carries the request's lists.
 
         ``source`` needs the attributes ``blocks``, ``block_hashes``, ``token_ids``,
-        ``extra_keys``, ``lora_id`` and ``lora_name`` (as :class:`kvstream.allocator.manager.KVRequest`
-        has); it is read during the call only.
+        ``extra_keys``, ``lora_id``, ``lora_name`` and ``session_id`` (as
+        :class:`kvstream.allocator.manager.KVRequest` has); it is read during the call only.
         """
         blocks = source.blocks
         hashes = source.block_hashes
@@ -836,7 +866,53 @@ class BlockPool:
         return BlockStored(block_hashes=ext, parent_block_hash=parent, token_ids=tok, block_size=bs,
                            lora_id=src.lora_id, medium=self.medium, lora_name=src.lora_name,
                            extra_keys=extra, group_idx=g, kv_cache_spec_kind=kind,
-                           kv_cache_spec_sliding_window=window)
+                           kv_cache_spec_sliding_window=window, session_id=src.session_id)
+
+    def announce_cached_prefix(self, source: Any, num_blocks: int, kv_cache_group_id: int = 0) -> None:
+        """Re-announce the first ``num_blocks`` blocks of ``source`` as one ``BlockStored``.
+
+        vLLM 0.33's ``kv_cache_report_mode="full"``: a request's prefix-cache hits are
+        announced again (parent None, their tokens, extra keys and session), without any
+        change to the pool, so a consumer learns which cached blocks the request reuses.
+        ``source`` is read as by :meth:`cache_blocks_of` (its ``blocks`` are not used).
+        Emits nothing with events off or for ``num_blocks == 0``.
+        """
+        if not self.enable_kv_cache_events or num_blocks <= 0:
+            return
+        hashes = source.block_hashes
+        if not 0 <= kv_cache_group_id < len(self._index) or num_blocks > len(hashes) or (
+                len(source.token_ids) < num_blocks * self.block_size):
+            raise BlockPoolError(
+                f"cannot announce {num_blocks} cached blocks in group {kv_cache_group_id}: the "
+                f"request has {len(hashes)} hashes and {len(source.token_ids)} tokens; the pool "
+                f"has {len(self._index)} group(s)"
+            )
+        ext: list[Any] = to_external_list(hashes[:num_blocks], self.hash_form)
+        self._events.append(self._stored(0, num_blocks, kv_cache_group_id, source, ext, ()))
+
+    def offload_events(self, medium: str, *, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (),
+                       group_idx: int | None = 0) -> None:
+        """Record a KV connector's events for another tier (``medium``, e.g. ``"CPU"``).
+
+        vLLM 0.33's offloading connector reports, after the GPU pool's events of a step, one
+        ``BlockRemoved`` carrying every hash the tier evicted and one placeholder
+        ``BlockStored`` per hash it stored (no tokens, ``block_size`` 0, no parent): that
+        is the shape recorded here, removals first if both are given. ``stored`` and
+        ``removed`` are digests; they take the pool's ``hash_form``. The pool's own blocks
+        are not touched.
+        """
+        if not isinstance(medium, str) or not medium:
+            raise BlockPoolError(f"medium must be a non-empty str such as 'CPU', got {medium!r}")
+        if not self.enable_kv_cache_events:
+            return
+        form = self.hash_form
+        if removed:
+            gone: list[Any] = to_external_list(removed, form)
+            self._events.append(BlockRemoved(block_hashes=gone, medium=medium, group_idx=group_idx))
+        for e in to_external_list(stored, form):
+            self._events.append(BlockStored(
+                block_hashes=[e], parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+                medium=medium, lora_name=None, group_idx=group_idx))
 
     # -- cache-wide operations --------------------------------------------------------------
 
@@ -899,7 +975,7 @@ class BlockPool:
                 token_ids=ev.token_ids[k * bs:(k + 1) * bs], block_size=bs, lora_id=ev.lora_id,
                 medium=ev.medium, lora_name=ev.lora_name, extra_keys=None if ek is None else [ek[k]],
                 group_idx=ev.group_idx, kv_cache_spec_kind=ev.kv_cache_spec_kind,
-                kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window))
+                kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window, session_id=ev.session_id))
         return out
 
     # -- checking --------------------------------------------------------------------------

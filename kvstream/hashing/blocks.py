@@ -503,17 +503,37 @@ class BlockHasher:
         parent: bytes,
         extras: Sequence[Any] | None,
     ) -> list[bytes]:
-        """Reference path: vLLM's serializer on the real tuple (pickle algorithms, fallbacks)."""
+        """Reference path: vLLM's serializer on the real tuple (pickle algorithms, fallbacks).
+
+        The serializer and digest are called directly (no wrapper per block): for the
+        pickle algorithms this loop is the naive loop itself, so never slower than it.
+        """
         bs = self.block_size
-        serialize = self._serialize
-        assert serialize is not None  # every algorithm but "native" has one; native never comes here
-        digest = self._digest
         out: list[bytes] = []
+        append = out.append
         prev = parent
+        ser: Callable[..., bytes]
+        if self._cbor:
+            serialize = self._serialize
+            assert serialize is not None
+            for i in range(n):
+                ek = extras[i] if extras is not None else None
+                prev = self._digest(serialize((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek)))
+                append(prev)
+            return out
+        ser, proto = pickle.dumps, pickle.HIGHEST_PROTOCOL
+        if self.algorithm == "sha256":
+            new = hashlib.sha256
+            for i in range(n):
+                ek = extras[i] if extras is not None else None
+                prev = new(ser((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek), proto)).digest()
+                append(prev)
+            return out
+        digest = self._digest
         for i in range(n):
             ek = extras[i] if extras is not None else None
-            prev = digest(serialize((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek)))
-            out.append(prev)
+            prev = digest(ser((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek), proto))
+            append(prev)
         return out
 
     def _hash_cbor(
@@ -558,15 +578,26 @@ class BlockHasher:
         else:
             # Few blocks (a decode step) or unusual ids: cbor2 on each block's token list
             # encodes exactly what vLLM's cbor2.dumps of the token tuple does.
-            arrays = [
-                _cbor_dumps(chunk if type(chunk) is list else list(chunk))
-                for chunk in (tokens[i : i + bs] for i in range(0, n * bs, bs))
-            ]
+            dumps = cbor2.dumps
+            if n == 1:  # a decode step completed one block: no comprehension, no generator
+                chunk = tokens[:bs]
+                arrays = [dumps(chunk if type(chunk) is list else list(chunk), canonical=True)]
+            else:
+                arrays = [
+                    dumps(chunk if type(chunk) is list else list(chunk), canonical=True)
+                    for chunk in (tokens[i : i + bs] for i in range(0, n * bs, bs))
+                ]
         if extras is None and len(parent) == self.digest_size:
-            digest = self._digest
-            for arr in arrays:
-                prev = digest(chain_prefix + prev + arr + b"\xf6")
-                append(prev)
+            if self.algorithm == "sha256_cbor":
+                new = hashlib.sha256
+                for arr in arrays:
+                    prev = new(chain_prefix + prev + arr + b"\xf6").digest()
+                    append(prev)
+            else:
+                digest = self._digest
+                for arr in arrays:
+                    prev = digest(chain_prefix + prev + arr + b"\xf6")
+                    append(prev)
             return out
         digest = self._digest
         dsize = self.digest_size
@@ -877,9 +908,9 @@ class RequestBlockHasher:
                 f"{new_token_ids!r:.40}; wrap a single token as [token]"
             ) from None
         after = len(pending)
-        bs = self._bs
-        if after < bs:
+        if after < self._bs:
             return []
+        bs = self._bs
         full = after - after % bs
         chunk = pending[:full]
         del pending[:full]
@@ -938,7 +969,7 @@ def to_external_list(digests: Sequence[bytes], form: str = "int") -> list[int] |
             return []
         size = len(digests[0])
         w, r = divmod(size, 8)
-        if r == 0 and w and all(len(d) == size for d in digests):
+        if r == 0 and w and len(set(map(len, digests))) == 1:  # one C pass, no generator
             joined = b"".join(digests)
             # Equal-size digests (the normal case): every 64-bit word at once, keep the last
             # word of each digest, read big-endian.

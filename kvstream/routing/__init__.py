@@ -2,7 +2,8 @@
 
 ``keys`` (engine-independent router keys), ``index`` (:class:`KVIndex`, keyed by router
 keys), ``engine_index`` (:class:`EngineKeyIndex`, keyed by the engines' own hashes), their
-shared core (``_core``), ``scoring`` (policies) and ``router`` (the async :class:`Router` and
+shared core (``_core``), ``snapshot`` (the ``dump``/``load`` format), ``scoring``
+(policies) and ``router`` (the async :class:`Router` and
 :func:`apply_item`). The indexes and scoring are sans-IO and imported here; the async
 ``Router`` (which opens sockets) is loaded only when first used.
 """
@@ -15,6 +16,7 @@ from kvstream.routing._core import IndexUsageError, SourceInfo
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.routing.index import KVIndex
 from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch
+from kvstream.routing.snapshot import SnapshotError, SnapshotInfo, read_snapshot
 
 if TYPE_CHECKING:
     from kvstream.routing.router import Router, apply_item
@@ -28,9 +30,12 @@ __all__ = [
     "PrefixLoadPolicy",
     "Router",
     "ScoreResult",
+    "SnapshotError",
+    "SnapshotInfo",
     "SourceInfo",
     "SourceMatch",
     "apply_item",
+    "read_snapshot",
 ]
 
 

@@ -1,36 +1,48 @@
-"""A compact, insertion-ordered ``int -> int`` map for the router index's memory-bound mode.
+"""A compact ``int -> int`` map: the router index's block table (engine hash -> router key).
 
 CPython spends ~42 bytes of dict entry plus a 32-40 byte int object per 64-bit key at
 10**6 entries. :class:`U64Map` keeps keys in ``[1, 2**64)`` and values in ``[0, 2**64)`` in
-two ``array('Q')`` columns (16 bytes per entry, in insertion order) and a power-of-two
-``array('i')`` open-addressing index over them (4 bytes per slot, load <= 2/3), the same
-layout as CPython's own dict, but without per-entry objects: ~25 bytes per entry at 10**6.
-Anything else (key 0, bytes keys, tuple values, masks of more than 64 sources) goes to a
-plain dict beside it, so the map accepts whatever a dict would.
+two ``array('Q')`` columns (16 bytes per entry) and a power-of-two ``array('i')``
+open-addressing index over them (4 bytes per slot, load <= 3/4, linear probing, deletion
+by moving the rest of the cluster back, so there are no tombstones), the layout of
+CPython's own dict but without per-entry objects: ~25 bytes per entry at 10**6. A column
+position freed by a deletion is reused by the next insert, so churn never forces a
+rebuild; iteration follows the columns (insertion order, except for reused positions).
+Anything else (key 0, bytes keys, tuple values) goes to a plain dict beside it, so the map
+accepts whatever a dict would.
 
-The price is Python-level probing: each operation costs ~0.2-0.4 us instead of ~0.05 us.
-It implements only the dict API the index uses (``get``, ``in``, item assignment,
-``del``, ``pop``, iteration, ``items``, ``len``). Iteration yields array entries in
-insertion order, then the fallback dict's. This module imports nothing of kvstream's.
+The price is Python-level probing: a method call costs ~0.2-0.4 us instead of ~0.05 us
+for a dict, so the index's hot loops probe the columns inline (the layout is part of
+this module's contract: ``idx``, ``ks``, ``vs``, ``mask``, ``shift``, ``n``, and the
+``free``, ``used`` and the ``_EMPTY`` marker; :meth:`U64Map.room` before an inline insert,
+:meth:`U64Map._kill` to delete).
+It implements the dict API the index uses (``get``, ``in``, item assignment, ``del``,
+``pop``, iteration, ``items``, ``len``). Iteration yields array entries in insertion
+order, then the fallback dict's. This module imports nothing of kvstream's.
 """
 
 from __future__ import annotations
 
+import sys
 from array import array
 from itertools import compress
 from typing import Any, Iterator
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of key*MIX mod 2**64 pick the slot
+_MAX_PROBE = 24
+"""An insert that would land further than this from its home slot goes to the fallback
+dict instead: keys are engine hashes mixed by a multiply (sequential or crafted hashes
+still spread), and a peer that sends hashes crafted to collide only fills a dict."""
 _M64 = (1 << 64) - 1
 _EMPTY = -1
-_DUMMY = -2  # a deleted slot: probing continues past it
+_DUMMY = -2  # never written now (deletion shifts the cluster back); probes still skip it
 _MISSING: Any = object()
 
 
 class U64Map:
-    """Insertion-ordered map with a dict's API subset; see the module docstring."""
+    """A map with a dict's API subset; see the module docstring."""
 
-    __slots__ = ("idx", "ks", "vs", "shift", "mask", "n", "other")
+    __slots__ = ("idx", "ks", "vs", "shift", "mask", "n", "used", "free", "other")
 
     def __init__(self) -> None:
         self.other: dict[Any, Any] = {}
@@ -44,6 +56,8 @@ class U64Map:
         self.mask = m = (1 << bits) - 1
         self.ks = ks
         self.vs = vs
+        self.used = len(ks)  # index slots that are not EMPTY (live + DUMMY)
+        self.free: list[int] = []  # dead dense positions, reused by inserts
         for j, key in enumerate(ks):
             h = ((key * _MIX) & _M64) >> sh
             while idx[h] != _EMPTY:
@@ -51,31 +65,77 @@ class U64Map:
             idx[h] = j
 
     def _grow(self) -> None:
-        """The dense columns reached the index's usable size: drop dead entries and
-        re-index in a table of at least 3x the live entries (like CPython's dict)."""
+        """The index is 3/4 used (live + deleted slots): drop dead entries and re-index
+        in a table of at least twice the live entries."""
         ks, vs = self.ks, self.vs
         if self.n != len(ks):
             ks, vs = array("Q", compress(ks, ks)), array("Q", compress(vs, ks))
         bits = 3
-        while (1 << bits) < 3 * max(self.n, 3):
+        while (1 << bits) < 2 * max(self.n, 3):
             bits += 1
         self._build(ks, vs, bits)
 
+    def room(self) -> int:
+        """Inserts possible before the index must be rebuilt (:meth:`_grow`)."""
+        return (3 * len(self.idx)) // 4 - self.used
+
+    def grow_if_full(self) -> bool:
+        """Make room for one more entry; True when the table was rebuilt (an inline
+        prober must reload ``idx``, ``ks``, ``vs``, ``mask``, ``shift``)."""
+        if self.room() <= 0:
+            self._grow()
+            return True
+        return False
+
+    def compact(self) -> None:
+        """Drop dead entries and shrink the index to fit the live ones (after eviction)."""
+        self._grow()
+
+    def nbytes(self) -> int:
+        """Heap bytes held: the columns, the index, the free list, the fallback dict and
+        its objects (estimated at 136 bytes per fallback entry beyond the dict itself: a
+        bytes hash of up to 64 bytes and an int value)."""
+        return (sys.getsizeof(self.idx) + sys.getsizeof(self.ks) + sys.getsizeof(self.vs)
+                + sys.getsizeof(self.free) + 28 * len(self.free)
+                + sys.getsizeof(self.other) + 136 * len(self.other))
+
+    def _put(self, h: int, key: int, value: int, was_empty: bool) -> None:
+        """Store a new entry at index slot ``h`` (EMPTY or DUMMY), reusing a dead dense
+        position when there is one."""
+        free = self.free
+        if free:
+            j = free.pop()
+            self.ks[j] = key
+            self.vs[j] = value
+        else:
+            j = len(self.ks)
+            self.ks.append(key)
+            self.vs.append(value)
+        self.idx[h] = j
+        self.n += 1
+        if was_empty:
+            self.used += 1
+
     def _slot(self, key: int) -> tuple[int, int]:
-        """(slot, dense index) of ``key``, or (first free slot, -1)."""
+        """(slot, dense index) of ``key``, or (first free slot, -1 if EMPTY, -2 if DUMMY,
+        -3 if that slot is more than ``_MAX_PROBE`` from home)."""
         idx, ks, m = self.idx, self.ks, self.mask
         h = ((key * _MIX) & _M64) >> self.shift
         free = -1
+        d = 0
         while True:
             j = idx[h]
             if j >= 0:
                 if ks[j] == key:
                     return h, j
             elif j == _EMPTY:
-                return (h if free < 0 else free), -1
-            elif free < 0:
+                if free >= 0:
+                    return free, -2
+                return h, (-1 if d <= _MAX_PROBE else -3)
+            elif free < 0 and d <= _MAX_PROBE:
                 free = h
             h = (h + 1) & m
+            d += 1
 
     def get(self, key: Any, default: Any = None) -> Any:
         if type(key) is int and 0 < key <= _M64:
@@ -109,24 +169,42 @@ class U64Map:
                 if j >= 0:
                     self.vs[j] = value
                     return
-                if self.other:
-                    self.other.pop(key, None)
-                if len(self.ks) * 3 >= 2 * len(self.idx):
+                if j == -1 and self.room() <= 0:
                     self._grow()
                     h, j = self._slot(key)
-                self.idx[h] = len(self.ks)
-                self.ks.append(key)
-                self.vs.append(value)
-                self.n += 1
-                return
-            if j >= 0:
+                if j != -3:
+                    if self.other:
+                        self.other.pop(key, None)
+                    self._put(h, key, value, j == -1)
+                    return
+            elif j >= 0:
                 self._kill(h, j)
         self.other[key] = value
 
     def _kill(self, h: int, j: int) -> None:
-        self.idx[h] = _DUMMY
-        self.ks[j] = 0
+        """Delete the entry at index slot ``h`` (dense position ``j``). Linear probing
+        without tombstones: later entries of the cluster that may not sit beyond the hole
+        move back into it (Knuth's algorithm R), so deletions never fill the index and
+        churn never forces a rebuild."""
+        ks = self.ks
+        ks[j] = 0
+        self.free.append(j)
         self.n -= 1
+        self.used -= 1
+        idx, m, sh = self.idx, self.mask, self.shift
+        i = h
+        k = h
+        while True:
+            k = (k + 1) & m
+            e = idx[k]
+            if e < 0:
+                break
+            home = ((ks[e] * _MIX) & _M64) >> sh
+            # The entry at k may move to the hole i unless its home lies cyclically in (i, k].
+            if (home <= i or home > k) if i <= k else (home <= i and home > k):
+                idx[i] = e
+                i = k
+        idx[i] = _EMPTY
 
     def pop(self, key: Any, default: Any = _MISSING) -> Any:
         if type(key) is int and 0 < key <= _M64:
@@ -137,10 +215,9 @@ class U64Map:
                 j = idx[h]
                 if j >= 0:
                     if ks[j] == key:
-                        idx[h] = _DUMMY
-                        ks[j] = 0
-                        self.n -= 1
-                        return self.vs[j]
+                        v = self.vs[j]
+                        self._kill(h, j)
+                        return v
                 elif j == _EMPTY:
                     break
                 h = (h + 1) & m
@@ -149,80 +226,24 @@ class U64Map:
         return self.other.pop(key, default)
 
     def insert_new(self, key: Any, value: Any) -> None:
-        """``self[key] = value`` for a ``key`` the caller knows is absent (one probe)."""
-        if type(key) is int and 0 < key <= _M64 and type(value) is int and 0 <= value <= _M64:
-            ks = self.ks
-            if len(ks) * 3 >= 2 * len(self.idx):
-                self._grow()
-                ks = self.ks
-            idx = self.idx
-            m = self.mask
-            h = ((key * _MIX) & _M64) >> self.shift
-            while idx[h] >= 0:
-                h = (h + 1) & m
-            idx[h] = len(ks)
-            ks.append(key)
-            self.vs.append(value)
-            self.n += 1
-        else:
-            self[key] = value
+        """``self[key] = value`` for a ``key`` the caller knows is absent."""
+        self[key] = value
 
     def set_bit(self, key: Any, bit: int) -> None:
-        """``self[key] = self.get(key, 0) | bit`` in one probe."""
-        if type(key) is int and 0 < key <= _M64 and bit <= _M64:
-            idx, ks = self.idx, self.ks
-            m = self.mask
-            h = ((key * _MIX) & _M64) >> self.shift
-            while True:
-                j = idx[h]
-                if j >= 0:
-                    if ks[j] == key:
-                        self.vs[j] |= bit
-                        return
-                elif j == _EMPTY:
-                    break
-                h = (h + 1) & m
-            if not self.other or key not in self.other:
-                self.insert_new(key, bit)
-                return
+        """``self[key] = self.get(key, 0) | bit``."""
         self[key] = self.get(key, 0) | bit
 
     def clear_bit(self, key: Any, bit: int) -> bool:
         """Clear ``bit`` of ``self[key]`` (deleting the key when nothing is left); False
         (and no change) when the bit was not set."""
-        if type(key) is int and 0 < key <= _M64:
-            idx, ks = self.idx, self.ks
-            m = self.mask
-            h = ((key * _MIX) & _M64) >> self.shift
-            while True:
-                j = idx[h]
-                if j >= 0:
-                    if ks[j] == key:
-                        v = self.vs[j]
-                        if not v & bit:
-                            return False
-                        v ^= bit
-                        if v:
-                            self.vs[j] = v
-                        else:
-                            idx[h] = _DUMMY
-                            ks[j] = 0
-                            self.n -= 1
-                        return True
-                elif j == _EMPTY:
-                    break
-                h = (h + 1) & m
-        other = self.other
-        if not other:
-            return False
-        v = other.get(key, 0)
+        v = self.get(key, 0)
         if not v & bit:
             return False
         v ^= bit
         if v:
-            self[key] = v  # may move back into the arrays
+            self[key] = v
         else:
-            del other[key]
+            del self[key]
         return True
 
     def __delitem__(self, key: Any) -> None:

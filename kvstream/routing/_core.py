@@ -7,8 +7,7 @@ only in how a block is keyed and ingested. Both keep, per medium, ``key -> bitma
 sources`` in ``_held``; everything that reads those masks (matching a prompt's keys,
 ranking, ``best``, speculative entries) and the per-source bookkeeping lives here, once.
 
-A subclass provides ``_R`` (tokens per scoring block), ``_compact`` (True only for
-``KVIndex(compact=True)``), ``_map()`` (a new key -> mask map), ``keys(prompt, lora, salt,
+A subclass provides ``_R`` (tokens per scoring block), ``keys(prompt, lora, salt,
 mm_items)`` (a prompt's keys, one per scoring block) and ``_drop_source(s, tiers)``.
 """
 
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from kvstream.errors import LocalProtocolError
-from kvstream.routing.scoring import _NO_LOAD, Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
+from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
 
 __all__ = ["IndexUsageError", "SourceInfo"]
 
@@ -113,7 +112,6 @@ class _IndexCore:
     # Set by subclasses (slots or class attributes). mypy checks assignments against this
     # class's empty __slots__, hence the [misc] ignores where the base rebinds _live.
     _R: int
-    _compact: bool
     _slot_of: dict[str, int]
     _src: list[_Source | None]
     _free_slots: list[int]
@@ -175,9 +173,6 @@ class _IndexCore:
             self._gen_start = now  # type: ignore[misc]  # a slot of the subclasses
             return False
         return now - self._gen_start >= self._ttl  # type: ignore[operator]
-
-    def _map(self) -> Any:
-        raise NotImplementedError
 
     def keys(self, prompt_tokens: Sequence[int], lora: Any = None, salt: str | None = None,
              mm_items: Sequence[Any] | None = None) -> list[Any]:
@@ -334,7 +329,7 @@ class _IndexCore:
         t = len(self._media)
         self._media.append(medium)
         self._tier_of[medium] = t
-        self._held.append(self._map())
+        self._held.append({})
         for s in getattr(self, "_src", ()):
             if s is not None:
                 s.count.append(0)
@@ -383,11 +378,11 @@ class _IndexCore:
         return -1
 
     def _warn_media(self, s: _Source, medium: Any) -> None:
-        if s.name not in _MEDIA_WARNED:
+        if s.name not in _MEDIA_WARNED and len(_MEDIA_WARNED) < 256:
             _MEDIA_WARNED.add(s.name)
             _log.warning(
                 "source %s: stores in medium %r rejected: the index tracks at most %d media, %d per "
-                "source (counted in stats.rejected_media; logged once per source name)",
+                "source (counted in stats.rejected_media; logged once per source name, for the first 256)",
                 s.name, str(medium)[:64], self.MAX_MEDIA, self.MAX_MEDIA_PER_SOURCE)
 
     def add_source(self, source: str) -> None:
@@ -549,20 +544,7 @@ class _IndexCore:
         tier_end: list[dict[int, int]] = [{} for _ in held]
         served_low: dict[tuple[int, int], int] = {}
         spec_served: dict[int, int] = {}
-        if not others and not spec and self._compact:
-            # One call probes the table for every block (no method call per block).
-            for i, na in enumerate(gpu.walk(keys, active)):
-                na &= active
-                if na != active:
-                    for slot in _bits(active ^ na):
-                        end[slot] = i
-                    active = na
-                    if not active:
-                        break
-            for slot in _bits(active):
-                end[slot] = n
-            tier_end[0] = end
-        elif not others and not spec:
+        if not others and not spec:
             _gpu_prefix_ends(gpu, keys, active, end)
             tier_end[0] = end
         else:
@@ -702,7 +684,7 @@ class _IndexCore:
         goes through :meth:`score`. Both give the same answer (``tests/routing/test_index.py``).
         """
         pol = policy if policy is not None else _DEFAULT_POLICY
-        if (type(pol) is not PrefixLoadPolicy or self._spec or self._compact
+        if (type(pol) is not PrefixLoadPolicy or self._spec
                 or any(self._held[t] for t in range(1, len(self._held)))):
             return self.score((), loads=loads, policy=pol, keys=keys).best
         loads = loads or {}
@@ -714,36 +696,19 @@ class _IndexCore:
         n = len(keys)
         if active:
             _gpu_prefix_ends(gpu, keys, active, ends)
-        # PrefixLoadPolicy.__call__ and rank() for a GPU-only match: the same arithmetic,
-        # in the same order, so values (and ties) are bit-identical; the best is the
-        # smallest (-value, (queue, running, kv_usage), name).
-        wg = pol.tier_weights.get("GPU", pol.other_tier_weight)
-        pw, qw, rw, kw = pol.prefix_weight, pol.queue_weight, pol.running_weight, pol.kv_weight
-        top: Any = None
+        prefixes = []
         for s in src:
             if s is None:
                 continue
-            name = s.name
             b = ends[s.slot]
             per = s.per
             if per is not None and per > 1:
                 b -= b % per
-            prefix = b * wg / n if b else 0.0
-            ld = loads.get(name, _NO_LOAD)
-            q, r, kv = ld.queue, ld.running, ld.kv_usage
-            cand = (-(pw * prefix - qw * q - rw * r - kw * kv), (q, r, kv), name)
-            if top is None or cand < top:
-                top = cand
+            prefixes.append((s.name, b))
         slot_of = self._slot_of
-        for name, ld in loads.items():
-            if name in slot_of:
-                continue
-            # A source named only in the loads: no cached prefix.
-            q, r, kv = ld.queue, ld.running, ld.kv_usage
-            cand = (-(pw * 0.0 - qw * q - rw * r - kw * kv), (q, r, kv), name)
-            if top is None or cand < top:
-                top = cand
-        return None if top is None else top[2]
+        # A source named only in the loads has no cached prefix.
+        prefixes.extend((name, 0) for name in loads if name not in slot_of)
+        return pol.best_gpu_prefix(prefixes, loads, n)
 
 
 

@@ -32,12 +32,14 @@ GPU tier only; stale, clear and remove per source; optional memory bound and TTL
 from __future__ import annotations
 
 import logging
+import sys
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Iterable, Sequence
 
 from kvstream.routing import snapshot as sn
+from kvstream.routing.index import _dict_floor
 from kvstream.routing._core import REANNOUNCE_RULES, IndexUsageError, _reannounce_code, _bits, _IndexCore, _sort_key, _Source
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvstream.hashing import BlockHasher, LoRA, MMItem, RequestBlockHasher, to_external_list
@@ -53,6 +55,7 @@ dict entry (~42 bytes at 10**6 entries) plus the 64-bit hash's int object (40 by
 source holding the same block adds a bit of the shared mask (an int object of ~32 bytes
 per block once more than 8 sources share it). Used by :meth:`EngineKeyIndex.estimated_bytes`."""
 _BYTES_PER_COPY_RECORD = 300
+_BYTES_PER_SOURCE = 600  # a source's record, name, counts and table slots
 _BYTES_PER_TOUCHED = 32  # one set entry per block stored in the current TTL generation
 
 
@@ -122,8 +125,6 @@ class EngineKeyIndex(_IndexCore):
         "_touched", "_gen_start", "_reannounce", "_warned", "_etype", "stats",
     )
 
-    _compact = False  # read by the shared walk: dicts only
-
     def __init__(
         self,
         hasher: BlockHasher,
@@ -174,9 +175,6 @@ class EngineKeyIndex(_IndexCore):
         self._warned: set[tuple[str, str]] = set()
         self.stats = EngineIndexStats()
         """Cumulative counters (:class:`EngineIndexStats`)."""
-
-    def _map(self) -> dict[Any, int]:
-        return {}
 
     @property
     def hasher(self) -> BlockHasher:
@@ -275,6 +273,9 @@ class EngineKeyIndex(_IndexCore):
                     continue
                 if bsz and s.block_size is None:
                     s.block_size = bsz
+                if type(hs[0]) is not int and any(type(x) is bytes and len(x) > 64 for x in hs):
+                    st.rejected_events += 1  # longer than any digest: malformed
+                    continue
                 if type(hs[0]) is not etype:
                     self._foreign(s, "hash_form", len(hs),
                                   f"block hashes are {type(hs[0]).__name__}, but hash_form={self._form!r}; "
@@ -415,35 +416,68 @@ class EngineKeyIndex(_IndexCore):
         self._gen_start = now
 
     def estimated_bytes(self) -> int:
-        """Estimated heap bytes held by the index (measured per-entry costs x entries)."""
-        return (
-            BYTES_PER_ENGINE_BLOCK * sum(len(h) for h in self._held)
-            + _BYTES_PER_COPY_RECORD * len(self._copies)
-            + (_BYTES_PER_TOUCHED * len(self._touched) if self._touched is not None else 0)
-        )
+        """Heap bytes held by the index (an upper bound): every table as allocated
+        (``sys.getsizeof``) plus the objects its entries own at their measured sizes: the
+        hash (36 bytes for an int, up to 97 for a bytes hash), a mask int per entry held by
+        two or more sources (lone holders share their source's bit), copy records, the
+        TTL's set of stored hashes. Costs O(sources x media); ``max_bytes`` calls it once
+        per batch."""
+        gs = sys.getsizeof
+        b = 0
+        entries = 0
+        for h in self._held:
+            b += gs(h)
+            entries += len(h)
+        b += entries * (36 if self._form == "int" and not self.stats.foreign_hash_form else 97)
+        hold = 0
+        for s in self._src:
+            if s is not None:
+                hold += sum(s.count)
+        if hold > entries:
+            b += (hold - entries) * (24 + 4 * (len(self._src) // 30 + 1))
+        b += gs(self._copies) + _BYTES_PER_COPY_RECORD * len(self._copies)
+        if self._touched is not None:
+            b += gs(self._touched) + 36 * len(self._touched)
+        b += gs(self._spec) + gs(self._spec_n) + 96 * len(self._spec_n)
+        b += _BYTES_PER_SOURCE * len(self._src) + gs(self._warned) + 160 * len(self._warned)
+        return b
 
     def _evict(self, target: int) -> None:
-        """Drop entries until :meth:`estimated_bytes` <= ``target`` (order: see class doc)."""
+        """Drop entries until :meth:`estimated_bytes` <= ``target`` (order: see class
+        doc), then shrink the tables to what is left (tables do not shrink by themselves)."""
         touched = self._touched
-        if touched is not None:
-            for h in self._held:
-                for eh in [eh for eh in h if eh not in touched]:
-                    if self.estimated_bytes() <= target:
-                        return
-                    if eh in h:
-                        self._forget(eh)
-                        self.stats.evicted_blocks += 1
-        while self.estimated_bytes() > target:
-            live = [h for h in self._held if h]
-            if not live:
-                return
+        while True:
             over = self.estimated_bytes() - target
-            k = max(1, min(65536, over // (BYTES_PER_ENGINE_BLOCK * len(live)) + 1))
-            for h in live:
-                for eh in list(islice(h, k)):
-                    if eh in h:
-                        self._forget(eh)
-                        self.stats.evicted_blocks += 1
+            if over <= 0:
+                return
+            k = max(64, min(1 << 16, over // 64 + 1))
+            gone: list[Any] = []
+            if touched is not None:
+                for h in self._held:
+                    for eh in h:
+                        if eh not in touched:
+                            gone.append(eh)
+                            if len(gone) >= k:
+                                break
+                    if len(gone) >= k:
+                        break
+            if not gone:
+                live = [h for h in self._held if h]
+                for h in live:
+                    gone.extend(islice(h, max(1, k // len(live))))
+            dropped = 0
+            for eh in gone:
+                if any(eh in h for h in self._held):
+                    self._forget(eh)
+                    dropped += 1
+            self.stats.evicted_blocks += dropped
+            for t, h in enumerate(self._held):
+                if sys.getsizeof(h) > 2 * _dict_floor(len(h)):
+                    self._held[t] = dict(h)
+            if sys.getsizeof(self._copies) > 2 * _dict_floor(len(self._copies)):
+                self._copies = dict(self._copies)
+            if not dropped:
+                return
 
     def _forget(self, eh: Any) -> None:
         """Drop ``eh`` from every source and tier."""

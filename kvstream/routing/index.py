@@ -35,6 +35,7 @@ Memory bound and eviction order: see :class:`KVIndex` and ``docs/router.md``.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -43,7 +44,7 @@ from typing import Any, Iterable, Sequence
 import xxhash
 
 from kvstream.routing import snapshot as sn
-from kvstream.routing._compactmap import U64Map
+from kvstream.routing._compactmap import _EMPTY, _M64, _MAX_PROBE, _MIX, U64Map
 from kvstream.routing._core import (
     REANNOUNCE_RULES,
     IndexUsageError,
@@ -66,19 +67,15 @@ from kvstream.routing.keys import (
     prompt_keys,
 )
 
-__all__ = ["KVIndex", "IndexStats", "SourceInfo", "IndexUsageError", "BYTES_PER_BLOCK", "BYTES_PER_BLOCK_COMPACT"]
+__all__ = ["KVIndex", "IndexStats", "SourceInfo", "IndexUsageError"]
 
 _log = logging.getLogger("kvstream.routing.index")
 
-BYTES_PER_BLOCK = 152
-"""Measured heap cost (bytes) of one distinct block held by one source, keys included
-(``bench/bench_index.py``; tracemalloc at 10**6 blocks). Every further source holding the
-same block adds about 8 bytes / 64 sources of mask plus ~80 bytes per block for the
-holder count. Used by :meth:`KVIndex.estimated_bytes` for the memory bound."""
-BYTES_PER_BLOCK_COMPACT = 50
-"""The same cost with ``KVIndex(compact=True)`` (array-backed maps, no per-entry objects)."""
-_BYTES_PER_UNLINKED = 400
+_BYTES_PER_UNLINKED = 640  # the record, its holds dict, one holder's group dict and key, the hash
+_BYTES_PER_HOLDER = 320  # each further (source, medium) holding an unlinked block
 _BYTES_PER_COPY_RECORD = 300
+_BYTES_PER_SOURCE = 600  # a source's record, name, counts and table slots
+_BYTES_PER_KEY = 32  # a router key's int object (60 bits)
 
 
 @dataclass(slots=True)
@@ -120,7 +117,7 @@ class IndexStats:
 class _Unlinked:
     """A block whose router key is not known yet (parent unseen, or no tokens seen)."""
 
-    __slots__ = ("parent", "raw", "extras", "per", "holds", "gen")
+    __slots__ = ("parent", "raw", "extras", "per", "holds", "gen", "cost")
 
     def __init__(self, parent: Any, raw: bytes | None, extras: list[bytes | None] | None,
                  per: int, gen: int) -> None:
@@ -130,6 +127,14 @@ class _Unlinked:
         self.per = per
         self.holds: dict[tuple[int, int], dict[int, int]] = {}  # (slot, tier) -> {group: n}
         self.gen = gen
+        self.cost = 0  # estimated heap bytes, kept in KVIndex._unl_bytes
+
+    def payload(self) -> int:
+        """Estimated heap bytes of this record without extra holders (bytes)."""
+        n = _BYTES_PER_UNLINKED + (33 + len(self.raw) if self.raw is not None else 0)
+        if self.extras is not None:
+            n += 56 + 8 * len(self.extras) + sum(33 + len(x) for x in self.extras if x)
+        return n
 
 
 class KVIndex(_IndexCore):
@@ -140,11 +145,12 @@ class KVIndex(_IndexCore):
         router_block_size: tokens per router block (default 16). It must divide every
             engine's block size for that engine's blocks to be keyed by tokens; pick the
             gcd of your engines' block sizes.
-        max_bytes: optional memory bound (bytes, estimated with measured per-entry costs,
-            see :meth:`estimated_bytes`). When a batch leaves the index above it, entries
-            are dropped until it is under 90 % of the bound, in this order: unlinked blocks
-            (oldest first), then keyed blocks least recently stored first (the TTL's older
-            generation first). A dropped block disappears from every source and tier.
+        max_bytes: optional memory bound (bytes of heap, an upper bound measured as
+            :meth:`estimated_bytes`). When a batch leaves the index above it, entries are
+            dropped until it is under 90 % of the bound and the tables are shrunk, in this
+            order: unlinked blocks (oldest first), the TTL's older generation, then the
+            block table in its order (oldest first; positions freed by removals are
+            reused). A dropped block disappears from every source and tier.
         ttl_s: optional time to live (seconds) of a block after its last ``BlockStored``
             from any source; a block is dropped between ``ttl_s`` and ``2 * ttl_s`` after
             it (two generations). Time is the ``now`` given to :meth:`apply_batch`
@@ -164,19 +170,13 @@ class KVIndex(_IndexCore):
             block that is gone). :meth:`configure_source` sets the rule per source.
         hasher: optional :class:`kvstream.hashing.BlockHasher` with the engines' algorithm,
             seed and block size, for :meth:`engine_hashes` (matching by engine hashes).
-        compact: keep both maps (engine hash -> key, key -> source mask) in array-backed
-            tables (:class:`kvstream.routing._compactmap.U64Map`) instead of dicts. A distinct
-            block on one source then costs ~50 bytes instead of ~152
-            (:data:`BYTES_PER_BLOCK_COMPACT`), but ingest and scoring probe in Python and
-            are slower (numbers in ``docs/router.md``). Behaviour and :meth:`state` are
-            identical.
     """
 
     __slots__ = (
         "_R", "_slot_of", "_src", "_free_slots", "_live", "_media", "_tier_of", "_held",
         "_young", "_old", "_href", "_sub_n", "_copies", "_unl", "_waiting", "_spec", "_spec_n",
         "_spec_q", "_per_mask", "_max_bytes", "_ttl", "_gen", "_gen_start", "_reannounce",
-        "_hasher", "_compact", "_bpb", "stats",
+        "_hasher", "_unl_bytes", "stats",
     )
 
     def __init__(
@@ -188,7 +188,6 @@ class KVIndex(_IndexCore):
         ttl_s: float | None = None,
         reannounce: str = "session",
         hasher: Any = None,
-        compact: bool = False,
     ) -> None:
         if block_size_hint is not None and router_block_size is not None and block_size_hint != router_block_size:
             raise IndexUsageError(
@@ -205,20 +204,20 @@ class KVIndex(_IndexCore):
         if ttl_s is not None and not ttl_s > 0:
             raise IndexUsageError(f"ttl_s must be positive (seconds) or None, got {ttl_s!r}")
         self._R = R
-        self._compact = bool(compact)
-        self._bpb = BYTES_PER_BLOCK_COMPACT if compact else BYTES_PER_BLOCK
         self._slot_of: dict[str, int] = {}
         self._src: list[_Source | None] = []
         self._free_slots: list[int] = []
         self._live = 0  # mask of sources that score (not stale)
         self._media: list[str] = []
         self._tier_of: dict[str, int] = {}
-        # Per tier: router key -> source mask; a dict[int, int], or a U64Map when compact.
+        # Per tier: router key -> source mask (a lone holder's mask is its bit object).
         self._held: list[Any] = []
         for m in ("GPU", "CPU"):
             self._new_tier(m)
-        self._young: Any = self._map()  # engine hash -> key (int) or keys (tuple)
-        self._old: Any = self._map()  # the TTL's older generation (empty without TTL)
+        # The block table: engine hash -> key (int) or keys (tuple), array-backed.
+        self._young: U64Map = U64Map()
+        self._old: U64Map = U64Map()  # the TTL's older generation (empty without TTL)
+        self._unl_bytes = 0  # token and extra bytes held by unlinked blocks
         self._sub_n: dict[tuple[int, int, int], int] = {}  # leading sub-key holdings
         self._href: dict[Any, int] = {}  # engine hash -> (source, tier) holdings, when > 1
         self._copies: dict[tuple[Any, int, int], dict[int, int]] = {}  # not exactly {group 0: 1}
@@ -238,16 +237,6 @@ class KVIndex(_IndexCore):
         """Cumulative counters (:class:`IndexStats`)."""
 
     # -- sources ---------------------------------------------------------------------
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Estimated heap bytes of one distinct block held by one source in this index's
-        layout (:data:`BYTES_PER_BLOCK` or :data:`BYTES_PER_BLOCK_COMPACT`)."""
-        return self._bpb
-
-    def _map(self) -> Any:
-        """A new engine-hash or router-key map: a dict, or a compact table."""
-        return U64Map() if self._compact else {}
 
     def remove_source(self, source: str) -> None:
         """Forget ``source`` entirely (its blocks, stats and name). Unknown names are ignored."""
@@ -282,54 +271,53 @@ class KVIndex(_IndexCore):
         if self._ttl is not None:
             self._tick(batch.ts if now is None else now)
         young = self._young
+        yidx, yks, yvs, ymask, ysh = young.idx, young.ks, young.vs, young.mask, young.shift
         gpu = self._held[0]
         href = self._href
         bit = s.bit
         fast_removed = 0
-        compact = self._compact
         copies = self._copies  # never rebound, only mutated
         slot = s.slot
         for ev in batch.events:
             cls = type(ev)
             if cls is BlockRemoved:
-                # Inline the GPU pool's common case: one hash, group 0, one copy.
+                # Inline the GPU pool's common case: one int hash, group 0, one copy, found
+                # in the block table's columns (probed here: a method call per block would
+                # cost more than the rest of the removal).
                 # type() is, not isinstance: mypy does not narrow on it (hence the ignores).
                 hs = ev.block_hashes  # type: ignore[union-attr]
                 if (len(hs) == 1 and not ev.group_idx and (ev.medium == "GPU" or ev.medium is None)  # type: ignore[union-attr]
                         and not (copies and (hs[0], slot, 0) in copies)):
                     eh = hs[0]
-                    rk = young.get(eh)
-                    if not compact:
-                        if type(rk) is int:
+                    if type(eh) is int and 0 < eh <= _M64:
+                        h = ((eh * _MIX) & _M64) >> ysh
+                        while True:
+                            j = yidx[h]
+                            if j >= 0:
+                                if yks[j] == eh:
+                                    break
+                            elif j == _EMPTY:
+                                break
+                            h = (h + 1) & ymask
+                        if j >= 0:
+                            rk = yvs[j]
                             m = gpu.get(rk, 0)
                             if m & bit:
-                                m ^= bit
-                                if m:
-                                    gpu[rk] = m
-                                else:
+                                if m == bit:
                                     del gpu[rk]
+                                else:
+                                    gpu[rk] = m ^ bit
                                 fast_removed += 1
                                 if href and eh in href:
                                     n = href.pop(eh) - 1
                                     if n > 1:
                                         href[eh] = n
                                 else:
-                                    del young[eh]
+                                    young._kill(h, j)
                                 continue
-                    elif type(rk) is int:
-                        if gpu.clear_bit(rk, bit):
-                            fast_removed += 1
-                            if href and eh in href:
-                                n = href.pop(eh) - 1
-                                if n > 1:
-                                    href[eh] = n
-                            else:
-                                young.pop(eh)
-                            continue
             try:
                 if cls is BlockStored:
                     self._stored(s, ev)  # type: ignore[arg-type]
-                    young = self._young
                 elif cls is BlockRemoved:
                     self._removed(s, ev)  # type: ignore[arg-type]
                 elif cls is AllBlocksCleared:
@@ -340,6 +328,9 @@ class KVIndex(_IndexCore):
             except RouterKeyError as exc:
                 self.stats.rejected_events += 1
                 _log.debug("source %s: skipped a malformed event: %s", s.name, exc)
+            # The slow paths may have grown (rebuilt) the block table's columns.
+            young = self._young
+            yidx, yks, yvs, ymask, ysh = young.idx, young.ks, young.vs, young.mask, young.shift
         if fast_removed:
             s.count[0] -= fast_removed
             self.stats.removed_blocks += fast_removed
@@ -351,6 +342,8 @@ class KVIndex(_IndexCore):
         n = len(hashes)
         if n == 0:
             return
+        if type(hashes[0]) is not int or type(ev.parent_block_hash) is bytes:
+            _check_hash_sizes(hashes, ev.parent_block_hash)
         t = self._store_tier(s, ev.medium)
         if t < 0:
             self.stats.rejected_media += n
@@ -409,7 +402,6 @@ class KVIndex(_IndexCore):
         fam = self._per_mask[per]
         others = [h for i, h in enumerate(self._held) if i != t and h]
         old = self._old if self._old else None
-        compact = self._compact
         unl = self._unl
         waiting = self._waiting
         fast = per == 1 and g == 0
@@ -417,19 +409,66 @@ class KVIndex(_IndexCore):
         step = 4 * R * per
         start = 0
         v: int | tuple[int, ...]  # a block's router key, or its keys when per > 1
-        if fast and not others and not old and not unl and not waiting and not compact:
+        if fast and not others and not old and not unl and not waiting and not young.other:
             # The common case (one key per block, one tier, nothing unlinked or aging):
-            # new blocks whose keys no other hash of the family holds are installed here;
-            # the general loop below takes over at the first block that is anything else.
+            # new blocks whose keys no other hash of the family holds are installed here,
+            # probing the block table's columns inline; the general loop below takes over
+            # at the first block that is anything else.
+            idx, ks, vs, mask, sh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
+            room = young.room()
+            used0 = room
             for eh, v in zip(hashes, keys):
-                if eh in young:
+                if type(eh) is not int or not 0 < eh <= _M64:
                     break
+                if room <= 0:
+                    young.used += used0 - room
+                    young.n += start - added
+                    added = start
+                    young._grow()
+                    idx, ks, vs, mask, sh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
+                    room = used0 = young.room()
+                h = ((eh * _MIX) & _M64) >> sh
+                j = idx[h]
+                if j == _EMPTY:  # the usual case: a free home slot
+                    free = h
+                    room -= 1
+                else:
+                    free = -1
+                    d = 0
+                    while True:
+                        if j >= 0:
+                            if ks[j] == eh:
+                                break
+                        elif j == _EMPTY:
+                            break
+                        elif free < 0:
+                            free = h
+                        h = (h + 1) & mask
+                        d += 1
+                        j = idx[h]
+                    if j >= 0 or (d > _MAX_PROBE and free < 0):
+                        break  # known already, or a crowded slot: the general loop handles it
+                    if free < 0:
+                        free = h
+                        room -= 1
                 m = held.get(v, 0)
                 if m & fam:
+                    if j == _EMPTY and free == h:
+                        room += 1
                     break
-                young[eh] = v
-                held[v] = m | bit
+                if dead:
+                    j = dead.pop()
+                    ks[j] = eh
+                    vs[j] = v
+                else:
+                    j = len(ks)
+                    ks.append(eh)
+                    vs.append(v)
+                idx[free] = j
+                held[v] = m | bit if m else bit
                 start += 1
+            young.used += used0 - room
+            young.n += start - added
             added = start
         for i in range(start, n):
             eh = hashes[i]
@@ -451,12 +490,8 @@ class KVIndex(_IndexCore):
                     v = _perturb(v, eh)
                     m = 0
                 elif fast and not (unl and eh in unl):
-                    if compact:
-                        young.insert_new(eh, v)
-                        held.set_bit(v, bit)
-                    else:
-                        young[eh] = v
-                        held[v] = m | bit
+                    young[eh] = v
+                    held[v] = m | bit if m else bit
                     added += 1
                     if waiting and eh in waiting:
                         self._link(eh)
@@ -512,21 +547,44 @@ class KVIndex(_IndexCore):
                     ex = extras[i * per : (i + 1) * per] if extras is not None else None
                     if u is None:
                         u = _Unlinked(parent, raw[i * step : (i + 1) * step], ex, per, self._gen)
-                        self._unl[eh] = u
+                        self._unl_put(eh, u)
                         self.stats.unlinked_blocks += 1
                     else:
-                        u.parent, u.raw, u.extras, u.per = parent, raw[i * step : (i + 1) * step], ex, per
+                        self._unl_set(u, parent, raw[i * step : (i + 1) * step], ex, per)
                     self._waiting.setdefault(parent, []).append(eh)
                 self._hold_unlinked(s, u, t, g)
                 if parent in self._young or parent in self._old:
                     self._link(parent)
             parent = eh
 
+    def _unl_put(self, eh: Any, u: _Unlinked) -> None:
+        self._unl[eh] = u
+        u.cost = u.payload() + _BYTES_PER_HOLDER * max(0, len(u.holds) - 1)
+        self._unl_bytes += u.cost
+
+    def _unl_set(self, u: _Unlinked, parent: Any, raw: bytes | None, extras: Any, per: int) -> None:
+        self._unl_bytes -= u.cost
+        u.parent, u.raw, u.extras, u.per = parent, raw, extras, per
+        u.cost = u.payload() + _BYTES_PER_HOLDER * max(0, len(u.holds) - 1)
+        self._unl_bytes += u.cost
+
+    def _unl_unhold(self, u: _Unlinked, key: tuple[int, int]) -> bool:
+        """Drop holding ``key`` of ``u``; True if it was there."""
+        if u.holds.pop(key, None) is None:
+            return False
+        if u.holds:
+            u.cost -= _BYTES_PER_HOLDER
+            self._unl_bytes -= _BYTES_PER_HOLDER
+        return True
+
     def _hold_unlinked(self, s: _Source, u: _Unlinked, t: int, g: int) -> None:
         key = (s.slot, t)
         h = u.holds.get(key)
         if h is None:
             u.holds[key] = {g: 1}
+            if len(u.holds) > 1:
+                u.cost += _BYTES_PER_HOLDER
+                self._unl_bytes += _BYTES_PER_HOLDER
             s.count[t] += 1
             self.stats.stored_blocks += 1
             return
@@ -547,7 +605,7 @@ class KVIndex(_IndexCore):
             if v is None or not keyable:
                 if u is None:
                     u = _Unlinked(None, None, None, 0, self._gen)
-                    self._unl[eh] = u
+                    self._unl_put(eh, u)
                     self.stats.unlinked_blocks += 1
                 self._hold_unlinked(s, u, t, g)
                 return
@@ -643,6 +701,7 @@ class KVIndex(_IndexCore):
                     self.stats.family_conflicts += 1
                     v = _perturb(v, c)
                 del self._unl[c]
+                self._unl_bytes -= u.cost
                 if c in self._young or c in self._old:
                     continue
                 self._young[c] = v
@@ -653,6 +712,7 @@ class KVIndex(_IndexCore):
 
     def _unlink_drop(self, eh: Any, u: _Unlinked) -> None:
         del self._unl[eh]
+        self._unl_bytes -= u.cost
         if u.raw is not None:
             kids = self._waiting.get(u.parent)
             if kids is not None:
@@ -721,7 +781,7 @@ class KVIndex(_IndexCore):
             if not h[g]:
                 del h[g]
                 if not h:
-                    del u.holds[key]
+                    self._unl_unhold(u, key)
                     s.count[t] -= 1
                     if not u.holds:
                         self._unlink_drop(eh, u)
@@ -737,7 +797,7 @@ class KVIndex(_IndexCore):
         self._release(s, eh, rks, t, d)
         return True
 
-    def _release(self, s: _Source, eh: Any, rks: Sequence[int], t: int, d: dict[Any, Any]) -> None:
+    def _release(self, s: _Source, eh: Any, rks: Sequence[int], t: int, d: Any) -> None:
         """Drop the (source, tier) holding of ``eh`` (all its copies are gone)."""
         held = self._held[t]
         nb = ~s.bit
@@ -782,7 +842,7 @@ class KVIndex(_IndexCore):
                             break
         for eh, u in list(self._unl.items()):
             for t in tiers:
-                if u.holds.pop((slot, t), None) is not None:
+                if self._unl_unhold(u, (slot, t)):
                     s.count[t] -= 1
             if not u.holds:
                 self._unlink_drop(eh, u)
@@ -804,35 +864,85 @@ class KVIndex(_IndexCore):
                 self._forget_unlinked(eh, u)
                 self.stats.expired_blocks += 1
         self._old = self._young
-        self._young = self._map()
+        self._young = U64Map()
         self._gen += 1
         self._gen_start = now
 
     def estimated_bytes(self) -> int:
-        """Estimated heap bytes held by the index (measured per-entry costs x entries)."""
-        return (
-            self._bpb * (len(self._young) + len(self._old))
-            + 80 * len(self._href)
-            + _BYTES_PER_COPY_RECORD * len(self._copies)
-            + _BYTES_PER_UNLINKED * len(self._unl)
-        )
+        """Heap bytes held by the index (an upper bound): every table as allocated
+        (``sys.getsizeof``, so a table that grew and emptied still counts) plus the objects
+        its entries own, at their measured sizes: a router key int (32 bytes) per
+        ``key -> mask`` entry, a mask int per entry held by two or more sources (lone
+        holders share their source's bit), tuples of keys for engine blocks of several
+        router blocks, copy records, and unlinked blocks with their tokens. Costs
+        O(sources x media); ``max_bytes`` calls it once per batch."""
+        gs = sys.getsizeof
+        young, old = self._young, self._old
+        b = young.nbytes() + old.nbytes()
+        entries = 0
+        for h in self._held:
+            b += gs(h)
+            entries += len(h)
+        b += _BYTES_PER_KEY * entries
+        hold = 0
+        max_per = 1
+        for s in self._src:
+            if s is not None:
+                per = s.per or 1
+                if per > max_per:
+                    max_per = per
+                for c in s.count:
+                    hold += c * per
+        if hold > entries:  # at most this many entries have a mask of their own
+            b += (hold - entries) * (24 + 4 * (len(self._src) // 30 + 1))
+        if max_per > 1:  # tuples of router keys in the block table's fallback dict
+            b += (len(young.other) + len(old.other)) * (40 + 8 * max_per)
+        b += gs(self._href) + 32 * len(self._href)
+        b += gs(self._copies) + _BYTES_PER_COPY_RECORD * len(self._copies)
+        b += gs(self._sub_n) + 96 * len(self._sub_n)
+        b += gs(self._unl) + self._unl_bytes
+        b += gs(self._waiting) + 88 * len(self._waiting)
+        b += gs(self._spec) + gs(self._spec_n) + 96 * len(self._spec_n)
+        b += _BYTES_PER_SOURCE * len(self._src)
+        return b
 
     def _evict(self, target: int) -> None:
-        """Drop entries until :meth:`estimated_bytes` <= ``target`` (order: see class doc)."""
-        while self._unl and self.estimated_bytes() > target:
-            for eh in list(islice(self._unl, 1024)):
+        """Drop entries until :meth:`estimated_bytes` <= ``target`` (order: see class doc),
+        then shrink the tables to what is left (tables do not shrink by themselves)."""
+        while True:
+            over = self.estimated_bytes() - target
+            if over <= 0:
+                return
+            k = max(64, min(1 << 16, over // 64 + 1))
+            dropped = 0
+            for eh in list(islice(self._unl, k)):
                 u = self._unl.get(eh)
                 if u is not None:
                     self._forget_unlinked(eh, u)
-                    self.stats.evicted_blocks += 1
-        for d in (self._old, self._young):
-            while d and self.estimated_bytes() > target:
-                over = self.estimated_bytes() - target
-                k = max(1, min(65536, over // self._bpb + 1))
-                for eh in list(islice(d, k)):
+                    dropped += 1
+            for d in (self._old, self._young):
+                if dropped >= k:
+                    break
+                for eh in list(islice(d, k - dropped)):
                     if eh in d:
                         self._forget(eh)
-                        self.stats.evicted_blocks += 1
+                        dropped += 1
+            self.stats.evicted_blocks += dropped
+            self._shrink()
+            if not dropped:
+                return  # nothing left to drop: the rest is the empty index's own size
+
+    def _shrink(self) -> None:
+        for m in (self._young, self._old):
+            if 2 * len(m) < len(m.ks) or 8 * len(m) < len(m.idx):
+                m.compact()
+        for t, h in enumerate(self._held):
+            if gs_dict(h) > 2 * _dict_floor(len(h)):
+                self._held[t] = dict(h)
+        for name in ("_href", "_copies", "_sub_n", "_unl", "_waiting"):
+            d = getattr(self, name)
+            if gs_dict(d) > 2 * _dict_floor(len(d)):
+                setattr(self, name, dict(d))
 
     def _forget_unlinked(self, eh: Any, u: _Unlinked) -> None:
         for (slot, t) in u.holds:
@@ -1075,9 +1185,9 @@ class KVIndex(_IndexCore):
             if cur is None or cur.raw is None:
                 if cur is None:
                     cur = _Unlinked(u.parent, u.tokens, u.extras, u.per, self._gen)
-                    self._unl[eh] = cur
+                    self._unl_put(eh, cur)
                 else:
-                    cur.parent, cur.raw, cur.extras, cur.per = u.parent, u.tokens, u.extras, u.per
+                    self._unl_set(cur, u.parent, u.tokens, u.extras, u.per)
                 self._waiting.setdefault(u.parent, []).append(eh)
             for _ in range(c):
                 self._hold_unlinked(s, cur, t, g)
@@ -1085,6 +1195,29 @@ class KVIndex(_IndexCore):
     def _load_done(self, prepared: Any) -> None:
         for p in [p for p in self._waiting if p in self._young or p in self._old]:
             self._link(p)
+
+
+gs_dict = sys.getsizeof
+
+MAX_HASH_BYTES = 64
+"""Longest bytes block hash accepted (vLLM's digests are 16 or 32 bytes); a longer one
+makes its event malformed (``stats.rejected_events``), so the memory bound holds."""
+
+
+def _check_hash_sizes(hashes: Sequence[Any], parent: Any) -> None:
+    for h in (*hashes, parent):
+        if type(h) is bytes and len(h) > MAX_HASH_BYTES:
+            raise RouterKeyError(f"a {len(h)}-byte block hash; digests are at most {MAX_HASH_BYTES} bytes")
+
+
+def _dict_floor(n: int) -> int:
+    """About ``sys.getsizeof`` of a dict sized for ``n`` entries (CPython's layout: a
+    power-of-two index of 1-8 byte slots, 2/3 of it usable 24-byte entries)."""
+    size = 8
+    while size * 2 // 3 < n:
+        size *= 2
+    ib = 1 if size <= 128 else 2 if size <= 1 << 15 else 4 if size <= 1 << 31 else 8
+    return 80 + size * ib + (size * 2 // 3) * 24
 
 
 def _perturb(v: Any, eh: Any) -> Any:

@@ -16,7 +16,7 @@ This module imports nothing of kvstream's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 __all__ = [
     "DEFAULT_TIER_WEIGHTS",
@@ -129,6 +129,27 @@ class PrefixLoadPolicy:
             )
             out.append((v, m.source))
         return out
+
+
+    def best_gpu_prefix(
+        self, prefixes: Iterable[tuple[str, int]], loads: Mapping[str, Load], n_blocks: int
+    ) -> str | None:
+        """The source :func:`rank` would put first when every prefix block is in GPU
+        memory: ``prefixes`` are (source, prefix blocks). The same arithmetic as
+        :meth:`__call__` in the same order, so values and ties are bit-identical, without
+        building :class:`SourceMatch` objects (the router's fast path)."""
+        wg = self.tier_weights.get("GPU", self.other_tier_weight)
+        pw, qw, rw, kw = self.prefix_weight, self.queue_weight, self.running_weight, self.kv_weight
+        top: tuple[float, tuple[float, float, float], str] | None = None
+        for name, b in prefixes:
+            prefix = b * wg / n_blocks if b else 0.0
+            ld = loads.get(name, _NO_LOAD)
+            q, r, kv = ld.queue, ld.running, ld.kv_usage
+            # rank() orders by (-value, (queue, running, kv_usage), name).
+            cand = (-(pw * prefix - qw * q - rw * r - kw * kv), (q, r, kv), name)
+            if top is None or cand < top:
+                top = cand
+        return None if top is None else top[2]
 
 
 def _load_key(ld: Load) -> tuple[float, float, float]:

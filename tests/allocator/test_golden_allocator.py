@@ -15,84 +15,110 @@ from typing import Any
 
 import pytest
 
-from kvstream.wire.events import EventEncoder, KVEventBatch, decode_batch, encode_batch
-from kvstream.hashing import BlockHasher
+from kvstream.compat import VLLM_0_11, VLLM_0_33
+from kvstream.hashing import LoRA, MMItem
 from kvstream.allocator.manager import KVCacheManager, KVRequest
 from kvstream.allocator.pool import BlockPool
+from kvstream.wire.events import KVEventBatch, decode_batch
 
 TS0 = 1_700_000_000.0
 
-# version folder -> (pool/manager options, hasher options, steps to replay, encoder)
+# version folder -> the release, its seed, how many steps to replay, pool extras, manager options
 VERSIONS: dict[str, dict[str, Any]] = {
     "vllm-0.11.0": dict(
-        pool=dict(event_style="0.11", free_order="v0.11"),
-        manager=dict(reserve_full_prompt=False),
-        hasher=dict(seed="0", rules="0.11", extra_key_style="0.11"),
-        steps=24,
-        encode=EventEncoder("array").encode,
+        release=VLLM_0_11, seed="0", steps=24, pool={},
     ),
     "vllm-0.33.0": dict(
-        pool=dict(event_style="0.33", free_order="v0.33"),
-        manager=dict(reserve_full_prompt=True),
-        hasher=dict(seed="vllm-none-hash", rules="0.33", extra_key_style="0.33"),
-        steps=24,
-        encode=encode_batch,
+        # Steps 24-30 cover LoRA, multimodal, CPU offload events, a second (sliding-window)
+        # KV cache group, report mode "full" and session ids.
+        release=VLLM_0_33, seed="vllm-none-hash", steps=31,
+        pool=dict(kv_cache_event_metadata=(("full_attention", None), ("sliding_window", 64))),
     ),
 }
 
 
-def _snapshot(mgr: KVCacheManager, reqs: dict[str, KVRequest], per_group_keys: bool) -> dict[str, Any]:
-    pool = mgr.pool
+def _snapshot(pool: BlockPool, reqs: dict[tuple[str, int], KVRequest], per_group_keys: bool) -> dict[str, Any]:
     cached = {f"{h.hex()}/g{g}": ids for (h, g), ids in pool.cached_blocks().items()}
-    suffix = "/g0" if per_group_keys else ""
     return {
         "num_free_blocks": pool.get_num_free_blocks(),
         "free_queue": pool.free_block_ids(),
         "cached": cached,
-        "req_blocks": {f"{rid}{suffix}": r.block_ids for rid, r in reqs.items()},
+        "req_blocks": {f"{rid}/g{g}" if per_group_keys else rid: r.block_ids for (rid, g), r in reqs.items()},
         "ref_cnt": {str(b.block_id): b.ref_cnt for b in pool.blocks[1:] if b.ref_cnt},
     }
 
 
 def replay(folder: Path, opts: dict[str, Any], free_order: str | None = None):
-    """Drive the manager through the workload; yield (step, batch or None, snapshot, results)."""
+    """Drive the manager through the workload; yield (step, batch or None, snapshot, results).
+
+    One manager per KV cache group, on one pool; a request admitted in several groups is
+    admitted by each group's manager in turn (vLLM's coordinator does the same).
+    """
     workload = json.loads((folder / "workload.json").read_text())
-    pool_opts = dict(opts["pool"])
-    if free_order is not None:
-        pool_opts["free_order"] = free_order
-    pool = BlockPool(workload["num_gpu_blocks"], workload["block_size"], **pool_opts)
-    hasher = BlockHasher("sha256_cbor", workload["block_size"], **opts["hasher"])
-    mgr = KVCacheManager(pool, hasher, **opts["manager"])
-    reqs: dict[str, KVRequest] = {}
+    release = opts["release"]
+    pool = BlockPool(workload["num_gpu_blocks"], workload["block_size"], release=release, free_order=free_order,
+                     **opts["pool"])
+    hasher = release.hasher("sha256_cbor", workload["block_size"], seed=opts["seed"])
+    mgrs = [KVCacheManager(pool, hasher, kv_cache_group_id=g, release=release) for g in range(pool.num_groups)]
+    reqs: dict[tuple[str, int], KVRequest] = {}
     for i, step in enumerate(workload["steps"][: opts["steps"]]):
         results = []
         for op in step["ops"]:
             kind = op["op"]
+            rid = op.get("req")
             if kind == "admit":
-                req = mgr.new_request(op["req"], op["tokens"], cache_salt=op.get("cache_salt"))
-                ok = mgr.admit(req, op.get("num_new_tokens"))
-                results.append({"op": kind, "req": op["req"], "ok": ok,
-                                "num_prefix_hit_blocks": len(mgr.get_computed_blocks(req))
-                                if not ok else req.num_prefix_hit_tokens // pool.block_size})
+                lora = op.get("lora")
+                kw = dict(
+                    cache_salt=op.get("cache_salt"),
+                    lora=LoRA(lora["lora_name"], lora["lora_path"], lora["lora_int_id"]) if lora else None,
+                    mm_items=[MMItem(m["identifier"], m["offset"], m["length"]) for m in op.get("mm", ())],
+                    session_id=op.get("session_id"),
+                    kv_cache_report_mode=op.get("extra_args", {}).get("kv_cache_report_mode"),
+                )
+                ok = True
+                admitted = []
+                groups = op.get("groups", [0])
+                for g in groups:
+                    req = mgrs[g].new_request(rid, op["tokens"], **kw)
+                    ok = mgrs[g].admit(req, op.get("num_new_tokens"), cache=len(groups) == 1)
+                    if not ok:
+                        break
+                    admitted.append((g, req))
+                if ok and len(groups) > 1:  # every group allocated: now cache them, in order
+                    for g, r in admitted:
+                        mgrs[g].cache_computed_blocks(r)
+                res = {"op": kind, "req": rid, "ok": ok,
+                       "num_prefix_hit_blocks": len(mgrs[0].get_computed_blocks(req))
+                       if not ok else req.num_prefix_hit_tokens // pool.block_size}
+                if "groups" in op:
+                    res["groups"] = op["groups"]
+                results.append(res)
                 if ok:
-                    reqs[op["req"]] = req
+                    for g, r in admitted:
+                        reqs[(rid, g)] = r
             elif kind == "prefill":
-                assert mgr.allocate(reqs[op["req"]], op["num_new_tokens"])
-                results.append({"op": kind, "req": op["req"]})
+                assert mgrs[0].allocate(reqs[(rid, 0)], op["num_new_tokens"])
+                results.append({"op": kind, "req": rid})
             elif kind == "decode":
-                assert mgr.decode(reqs[op["req"]], op["token"])
-                results.append({"op": kind, "req": op["req"]})
+                assert mgrs[0].decode(reqs[(rid, 0)], op["token"])
+                results.append({"op": kind, "req": rid})
             elif kind == "free":
-                mgr.free(reqs.pop(op["req"]))
-                results.append({"op": kind, "req": op["req"]})
+                for g, mgr in enumerate(mgrs):
+                    if (rid, g) in reqs:
+                        mgr.free(reqs.pop((rid, g)))
+                results.append({"op": kind, "req": rid})
             elif kind == "reset_prefix_cache":
-                results.append({"op": kind, "ok": mgr.reset_prefix_cache()})
-            else:  # pragma: no cover - the workload has no other ops in these steps
+                results.append({"op": kind, "ok": mgrs[0].reset_prefix_cache()})
+            elif kind in ("offload_store", "offload_remove"):
+                record = mgrs[0].offload_stored if kind == "offload_store" else mgrs[0].offload_removed
+                record(reqs[(rid, 0)], op["blocks"], "CPU")
+                results.append({"op": kind, "req": rid, "blocks": op["blocks"]})
+            else:  # pragma: no cover - the workload has no other ops
                 raise AssertionError(f"unexpected op {kind}")
             pool.check_invariants()
-        events = mgr.take_events()
+        events = pool.take_events()
         batch = KVEventBatch(TS0 + i, events, 0) if events else None
-        yield i, batch, _snapshot(mgr, reqs, folder.name != "vllm-0.11.0"), results
+        yield i, batch, _snapshot(pool, reqs, folder.name != "vllm-0.11.0"), results
 
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))
@@ -110,7 +136,7 @@ def test_batches_are_byte_identical_to_vllm(golden_dir: Path, version: str) -> N
         assert batch is not None, f"step {i}: vLLM published seq {seq}, kvstream nothing"
         payload = bytes.fromhex(by_seq[seq]["payload_hex"])
         assert batch == decode_batch(payload), f"step {i} (seq {seq}): events differ"
-        assert opts["encode"](batch) == payload, f"step {i} (seq {seq}): bytes differ"
+        assert opts["release"].encoder().encode(batch) == payload, f"step {i} (seq {seq}): bytes differ"
         published += 1
     expected = sum(1 for s in stream["steps"][: opts["steps"]] if s["published_seq"] is not None)
     assert published == expected

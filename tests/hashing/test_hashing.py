@@ -16,6 +16,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstream.compat import VLLM_0_11
 from kvstream.hashing import (
     ALGORITHMS,
     BlockHasher,
@@ -160,7 +161,7 @@ def test_every_block_hash_of_the_v011_capture(golden_dir: Path, monkeypatch):
     doc = json.loads((base / "stream.json").read_text())
     workload = json.loads((base / "workload.json").read_text())
     monkeypatch.setenv("PYTHONHASHSEED", workload["PYTHONHASHSEED"])
-    hasher = BlockHasher("sha256_cbor", workload["block_size"], rules="0.11", extra_key_style="0.11")
+    hasher = VLLM_0_11.hasher("sha256_cbor", workload["block_size"])
     assert hasher.root.hex() == doc["hash"]["NONE_HASH_hex"]
     reqs = _replay_requests(workload, hasher)
 

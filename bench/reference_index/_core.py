@@ -1,0 +1,550 @@
+"""What the two router indexes share: the source table, the prefix walk, ranking and
+speculation.
+
+:class:`kvstream.routing.index.KVIndex` (keyed by the router's own token keys) and
+:class:`kvstream.routing.engine_index.EngineKeyIndex` (keyed by the engines' block hashes) differ
+only in how a block is keyed and ingested. Both keep, per medium, ``key -> bitmask of
+sources`` in ``_held``; everything that reads those masks (matching a prompt's keys,
+ranking, ``best``, speculative entries) and the per-source bookkeeping lives here, once.
+
+A subclass provides ``_R`` (tokens per scoring block), ``_compact`` (True only for
+``KVIndex(compact=True)``), ``_map()`` (a new key -> mask map), ``keys(prompt, lora, salt,
+mm_items)`` (a prompt's keys, one per scoring block) and ``_drop_source(s, tiers)``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from kvstream.errors import LocalProtocolError
+from kvstream.routing.scoring import _NO_LOAD, Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
+
+__all__ = ["IndexUsageError", "SourceInfo"]
+
+
+class IndexUsageError(LocalProtocolError, ValueError):
+    """A bad call on the index by its user (unknown source, bad argument); says the fix."""
+
+
+@dataclass(slots=True)
+class SourceInfo:
+    """What the index knows about one source."""
+
+    name: str
+    stale: bool
+    block_size: int | None
+    """The engine's block size in tokens (from its events; None until keyed events arrive)."""
+    blocks: dict[str, int] = field(default_factory=dict)
+    """Per medium, how many engine blocks (hashes) the source holds (unlinked included)."""
+
+
+class _Source:
+    __slots__ = ("name", "slot", "bit", "stale", "per", "block_size", "count")
+
+    def __init__(self, name: str, slot: int) -> None:
+        self.name = name
+        self.slot = slot
+        self.bit = 1 << slot
+        self.stale = False
+        self.per: int | None = None  # router blocks per engine block
+        self.block_size: int | None = None
+        self.count: list[int] = []  # per tier: engine hashes held
+
+
+def _bits(x: int) -> Iterable[int]:
+    while x:
+        b = x & -x
+        yield b.bit_length() - 1
+        x ^= b
+
+
+
+
+def _gpu_prefix_ends(gpu: Any, keys: Sequence[Any], active: int, ends: Any) -> None:
+    """Walk ``keys`` through one tier's ``key -> source mask`` map and set ``ends[slot]``
+    to the number of leading keys each source in ``active`` holds.
+
+    Sources leave the prefix at up to len(keys) distinct blocks (replicas holding one
+    prompt's prefixes to different lengths): the loop notes (block, leavers) and the bits
+    are expanded once afterwards, with no generator per block."""
+    drops = []
+    for i, rk in enumerate(keys):
+        na = active & gpu.get(rk, 0)
+        if na != active:
+            drops.append((i, active ^ na))
+            active = na
+            if not active:
+                break
+    drops.append((len(keys), active))
+    for i, x in drops:
+        while x:
+            b = x & -x
+            ends[b.bit_length() - 1] = i
+            x ^= b
+
+
+class _IndexCore:
+    """Base of the router indexes (see the module docstring); not used directly."""
+
+    __slots__ = ()
+
+    # Set by subclasses (slots or class attributes). mypy checks assignments against this
+    # class's empty __slots__, hence the [misc] ignores where the base rebinds _live.
+    _R: int
+    _compact: bool
+    _slot_of: dict[str, int]
+    _src: list[_Source | None]
+    _free_slots: list[int]
+    _live: int
+    _media: list[str]
+    _tier_of: dict[str, int]
+    _held: list[Any]
+    _spec: dict[Any, int]
+    _spec_n: dict[tuple[int, Any], int]
+    _spec_q: deque[tuple[float, int, list[Any]]]
+    # (engine hash, source slot, tier) -> {group: copies}, only where a holding is not
+    # exactly one copy in group 0 (the common case costs no record).
+    _copies: dict[tuple[Any, int, int], dict[int, int]]
+
+    def _add_copy_record(self, key: tuple[Any, int, int], g: int, held: bool) -> bool:
+        """Count one more copy of group ``g`` for a (hash, source, tier) ``key``.
+
+        ``held``: the source already holds the hash in that tier. Returns True when the
+        caller must still mark the holding (it was not held before)."""
+        if held:
+            cp = self._copies.get(key)
+            if cp is None:
+                cp = self._copies[key] = {0: 1}
+            cp[g] = cp.get(g, 0) + 1
+            return False
+        if g:
+            self._copies[key] = {g: 1}
+        return True
+
+    def _take_copy(self, key: tuple[Any, int, int], g: int) -> int:
+        """Remove one copy of group ``g`` for a held (hash, source, tier) ``key``.
+
+        Returns 0 when there is no such copy (nothing changed), 1 when copies remain (the
+        holding stays), 2 when it was the last one (the caller releases the holding)."""
+        cp = self._copies.get(key)
+        if cp is None:
+            return 0 if g else 2
+        n = cp.get(g, 0)
+        if not n:
+            return 0
+        if n > 1:
+            cp[g] = n - 1
+        else:
+            del cp[g]
+        if cp:
+            if cp == {0: 1}:
+                del self._copies[key]
+            return 1
+        del self._copies[key]
+        return 2
+
+    _gen_start: float | None
+    _ttl: float | None
+
+    def _generation_ended(self, now: float) -> bool:
+        """TTL bookkeeping shared by the indexes: True when the current generation (``ttl_s``
+        seconds, started by the first call) is over and the caller must rotate."""
+        if self._gen_start is None:
+            self._gen_start = now  # type: ignore[misc]  # a slot of the subclasses
+            return False
+        return now - self._gen_start >= self._ttl  # type: ignore[operator]
+
+    def _map(self) -> Any:
+        raise NotImplementedError
+
+    def keys(self, prompt_tokens: Sequence[int], lora: Any = None, salt: str | None = None,
+             mm_items: Sequence[Any] | None = None) -> list[Any]:
+        raise NotImplementedError
+
+    def _drop_source(self, s: _Source, tiers: Iterable[int]) -> None:
+        raise NotImplementedError
+
+    @property
+    def router_block_size(self) -> int:
+        """Tokens per router block."""
+        return self._R
+
+    @property
+    def sources(self) -> list[str]:
+        """Names of the sources the index knows, in order of first appearance."""
+        return [s.name for s in self._src if s is not None]
+
+    def _new_tier(self, medium: str) -> int:
+        t = len(self._media)
+        self._media.append(medium)
+        self._tier_of[medium] = t
+        self._held.append(self._map())
+        for s in getattr(self, "_src", ()):
+            if s is not None:
+                s.count.append(0)
+        return t
+
+    def _tier(self, medium: str | None) -> int:
+        t = self._tier_of.get(medium or "GPU")
+        return self._new_tier(medium) if t is None else t  # type: ignore[arg-type]
+
+    def add_source(self, source: str) -> None:
+        """Register a source before its first batch (so it can be ranked with no blocks)."""
+        self._source(source)
+
+    def _source(self, name: str) -> _Source:
+        slot = self._slot_of.get(name)
+        if slot is not None:
+            return self._src[slot]  # type: ignore[return-value]
+        if not isinstance(name, str):
+            raise IndexUsageError(f"source names are str, got {name!r}")
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot = len(self._src)
+            self._src.append(None)
+        s = _Source(name, slot)
+        s.count = [0] * len(self._media)
+        self._src[slot] = s
+        self._slot_of[name] = slot
+        self._live |= s.bit  # type: ignore[misc]
+        return s
+
+    def _known(self, name: str) -> _Source:
+        slot = self._slot_of.get(name)
+        if slot is None:
+            raise IndexUsageError(f"unknown source {name!r}; known sources: {self.sources}")
+        return self._src[slot]  # type: ignore[return-value]
+
+    def clear_source(self, source: str) -> None:
+        """Drop everything ``source`` holds, in every medium, and un-stale it (a restart or
+        a snapshot follows). Unknown sources are registered (empty). O(index size)."""
+        s = self._source(source)
+        self._drop_source(s, range(len(self._media)))
+        self._set_stale(s, False)
+
+    def mark_stale(self, source: str, stale: bool = True) -> None:
+        """Mark ``source`` stale (its blocks stop scoring; it still ranks with 0 prefix) or
+        healthy again. Its residency is kept and still updated by its events."""
+        self._set_stale(self._source(source), stale)
+
+    def _set_stale(self, s: _Source, stale: bool) -> None:
+        s.stale = stale
+        if stale:
+            self._live &= ~s.bit  # type: ignore[misc]
+        else:
+            self._live |= s.bit  # type: ignore[misc]
+
+    def source_info(self, source: str) -> SourceInfo:
+        """What the index holds for ``source`` (:class:`SourceInfo`)."""
+        s = self._known(source)
+        return SourceInfo(
+            s.name, s.stale, s.block_size,
+            {m: s.count[t] for t, m in enumerate(self._media) if s.count[t]},
+        )
+
+    # -- speculative entries ---------------------------------------------------------
+
+    def speculate(
+        self,
+        source: str,
+        prompt_tokens: Sequence[int],
+        now: float,
+        ttl_s: float = 2.0,
+        *,
+        lora: str | int | None = None,
+        salt: str | None = None,
+        mm_items: Sequence[Any] | None = None,
+        keys: Sequence[Any] | None = None,
+    ) -> int:
+        """Pretend ``source`` holds the prompt's blocks (GPU) until ``now + ttl_s`` seconds,
+        or until its own events confirm or contradict them. Returns the router blocks added.
+        Call :meth:`expire` (the :class:`kvstream.routing.router.Router` does) to drop old ones.
+        ``keys``: the prompt's precomputed :meth:`keys` (then the prompt arguments are
+        ignored), so a caller that just scored the prompt does not compute them twice."""
+        s = self._source(source)
+        keys = self.keys(prompt_tokens, lora, salt, mm_items) if keys is None else list(keys)
+        spec = self._spec
+        spec_n = self._spec_n
+        for rk in keys:
+            k = (s.slot, rk)
+            spec_n[k] = spec_n.get(k, 0) + 1
+            spec[rk] = spec.get(rk, 0) | s.bit
+        self._spec_q.append((now + ttl_s, s.slot, keys))
+        return len(keys)
+
+    def expire(self, now: float) -> None:
+        """Drop speculative entries whose time (seconds, same clock as :meth:`speculate`) is up."""
+        q = self._spec_q
+        while q and q[0][0] <= now:
+            _, slot, keys = q.popleft()
+            for rk in keys:
+                self._unspec(slot, rk)
+
+    def _unspec(self, slot: int, rk: int) -> None:
+        k = (slot, rk)
+        n = self._spec_n.get(k, 0) - 1
+        if n > 0:
+            self._spec_n[k] = n
+            return
+        self._spec_n.pop(k, None)
+        m = self._spec.get(rk, 0) & ~(1 << slot)
+        if m:
+            self._spec[rk] = m
+        else:
+            self._spec.pop(rk, None)
+
+    def _drop_spec(self, pred: Any) -> None:
+        for (slot, rk) in [k for k in self._spec_n if pred(*k)]:
+            self._spec_n.pop((slot, rk), None)
+            m = self._spec.get(rk, 0) & ~(1 << slot)
+            if m:
+                self._spec[rk] = m
+            else:
+                self._spec.pop(rk, None)
+
+    # -- scoring ---------------------------------------------------------------------
+
+    def match(
+        self,
+        prompt_tokens: Sequence[int],
+        lora: str | int | None = None,
+        salt: str | None = None,
+        mm_items: Sequence[Any] | None = None,
+        *,
+        keys: Sequence[int] | None = None,
+    ) -> dict[str, SourceMatch]:
+        """Every known source's longest cached prefix of the prompt (:class:`SourceMatch`).
+
+        Args:
+            prompt_tokens: the prompt's token ids; a trailing partial router block is ignored.
+            lora: adapter name (vLLM >= 0.33 engines) or int id (0.11 engines), or None.
+            salt: the request's ``cache_salt``, or None.
+            mm_items: multimodal items (``identifier``/``offset`` objects or pairs).
+            keys: precomputed :meth:`keys` (then the other arguments are ignored).
+        """
+        if keys is None:
+            keys = self.keys(prompt_tokens, lora, salt, mm_items)
+        return self._walk(keys)
+
+    def _walk(self, keys: Sequence[int]) -> dict[str, SourceMatch]:
+        live = self._live
+        active = live
+        n = len(keys)
+        held = self._held
+        gpu = held[0]
+        spec = self._spec
+        others = [(t, h) for t, h in enumerate(held) if t and h]
+        end: dict[int, int] = {}
+        tier_end: list[dict[int, int]] = [{} for _ in held]
+        served_low: dict[tuple[int, int], int] = {}
+        spec_served: dict[int, int] = {}
+        if not others and not spec and self._compact:
+            # One call probes the table for every block (no method call per block).
+            for i, na in enumerate(gpu.walk(keys, active)):
+                na &= active
+                if na != active:
+                    for slot in _bits(active ^ na):
+                        end[slot] = i
+                    active = na
+                    if not active:
+                        break
+            for slot in _bits(active):
+                end[slot] = n
+            tier_end[0] = end
+        elif not others and not spec:
+            _gpu_prefix_ends(gpu, keys, active, end)
+            tier_end[0] = end
+        else:
+            t_active = [0] * len(held)
+            t_active[0] = active
+            for t, _h in others:
+                t_active[t] = active
+            # Lower tiers in order of preference (declaration order: GPU, CPU, others).
+            for i, rk in enumerate(keys):
+                g = gpu.get(rk, 0)
+                sg = spec.get(rk, 0) if spec else 0
+                anym = g | sg
+                ms = []
+                for t, h in others:
+                    m = h.get(rk, 0)
+                    ms.append((t, m))
+                    anym |= m
+                ta = t_active[0] & g
+                if ta != t_active[0]:
+                    for slot in _bits(t_active[0] ^ ta):
+                        tier_end[0][slot] = i
+                    t_active[0] = ta
+                for t, m in ms:
+                    ta = t_active[t] & m
+                    if ta != t_active[t]:
+                        for slot in _bits(t_active[t] ^ ta):
+                            tier_end[t][slot] = i
+                        t_active[t] = ta
+                na = active & anym
+                if na != active:
+                    for slot in _bits(active ^ na):
+                        end[slot] = i
+                    active = na
+                    if not active:
+                        break
+                low = active & ~g
+                if low:
+                    x = low & sg
+                    for slot in _bits(x):
+                        spec_served[slot] = spec_served.get(slot, 0) + 1
+                    low &= ~x
+                    for t, m in ms:
+                        x = low & m
+                        if x:
+                            for slot in _bits(x):
+                                served_low[(slot, t)] = served_low.get((slot, t), 0) + 1
+                            low &= ~x
+            for slot in _bits(active):
+                end[slot] = n
+            for t, ta in enumerate(t_active):
+                for slot in _bits(ta):
+                    tier_end[t][slot] = n
+        R = self._R
+        media = self._media
+        out: dict[str, SourceMatch] = {}
+        gpu_end = tier_end[0]
+        one_tier = not others and not spec
+        for s in self._src:
+            if s is None:
+                continue
+            slot = s.slot
+            b = end.get(slot, 0)
+            per = s.per or 1
+            if per > 1:
+                # An engine reuses whole blocks only: round down to its block size.
+                b -= b % per
+            if not b:
+                out[s.name] = SourceMatch(s.name, 0, 0, {}, {}, s.stale)
+                continue
+            if one_tier:  # the GPU prefix is the prefix
+                out[s.name] = SourceMatch(s.name, b, b * R, {"GPU": b}, {"GPU": b}, s.stale)
+                continue
+            tb = {}
+            for t, te in enumerate(tier_end):
+                x = te.get(slot, 0)
+                x -= x % per
+                if x:
+                    tb[media[t]] = x
+            if not served_low and not spec_served:
+                out[s.name] = SourceMatch(s.name, b, b * R, tb, {"GPU": b}, s.stale)
+                continue
+            served: dict[str, int] = {}
+            low_total = 0
+            for (sl, t), c in served_low.items():
+                if sl == slot:
+                    served[media[t]] = c
+                    low_total += c
+            sp = spec_served.get(slot, 0)
+            if low_total > b:  # rounding cut blocks served by lower tiers: keep it simple
+                served = {m: min(c, b) for m, c in served.items()}
+                low_total = min(low_total, b)
+            served["GPU"] = b - low_total
+            if not served["GPU"]:
+                del served["GPU"]
+            out[s.name] = SourceMatch(s.name, b, b * R, tb, served, s.stale, sp)
+        del gpu_end
+        return out
+
+    def score(
+        self,
+        prompt_tokens: Sequence[int],
+        lora: str | int | None = None,
+        salt: str | None = None,
+        mm_items: Sequence[Any] | None = None,
+        *,
+        loads: Mapping[str, Load] | None = None,
+        policy: Policy | None = None,
+        keys: Sequence[int] | None = None,
+    ) -> ScoreResult:
+        """Match the prompt (see :meth:`match`) and rank the sources with ``policy``
+        (default :class:`~kvstream.routing.scoring.PrefixLoadPolicy`) and the caller's ``loads``
+        (source name -> :class:`~kvstream.routing.scoring.Load`). Sources named only in ``loads``
+        are ranked too (with no cached prefix)."""
+        if keys is None:
+            keys = self.keys(prompt_tokens, lora, salt, mm_items)
+        matches = self._walk(keys)
+        loads = loads or {}
+        for name in loads:
+            if name not in matches:
+                matches[name] = SourceMatch(name)
+        pol = policy if policy is not None else _DEFAULT_POLICY
+        values = pol(list(matches.values()), loads, len(keys))
+        return ScoreResult(len(keys), self._R, matches, rank(values, loads), {s: v for v, s in values})
+
+    def best(
+        self,
+        keys: Sequence[int],
+        loads: Mapping[str, Load] | None = None,
+        policy: Policy | None = None,
+    ) -> str | None:
+        """``score(..., keys=keys, loads=loads, policy=policy).best``: the chosen source
+        only (None without sources), for callers that route and need nothing else.
+
+        The common case (no speculative entries, nothing in a lower tier, a plain
+        :class:`~kvstream.routing.scoring.PrefixLoadPolicy`) skips building the per-source
+        :class:`~kvstream.routing.scoring.SourceMatch` objects and the full ranking; anything else
+        goes through :meth:`score`. Both give the same answer (``tests/routing/test_index.py``).
+        """
+        pol = policy if policy is not None else _DEFAULT_POLICY
+        if (type(pol) is not PrefixLoadPolicy or self._spec or self._compact
+                or any(self._held[t] for t in range(1, len(self._held)))):
+            return self.score((), loads=loads, policy=pol, keys=keys).best
+        loads = loads or {}
+        # The prefix walk of _walk's one-tier branch, ends kept per slot.
+        src = self._src
+        ends = [0] * len(src)
+        active = self._live
+        gpu = self._held[0]
+        n = len(keys)
+        if active:
+            _gpu_prefix_ends(gpu, keys, active, ends)
+        # PrefixLoadPolicy.__call__ and rank() for a GPU-only match: the same arithmetic,
+        # in the same order, so values (and ties) are bit-identical; the best is the
+        # smallest (-value, (queue, running, kv_usage), name).
+        wg = pol.tier_weights.get("GPU", pol.other_tier_weight)
+        pw, qw, rw, kw = pol.prefix_weight, pol.queue_weight, pol.running_weight, pol.kv_weight
+        top: Any = None
+        for s in src:
+            if s is None:
+                continue
+            name = s.name
+            b = ends[s.slot]
+            per = s.per
+            if per is not None and per > 1:
+                b -= b % per
+            prefix = b * wg / n if b else 0.0
+            ld = loads.get(name, _NO_LOAD)
+            q, r, kv = ld.queue, ld.running, ld.kv_usage
+            cand = (-(pw * prefix - qw * q - rw * r - kw * kv), (q, r, kv), name)
+            if top is None or cand < top:
+                top = cand
+        slot_of = self._slot_of
+        for name, ld in loads.items():
+            if name in slot_of:
+                continue
+            # A source named only in the loads: no cached prefix.
+            q, r, kv = ld.queue, ld.running, ld.kv_usage
+            cand = (-(pw * 0.0 - qw * q - rw * r - kw * kv), (q, r, kv), name)
+            if top is None or cand < top:
+                top = cand
+        return None if top is None else top[2]
+
+
+
+def _hash_sort_key(eh: Any) -> tuple[int, Any]:
+    return (0, eh) if type(eh) is int else (1, eh)
+
+
+def _sort_key(row: tuple[str, int, Any, int]) -> tuple[Any, ...]:
+    return (row[0], row[1], *_hash_sort_key(row[2]), row[3])
+
+
+_DEFAULT_POLICY = PrefixLoadPolicy()

@@ -1,0 +1,119 @@
+"""Residency rules every keying strategy obeys (docs/router.md, "Index model"), one
+specification run over both: router token keys (``KVIndex``) and the engines' own hashes
+(``EngineKeyIndex``). Keying-specific behaviour stays in ``test_index.py`` and
+``test_engine_index.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstream.hashing import BlockHasher, RequestBlockHasher, to_external_list
+from kvstream.routing.engine_index import EngineKeyIndex
+from kvstream.routing.index import KVIndex
+from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+BS = 16
+HASHER = BlockHasher("xxhash", BS, seed="0")
+
+
+class Keying:
+    """A keying strategy under test: how to build the index and which hashes its
+    engines' events carry for a prompt."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def new(self, **kw):
+        return KVIndex(**kw) if self.name == "tokens" else EngineKeyIndex(HASHER, **kw)
+
+    def hashes(self, prompt: list[int]) -> list[int]:
+        rh = RequestBlockHasher(HASHER)
+        rh.extend(prompt)
+        return to_external_list(rh.block_hashes)
+
+
+@pytest.fixture(params=["tokens", "engine"])
+def keying(request) -> Keying:
+    return Keying(request.param)
+
+
+def P(base: int, n: int) -> list[int]:
+    return [base + i for i in range(n * BS)]
+
+
+def stored(hashes, tokens, parent=None, medium="GPU", group=0, bs=BS):
+    return BlockStored(list(hashes), parent, list(tokens), bs, None, medium, None, None, group)
+
+
+def cpu(hashes):
+    return BlockStored(list(hashes), None, [], 0, None, "CPU", None)
+
+
+def apply(idx, source: str, *events) -> None:
+    idx.apply_batch(source, KVEventBatch(1.0, list(events)))
+
+
+def blocks(idx, source: str) -> dict:
+    return {(m, g, h): n for m, g, h, n in idx.state()["sources"][source]["blocks"]}
+
+
+def test_a_duplicate_store_needs_two_removes(keying) -> None:
+    idx = keying.new()
+    p = P(0, 2)
+    h = keying.hashes(p)
+    apply(idx, "e", stored(h, p))
+    apply(idx, "e", stored(h[1:], p[BS:], parent=h[0]))  # a recomputed copy of a cached hash
+    assert blocks(idx, "e")[("GPU", 0, h[1])] == 2
+    apply(idx, "e", BlockRemoved([h[1]], "GPU"))
+    assert idx.match(p)["e"].blocks == 2
+    apply(idx, "e", BlockRemoved([h[1]], "GPU"))
+    assert idx.match(p)["e"].blocks == 1
+    assert idx.stats.unknown_removed == 0
+
+
+def test_same_hash_in_two_groups_is_two_residencies(keying) -> None:
+    idx = keying.new()
+    p = P(0, 1)
+    h = keying.hashes(p)
+    apply(idx, "e", stored(h, p, group=0), stored(h, p, group=1))
+    assert blocks(idx, "e") == {("GPU", 0, h[0]): 1, ("GPU", 1, h[0]): 1}
+    apply(idx, "e", BlockRemoved(h, "GPU", 1))
+    assert blocks(idx, "e") == {("GPU", 0, h[0]): 1}
+    apply(idx, "e", BlockRemoved(h, "GPU", 1))
+    assert idx.stats.unknown_removed == 1
+    assert idx.match(p)["e"].blocks == 1
+
+
+def test_report_mode_reannouncement_adds_no_copy(keying) -> None:
+    idx = keying.new()
+    p = P(0, 2)
+    h = keying.hashes(p)
+    apply(idx, "e", stored(h, p))
+    again = stored(h, p)
+    again.session_id = "sess-42"  # vLLM kv_cache_report_mode="full": no pool change
+    apply(idx, "e", again)
+    assert blocks(idx, "e") == {("GPU", 0, h[0]): 1, ("GPU", 0, h[1]): 1}
+    assert idx.stats.reannounced_blocks == 2
+    counting = keying.new(reannounce="count")
+    apply(counting, "e", stored(h, p))
+    apply(counting, "e", again)
+    assert blocks(counting, "e")[("GPU", 0, h[0])] == 2
+
+
+def test_removed_unknown_block_is_counted_not_an_error(keying) -> None:
+    idx = keying.new()
+    apply(idx, "e", BlockRemoved([99], "GPU"), BlockRemoved([98], "CPU"))
+    assert idx.stats.unknown_removed == 2
+
+
+def test_all_blocks_cleared_clears_only_that_sources_gpu_tier(keying) -> None:
+    idx = keying.new()
+    p = P(0, 2)
+    h = keying.hashes(p)
+    apply(idx, "a", stored(h, p), cpu(h))
+    apply(idx, "b", stored(h, p))
+    apply(idx, "a", AllBlocksCleared())
+    m = idx.match(p)
+    assert m["a"].tier_blocks == {"CPU": 2} and m["a"].blocks == 2 and m["a"].served == {"CPU": 2}
+    assert m["b"].tier_blocks == {"GPU": 2}
+    assert idx.source_info("a").blocks == {"CPU": 2}
