@@ -2,7 +2,7 @@
 
     python bench/bench_serve.py                    # both services, defaults below
     python bench/bench_serve.py --no-dynamo        # kvstream only
-    python bench/bench_serve.py --workers 2        # kvstream serve --workers 2
+    python bench/bench_serve.py --workers 1,2      # kvstream serve --workers 1, then 2, then Dynamo
 
 The state: ``--engines`` (64) real kvstream publishers in one "farm" process, each
 publishing ``--docs`` (17) cached documents of ``--prompt-tokens`` (4096) tokens as vLLM
@@ -295,7 +295,7 @@ def wrk_result(proc: subprocess.Popen) -> dict[str, float]:
 # -- one run ----------------------------------------------------------------------------
 
 
-def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def run_one(kind: str, workers: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     documents, held = workload(args.engines, args.docs, args.prompt_tokens)
     total_blocks = args.engines * args.docs * (args.prompt_tokens // BS)
     farm = subprocess.Popen([sys.executable, __file__, "--farm", "--engines", str(args.engines), "--docs",
@@ -306,7 +306,7 @@ def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     svc = None
     try:
         endpoints = json.loads(_line(farm))
-        svc = Service(kind, endpoints, args.workers, log)
+        svc = Service(kind, endpoints, workers, log)
         time.sleep(1.0)  # let every SUB socket finish connecting (a slow joiner loses messages)
         ingest_s = ingest(svc, farm, [documents[h[-1]] for h in held], args)
         rng = random.Random(3)
@@ -343,7 +343,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--seconds", type=float, default=5.0, help="seconds of load per connection count")
     p.add_argument("--connections", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
-    p.add_argument("--workers", type=int, default=1, help="kvstream serve --workers")
+    p.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                   help="kvstream serve --workers; a list (1,2) runs kvstream once per count")
     p.add_argument("--no-dynamo", action="store_true")
     p.add_argument("--only-dynamo", action="store_true")
     p.add_argument("--farm", action="store_true", help=argparse.SUPPRESS)
@@ -351,20 +352,26 @@ def main() -> None:
     if args.farm:
         farm_main(args)
         return
-    kinds = ([] if args.only_dynamo else ["kvstream"]) + ([] if args.no_dynamo else ["dynamo"])
+    runs = ([] if args.only_dynamo else [("kvstream", w) for w in args.workers])
+    runs += [] if args.no_dynamo else [("dynamo", 1)]
     results = {}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
-        for kind in kinds:
-            results[kind] = run_one(kind, args, Path(d))
+        for kind, w in runs:
+            label = kind if kind == "dynamo" or len(args.workers) == 1 else f"kvstream-w{w}"
+            results[label] = run_one(kind, w, args, Path(d))
     blocks = args.engines * args.docs * (args.prompt_tokens // BS)
     print(f"\n{args.engines} engines, {blocks:,} blocks, {args.prompt_tokens}-token prompts, POST /query; "
-          f"kvstream serve --workers {args.workers}; load by {'wrk' if shutil.which('wrk') else 'python'}")
-    head = f"{'service':<10} {'ingest blocks/s':>16} {'while serving':>14}"
+          f"kvstream serve --workers {','.join(map(str, args.workers))}; "
+          f"load by {'wrk' if shutil.which('wrk') else 'python'}")
+    print(f"load average (1 min) {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, "
+          f"on {os.cpu_count()} cores")
+    head = f"{'service':<12} {'ingest blocks/s':>16} {'while serving':>14}"
     for c in args.connections:
         head += f" | {'c' + str(c) + ' req/s':>11} {'p50 ms':>7} {'p99 ms':>7}"
     print(head)
     for kind, r in results.items():
-        line = f"{kind:<10} {r['ingest_blocks_per_s']:>16,.0f} {r.get('ingest_serving_blocks_per_s', 0):>14,.0f}"
+        line = f"{kind:<12} {r['ingest_blocks_per_s']:>16,.0f} {r.get('ingest_serving_blocks_per_s', 0):>14,.0f}"
         for c in args.connections:
             x = r[f"c{c}"]
             line += f" | {x['rps']:>11,.0f} {x['p50_ms']:>7.2f} {x['p99_ms']:>7.2f}"
@@ -376,8 +383,8 @@ def main() -> None:
         if x:
             print(f"{kind}: 32 connections while ingesting: {x['rps']:,.0f} req/s, p50 {x['p50_ms']:.2f} ms, "
                   f"p99 {x['p99_ms']:.2f} ms")
-    if len(results) == 2:
-        a, b = results["kvstream"]["spot"], results["dynamo"]["spot"]
+    if "dynamo" in results and len(results) > 1:
+        a, b = next(iter(results.values()))["spot"], results["dynamo"]["spot"]
         print(f"spot check, blocks matched per engine (first doc of e0): kvstream {dict(sorted(a.items()))} "
               f"dynamo {dict(sorted(b.items()))}")
 

@@ -61,8 +61,8 @@ def register(sub: Any) -> None:
     p.add_argument("--mooncake-seed", type=int, metavar="S", help="seed of the RFC #1527 standard hash (default 0)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="worker processes sharing the port (SO_REUSEPORT); each follows every engine and keeps "
-                        "its own index (default 1). Engines added with /register reach one worker only: use "
-                        "--config for engines when N > 1")
+                        "its own index (default 1); a /register or /unregister reaching one worker is "
+                        "passed on to the others")
     p.add_argument("--peers", nargs="+", action="extend", metavar="URL",
                    help="running replicas (http://host:port): load the index from the first that answers "
                         "GET /v1/dump, then follow the engines from there (put it after the engines)")
@@ -208,10 +208,13 @@ def _supervise(cfg: Any, tok: Any, holder: socket.socket, flags: dict[str, Any],
     when they all have. ``holder`` reserves the port (bound, never listening)."""
     import os
 
+    from kvstream.service.siblings import SiblingChannels
+
     host, port = holder.getsockname()[:2]
     ready_r, ready_w = os.pipe()
+    channels = SiblingChannels(workers)  # registrations reach every worker through these
     pids = []
-    for _ in range(workers):
+    for i in range(workers):
         pid = os.fork()
         if pid == 0:  # the worker
             os.close(ready_r)
@@ -219,10 +222,11 @@ def _supervise(cfg: Any, tok: Any, holder: socket.socket, flags: dict[str, Any],
             code = 1
             try:
                 sock = _bind(host, port, reuseport=True)
+                sib = channels.take(i)
                 import anyio
 
-                with contextlib.closing(sock):
-                    anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, proxy_opts, backend="asyncio",
+                with contextlib.closing(sock), contextlib.closing(sib):
+                    anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, proxy_opts, sib, backend="asyncio",
                               backend_options=_loop_options())
                 code = 0
             except BaseException:  # noqa: BLE001 - reported, then the worker exits
@@ -231,6 +235,7 @@ def _supervise(cfg: Any, tok: Any, holder: socket.socket, flags: dict[str, Any],
                 os._exit(code)
         pids.append(pid)
     os.close(ready_w)
+    channels.close()
     got = b""
     while len(got) < workers:
         chunk = os.read(ready_r, workers)
@@ -270,7 +275,7 @@ def _no_signal_capture() -> Iterator[None]:
 
 
 async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any], cli_engines: list[str],
-                 ready_fd: int | None, proxy_opts: dict[str, Any] | None = None) -> None:
+                 ready_fd: int | None, proxy_opts: dict[str, Any] | None = None, sibling: Any = None) -> None:
     import anyio
     import uvicorn
 
@@ -286,18 +291,19 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         core.engine_view_extras.append(proxy.engine_view)
         core.metrics_extras.append(proxy.metrics_text)
     app = create_app(core, extra_routes=proxy.openai_routes() if proxy is not None else ())
+    # proxy_headers off: no handler reads the client address, and the middleware costs per call.
     ucfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", server_header=False,
-                          date_header=False, timeout_graceful_shutdown=5)
+                          date_header=False, proxy_headers=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(ucfg)
     server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
     async with contextlib.AsyncExitStack() as stack:
         if proxy is not None:
             await stack.enter_async_context(proxy)  # closes its upstream connections at the end
-        await _run_server(server, sock, core, flags, cli_engines, ready_fd)
+        await _run_server(server, sock, core, flags, cli_engines, ready_fd, sibling)
 
 
 async def _run_server(server: Any, sock: socket.socket, core: Any, flags: dict[str, Any], cli_engines: list[str],
-                      ready_fd: int | None) -> None:
+                      ready_fd: int | None, sibling: Any = None) -> None:
     import anyio
 
     async with anyio.create_task_group() as tg:
@@ -308,6 +314,9 @@ async def _run_server(server: Any, sock: socket.socket, core: Any, flags: dict[s
                 tg.cancel_scope.cancel()
 
         tg.start_soon(serve_then_stop)
+        if sibling is not None:  # a worker: share registrations with the others
+            core.mooncake.share = sibling.send
+            tg.start_soon(sibling.run, core.mooncake.apply_shared)
         while not server.started:  # uvicorn sets it once the lifespan ran and it accepts
             await anyio.sleep(0.01)
         if ready_fd is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
@@ -326,7 +327,7 @@ class ServiceCore:
 
     def tokens_of(self, token_ids: list[int] | None, prompt: str | None) -> list[int]:
         """The request's tokens: ``token_ids``, or ``prompt`` through the tokenizer;
-        checks the size limit."""
+        checks every id is a uint32 and the size limit."""
         if (token_ids is None) == (prompt is None):
             raise ApiError(422, "bad_field", "give exactly one of token_ids and prompt", "$")
         if prompt is not None:
@@ -337,7 +338,14 @@ class ServiceCore:
                 raise ApiError(413, "too_large", f"prompt is {len(prompt)} characters; the limit is "
                                f"{16 * self.config.max_prompt_tokens} (16 per max-prompt-tokens)", "$.prompt")
             token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
-        assert token_ids is not None
+        else:
+            assert token_ids is not None
+            try:
+                array("I", token_ids)  # every id a uint32 (C speed; the index packs them the same way)
+            except OverflowError:
+                i, bad = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t <= 0xFFFFFFFF)
+                raise ApiError(422, "bad_field", f"Expected `int` >= 0 and <= 4294967295 (a uint32 token id), "
+                               f"got {bad} (at $.token_ids[{i}])", f"$.token_ids[{i}]") from None
         if len(token_ids) > self.config.max_prompt_tokens:
             raise ApiError(413, "too_large", f"the prompt has {len(token_ids)} tokens; the limit is "
                            f"{self.config.max_prompt_tokens} (--max-prompt-tokens)",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 import msgspec
 from msgspec import Meta, Struct
@@ -39,7 +39,7 @@ from kvstream.routing.keys import RouterKeyError
 from kvstream.service.core import DEFAULT_INDEX, ServiceCore
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.hashing.mooncake import MooncakeHasher
-from kvstream.service.schema import ENCODER, TokenId
+from kvstream.service.schema import ENCODER
 from kvstream.transport.subscriber import SourceSpec
 
 __all__ = ["MooncakeAPI", "RegisterRequest", "UnregisterRequest", "QueryRequest", "QueryByHashRequest",
@@ -90,7 +90,7 @@ class QueryRequest(Struct):
     """``POST /query``."""
 
     model: Name
-    token_ids: list[TokenId]
+    token_ids: list[int]  # uint32 each, checked by ServiceCore.tokens_of
     block_size: BlockSize
     lora_name: Opt | None = None
     lora_id: int | None = None
@@ -117,6 +117,7 @@ _REG = msgspec.json.Decoder(RegisterRequest)
 _UNREG = msgspec.json.Decoder(UnregisterRequest)
 _QUERY = msgspec.json.Decoder(QueryRequest)
 _QHASH = msgspec.json.Decoder(QueryByHashRequest)
+_ENC = msgspec.json.Encoder()
 
 
 def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
@@ -140,6 +141,10 @@ class MooncakeAPI:
         # (model, tenant, block_size, salt, lora) -> index name, per publisher kind
         self._groups: dict[tuple[str, str, int, str, str], dict[str, str]] = {}
         self._hashers: dict[int, MooncakeHasher] = {}
+        self.share: Callable[[bytes], None] | None = None
+        """Called after each ``/register`` or ``/unregister`` that succeeded over HTTP with
+        the message :meth:`apply_shared` takes (``kvstream serve --workers N``: the other
+        workers, :mod:`kvstream.service.siblings`)."""
         # The configured engines answer /query as one vLLM group of the configured model.
         cfg = core.config
         self._groups[(cfg.model_name, "default", cfg.router_block_size, "", "")] = {"vLLM": DEFAULT_INDEX}
@@ -161,6 +166,27 @@ class MooncakeAPI:
     def register(self, body: bytes) -> bytes:
         """``POST /register``."""
         r: RegisterRequest = _decode(_REG, body)
+        out = self._register(r)
+        if self.share is not None:
+            self.share(b"R" + _ENC.encode(r))
+        return out
+
+    def apply_shared(self, message: bytes) -> None:
+        """Apply a registration another worker accepted (``share``'s message); an unregister
+        of an instance this worker does not hold is a no-op."""
+        kind, body = message[:1], message[1:]
+        if kind == b"R":
+            self._register(_REG.decode(body))
+        elif kind == b"U":
+            try:
+                self._unregister(_UNREG.decode(body))
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+        else:
+            raise ValueError(f"unknown shared registration message kind {kind!r}")
+
+    def _register(self, r: RegisterRequest) -> bytes:
         kind = PUBLISHER_TYPES.get(r.type.lower())
         if kind is None:
             raise ApiError(422, "bad_field", f"type must be one of vLLM, SGLang, Mooncake; got {r.type!r}", "$.type")
@@ -204,6 +230,12 @@ class MooncakeAPI:
     def unregister(self, body: bytes) -> bytes:
         """``POST /unregister``."""
         r: UnregisterRequest = _decode(_UNREG, body)
+        out = self._unregister(r)
+        if self.share is not None:
+            self.share(b"U" + _ENC.encode(r))
+        return out
+
+    def _unregister(self, r: UnregisterRequest) -> bytes:
         core = self.core
         gone = []
         for name, e in list(core.engines.items()):
@@ -319,22 +351,34 @@ class MooncakeAPI:
 
     def _merge(self, result: dict[str, dict[str, Any]], matches: dict[str, Any], B: int, only: str | None) -> None:
         # Instances with no cached prefix are left out (as Dynamo does): absent means 0.
+        # Inlined (no _row call per source): up to one pass per engine on every /query.
+        engines = self.core.engines
         for source, m in matches.items():
-            if not m.blocks:
+            nb = m.blocks
+            if not nb:
                 continue
-            got = self._row(result, source, only)
-            if got is None:
+            e = engines.get(source)
+            if e is None:
                 continue
-            row, rank = got
-            tokens = m.blocks * B
-            if tokens > row["longest_matched"]:
-                row["longest_matched"] = tokens
-            for med, nb in m.tier_blocks.items():
-                if nb * B > (row.get(med) or 0):
-                    row[med] = nb * B
-            dp = row["DP"]
-            if tokens > dp.get(rank, 0):
-                dp[rank] = tokens
+            meta = e.meta
+            inst = meta.get("instance_id", source)
+            if only is not None and inst != only:
+                continue
+            tokens = nb * B
+            rank = str(meta.get("dp_rank", 0))
+            row = result.get(inst)
+            if row is None:
+                row = result[inst] = {"longest_matched": tokens, "GPU": 0, "CPU": 0, "DISK": 0,
+                                      "DP": {rank: tokens}}
+            else:
+                if tokens > row["longest_matched"]:
+                    row["longest_matched"] = tokens
+                dp = row["DP"]
+                if tokens > dp.get(rank, 0):
+                    dp[rank] = tokens
+            for med, n in m.tier_blocks.items():
+                if n * B > (row.get(med) or 0):
+                    row[med] = n * B
 
     def _merge_longest(self, result: dict[str, dict[str, Any]], blocks: dict[str, int], B: int,
                        only: str | None) -> None:

@@ -12,6 +12,8 @@ its pump, and the load scraper. One ``async with ServiceRuntime(core):`` owns th
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from typing import Any
 
 import anyio
@@ -28,6 +30,10 @@ __all__ = ["ServiceRuntime"]
 log = logging.getLogger("kvstream.service")
 
 _SCRAPE_MAX_BYTES = 8 * 1024 * 1024
+_SLICE_S = 0.005
+"""Shortest run of applying waiting batches before the pump lets the loop turn (seconds)."""
+_MAX_SLICE_S = 0.025
+"""Longest run of applying waiting batches before the pump lets HTTP calls in (seconds)."""
 
 
 class ServiceRuntime:
@@ -42,15 +48,24 @@ class ServiceRuntime:
 
     def __init__(self, core: ServiceCore, **subscriber_options: Any) -> None:
         self.core = core
+        self._tg: anyio.abc.TaskGroup | None = None
         cfg = core.config
         opts: dict[str, Any] = {"topic": cfg.topic, "replay_timeout_s": cfg.replay_timeout,
                                 "unknown_events": "skip"}
         opts.update(subscriber_options)
+        specs = [e.source for e in cfg.engines]
+        self._sub: Any
+        if specs and all(s.endpoint.startswith("nats://") for s in specs):
+            # Engines read from a JetStream stream written by `kvstream relay` (one server
+            # and stream; each engine NAME=nats://HOST:PORT[/STREAM] is that source).
+            from kvstream.jetstream import open_subscriber
+
+            self._sub = open_subscriber(specs, **opts)
+            return
         self._sub = Subscriber((), **opts)
         # Decode RFC #1527 (Mooncake) payloads beside vLLM's. The subscriber has no decoder
         # argument yet, so its decoder is replaced before any source starts.
-        self._sub._decoder = AnyFormatDecoder(unknown_events=opts["unknown_events"])  # type: ignore[assignment]
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._sub._decoder = AnyFormatDecoder(unknown_events=opts["unknown_events"])
 
     async def __aenter__(self) -> "ServiceRuntime":
         if self.core.config.peers:
@@ -98,13 +113,36 @@ class ServiceRuntime:
         log.warning("no peer answered; starting from the engines' replay buffers")
 
     async def _pump(self) -> None:
+        # A fair share of the event loop: while batches wait, apply them for as long as
+        # everything else (the HTTP calls, the sources' receiving) took since the last
+        # slice, at least _SLICE_S and at most _MAX_SLICE_S seconds, then let the loop
+        # turn. So neither side starves the other under load (about half each), and a
+        # backlog (a replay, a burst from 64 engines) never holds a /query for more than
+        # _MAX_SLICE_S. Items are taken from the subscriber only once the previous ones
+        # are applied, so its item and byte bounds still hold the sources back.
         apply = self.core.apply
         sub = self._sub
-        async for item in sub:
-            apply(item)
-            # Drain what is already waiting without a trip through the event loop each.
-            for it in sub.get_nowait():
-                apply(it)
+        clock = time.perf_counter
+        pending: deque[Any] = deque()
+        take = pending.popleft
+        yielded = clock()
+        while True:
+            if not pending:
+                try:
+                    pending.append(await sub.__anext__())
+                except StopAsyncIteration:
+                    return
+                pending.extend(sub.get_nowait())
+                yielded = clock()  # waiting for items is not time owed to ingest
+            start = clock()
+            end = start + min(max(start - yielded, _SLICE_S), _MAX_SLICE_S)
+            while pending:
+                apply(take())
+                if clock() >= end:
+                    break
+            if pending:
+                yielded = clock()
+                await anyio.sleep(0)
 
     async def _scrape_loop(self) -> None:
         import httpx

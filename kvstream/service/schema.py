@@ -2,7 +2,9 @@
 
 The Mooncake indexer API's documents are in :mod:`kvstream.service.mooncake`.
 Requests forbid unknown fields (a typo is an error that names the field, not a silent
-default); token ids are unsigned 32-bit ints.
+default); token ids are unsigned 32-bit ints (decoded as ``list[int]`` and range-checked
+in one pass by :meth:`~kvstream.service.core.ServiceCore.tokens_of`: msgspec's per-item
+bounds cost about 50 us per 4,096 tokens, the check 20 us).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class RouteRequest(Struct, forbid_unknown_fields=True):
     engine; ``speculate`` inserts the routed prefix for the chosen engine for
     ``--speculate-ttl`` seconds."""
 
-    token_ids: list[TokenId] | None = None
+    token_ids: list[int] | None = None  # uint32 each, checked by ServiceCore.tokens_of
     prompt: str | None = None
     lora_name: Annotated[str, Meta(max_length=1024)] | None = None
     lora_id: Annotated[int, Meta(ge=0, le=1 << 31)] | None = None

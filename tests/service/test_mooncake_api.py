@@ -143,3 +143,26 @@ def test_register_and_unregister_need_the_bearer_token(engines, serve, tmp_path)
     # queries need no token
     assert _ok(IndexerClient(srv.client).query(model="m", token_ids=[1], block_size=16)) == {"default": {}}
     wait_for(lambda: srv.engines() == {}, "a to be gone")
+
+
+def test_a_registration_reaches_every_worker(engines, serve) -> None:
+    a = engines("a")
+    srv = serve("--load-interval", "0", "--workers", "2")
+    # one connection, so one worker takes the registration
+    _ok(IndexerClient(srv.client).register(endpoint=a.pub, replay_endpoint=a.replay, type="vLLM", modelname="m",
+                                           instance_id="a", block_size=16, dp_rank=0))
+    a.admit(PROMPT, "r")
+
+    def every_worker(want: dict) -> bool:
+        # fresh connections land on either worker (SO_REUSEPORT): several in a row must agree
+        for _ in range(12):
+            with httpx.Client(base_url=srv.url) as c:
+                if _ok(IndexerClient(c).query(model="m", token_ids=PROMPT, block_size=16)) != want:
+                    return False
+        return True
+
+    row = {"longest_matched": 64, "GPU": 64, "CPU": 0, "DISK": 0, "DP": {"0": 64}}
+    wait_for(lambda: every_worker({"default": {"a": row}}), "both workers to follow the registered engine")
+    _ok(IndexerClient(srv.client).unregister(instance_id="a"))
+    wait_for(lambda: every_worker({"default": {}}), "both workers to drop the unregistered engine")
+    assert srv.close() == 0
