@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser"]
 
 # Order is the order `kvstream --help` lists them in.
 _COMMANDS: tuple[str, ...] = (
-    "demo", "serve", "engine", "simulate", "plan", "subscribe", "record", "inspect", "replay", "convert", "version",
+    "demo", "serve", "engine", "simulate", "plan", "subscribe", "record", "relay", "inspect", "replay", "convert", "version",
 )
 
 

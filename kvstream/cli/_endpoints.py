@@ -80,7 +80,13 @@ def _split(endpoint: str, what: str) -> tuple[str, str] | None:
 def check_connect_endpoint(endpoint: str, what: str = "endpoint") -> None:
     """Check an endpoint a subscriber connects to: tcp://HOST:PORT with a real host
     (resolvable) and a port in 1..65535, or ipc/inproc. Raises ``ValueError`` naming the
-    problem and the fix."""
+    problem and the fix. A ``nats://`` URL (a JetStream source) is checked by
+    :func:`kvstream.jetstream.parse_nats_url` instead."""
+    if endpoint.startswith("nats://"):
+        from kvstream.jetstream.config import parse_nats_url
+
+        parse_nats_url(endpoint)  # JetStreamConfigError is a ValueError
+        return
     hp = _split(endpoint, what)
     if hp is None:
         return

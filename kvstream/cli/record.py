@@ -48,7 +48,7 @@ def _run(args: argparse.Namespace) -> int:
     import anyio
 
     from kvstream.cli._endpoints import check_connect_endpoint, curve_client_from_args, parse_source
-    from kvstream.errors import KVStreamError
+    from kvstream.errors import KVStreamError, LocalProtocolError
     from kvstream.eventlog.writer import LogWriter
 
     try:
@@ -73,6 +73,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvstream record: damage in the log being appended to: {dmg}", file=sys.stderr)
     try:
         stats, resume = anyio.run(_record, args, specs, writer)
+    except LocalProtocolError as exc:  # e.g. no NATS server at a nats:// URL
+        print(f"kvstream record: {exc}", file=sys.stderr)
+        return 1
     finally:
         writer.close()
     print(f"\nrecorded {stats.line()}  ({writer.bytes_written} bytes) into {args.output}", file=sys.stderr)
@@ -89,9 +92,9 @@ async def _record(args: argparse.Namespace, specs, writer):
     import anyio
 
     from kvstream.eventlog.recorder import Recorder
-    from kvstream.transport import Subscriber
+    from kvstream.jetstream import open_subscriber  # ZMQ, or JetStream for nats:// URLs
 
-    async with Subscriber(specs, topic=args.topic, curve=args.curve) as sub:
+    async with open_subscriber(specs, topic=args.topic, curve=args.curve) as sub:
         rec = Recorder(sub, writer)
         async with anyio.create_task_group() as tg:
 

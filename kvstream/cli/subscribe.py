@@ -184,7 +184,13 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, KVStreamError) as exc:
         print(f"kvstream subscribe: {exc}", file=sys.stderr)
         return 2
-    return anyio.run(_main, args, specs, curve)
+    from kvstream.errors import LocalProtocolError
+
+    try:
+        return anyio.run(_main, args, specs, curve)
+    except LocalProtocolError as exc:  # e.g. no NATS server at a nats:// URL
+        print(f"kvstream subscribe: {exc}", file=sys.stderr)
+        return 2
 
 
 async def _main(args: argparse.Namespace, specs: list, curve: Any) -> int:
@@ -200,7 +206,9 @@ async def _main(args: argparse.Namespace, specs: list, curve: Any) -> int:
         err.flush()
 
     try:
-        sub_cm = Subscriber(specs, topic=args.topic, curve=curve, replay_timeout_s=args.replay_timeout)
+        from kvstream.jetstream import open_subscriber  # ZMQ, or JetStream for nats:// URLs
+
+        sub_cm = open_subscriber(specs, topic=args.topic, curve=curve, replay_timeout_s=args.replay_timeout)
     except ValueError as exc:
         err.write(f"kvstream subscribe: {exc}\n")
         return 2

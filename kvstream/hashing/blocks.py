@@ -318,6 +318,31 @@ if array("I").itemsize != 4:  # pragma: no cover - no mainstream platform
     raise ImportError("kvstream.hashing needs a 4-byte C unsigned int for native hashing")
 
 
+def _one_block_fn(algorithm: str, chain_prefix: bytes) -> Callable[[bytes, list[int]], bytes] | None:
+    """``f(parent, block)``: the hash of one full block without extra keys, for the decode path.
+
+    ``parent`` must be a digest of this algorithm's size (``chain_prefix`` assumes it);
+    ``block`` is read, not kept. The same bytes as :meth:`BlockHasher.hash_blocks`, with
+    no per-call checks: a decode step that completes a block pays one call. None for
+    ``native`` (it keeps the general path).
+    """
+    proto = pickle.HIGHEST_PROTOCOL
+    pdumps = pickle.dumps
+    cdumps = cbor2.dumps
+    sha = hashlib.sha256
+    xxh = _xxh3_128
+    if algorithm == "sha256":
+        return lambda parent, block: sha(pdumps((parent, tuple(block), None), proto)).digest()
+    if algorithm == "xxhash":
+        return lambda parent, block: xxh(pdumps((parent, tuple(block), None), proto))
+    # cbor2 encodes a list like the tuple vLLM builds (both are CBOR arrays).
+    if algorithm == "sha256_cbor":
+        return lambda parent, block: sha(chain_prefix + parent + cdumps(block, canonical=True) + b"\xf6").digest()
+    if algorithm == "xxhash_cbor":
+        return lambda parent, block: xxh(chain_prefix + parent + cdumps(block, canonical=True) + b"\xf6")
+    return None
+
+
 class BlockHasher:
     """Hashes full token blocks into chained block hashes with one fixed configuration.
 
@@ -350,6 +375,7 @@ class BlockHasher:
         "_cbor",
         "_array_head",
         "_chain_prefix",
+        "_one",
     )
 
     algorithm: str
@@ -362,6 +388,7 @@ class BlockHasher:
     _cbor: bool
     _array_head: bytes
     _chain_prefix: bytes
+    _one: Callable[[bytes, list[int]], bytes] | None
 
     def __init__(
         self,
@@ -408,6 +435,7 @@ class BlockHasher:
         s(self, "_array_head", _head(4, block_size))
         # 3-item array + bytes header of a parent of our own digest size.
         s(self, "_chain_prefix", b"\x83" + _head(2, self.digest_size))
+        s(self, "_one", _one_block_fn(algorithm, self._chain_prefix))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"BlockHasher is immutable; build a new one instead of setting {name!r}")
@@ -503,36 +531,38 @@ class BlockHasher:
         parent: bytes,
         extras: Sequence[Any] | None,
     ) -> list[bytes]:
-        """Reference path: vLLM's serializer on the real tuple (pickle algorithms, fallbacks).
+        """The pickle algorithms: vLLM's exact serializer on the real tuple, one C call a block.
 
-        The serializer and digest are called directly (no wrapper per block): for the
-        pickle algorithms this loop is the naive loop itself, so never slower than it.
+        Every block's tuple comes straight out of ``zip(*[iter(tokens)] * block_size)``
+        (built in C, no list slice per block) and the serializer and digest are called
+        directly. Pickling the whole prompt once and cutting it into blocks was measured
+        and lost (see docs/hashing.md): pickle's per-token cost is the same in bulk, and
+        the bulk passes cost more than the per-call overhead they save.
         """
         bs = self.block_size
         out: list[bytes] = []
         append = out.append
         prev = parent
-        ser: Callable[..., bytes]
-        if self._cbor:
-            serialize = self._serialize
-            assert serialize is not None
-            for i in range(n):
-                ek = extras[i] if extras is not None else None
-                prev = self._digest(serialize((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek)))
+        ser, proto = pickle.dumps, pickle.HIGHEST_PROTOCOL
+        if n == 1:  # a decode step completed one block: no iterator, no zip
+            blocks: Iterable[tuple[int, ...]] = (tuple(tokens[:bs]),)
+        else:
+            blocks = zip(*[iter(tokens)] * bs)
+        if extras is not None:
+            digest = self._digest
+            for block, ek in zip(blocks, extras):
+                prev = digest(ser((prev, block, ek), proto))
                 append(prev)
             return out
-        ser, proto = pickle.dumps, pickle.HIGHEST_PROTOCOL
         if self.algorithm == "sha256":
-            new = hashlib.sha256
-            for i in range(n):
-                ek = extras[i] if extras is not None else None
-                prev = new(ser((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek), proto)).digest()
+            new = hashlib.sha256  # called directly: one Python call less per block
+            for block in blocks:
+                prev = new(ser((prev, block, None), proto)).digest()
                 append(prev)
             return out
         digest = self._digest
-        for i in range(n):
-            ek = extras[i] if extras is not None else None
-            prev = digest(ser((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek), proto))
+        for block in blocks:
+            prev = digest(ser((prev, block, None), proto))
             append(prev)
         return out
 
@@ -862,7 +892,7 @@ class RequestBlockHasher:
         lora, mm_items, cache_salt, prompt_embeds_digest: see :class:`RequestExtraKeys`.
     """
 
-    __slots__ = ("hasher", "keys", "_bs", "_plain", "_pending", "_hashes", "_wire")
+    __slots__ = ("hasher", "keys", "_bs", "_plain", "_one", "_pending", "_hashes", "_wire")
 
     def __init__(
         self,
@@ -878,6 +908,8 @@ class RequestBlockHasher:
         self.keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
         self._bs = hasher.block_size
         self._plain = self.keys.empty
+        # One-block decode steps skip hash_blocks' checks (plain requests only).
+        self._one = hasher._one if self._plain else None
         self._pending: list[int] = []
         self._hashes: list[bytes] = []
         self._wire: list[list[Any] | None] = []
@@ -908,13 +940,21 @@ class RequestBlockHasher:
                 f"{new_token_ids!r:.40}; wrap a single token as [token]"
             ) from None
         after = len(pending)
-        if after < self._bs:
-            return []
         bs = self._bs
+        if after < bs:
+            return []
+        hashes = self._hashes
+        one = self._one
+        if after == bs and hashes and one is not None:
+            # A decode step completed one block, chained from a digest of ours.
+            h = one(hashes[-1], pending)
+            pending.clear()
+            hashes.append(h)
+            self._wire.append(None)
+            return [h]
         full = after - after % bs
         chunk = pending[:full]
         del pending[:full]
-        hashes = self._hashes
         parent = hashes[-1] if hashes else None
         if self._plain:
             new = self.hasher.hash_blocks(chunk, parent)

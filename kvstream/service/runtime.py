@@ -48,15 +48,24 @@ class ServiceRuntime:
 
     def __init__(self, core: ServiceCore, **subscriber_options: Any) -> None:
         self.core = core
+        self._tg: anyio.abc.TaskGroup | None = None
         cfg = core.config
         opts: dict[str, Any] = {"topic": cfg.topic, "replay_timeout_s": cfg.replay_timeout,
                                 "unknown_events": "skip"}
         opts.update(subscriber_options)
+        specs = [e.source for e in cfg.engines]
+        self._sub: Any
+        if specs and all(s.endpoint.startswith("nats://") for s in specs):
+            # Engines read from a JetStream stream written by `kvstream relay` (one server
+            # and stream; each engine NAME=nats://HOST:PORT[/STREAM] is that source).
+            from kvstream.jetstream import open_subscriber
+
+            self._sub = open_subscriber(specs, **opts)
+            return
         self._sub = Subscriber((), **opts)
         # Decode RFC #1527 (Mooncake) payloads beside vLLM's. The subscriber has no decoder
         # argument yet, so its decoder is replaced before any source starts.
-        self._sub._decoder = AnyFormatDecoder(unknown_events=opts["unknown_events"])  # type: ignore[assignment]
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._sub._decoder = AnyFormatDecoder(unknown_events=opts["unknown_events"])
 
     async def __aenter__(self) -> "ServiceRuntime":
         if self.core.config.peers:

@@ -393,7 +393,7 @@ class SourceTracker:
         if not self.has_replay or self._known(e - 1) is None:
             # Nobody to ask, or nothing to compare with: a live seq below E with unknown
             # bytes cannot be told from a restart, and a restart must never be missed.
-            self._restart(min(s for s in self.held if s < e))
+            self._restart(min([s for s in self.held if s < e], default=max(e - 1, 0)))
             return
         self.inflight = self._anchored(VERIFY)
 
@@ -687,7 +687,8 @@ class SourceTracker:
             # anything before the first live seq is unknown, so only a gap is a loss.
             if not self._drain_held():
                 return
-            if self.held or self.expected <= self.live_high:
+            if self.held or self.expected <= self.live_high or self.live_high < 0:
+                # A gap, or nothing heard live either: the state cannot be vouched for.
                 self.on_request_failed(reason)
                 return
             self._live_again()

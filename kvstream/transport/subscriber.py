@@ -143,6 +143,8 @@ class Subscriber:
             (capped at 2 s).
         probe_after_s: quiet seconds after live traffic before a source's replay socket is
             asked whether anything was lost (vLLM sends no heartbeat); None: never.
+        probe_max_s: while a source stays quiet the wait between probes doubles up to this
+            many seconds (None: one probe per quiet period).
         max_buffered_items / max_buffered_bytes: items (and their payload bytes) waiting
             for the consumer before reading pauses (ZMQ then queues up to ``rcvhwm``
             messages per source and the publisher drops beyond its HWM; the gaps are
@@ -169,6 +171,7 @@ class Subscriber:
         max_retries: int = 3,
         backoff_s: float = 0.05,
         probe_after_s: float | None = 0.5,
+        probe_max_s: float | None = 10.0,
         max_buffered_items: int = 10_000,
         max_buffered_bytes: int = 64 << 20,
         max_held: int = 100_000,
@@ -195,6 +198,7 @@ class Subscriber:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.probe_after_s = probe_after_s
+        self.probe_max_s = probe_max_s
         self.max_buffered_items = max_buffered_items
         self.max_buffered_bytes = max_buffered_bytes
         self.max_held = max_held
@@ -416,6 +420,7 @@ class Subscriber:
                                 max_held=self.max_held, max_held_bytes=self.max_held_bytes,
                                 max_snapshot_bytes=self.max_snapshot_bytes, max_retries=self.max_retries,
                                 backoff_s=self.backoff_s, probe_after_s=self.probe_after_s,
+                                probe_max_s=self.probe_max_s,
                                 topic=self.topic, source_topic=st)
         src = _Source(spec, tracker, spec.curve or self._curve)
         sub = self._ctx.socket(zmq.SUB)
@@ -495,7 +500,9 @@ class Subscriber:
         nb = zmq.NOBLOCK
         split = split_live
         now = time.monotonic
+        drain_monitor = self._drain_monitor
         while True:
+            drain_monitor(src)
             n = ev = 0
             gen = t.generation
             received = now()
@@ -536,27 +543,36 @@ class Subscriber:
             await self._wait_space()
             await anyio.wait_readable(sock.FD)
 
+    def _drain_monitor(self, src: _Source) -> None:
+        """Apply the live socket's connection events (non-blocking). The I/O thread queues
+        a handshake event before the new connection's messages reach the SUB, so the live
+        task calls this before each burst: a reconnect is a barrier in message order."""
+        mon = src.monitor
+        if mon is None:
+            return
+        t = src.tracker
+        while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
+            try:
+                msg = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            ev = msg["event"]
+            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                src.handshakes += 1
+                if src.handshakes > 1:
+                    gen = t.generation
+                    t.on_reconnect(time.monotonic())
+                    self._after(src, gen)
+            elif ev != zmq.EVENT_DISCONNECTED:
+                src.auth_failures += 1
+                self._rlog.warning("handshake:" + t.name, "%s: handshake with %s failed (%s): "
+                                   "check the CURVE keys", t.name, src.spec.endpoint, ev)
+
     async def _monitor_loop(self, src: _Source) -> None:
         mon = src.monitor
         assert mon is not None
-        t = src.tracker
         while True:
-            while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
-                try:
-                    msg = recv_monitor_message(mon, zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                ev = msg["event"]
-                if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    src.handshakes += 1
-                    if src.handshakes > 1:
-                        gen = t.generation
-                        t.on_reconnect(time.monotonic())
-                        self._after(src, gen)
-                elif ev != zmq.EVENT_DISCONNECTED:
-                    src.auth_failures += 1
-                    self._rlog.warning("handshake:" + t.name, "%s: handshake with %s failed (%s): "
-                                       "check the CURVE keys", t.name, src.spec.endpoint, ev)
+            self._drain_monitor(src)
             await anyio.wait_readable(mon.FD)
 
     # -- replay ------------------------------------------------------------------------

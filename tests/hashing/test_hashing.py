@@ -425,6 +425,47 @@ def test_bulk_cbor_path_equals_the_naive_loop_for_long_prompts(algorithm, block_
         [t for t in tokens if type(t) is int and 0 <= t < 2**32])
 
 
+pickle_ints = st.one_of(
+    st.integers(min_value=0, max_value=255),  # BININT1
+    st.integers(min_value=256, max_value=65535),  # BININT2
+    st.integers(min_value=-(2**31), max_value=2**31 - 1),  # BININT
+    st.integers(min_value=-(2**80), max_value=2**80),  # LONG1
+    st.booleans(),  # NEWTRUE / NEWFALSE, not an int encoding
+    st.sampled_from([0, 255, 256, 65535, 65536, 2**31 - 1, 2**31, -1, -(2**31), -(2**31) - 1]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    algorithm=st.sampled_from(["sha256", "xxhash"]),
+    block_size=st.integers(min_value=1, max_value=64),
+    container=st.sampled_from([list, tuple]),
+    data=st.data(),
+)
+def test_pickle_path_equals_pickle_dumps_plus_digest(algorithm, block_size, container, data):
+    # Every pickle width class, bools, negatives, big ints; extra keys present or absent;
+    # a partial tail block; any parent length. vLLM hashes pickle.dumps((parent,
+    # tuple(block), extra_keys), HIGHEST_PROTOCOL).
+    tokens = data.draw(st.lists(pickle_ints, max_size=block_size * 5))
+    n = len(tokens) // block_size
+    extras = data.draw(st.none() | st.lists(st.none() | st.lists(extra_value, max_size=4).map(tuple), min_size=n, max_size=n))
+    parent = data.draw(st.none() | st.binary(min_size=1, max_size=300))
+    h = BlockHasher(algorithm, block_size, seed="x")
+
+    def ref(obj):
+        raw = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return hashlib.sha256(raw).digest() if algorithm == "sha256" else xxhash.xxh3_128_digest(raw)
+
+    expected = []
+    prev = parent or h.root
+    for i in range(n):
+        prev = ref((prev, tuple(tokens[i * block_size : (i + 1) * block_size]), extras[i] if extras else None))
+        expected.append(prev)
+    assert h.hash_blocks(container(tokens), parent, extras) == expected
+    if expected and all(type(t) is int and 0 <= t < 2**32 for t in tokens):
+        assert h.hash_blocks(array("I", tokens), parent, extras) == expected
+
+
 # ---------------------------------------------------------------------------------------
 # Request hasher.
 
@@ -455,6 +496,33 @@ def test_incremental_request_hasher_equals_one_shot(algorithm, style, tokens, cu
     assert got == rbh.block_hashes == one_shot
     assert rbh.num_tokens == len(tokens)
     assert rbh.wire_extra_keys == [f.wire for f in forms]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@settings(max_examples=25, deadline=None)
+@given(block_size=st.integers(min_value=1, max_value=16), data=st.data())
+def test_token_by_token_decode_equals_one_shot(algorithm, block_size, data):
+    # A prompt, then one token per call: the decode steps that complete a block take the
+    # one-block shortcut, and must hash exactly what hash_blocks does (any token value).
+    tokens = data.draw(st.lists(pickle_ints, min_size=3 * block_size, max_size=6 * block_size))
+    prompt_len = data.draw(st.integers(min_value=0, max_value=len(tokens) - 2 * block_size))
+    h = BlockHasher(algorithm, block_size, seed="0")
+    try:
+        want = h.hash_blocks(tokens)
+    except (HashingError, ValueError, TypeError, OverflowError, cbor2.CBOREncodeError) as exc:
+        want = type(exc)
+    r = RequestBlockHasher(h)
+    try:
+        got = list(r.extend(tokens[:prompt_len]))
+        for t in tokens[prompt_len:]:
+            got += r.extend([t])
+    except (HashingError, ValueError, TypeError, OverflowError, cbor2.CBOREncodeError) as exc:
+        got = type(exc)
+    if isinstance(want, list):
+        assert got == want == r.block_hashes
+        assert r.wire_extra_keys == [None] * len(want) and r.num_tokens == len(tokens)
+    else:
+        assert not isinstance(got, list)
 
 
 def test_decode_tokens_extend_without_rehashing():

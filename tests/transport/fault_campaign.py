@@ -13,8 +13,8 @@ A nemesis injects, per seed, a random mix of: live batches dropped (a PUB over i
 replay replies dropped in the middle (vLLM 0.11's ROUTER over its HWM), replies cut at the
 tail (no end marker), answers delayed beyond the timeout, engine restarts (seqs from 0,
 before or after a snapshot join), idling right after a loss, prefix-cache resets, late
-subscriber joins (snapshot joins when the buffer has rotated), and several sources
-interleaved.
+subscriber joins (snapshot joins when the buffer has rotated), reconnects without a
+restart (network blips), and several sources interleaved.
 
 The checker runs whenever the world is quiet (no message in flight, no timer pending):
 every source must be exactly its engine's residency (block hash -> physical copies) or
@@ -39,7 +39,7 @@ from kvstream.transport.recovery import SourceTracker
 from kvstream.wire.events import KVEventBatch, decode_batch, encode_batch
 
 FAULTS = ("live_drop", "reply_hole", "reply_cut", "answer_delay", "restart", "idle_after_loss",
-          "reset_cache", "late_join")
+          "reset_cache", "late_join", "reconnect")
 """Every kind of fault the nemesis injects (counted per run)."""
 
 BLOCK = 4
@@ -180,7 +180,7 @@ class World:
         self.p_hole = rng.choice((0.0, 0.05, 0.2))
         self.p_cut = rng.choice((0.0, 0.1, 0.3))
         self.p_delay = rng.choice((0.0, 0.05, 0.2))
-        self.index = KVIndex(router_block_size=BLOCK, reannounce="count")
+        self.index = KVIndex(router_block_size=BLOCK)  # the default rule, as routers use it
         self.pubs: dict[str, Publisher] = {}
         self.trackers: dict[str, SourceTracker] = {}
         self.blocks = rng.choice((8, 16, 32))
@@ -405,7 +405,12 @@ class World:
                         pub.restart(rng, self.blocks)
                         self._pub_at[n] = self.now
                         self._reconnect(n)
-                    elif r < 0.05:
+                    elif r < 0.04:
+                        # A network blip: the connection drops and comes back, same engine.
+                        self.stats.faults["reconnect"] += 1
+                        self._reconnect(n)
+                        pub.publish(pub.engine.step())
+                    elif r < 0.06:
                         self.stats.faults["reset_cache"] += 1
                         pub.publish(pub.engine.reset_cache())
                     else:

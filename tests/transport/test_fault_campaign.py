@@ -33,6 +33,40 @@ def test_a_few_hundred_seeds_never_leave_a_source_live_and_wrong():
     (4659, "a snapshot tagged below a seq already seen live is another instance"),
     (247, "a probe that found a lost tail looks again soon"),
     (5389, "a probe is a short answer: vLLM's HWM cannot hole it"),
+    (95764, "a join after a restart that never gets an answer is stale, not live at -1"),
 ])
 def test_regression_seed(seed, case):
     assert run_seed(seed).silent_wrong == 0, case
+
+
+def test_a_recomputed_one_block_prompt_is_a_second_copy_for_the_default_index():
+    """Item 4: real pool traffic. A fully cached one-block prompt is recomputed (vLLM
+    always computes the last prompt token), so the block is stored again from block 0
+    (parent None) as a second physical copy. The index used to take it for a report-mode
+    re-announcement; when one copy was evicted it dropped a block the engine still held."""
+    from collections import Counter
+
+    from kvstream.allocator.manager import KVCacheManager
+    from kvstream.allocator.pool import BlockPool
+    from kvstream.hashing import BlockHasher
+    from kvstream.routing.index import KVIndex
+    from kvstream.wire.events import KVEventBatch
+
+    pool = BlockPool(6, 4, hash_form="int")
+    mgr = KVCacheManager(pool, BlockHasher("native", 4))
+    first = mgr.new_request("a", [1, 2, 3, 4])
+    assert mgr.admit(first)
+    mgr.free(first)
+    again = mgr.new_request("b", [1, 2, 3, 4])  # the same one-block prompt: a second copy
+    assert mgr.admit(again)
+    for i in range(4):  # other prompts evict the free copy
+        r = mgr.new_request(f"f{i}", [9 + i] * 4)
+        if mgr.admit(r):
+            mgr.free(r)
+    truth = Counter(b.ext_hash for b in pool.blocks if b.block_hash is not None)
+    index = KVIndex(router_block_size=4)
+    index.apply_batch("e", KVEventBatch(0.0, mgr.take_events()))
+    got: Counter = Counter()
+    for _medium, _g, eh, n in index.state()["sources"]["e"]["blocks"]:
+        got[eh] += n
+    assert got == truth

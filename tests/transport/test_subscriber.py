@@ -6,6 +6,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from kvstream.errors import LocalProtocolError
+
 from kvstream.wire.events import BlockStored, KVEventBatch, encode_batch
 from kvstream.transport import (
     KVEventsConfig,
@@ -275,3 +277,139 @@ async def test_an_unreachable_replay_endpoint_marks_only_that_source_stale(tmp_p
     assert stale.source == "a" and "no answer" in stale.reason
     assert health["a"].counters["timeouts"] >= 2 and health["b"].state == "live"
     assert health["a"].state == "stale"
+
+
+async def test_a_source_without_a_publisher_is_connecting_never_live(tmp_path):
+    """Item 5: no publisher at all (a port nobody listens on, an unresolvable host, a
+    failed CURVE handshake) is "connecting" until something arrives, never "live"."""
+    from kvstream.transport import CurveClientConfig, CurveServerConfig
+    from kvstream.transport.curve import generate_keypair
+
+    server, wrong, me = generate_keypair(), generate_keypair(), generate_keypair()
+    cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                         curve=CurveServerConfig(secret_key=server[1], public_key=server[0]))
+    bad_key = CurveClientConfig(server_public_key=wrong[0], secret_key=me[1], public_key=me[0])
+    with anyio.fail_after(10):
+        async with Publisher(cfg) as pub:
+            pub.publish(_batch(1))
+            specs = [SourceSpec(f"ipc://{tmp_path}/nobody.sock", name="no-pub"),
+                     SourceSpec("tcp://127.0.0.1:99999", name="port-99999"),  # ZMQ accepts it
+                     SourceSpec("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", name="closed-port"),
+                     SourceSpec("tcp://no-such-host.invalid:5557", "tcp://no-such-host.invalid:5558",
+                                name="no-host"),
+                     SourceSpec(pub.endpoint, pub.replay_endpoint, name="bad-curve", curve=bad_key)]
+            async with Subscriber(specs, replay_timeout_s=0.2, backoff_s=0.01) as sub:
+                for name in sub.sources:
+                    with pytest.raises(TimeoutError, match="still 'connecting'"):
+                        await sub.wait_state(name, "live", "stale", "recovering", timeout_s=0.6)
+                health = sub.health()
+    assert {h.state for h in health.values()} == {"connecting"}
+    assert all(h.counters["batches"] == 0 and h.counters["stale_marks"] == 0 for h in health.values())
+    assert health["closed-port"].counters["timeouts"] >= 1
+
+
+async def test_wait_state_rejects_unknown_states_and_sources(tmp_path):
+    async with Subscriber([SourceSpec(ipc(tmp_path, "x"), name="x")]) as sub:
+        with pytest.raises(LocalProtocolError, match="unknown state"):
+            await sub.wait_state("x", "alive")
+        with pytest.raises(KeyError, match="no source named 'y'"):
+            await sub.wait_state("y")
+
+
+def test_a_hostile_snapshot_tag_cannot_silence_a_source():
+    """Item 3: a snapshot tagged 2**63 would make every later seq a "duplicate"; the tag
+    must be backed by a batch the publisher holds (the anchor fetch), else it is a restart."""
+    t = SourceTracker("s", has_replay=True)
+    _live(t, 0)
+    _live(t, 10)
+    _serve(t, {5: 5})  # the anchor is gone: snapshot
+    _sent(t)
+    _reply(t, 2**63, h=100)
+    t.on_reply_end()
+    req = t.inflight
+    assert (req.purpose, req.start) == ("anchor", 2**63 - 1)
+    _serve(t, {11: 11})  # the publisher has nothing at 2**63 - 1: the tag was a lie
+    assert t.counters.restarts == 1 and t.inflight.purpose == "join"
+    _serve(t, {s: s + 1000 for s in range(12)})
+    _live(t, 12, h=1012)
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)][-13:] == list(range(13))
+    assert t.state == "live"
+
+
+def test_a_live_seq_below_a_snapshot_is_verified_not_assumed_a_duplicate():
+    """Item 3: after a snapshot join, the next engine's seqs 0..N used to be dropped as
+    duplicates (no bytes compared). A live seq whose bytes are unknown is checked
+    against the publisher: the anchor is not there any more, so it is a restart."""
+    t = SourceTracker("s", has_replay=True)
+    t.start()
+    _serve(t, {s: s for s in range(90, 100)})  # joined late: rotated, snapshot
+    _sent(t)
+    _reply(t, 100, h=7)
+    t.on_reply_end()
+    _serve(t, {99: 99})  # the anchor: bytes of seq 99
+    assert t.state == "live" and t.expected == 100
+    _live(t, 0, h=500)  # the engine restarted: its seq 0
+    req = t.inflight
+    assert (req.purpose, req.start, req.check) == ("verify", 99, hash(encode_batch(_batch(99))))
+    _serve(t, {0: 500})  # the new engine has no seq 99
+    assert t.counters.restarts == 1
+
+
+def test_health_states_connecting_recovering_live_stale():
+    t = SourceTracker("s", has_replay=True)
+    assert t.state == "connecting"
+    t.start()
+    _sent(t)
+    assert t.state == "connecting"  # asked, not answered
+    t.on_reply_end()
+    assert t.state == "live"
+    _live(t, 0)
+    _live(t, 2)
+    assert t.state == "recovering"
+    t2 = SourceTracker("n", has_replay=False)
+    assert t2.state == "connecting"
+    _live(t2, 0)
+    _live(t2, 5)
+    assert t2.state == "stale"
+
+
+def test_replies_dropped_mid_replay_are_asked_again_then_proven_gone_only_by_a_late_start():
+    """Item 1, the rule: a complete answer that skips E after sending something before it
+    lost replies on the way (ask again); only an answer to a request at or below E whose
+    first seq is above E proves the loss."""
+    t = SourceTracker("s", has_replay=True, backoff_s=0.01)
+    for s in range(3):
+        _live(t, s)
+    _live(t, 20)
+    published = {s: s for s in range(21)}
+    _serve(t, published, drop={5, 6, 7})  # a hole: 3, 4 yielded, 5..7 lost, 8.. held
+    req = t.inflight
+    assert (req.kind, req.start, req.delay_s) == ("replay", 4, 0.01) and t.counters.retries == 1
+    _serve(t, published, end=False)  # the end marker is lost: a cut tail
+    t.on_timeout()
+    assert t.counters.timeouts == 1 and t.inflight.kind == "replay"
+    _serve(t, published)
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == list(range(21))
+    assert t.state == "live" and t.counters.stale_marks == 0 and t.counters.snapshots == 0
+
+
+def test_an_idle_probe_after_a_quiet_period_finds_a_lost_tail_and_a_clean_one_says_nothing():
+    """Item 2: probes are timed by the caller's clock, one tiny request per quiet period
+    (doubling up to probe_max_s)."""
+    t = SourceTracker("s", has_replay=True, probe_after_s=0.5, probe_max_s=4.0)
+    t.start(0.0)
+    _serve(t, {})
+    b = _batch(0)
+    t.on_live(0, b"t", encode_batch(b), b, 10.0)
+    assert t.probe_at() == 10.5
+    t.on_tick(10.4)
+    assert t.inflight is None
+    t.on_tick(10.5)
+    assert (t.inflight.purpose, t.inflight.start) == ("probe", 0) and t.state == "live"
+    _serve(t, {0: 0, 1: 1, 2: 2})  # 1 and 2 were lost: found
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 1, 2]
+    n = len(t.out)
+    assert t.probe_at() == 11.0  # found something: look again soon
+    t.on_tick(11.0)
+    _serve(t, {0: 0, 1: 1, 2: 2})  # clean: no item at all
+    assert len(t.out) == n and t.probe_at() == 12.0

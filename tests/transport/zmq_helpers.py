@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import anyio
+import anyio.lowlevel
 import zmq
 
 from kvstream.wire.capture import CaptureChannel, read_capture
@@ -248,8 +249,9 @@ class ScriptedPublisher:
                         try:
                             r.send_multipart([ident, b"", tag, self.snapshot_forever], zmq.NOBLOCK)
                         except zmq.Again:
-                            pass
-                        await anyio.sleep(0)
+                            await anyio.sleep(0.001)  # the pipe is full: do not spin
+                        else:
+                            await anyio.lowlevel.checkpoint()
                 start = int.from_bytes(start_frame, "big")
                 answer = [[b"", s.to_bytes(8, "big"), p] for s, p in self.buf if s >= start]
                 answer.append([b"", END_SEQ_BYTES, b""])

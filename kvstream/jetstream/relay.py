@@ -1,0 +1,375 @@
+"""The relay: follow engines over ZMQ (with all of the subscriber's recovery) and publish
+every item into a JetStream stream, payload bytes unchanged.
+
+::
+
+    async with Relay([SourceSpec("tcp://e0:5557", "tcp://e0:5558", name="e0")],
+                     "nats://nats:4222", StreamSettings()) as relay:
+        await relay.run()                        # until cancelled
+
+Messages are published with asynchronous acks: up to ``max_inflight`` messages (and
+``max_inflight_bytes`` bytes) await their ack at once, beyond that the relay stops reading
+(and the subscriber's own back-pressure takes over). A message whose ack is an error or
+does not come while the server stays silent for ``ack_timeout_s`` (or the connection is
+lost) is sent again together with every later unacked
+one, in order (go-back-N); its message id makes JetStream drop copies it already stored.
+What is published per item, and how two relays of one engine agree, is
+:class:`~kvstream.jetstream.tracking.RelaySource`'s business.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from kvstream.wire.events import EventDecoder
+from kvstream.jetstream import wire
+from kvstream.jetstream._nats import connect, ensure_stream, open_data_connection
+from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, hpub_op
+from kvstream.transport._ratelog import RateLimitedLog
+from kvstream.jetstream.config import StreamSettings
+from kvstream.jetstream.tracking import RelaySource
+from kvstream.transport.subscriber import SourceSpec, Subscriber
+
+__all__ = ["Relay", "RelayStats"]
+
+log = logging.getLogger("kvstream.jetstream.relay")
+
+
+@dataclass(slots=True)
+class RelayStats:
+    """Counters of one relay (cumulative). ``inflight``: messages awaiting their ack now."""
+
+    items: int = 0
+    """Subscriber items read."""
+    published: int = 0
+    """Messages sent (retransmissions excluded)."""
+    acked: int = 0
+    """Messages JetStream acknowledged (stored, or already held: see ``duplicates``)."""
+    duplicates: int = 0
+    """Acks saying the stream already held the message id (another relay's copy)."""
+    skipped: int = 0
+    """Items not published because the stream already held them (start-up catch-up)."""
+    ack_errors: int = 0
+    """Error acks (the message was sent again)."""
+    retransmits: int = 0
+    """Messages sent again after an error or an ack timeout."""
+    inflight: int = 0
+    by_source: dict[str, int] = field(default_factory=dict)
+    """Batches published per source."""
+
+    def line(self) -> str:
+        """A one-line summary."""
+        return (f"items={self.items} published={self.published} acked={self.acked} dup={self.duplicates} "
+                f"skipped={self.skipped} inflight={self.inflight} errors={self.ack_errors} "
+                f"retransmits={self.retransmits}")
+
+
+class _Pending:
+    __slots__ = ("subject", "payload", "headers", "sent", "written")
+
+    def __init__(self, subject: str, payload: bytes, headers: dict[str, str], sent: float) -> None:
+        self.subject = subject
+        self.payload = payload
+        self.headers = headers
+        self.sent = sent
+        self.written = False
+
+
+class Relay:
+    """Relays engines' KV event streams into JetStream (see the module docstring).
+
+    ``sources``: :class:`SourceSpec` s (or PUB endpoint strings) to follow. ``nats``: the
+    server URL(s). ``stream``: the stream to create or check (``update_stream``: apply
+    changed retention/replicas to an existing one). ``connect_timeout_s``: seconds to wait
+    for a first NATS connection. ``subscriber_options``: passed to
+    :class:`~kvstream.transport.subscriber.Subscriber`.
+    """
+
+    def __init__(self, sources: Iterable[SourceSpec | str], nats: str | Sequence[str],
+                 stream: StreamSettings | None = None, *, max_inflight: int = 8192,
+                 max_inflight_bytes: int = 64 << 20, ack_timeout_s: float = 5.0,
+                 update_stream: bool = False, name: str = "kvstream-relay", connect_timeout_s: float = 10.0,
+                 **subscriber_options: Any) -> None:
+        self.specs = [SourceSpec(s) if isinstance(s, str) else s for s in sources]
+        self.servers = nats
+        self.settings = stream if stream is not None else StreamSettings()
+        self.max_inflight = max_inflight
+        self.max_inflight_bytes = max_inflight_bytes
+        self.ack_timeout_s = ack_timeout_s
+        self.update_stream = update_stream
+        self.name = name
+        self.connect_timeout_s = connect_timeout_s
+        self.stats = RelayStats()
+        self.sources: dict[str, RelaySource] = {}
+        """Per-source relay state (instance, position), by source name."""
+        self._sub = Subscriber(self.specs, **subscriber_options)
+        self._nc: Any = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._failed: dict[int, _Pending] = {}
+        self._bytes = 0
+        self._token = 0
+        self._inbox = ""
+        self._space: anyio.Event | None = None
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._resend = anyio.Event()
+        self._conn: Any = None
+        self._last_ack = 0.0
+        self._wbuf = bytearray()
+        self._wake = anyio.Event()
+        self._rlog = RateLimitedLog(log)
+        self.last_error: str | None = None
+        """The last data-connection error (None: none yet)."""
+        self._subjects = {s.source: f"{self.settings.subject_prefix}.{wire.subject_token(s.source)}"
+                          for s in self.specs}
+
+    @property
+    def subscriber(self) -> Subscriber:
+        """The ZMQ subscriber (its ``health()`` shows each engine's state)."""
+        return self._sub
+
+    async def __aenter__(self) -> "Relay":
+        self._nc = await connect(self.servers, name=self.name, timeout_s=self.connect_timeout_s)
+        try:
+            js = self._nc.jetstream()
+            await ensure_stream(js, self.settings, update=self.update_stream)
+            for spec in self.specs:
+                known = await self._position(js, spec.source)
+                self.sources[spec.source] = RelaySource(spec.source, known)
+            self._inbox = self._nc.new_inbox()
+            await self._sub.__aenter__()
+        except BaseException:
+            await self._nc.close()
+            raise
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._connection, name="kvstream-relay-connection")
+        self._tg.start_soon(self._watch_acks, name="kvstream-relay-acks")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        tg, self._tg = self._tg, None
+        try:
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        finally:
+            try:
+                await self._sub.__aexit__(None, None, None)
+            finally:
+                nc, self._nc = self._nc, None
+                if nc is not None:
+                    await nc.close()
+
+    # -- the data connection ---------------------------------------------------------------
+
+    async def _connection(self) -> None:
+        """Publish on a connection of our own (HPUB with a reply subject per message, acks
+        read by the sans-IO protocol reader); on any loss, connect again (to the next
+        server of the list) and resend every unacked message in order."""
+        urls = [self.servers] if isinstance(self.servers, str) else list(self.servers)
+        i = 0
+        backoff = 0.05
+        while True:
+            url = urls[i % len(urls)]
+            i += 1
+            reader = ProtocolReader(self._on_ack)
+            try:
+                async with await open_data_connection(url, self.name + "-data", reader, self._inbox + ".*") as stream:
+                    backoff = 0.05
+                    self._conn = stream
+                    self._resend_all()
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._writer, stream)
+                        await self._reader(stream, reader)  # returns when the connection is lost
+                        tg.cancel_scope.cancel()
+            except (OSError, TimeoutError, NatsProtocolError) as exc:  # connecting failed
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            finally:
+                self._conn = None
+            log.debug("relay: NATS data connection to %s lost: %s", url, self.last_error)
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    async def _reader(self, stream: Any, reader: ProtocolReader) -> None:
+        try:
+            while True:
+                reader.feed(await stream.receive(1 << 18))
+                if reader.outgoing:
+                    self._wbuf += reader.outgoing
+                    reader.outgoing.clear()
+                    self._wake.set()
+        except (OSError, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                NatsProtocolError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+
+    async def _writer(self, stream: Any) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                if self._wbuf:
+                    data, self._wbuf = bytes(self._wbuf), bytearray()
+                    await stream.send(data)
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            await stream.aclose()  # the reader sees it and the connection is made again
+
+    def _resend_all(self) -> None:
+        """Queue every unacked message again, oldest first (their ids make JetStream drop
+        the copies it already stored)."""
+        if self._failed:
+            self._pending.update(self._failed)
+            self._failed.clear()
+        self._pending = dict(sorted(self._pending.items()))
+        self._wbuf = bytearray()
+        if self._conn is None:
+            return
+        now = time.monotonic()
+        inbox = self._inbox
+        for t, p in self._pending.items():
+            p.sent = now
+            self._wbuf += hpub_op(p.subject, f"{inbox}.{t}", p.headers, p.payload)
+            if p.written:
+                self.stats.retransmits += 1
+            p.written = True
+        self._wake.set()
+
+    async def _position(self, js: Any, source: str) -> wire.StreamPosition | None:
+        from nats.js.errors import NotFoundError
+
+        try:
+            m = await js.get_last_msg(self.settings.name, self._subjects[source])
+        except NotFoundError:
+            return None
+        h = m.headers or {}
+        ts = 0.0
+        try:
+            if h.get(wire.H_KIND) in (None, wire.KIND_SNAPSHOT):
+                ts = EventDecoder().decode(m.data or b"").ts
+            else:
+                ts = float(h.get(wire.H_TS, 0.0))
+        except Exception:  # noqa: BLE001 - an unreadable last message: trust seqs only
+            log.warning("%s: cannot read the timestamp of the stream's last message", source)
+        return wire.position_from_headers(h, ts)
+
+    # -- publishing ----------------------------------------------------------------------
+
+    async def run(self, *, max_items: int | None = None) -> RelayStats:
+        """Relay until cancelled, the subscriber ends, or ``max_items`` items were read."""
+        sub = self._sub
+        st = self.stats
+        sources = self.sources
+        subjects = self._subjects
+        publish = self._publish
+        async for item in sub:
+            st.items += 1
+            rs = sources.get(item.source)
+            if rs is None:
+                continue
+            skipped = rs.skipped
+            for payload, headers in rs.on_item(item):
+                await publish(subjects[item.source], payload, headers)
+            if st.items & 255 == 0:
+                await anyio.lowlevel.checkpoint()  # let the writer stream while items keep coming
+            st.skipped += rs.skipped - skipped
+            if max_items is not None and st.items >= max_items:
+                break
+        return st
+
+    async def _publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+        while len(self._pending) >= self.max_inflight or self._bytes >= self.max_inflight_bytes:
+            ev = self._space = anyio.Event()
+            await ev.wait()
+        self._token = t = self._token + 1
+        self._pending[t] = p = _Pending(subject, payload, headers, time.monotonic())
+        self._bytes += len(payload)
+        st = self.stats
+        st.inflight = len(self._pending)
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+        st.published += 1
+        if wire.H_KIND not in headers:
+            bs = st.by_source
+            src = headers[wire.H_MSG_ID].rsplit(":", 2)[0]
+            bs[src] = bs.get(src, 0) + 1
+        if self._conn is not None:  # else it goes out when the connection is back
+            self._wbuf += hpub_op(subject, f"{self._inbox}.{t}", headers, payload)
+            p.written = True
+            self._wake.set()
+
+    def _on_ack(self, subject: str, reply: str, hblock: bytes | None, data: bytes) -> None:
+        try:
+            t = int(subject[len(self._inbox) + 1:])
+        except ValueError:
+            return
+        p = self._pending.pop(t, None)
+        if p is None:
+            return
+        self._last_ack = time.monotonic()
+        st = self.stats
+        ok = False
+        if data:
+            try:
+                resp = json.loads(data)
+            except ValueError:
+                resp = {"error": {"description": f"unreadable ack {bytes(data[:80])!r}"}}
+            if "error" in resp:
+                st.ack_errors += 1
+                self._rlog.warning("ackerr", "relay: JetStream refused %s: %s (will resend)",
+                                   p.headers.get(wire.H_MSG_ID), resp["error"].get("description"))
+            else:
+                ok = True
+                st.acked += 1
+                if resp.get("duplicate"):
+                    st.duplicates += 1
+        else:  # a status-only reply: 503 no responders while the stream is unavailable
+            st.ack_errors += 1
+        if not ok:
+            self._failed[t] = p
+            self._resend.set()
+        else:
+            self._bytes -= len(p.payload)
+        self._after_ack()
+
+    def _after_ack(self) -> None:
+        self.stats.inflight = len(self._pending) + len(self._failed)
+        sp = self._space
+        if sp is not None and len(self._pending) < self.max_inflight // 2 + 1:
+            self._space = None
+            sp.set()
+        if not self._pending and not self._failed:
+            self._idle.set()
+
+    async def _watch_acks(self) -> None:
+        """Resend, in order, everything unacked after an error or an ack timeout."""
+        tick = min(0.25, self.ack_timeout_s / 4)
+        while True:
+            with anyio.move_on_after(tick):
+                await self._resend.wait()
+            # Silence, not age: a long queue that is being acked is not a timeout.
+            oldest = next(iter(self._pending.values()), None)
+            timed_out = oldest is not None and \
+                time.monotonic() - max(oldest.sent, self._last_ack) > self.ack_timeout_s
+            if not (self._resend.is_set() or timed_out) or self._conn is None:
+                continue
+            self._resend = anyio.Event()
+            if self._failed:
+                await anyio.sleep(0.05)  # the stream was unavailable: give it a moment
+            self._resend_all()
+
+    async def wait_acked(self, timeout_s: float = 10.0) -> None:
+        """Wait until every message published so far is acknowledged; ``TimeoutError``
+        after ``timeout_s`` seconds."""
+        with anyio.fail_after(timeout_s):
+            while not self._idle.is_set():
+                await self._idle.wait()

@@ -1,0 +1,398 @@
+"""A JetStream consumer with the :class:`~kvstream.transport.subscriber.Subscriber`'s
+interface: an async context manager and async iterator of the same stream items, with
+per-source health and counters.
+
+::
+
+    async with JetStreamSource("nats://nats:4222/KV_EVENTS") as sub:
+        async for item in sub:          # SourceBatch / SourceReset / SourceStale / SourceLive
+            ...
+
+It reads with an *ordered* push consumer of its own making: ephemeral, no acks, flow
+control and idle heartbeats. The stream sequence of every message is checked; on a
+delivery gap, a missed heartbeat or a reconnect the consumer is made again from the last
+stream sequence applied + 1, so nothing is lost or repeated across NATS restarts. A
+consumer started late gets everything still retained, in order, then follows live.
+Back-pressure: while more than ``max_buffered_items`` items wait, flow-control replies are
+held back, so the server stops sending.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterable, Mapping
+
+import anyio
+import anyio.abc
+
+from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder
+from kvstream.jetstream import wire
+from kvstream.jetstream._nats import connect, open_data_connection
+from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, parse_headers, pub_op
+from kvstream.jetstream.config import NatsSource, parse_nats_url
+from kvstream.jetstream.errors import JetStreamConfigError
+from kvstream.jetstream.tracking import SourceState, StreamSource
+from kvstream.transport.items import StreamItem
+from kvstream.transport.recovery import SourceCounters
+from kvstream.transport.subscriber import SourceHealth
+
+__all__ = ["JetStreamSource", "ConsumerHealth"]
+
+log = logging.getLogger("kvstream.jetstream.source")
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerHealth:
+    """The stream side of a :class:`JetStreamSource`: ``state`` is ``"live"``,
+    ``"connecting"`` or ``"recovering"`` (making its consumer again); ``last_sseq`` the
+    last stream sequence applied; ``resets`` how often the consumer was made again."""
+
+    url: str
+    stream: str
+    state: str
+    last_sseq: int
+    resets: int
+    last_error: str | None
+
+
+class JetStreamSource:
+    """Reads kvstream items from a JetStream stream (see the module docstring).
+
+    ``url``: ``nats://HOST:PORT[/STREAM][?source=NAME...]`` (or a parsed
+    :class:`NatsSource`); ``sources``: names to follow (added to the URL's; empty: all).
+    ``state``: per-source start positions (from a snapshot: :class:`SourceState` by
+    source; the stream is read from the lowest ``sseq`` + 1). ``start_sseq``: first stream
+    sequence to read when no state says otherwise (default 1: everything retained).
+    ``heartbeat_s``: the consumer's idle heartbeat (seconds; three missed ones make it
+    again). ``max_buffered_items``, ``unknown_events`` and ``max_payload_bytes`` as for
+    :class:`~kvstream.transport.subscriber.Subscriber`; ``curve`` must be None (CURVE is
+    ZMQ's; it is accepted so that callers can pass their subscriber options unchanged).
+    """
+
+    def __init__(
+        self,
+        url: str | NatsSource,
+        *,
+        sources: Iterable[str] = (),
+        state: Mapping[str, SourceState] | None = None,
+        start_sseq: int = 1,
+        heartbeat_s: float = 1.0,
+        max_buffered_items: int = 10_000,
+        unknown_events: str = "skip",
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        name: str = "kvstream-consumer",
+        curve: Any = None,
+    ) -> None:
+        self.spec = parse_nats_url(url) if isinstance(url, str) else url
+        if curve is not None:
+            raise JetStreamConfigError("CURVE applies to ZMQ sources; a nats:// URL takes user:password@ "
+                                       "credentials instead")
+        self._filter = set(self.spec.sources) | set(sources)
+        self.heartbeat_s = heartbeat_s
+        self.max_buffered_items = max_buffered_items
+        self.name = name
+        self._decode = EventDecoder(max_payload_bytes=max_payload_bytes,
+                                    unknown_events=unknown_events).decode  # type: ignore[arg-type]
+        self._prefix = self.spec.subject_prefix
+        self._plen = len(self._prefix) + 1
+        self._src: dict[str, StreamSource] = {}
+        self._by_subject: dict[str, StreamSource | None] = {}
+        self._pending_out: list[Any] = []
+        self._out: deque[StreamItem] = deque()
+        self._out_wait: anyio.Event | None = None
+        self._closed = True
+        self._sseq = start_sseq - 1
+        for name_, st in (state or {}).items():
+            self._src[name_] = StreamSource(name_, self._decode, self._pending_out, st)
+        if state:
+            self._sseq = min(st.sseq for st in state.values())
+        self._nc: Any = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._inbox = ""
+        self._wire_out = bytearray()
+        self._wire_wake = anyio.Event()
+        self._consumer: str | None = None
+        self._dseq = 0
+        self._reset = anyio.Event()
+        self._fc_held: str | None = None
+        self._last_activity = 0.0
+        self._state = "connecting"
+        self._resets = 0
+        self._last_error: str | None = None
+        self._gen = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> "JetStreamSource":
+        self._nc = await connect(self.spec.url, name=self.name, reconnected_cb=self._on_reconnect)
+        self._closed = False
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._drive, name="kvstream-jetstream-consumer")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._closed = True
+        tg, self._tg = self._tg, None
+        try:
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        finally:
+            nc, self._nc = self._nc, None
+            if nc is not None:
+                await nc.close()
+            w = self._out_wait
+            if w is not None:
+                w.set()
+
+    @property
+    def sources(self) -> list[str]:
+        """Names of the sources seen (or asked for) so far."""
+        return list(self._src)
+
+    def add_source(self, spec: Any) -> None:
+        """Follow one more source (only meaningful with a source filter)."""
+        name = getattr(spec, "source", spec)
+        if self._filter and name not in self._filter:
+            self._filter.add(name)
+            self._by_subject.clear()
+            self._reset.set()  # the consumer's filter changes
+
+    def remove_source(self, name: str) -> None:
+        """Stop following ``name``; yields ``SourceReset(reason="removed")`` for it."""
+        from kvstream.transport.items import SourceReset
+
+        if self._src.pop(name, None) is None:
+            raise KeyError(f"no source named {name!r}; sources: {sorted(self._src)}")
+        self._filter.discard(name)
+        if not self._filter:
+            self._filter = set(self._src)
+        self._by_subject.clear()
+        self._push([SourceReset(name, "removed", None)])
+
+    def health(self) -> dict[str, SourceHealth]:
+        """Per-source state and counters, keyed by source name."""
+        out = {}
+        recovering = self._state != "live"
+        for name, s in self._src.items():
+            state = "recovering" if recovering else ("stale" if s.state.stale else "live")
+            out[name] = SourceHealth(name, self.spec.url, state, s.state.expected - 1, s.counters.as_dict())
+        return out
+
+    def consumer_health(self) -> ConsumerHealth:
+        """The stream side: connection, consumer, last stream sequence."""
+        return ConsumerHealth(self.spec.url, self.spec.stream, self._state, self._sseq, self._resets,
+                              self._last_error)
+
+    def counters(self, name: str) -> SourceCounters:
+        """The live counters object of source ``name``."""
+        return self._src[name].counters
+
+    def states(self) -> dict[str, SourceState]:
+        """Each source's position (what a snapshot stores), copied."""
+        return {n: SourceState.from_dict(s.state.as_dict()) for n, s in self._src.items()}
+
+    @property
+    def last_sseq(self) -> int:
+        """The stream sequence of the last message read (0: none)."""
+        return self._sseq
+
+    # -- iteration ---------------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[StreamItem]:
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        out = self._out
+        while not out:
+            if self._closed:
+                raise StopAsyncIteration
+            ev = self._out_wait = anyio.Event()
+            await ev.wait()
+        item = out.popleft()
+        # No await between taking an item and returning it: a snapshot taken while the
+        # queue is empty then matches what the consumer has applied.
+        if self._fc_held is not None and len(out) <= self.max_buffered_items // 2:
+            self._release_fc()
+        return item
+
+    @property
+    def ready(self) -> int:
+        """Items waiting for the consumer right now."""
+        return len(self._out)
+
+    def get_nowait(self) -> list[StreamItem]:
+        """Every item ready now (possibly none), without waiting."""
+        items = list(self._out)
+        self._out.clear()
+        if self._fc_held is not None:
+            self._release_fc()
+        return items
+
+    def _push(self, items: list[Any]) -> None:
+        self._out.extend(items)
+        w = self._out_wait
+        if w is not None:
+            self._out_wait = None
+            w.set()
+
+    def _release_fc(self) -> None:
+        reply, self._fc_held = self._fc_held, None
+        if reply is not None:
+            self._send(pub_op(reply))
+
+    def _send(self, data: bytes) -> None:
+        self._wire_out += data
+        self._wire_wake.set()
+
+    # -- the consumer ------------------------------------------------------------------
+
+    def _source_for(self, subject: str) -> StreamSource | None:
+        s = self._by_subject.get(subject, False)
+        if s is False:
+            name = wire.source_from_token(subject[self._plen:])
+            if self._filter and name not in self._filter:
+                s = None
+            else:
+                s = self._src.get(name)
+                if s is None:
+                    s = self._src[name] = StreamSource(name, self._decode, self._pending_out)
+            self._by_subject[subject] = s
+        return s  # type: ignore[return-value]
+
+    def _on_raw(self, subject: str, reply: str, hblock: bytes | None, payload: bytes) -> None:
+        """One delivery on the data connection (called by the protocol reader)."""
+        self._last_activity = time.monotonic()
+        if hblock is not None and hblock[8:9] == b" ":  # an inline status: flow control, heartbeat
+            h = parse_headers(hblock)
+            status = h.get("Status")
+            if status == "100" and reply:  # flow control request
+                if len(self._out) > self.max_buffered_items:
+                    self._fc_held = reply
+                else:
+                    self._send(pub_op(reply))
+            elif status == "100":  # idle heartbeat: did we miss anything?
+                last = h.get("Nats-Last-Consumer")
+                if last is not None and last.isdigit() and int(last) != self._dseq:
+                    self._reset.set()
+            else:  # 409 consumer deleted, leadership change, ...: make it again
+                self._last_error = f"status {status} {h.get('Description', '')}".strip()
+                self._reset.set()
+            return
+        # One SUB on this connection: every message is a delivery of our consumer, on its
+        # original subject, with the $JS.ACK reply that carries its sequences.
+        t = reply.split(".")
+        try:
+            if len(t) == 9:
+                sseq, dseq = int(t[5]), int(t[6])
+            else:
+                sseq, dseq = int(t[7]), int(t[8])
+        except (ValueError, IndexError):
+            self._reset.set()
+            return
+        if dseq != self._dseq + 1:
+            self._reset.set()
+            return
+        self._dseq = dseq
+        self._sseq = sseq
+        self._state = "live"
+        s = self._source_for(subject)
+        if s is None:
+            return
+        s.on_message(sseq, parse_headers(hblock) if hblock is not None else None, payload, time.time())
+        po = self._pending_out
+        if po:
+            self._push(po)
+            po.clear()
+
+    async def _on_reconnect(self) -> None:
+        self._reset.set()
+
+    async def _make_consumer(self) -> None:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        js = self._nc.jetstream()
+        if self._consumer is not None:
+            name, self._consumer = self._consumer, None
+            try:
+                await js.delete_consumer(self.spec.stream, name)
+            except Exception:  # noqa: BLE001 - it expires on its own (inactive threshold)
+                pass
+        self._dseq = 0
+        self._fc_held = None
+        subjects = [f"{self._prefix}.{wire.subject_token(n)}" for n in sorted(self._filter)]
+        cfg = ConsumerConfig(
+            deliver_subject=self._inbox, ack_policy=AckPolicy.NONE, flow_control=True,
+            idle_heartbeat=self.heartbeat_s, mem_storage=True, inactive_threshold=max(5.0, 5 * self.heartbeat_s),
+            max_deliver=1,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if self._sseq > 0 else DeliverPolicy.ALL,
+            opt_start_seq=self._sseq + 1 if self._sseq > 0 else None,
+        )
+        if len(subjects) == 1:
+            cfg.filter_subject = subjects[0]
+        elif subjects:
+            cfg.filter_subjects = subjects
+        else:
+            cfg.filter_subject = f"{self._prefix}.>"
+        info = await self._nc.jsm().add_consumer(self.spec.stream, cfg)
+        self._consumer = info.name
+        self._last_activity = time.monotonic()
+
+    async def _read_loop(self, stream: Any, reader: ProtocolReader) -> None:
+        try:
+            while True:
+                reader.feed(await stream.receive(1 << 18))
+                if reader.outgoing:
+                    self._send(bytes(reader.outgoing))
+                    reader.outgoing.clear()
+        except (OSError, anyio.EndOfStream, anyio.BrokenResourceError, NatsProtocolError) as exc:
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._reset.set()
+
+    async def _write_loop(self, stream: Any) -> None:
+        try:
+            while True:
+                await self._wire_wake.wait()
+                self._wire_wake = anyio.Event()
+                data, self._wire_out = bytes(self._wire_out), bytearray()
+                if data:
+                    await stream.send(data)
+        except (OSError, anyio.BrokenResourceError) as exc:
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._reset.set()
+
+    async def _drive(self) -> None:
+        """Connect, subscribe, make the consumer; again whenever it may have lost its place."""
+        backoff = 0.05
+        while True:
+            self._reset = anyio.Event()
+            self._state = "recovering" if self._resets else "connecting"
+            try:
+                reader = ProtocolReader(self._on_raw)
+                self._inbox = self._nc.new_inbox()
+                async with await open_data_connection(self.spec.url, self.name + "-data", reader, self._inbox) as stream:
+                    self._wire_out = bytearray()
+                    self._wire_wake = anyio.Event()
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._read_loop, stream, reader)
+                        tg.start_soon(self._write_loop, stream)
+                        await self._make_consumer()
+                        self._state = "live"
+                        backoff = 0.05
+                        while not self._reset.is_set():
+                            with anyio.move_on_after(self.heartbeat_s):
+                                await self._reset.wait()
+                            if time.monotonic() - self._last_activity > 3 * self.heartbeat_s:
+                                self._last_error = "no heartbeat from the consumer"
+                                break
+                        tg.cancel_scope.cancel()
+            except Exception as exc:  # noqa: BLE001 - server away, stream missing, ...: retry
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                log.debug("consumer for %s/%s not running: %s", self.spec.url, self.spec.stream, self._last_error)
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            self._resets += 1

@@ -1,0 +1,285 @@
+"""The two sans-IO state machines of the JetStream layer (no sockets, no clock reads).
+
+* :class:`RelaySource` (one per engine a relay follows): turns the subscriber's items into
+  messages to publish, agreeing with any other relay of the same engine on instance
+  numbers and message ids. At start-up it knows where the stream stands for its source
+  (:class:`~kvstream.jetstream.wire.StreamPosition`, read from the stream's last message)
+  and skips what the stream already holds:
+
+  - a batch with ``seq <= pos`` and a timestamp no newer than the stream's last batch is
+    one the stream has: skipped; a *newer* one means the engine restarted meanwhile (its
+    seqs began again): instance + 1, a ``restart`` reset, then the batch;
+  - ``seq == pos + 1``: the stream continues; ``seq > pos + 1``: the batches between left
+    the engine's buffer before any relay got them: a ``stale`` notice, then the batch.
+
+* :class:`StreamSource` (one per source a consumer reads): turns stream messages back into
+  the subscriber's items with the same per-engine rules as over ZMQ: in seq order, never
+  duplicated; a seq jump is a :class:`SourceStale`; a new instance without its reset
+  message is a :class:`SourceReset` ``"restart"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from kvstream.wire.events import EventDecodeError, KVEventBatch
+from kvstream.jetstream import wire
+from kvstream.jetstream.wire import StreamPosition
+from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale
+from kvstream.transport.recovery import SourceCounters
+
+__all__ = ["RelaySource", "StreamSource", "SourceState"]
+
+Message = tuple[bytes, dict[str, str]]
+
+
+class RelaySource:
+    """What a relay publishes for one source; see the module docstring.
+
+    ``known``: the stream's position for this source (None: nothing on the stream).
+    :meth:`on_item` returns ``(payload, headers)`` pairs to publish in order.
+    """
+
+    __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped")
+
+    def __init__(self, source: str, known: StreamPosition | None = None) -> None:
+        self.source = source
+        self.instance = known.instance if known is not None else 0
+        self.pos = known.pos if known is not None else -1
+        self.last_ts = known.ts if known is not None else 0.0
+        self.synced = known is None
+        self._topics: dict[bytes, str] = {}
+        self._snap: list[int] | None = None  # [R, next index] while a snapshot's batches flow
+        self.skipped = 0
+        """Items not published because the stream already held them."""
+
+    def _topic(self, topic: bytes) -> str:
+        h = self._topics.get(topic)
+        if h is None:
+            if len(self._topics) > 64:
+                self._topics.clear()
+            h = self._topics[topic] = wire.encode_topic(topic)
+        return h
+
+    def _control(self, item: SourceReset | SourceStale | SourceLive) -> Message:
+        payload, headers = wire.control_message(self.source, self.instance, item, self.pos)
+        headers[wire.H_TS] = repr(self.last_ts)
+        return payload, headers
+
+    def on_item(self, item: Any) -> list[Message]:
+        """Messages to publish for one subscriber item (possibly none)."""
+        cls = type(item)
+        if cls is SourceBatch:
+            return self._batch(item)
+        self._snap = None
+        if cls is SourceReset:
+            if item.reason == "removed":
+                return []
+            self.synced = True
+            if item.reason == "restart":
+                self.instance += 1
+                self.pos = -1
+                return [self._control(item)]
+            self.pos = (item.seq if item.seq is not None else 0) - 1
+            self._snap = [self.pos + 1, 0]
+            return [self._control(item)]
+        if cls is SourceStale:
+            if not self.synced:
+                self.skipped += 1
+                return []  # the next batch decides what the stream is missing
+            self.pos = item.resume_seq - 1
+            return [self._control(item)]
+        if cls is SourceLive:
+            if not self.synced and item.seq > self.pos:
+                return []
+            self.synced = True
+            return [self._control(SourceLive(self.source, self.pos))]
+        raise TypeError(f"not a subscriber item: {item!r:.80}")
+
+    def _batch(self, b: SourceBatch) -> list[Message]:
+        q = b.seq
+        snap = self._snap
+        if snap is not None and b.replayed and q == snap[0] - 1:
+            i = snap[1]
+            snap[1] = i + 1
+            return [(b.payload, wire.batch_headers(self.source, self.instance, q, self._topic(b.topic),
+                                                   replayed=True, snapshot=(snap[0], i)))]
+        self._snap = None
+        out: list[Message] = []
+        if not self.synced:
+            if q <= self.pos:
+                if b.batch.ts <= self.last_ts:
+                    self.skipped += 1
+                    return out  # the stream has it
+                self.instance += 1  # a new engine: its seqs began again while no relay ran
+                self.pos = -1
+                self.synced = True
+                out.append(self._control(SourceReset(self.source, "restart", q)))
+            self.synced = True
+        if q > self.pos + 1:
+            out.append(self._control(SourceStale(
+                self.source, "batches left the engine's buffer before a relay read them",
+                self.pos + 1, q)))
+        elif q <= self.pos:
+            self.skipped += 1
+            return out  # an older batch of this instance (the subscriber never yields one)
+        self.pos = q
+        self.last_ts = b.batch.ts
+        out.append((b.payload, wire.batch_headers(self.source, self.instance, q, self._topic(b.topic),
+                                                  replayed=b.replayed)))
+        return out
+
+
+class SourceState:
+    """A consumer's position for one source: engine ``instance`` (None: none seen),
+    ``expected`` (next engine seq), ``stale``, and ``sseq`` (the stream sequence of the
+    last message applied). Snapshots store and restore exactly this."""
+
+    __slots__ = ("instance", "expected", "stale", "sseq")
+
+    def __init__(self, instance: int | None = None, expected: int = 0, stale: bool = False, sseq: int = 0) -> None:
+        self.instance = instance
+        self.expected = expected
+        self.stale = stale
+        self.sseq = sseq
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form."""
+        return {"instance": self.instance, "expected": self.expected, "stale": self.stale, "sseq": self.sseq}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SourceState":
+        """Inverse of :meth:`as_dict`."""
+        inst = d.get("instance")
+        return cls(None if inst is None else int(inst), int(d["expected"]), bool(d["stale"]), int(d["sseq"]))
+
+
+class StreamSource:
+    """Turns one source's stream messages into subscriber items (appended to ``out``).
+
+    ``decode``: payload bytes -> :class:`KVEventBatch` (raises ``EventDecodeError``).
+    ``state``: where to start (from a snapshot); messages at or below ``state.sseq`` are
+    skipped.
+    """
+
+    __slots__ = ("name", "state", "counters", "out", "_decode", "_topics")
+
+    def __init__(self, name: str, decode: Callable[[bytes], KVEventBatch], out: list[Any],
+                 state: SourceState | None = None) -> None:
+        self.name = name
+        self.state = state if state is not None else SourceState()
+        self.counters = SourceCounters()
+        self.out = out
+        self._decode = decode
+        self._topics: dict[str, bytes] = {}
+
+    def on_message(self, sseq: int, headers: Mapping[str, str] | None, payload: bytes, now: float) -> None:
+        """One message of this source's subject, stream sequence ``sseq``."""
+        st = self.state
+        c = self.counters
+        if sseq <= st.sseq:
+            c.duplicates += 1
+            return
+        st.sseq = sseq
+        if not headers:
+            c.frame_errors += 1
+            return
+        try:
+            inst = int(headers[wire.H_INSTANCE])
+            kind = headers.get(wire.H_KIND)
+        except (KeyError, ValueError):
+            c.frame_errors += 1
+            return
+        name = self.name
+        out = self.out
+        if st.instance is None:
+            st.instance = inst
+        elif inst < st.instance:
+            c.duplicates += 1  # a late copy from an older engine instance
+            return
+        elif inst > st.instance:
+            st.instance = inst
+            if kind != "reset":  # the new instance's reset message is not on the stream
+                c.restarts += 1
+                out.append(SourceReset(name, "restart", _int(headers.get(wire.H_SEQ), 0)))
+                st.expected = 0
+                st.stale = False
+        if kind is None:
+            try:
+                seq = int(headers[wire.H_SEQ])
+                topic = self._topics.get(headers[wire.H_TOPIC])
+                if topic is None:
+                    th = headers[wire.H_TOPIC]
+                    topic = self._topics[th] = wire.decode_topic(th)
+            except (KeyError, ValueError):
+                c.frame_errors += 1
+                return
+            e = st.expected
+            if seq < e:
+                c.duplicates += 1
+                return
+            try:
+                batch = self._decode(payload)
+            except EventDecodeError:
+                c.decode_errors += 1
+                return  # its seq now counts as missing: the next batch marks the gap
+            if seq > e:
+                c.gaps += 1
+                c.stale_marks += 1
+                st.stale = True
+                why = ("older batches are not retained in the stream" if c.batches == 0
+                       else "batches missing from the stream")
+                out.append(SourceStale(name, why, e, seq))
+            out.append(SourceBatch(name, seq, topic, payload, batch, wire.H_REPLAYED in headers))
+            c.batches += 1
+            c.events += len(batch.events)
+            st.expected = seq + 1
+            c.lag_s = now - batch.ts
+            return
+        if kind == wire.KIND_SNAPSHOT:
+            try:
+                seq = int(headers[wire.H_SEQ])
+                topic = wire.decode_topic(headers[wire.H_TOPIC])
+                batch = self._decode(payload)
+            except (KeyError, ValueError):
+                c.frame_errors += 1
+                return
+            except EventDecodeError:
+                c.decode_errors += 1
+                return
+            out.append(SourceBatch(name, seq, topic, payload, batch, True))
+            c.batches += 1
+            c.events += len(batch.events)
+            return
+        try:
+            item = wire.decode_control(name, payload)
+        except wire.WireError:
+            c.frame_errors += 1
+            return
+        if type(item) is SourceReset:
+            if item.reason == "restart":
+                c.restarts += 1
+                st.expected = 0
+            else:
+                c.snapshots += 1
+                st.expected = item.seq if item.seq is not None else 0
+            st.stale = False
+            out.append(item)
+        elif type(item) is SourceStale:
+            if item.resume_seq <= st.expected:
+                c.duplicates += 1
+                return
+            item.first_missing_seq = max(item.first_missing_seq, st.expected)
+            st.expected = item.resume_seq
+            st.stale = True
+            c.stale_marks += 1
+            out.append(item)
+        else:
+            out.append(SourceLive(name, st.expected - 1))
+
+
+def _int(v: str | None, default: int) -> int:
+    try:
+        return int(v) if v is not None else default
+    except ValueError:
+        return default

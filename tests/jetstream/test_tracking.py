@@ -1,0 +1,96 @@
+"""The sans-IO parts: subject tokens, URLs, what a relay publishes, what a consumer yields."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstream.wire.events import KVEventBatch, decode_batch, encode_batch
+from kvstream.jetstream import JetStreamConfigError, RelaySource, StreamSettings, StreamSource, parse_nats_url
+from kvstream.jetstream import wire
+from kvstream.transport import SourceBatch, SourceLive, SourceReset, SourceStale
+
+
+def _b(source: str, seq: int, ts: float, replayed: bool = False) -> SourceBatch:
+    batch = KVEventBatch(ts, [])
+    return SourceBatch(source, seq, b"kv@e0", encode_batch(batch), batch, replayed)
+
+
+def test_subject_tokens_round_trip_any_source_name() -> None:
+    for name in ("e0", "tcp://10.0.0.1:5557", "a.b*c>d e%f", "ünï"):
+        tok = wire.subject_token(name)
+        assert not set(tok) & set(".*> ") and wire.source_from_token(tok) == name
+
+
+def test_nats_urls_parse_with_defaults_and_reject_bad_input_with_the_syntax() -> None:
+    s = parse_nats_url("nats://h:4222")
+    assert (s.url, s.stream, s.subject_prefix, s.sources) == ("nats://h:4222", "KV_EVENTS", "kv", ())
+    s = parse_nats_url("nats://h/EV?source=e0&source=e1&prefix=fleet.kv")
+    assert (s.url, s.stream, s.subject_prefix, s.sources) == ("nats://h:4222", "EV", "fleet.kv", ("e0", "e1"))
+    for bad in ("tcp://h:1", "nats://h:4222/a/b", "nats://h:x", "nats://h?bogus=1", "nats://h/bad.name"):
+        with pytest.raises(JetStreamConfigError, match="nats://HOST|stream name|prefix"):
+            parse_nats_url(bad)
+    with pytest.raises(JetStreamConfigError, match="replicas"):
+        StreamSettings(replicas=7)
+
+
+def test_relay_publishes_batches_unchanged_with_seq_instance_and_message_id() -> None:
+    r = RelaySource("e0")
+    b = _b("e0", 0, 1.0)
+    [(payload, h)] = r.on_item(b)
+    assert payload is b.payload
+    assert h[wire.H_MSG_ID] == "e0:0:0" and h[wire.H_SEQ] == "0" and h[wire.H_INSTANCE] == "0"
+    assert wire.decode_topic(h[wire.H_TOPIC]) == b"kv@e0"
+    # an engine restart: a new instance, announced once
+    [(ctl, hc)] = r.on_item(SourceReset("e0", "restart", 0))
+    assert hc[wire.H_KIND] == "reset" and hc[wire.H_INSTANCE] == "1"
+    assert wire.decode_control("e0", ctl) == SourceReset("e0", "restart", 0)
+    [(_, h)] = r.on_item(_b("e0", 0, 2.0))
+    assert h[wire.H_MSG_ID] == "e0:1:0"
+
+
+def test_a_joining_relay_skips_what_the_stream_holds_and_detects_a_restart_by_time() -> None:
+    known = wire.StreamPosition(instance=3, pos=5, ts=10.0)
+    r = RelaySource("e0", known)
+    assert r.on_item(SourceStale("e0", "join", 0, 2)) == []  # the stream has those
+    assert [r.on_item(_b("e0", s, 10.0 - (5 - s) * 0.1)) for s in range(2, 6)] == [[]] * 4
+    [(_, h)] = r.on_item(_b("e0", 6, 10.1))
+    assert h[wire.H_MSG_ID] == "e0:3:6"
+    # another joining relay finds the engine restarted meanwhile: its seq 0 is newer
+    r2 = RelaySource("e0", known)
+    msgs = r2.on_item(_b("e0", 0, 11.0))
+    assert [m[1].get(wire.H_KIND) for m in msgs] == ["reset", None] and msgs[1][1][wire.H_MSG_ID] == "e0:4:0"
+    # and a third one finds the stream behind the engine's buffer: a stale notice first
+    r3 = RelaySource("e0", known)
+    msgs = r3.on_item(_b("e0", 9, 12.0))
+    stale = wire.decode_control("e0", msgs[0][0])
+    assert type(stale) is SourceStale and (stale.first_missing_seq, stale.resume_seq) == (6, 9)
+
+
+def _consume(messages: list[tuple[bytes, dict]]) -> list:
+    out: list = []
+    s = StreamSource("e0", decode_batch, out)
+    for i, (payload, h) in enumerate(messages, 1):
+        s.on_message(i, h, payload, 0.0)
+    return out
+
+
+def test_the_consumer_yields_each_seq_once_and_marks_gaps_and_restarts_like_the_zmq_subscriber() -> None:
+    r = RelaySource("e0")
+    msgs = [m for s in (0, 1) for m in r.on_item(_b("e0", s, 1.0 + s))]
+    msgs.append(msgs[-1])  # a duplicate copy (past the duplicate window)
+    msgs += r.on_item(_b("e0", 4, 5.0))  # 2..3 never reached the stream
+    other = RelaySource("e0", wire.StreamPosition(0, 4, 5.0))
+    restarted = other.on_item(_b("e0", 0, 9.0))  # reset + batch of instance 1
+    items = _consume(msgs + restarted[1:])  # the reset message itself is lost
+    kinds = [(type(i).__name__, getattr(i, "seq", None)) for i in items]
+    assert kinds == [("SourceBatch", 0), ("SourceBatch", 1), ("SourceStale", None), ("SourceBatch", 2 + 2),
+                     ("SourceReset", 0), ("SourceBatch", 0)]
+    stale = items[2]
+    assert (stale.first_missing_seq, stale.resume_seq) == (2, 4)
+
+
+def test_a_consumer_that_starts_after_old_batches_aged_out_marks_them_stale() -> None:
+    r = RelaySource("e0", wire.StreamPosition(0, 99, 1.0))
+    items = _consume(r.on_item(_b("e0", 100, 2.0)) + r.on_item(SourceLive("e0", 100)))
+    assert type(items[0]) is SourceStale and (items[0].first_missing_seq, items[0].resume_seq) == (0, 100)
+    assert type(items[1]) is SourceBatch and items[2] == SourceLive("e0", 100)
