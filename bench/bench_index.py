@@ -4,7 +4,7 @@
 
 Runs the default token-keyed ``KVIndex`` and, in the same process, its reference: the
 previous layout (dict ``engine hash -> key`` and ``key -> mask``, kept unmodified in
-``bench/reference_index/``), then ``EngineKeyIndex``. Issue #13's goal 4 for the default
+read from git history by ``bench/_reference.py``), then ``EngineKeyIndex``. Issue #13's goal 4 for the default
 index: <= 100 bytes per (block, source) entry, >= 1 M block events/s ingested (decode +
 apply), and <= 200 us median to score 4,096 tokens x 64 sources, all at once.
 
@@ -41,7 +41,9 @@ from kvstream.routing.index import KVIndex
 from kvstream.routing.scoring import Load
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import reference_index  # noqa: E402  (the previous layout, bench/reference_index/)
+from _reference import load_reference_index  # noqa: E402
+
+reference_index = load_reference_index()  # the previous layout, read from git history
 
 BS = 16
 
