@@ -291,6 +291,8 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         core.engine_view_extras.append(proxy.engine_view)
         core.metrics_extras.append(proxy.metrics_text)
     app = create_app(core, extra_routes=proxy.openai_routes() if proxy is not None else ())
+    if proxy is not None:
+        app = proxy.asgi(app)  # its POST routes in raw ASGI, in front of the service's app
     # proxy_headers off: no handler reads the client address, and the middleware costs per call.
     ucfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", server_header=False,
                           date_header=False, proxy_headers=False, timeout_graceful_shutdown=5)

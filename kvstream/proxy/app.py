@@ -26,7 +26,7 @@ Other routes: ``GET /v1/models`` (forwarded to an engine that is up), ``GET /v1/
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncGenerator, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import anyio
@@ -35,7 +35,7 @@ import msgspec
 from kvstream.routing.index import KVIndex
 from kvstream.proxy.backends import RouterBackend, RoutingBackend, ServiceBackend
 from kvstream.proxy.core import ProxyCore, Upstream
-from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids, read_body
+from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids
 from kvstream.proxy.tokenize import PromptTokenizer
 from kvstream.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvstream.routing.router import Router
@@ -185,7 +185,7 @@ class KVProxy:
         from starlette.applications import Starlette
         from starlette.routing import Route
 
-        return Starlette(routes=self.routes())
+        return self.asgi(Starlette(routes=self.routes()))
 
     def openai_routes(self) -> list[Any]:
         """The OpenAI-compatible routes alone (``/v1/completions``, ``/v1/chat/completions``,
@@ -193,8 +193,8 @@ class KVProxy:
         from starlette.routing import Route
 
         return [
-            Route("/v1/completions", self._completions, methods=["POST"]),
-            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/completions", _Endpoint(self, "/v1/completions", "completions"), methods=["POST"]),
+            Route("/v1/chat/completions", _Endpoint(self, "/v1/chat/completions", "chat"), methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
         ]
 
@@ -242,11 +242,11 @@ class KVProxy:
                             headers={ENGINE_HEADER: name})
         return _json(503, error_body(503, "no engine is reachable"))
 
-    async def _completions(self, request: Any) -> Any:
-        return await self._proxy(request, "/v1/completions", "completions")
-
-    async def _chat(self, request: Any) -> Any:
-        return await self._proxy(request, "/v1/chat/completions", "chat")
+    def asgi(self, app: Any) -> Any:
+        """``app`` with the proxy's POST routes (``/v1/completions``, ``/v1/chat/completions``)
+        answered in front of it in raw ASGI (no Request object, router or middleware per
+        call); every other scope goes to ``app``."""
+        return _ProxyRoutes(self, app)
 
     # -- proxying -------------------------------------------------------------------------
 
@@ -289,14 +289,18 @@ class KVProxy:
             ranking = ranking + [n for n in urls if n not in ranking]
         return self.core.candidates(ranking, time.monotonic()), predicted
 
-    async def _proxy(self, request: Any, path: str, kind: str) -> Any:
-        from starlette.responses import Response, StreamingResponse
-
+    async def _proxy(self, scope: Any, receive: Any, send: Any, path: str, kind: str) -> None:
+        """Answer one OpenAI POST in raw ASGI: the engine's status and headers go out as soon
+        as they arrive, then its body (streamed event by event, or whole)."""
         try:
-            body = parse_json_body(await read_body(request, MAX_BODY_BYTES), MAX_BODY_BYTES)
+            raw = await _asgi_body(scope, receive, MAX_BODY_BYTES)
+            if raw is None:
+                return  # the client went away
+            body = parse_json_body(raw, MAX_BODY_BYTES)
             candidates, predicted = self._route(body, kind)
         except OpenAIError as exc:
-            return _json(exc.status, exc.body())
+            await _send_json(send, exc.status, exc.body())
+            return
         stream = bool(body.get("stream"))
         strip_usage = False
         if stream:
@@ -306,9 +310,11 @@ class KVProxy:
                 strip_usage = True
         payload = _enc.encode(body)
         headers = [(b"content-type", b"application/json")]
-        auth = request.headers.get("authorization")
-        if auth:
-            headers.append((b"authorization", auth.encode("latin-1")))
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                if v:
+                    headers.append((b"authorization", v))
+                break
         errors: list[str] = []
         for attempt, name in enumerate(candidates):
             pool, prefix = self._pool(name)
@@ -326,9 +332,9 @@ class KVProxy:
             finally:
                 if not sent:
                     self._finished(name)
-            out_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in resp.headers
-                           if k.lower().decode("latin-1") not in _HOP}
-            out_headers[ENGINE_HEADER] = name
+            engine = name.encode("latin-1")
+            out_headers = [(k.lower(), v) for k, v in resp.headers if k.lower().decode("latin-1") not in _HOP]
+            out_headers.append((_ENGINE_HEADER_B, engine))
             self._metrics.requests.setdefault((name, resp.status_code), 0)
             self._metrics.requests[(name, resp.status_code)] += 1
             if not stream or resp.status_code != 200:
@@ -338,8 +344,9 @@ class KVProxy:
                     self._failed(name, exc)
                     self._finished(name)
                     await resp.aclose()
-                    return _json(502, error_body(502, f"engine {name} dropped the connection while answering"),
-                                 {ENGINE_HEADER: name})
+                    await _send_json(send, 502, error_body(502, f"engine {name} dropped the connection while answering"),
+                                     [(_ENGINE_HEADER_B, engine)])
+                    return
                 await resp.aclose()
                 self._finished(name)
                 realized = None
@@ -349,11 +356,38 @@ class KVProxy:
                     except (msgspec.DecodeError, AttributeError):
                         realized = None
                 self._answered(name, predicted.get(name), realized)
-                return Response(content, status_code=resp.status_code, headers=out_headers)
-            return StreamingResponse(self._pass_through(name, resp, predicted.get(name), strip_usage),
-                                     status_code=resp.status_code, headers=out_headers)
+                out_headers.append((b"content-length", str(len(content)).encode()))
+                await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
+                await send({"type": "http.response.body", "body": content})
+                return
+            await self._stream(send, receive, resp.status_code, out_headers,
+                               self._pass_through(name, resp, predicted.get(name), strip_usage))
+            return
         self.core.unroutable += 1
-        return _json(503, error_body(503, "no engine could take the request (" + "; ".join(errors) + ")"))
+        await _send_json(send, 503, error_body(503, "no engine could take the request (" + "; ".join(errors) + ")"))
+
+    @staticmethod
+    async def _stream(send: Any, receive: Any, status: int, headers: list[tuple[bytes, bytes]],
+                      chunks: AsyncGenerator[bytes, None]) -> None:
+        """Send ``chunks`` as one chunked response; a client that disconnects cancels it
+        (and so closes the engine's stream)."""
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                pass  # the client is gone
+            finally:
+                await chunks.aclose()
+            tg.cancel_scope.cancel()
 
     def _answered(self, name: str, predicted: int | None, realized: int | None) -> None:
         self.core.answered(name, predicted, realized)
@@ -361,7 +395,7 @@ class KVProxy:
             self._metrics.observe(name, predicted, realized)
 
     async def _pass_through(self, name: str, resp: UpstreamResponse, predicted: int | None, strip_usage: bool
-                            ) -> AsyncIterator[bytes]:
+                            ) -> AsyncGenerator[bytes, None]:
         buf = b""
         realized: int | None = None
         try:
@@ -399,6 +433,77 @@ class KVProxy:
             await resp.aclose()
             self._finished(name)
         self._answered(name, predicted, realized)
+
+
+_ENGINE_HEADER_B = ENGINE_HEADER.encode()
+_HOT = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+class _Endpoint:
+    """One OpenAI POST route as a raw ASGI app (Starlette mounts it as is)."""
+
+    __slots__ = ("proxy", "path", "kind")
+
+    def __init__(self, proxy: KVProxy, path: str, kind: str) -> None:
+        self.proxy = proxy
+        self.path = path
+        self.kind = kind
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.proxy._proxy(scope, receive, send, self.path, self.kind)
+
+
+class _ProxyRoutes:
+    """:meth:`KVProxy.asgi`: the OpenAI POST routes in front of another ASGI app."""
+
+    __slots__ = ("proxy", "app")
+
+    def __init__(self, proxy: KVProxy, app: Any) -> None:
+        self.proxy = proxy
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            kind = _HOT.get(path)
+            if kind is not None:
+                await self.proxy._proxy(scope, receive, send, path, kind)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _asgi_body(scope: Any, receive: Any, limit: int) -> bytes | None:
+    """The request body (None if the client went away); :class:`OpenAIError` 413 as soon as
+    it passes ``limit`` bytes."""
+    msg = await receive()
+    if msg["type"] != "http.request":
+        return None
+    body: bytes = msg.get("body", b"")
+    if not msg.get("more_body", False):
+        if len(body) > limit:
+            raise OpenAIError(413, f"request body is over the limit of {limit} bytes")
+        return body
+    parts = [body]
+    size = len(body)
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise OpenAIError(413, f"request body is over the limit of {limit} bytes")
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _send_json(send: Any, status: int, body: Any, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    out = _enc.encode(body)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-length", str(len(out)).encode()), (b"content-type", b"application/json"),
+                            *headers]})
+    await send({"type": "http.response.body", "body": out})
 
 
 class _Metrics:
