@@ -4,7 +4,8 @@ The proxy sends every request to one of a few engines and streams the answer bac
 general-purpose client's connection pool scans all its connections on every request and
 response (measured: the largest cost in the proxy at 64 open streams), so the proxy keeps
 one pool per engine: a stack of idle keep-alive connections, each an anyio byte stream with
-an ``h11`` state machine. A connection the engine closed while idle is detected on reuse
+a small purpose-built response reader (:mod:`kvstream.proxy._http1`; a general-purpose
+parser cost more per passed-through event than the rest of the proxy). A connection the engine closed while idle is detected on reuse
 (no response byte arrives) and the request is sent again on a fresh connection, which is
 safe because the engine never saw it.
 
@@ -21,7 +22,8 @@ from typing import AsyncIterator
 
 import anyio
 import anyio.abc
-import h11
+
+from kvstream.proxy._http1 import HTTPParseError, ResponseReader, request_bytes
 
 __all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse"]
 
@@ -37,11 +39,11 @@ class UpstreamError(Exception):
 
 
 class _Conn:
-    __slots__ = ("stream", "h11", "reused")
+    __slots__ = ("stream", "reader", "reused")
 
     def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=1 << 20)
+        self.reader = ResponseReader()
         self.reused = False
 
 
@@ -63,11 +65,19 @@ class UpstreamResponse:
         conn = self._conn
         if conn is None:
             return
+        reader = conn.reader
+        pool = self._pool
         while True:
-            ev = await self._pool._next_event(conn, before_response=False)
-            if type(ev) is h11.Data:
-                yield bytes(ev.data)
-            elif type(ev) is h11.EndOfMessage:
+            try:
+                data = reader.body()
+            except HTTPParseError as exc:
+                raise UpstreamError(f"bad HTTP from {pool.host}:{pool.port}: {exc}", before_response=False) from None
+            if data is None:
+                await pool._receive(conn, before_response=False)
+                continue
+            if data:
+                yield data
+            if reader.done:
                 self._done = True
                 return
 
@@ -80,12 +90,8 @@ class UpstreamResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._done and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
-            try:
-                conn.h11.start_next_cycle()
-            except h11.LocalProtocolError:
-                await self._pool._discard(conn)
-                return
+        if self._done and conn.reader.keep_alive and not conn.reader.pending:
+            conn.reader.reset()
             if not self._pool._release(conn):
                 await self._pool._discard(conn)
         else:
@@ -137,26 +143,19 @@ class UpstreamPool:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Conn(stream)
 
-    async def _next_event(self, conn: _Conn, *, before_response: bool) -> object:
-        while True:
-            try:
-                ev = conn.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise UpstreamError(f"bad HTTP from {self.host}:{self.port}: {exc}",
-                                    before_response=before_response) from None
-            if ev is not h11.NEED_DATA:
-                return ev
-            try:
-                data = await conn.stream.receive(_READ)
-            except anyio.EndOfStream:
-                data = b""
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-                raise UpstreamError(f"{self.host}:{self.port} dropped the connection: {exc}",
-                                    before_response=before_response) from None
-            if not data and before_response:
-                raise UpstreamError(f"{self.host}:{self.port} closed the connection before answering",
-                                    before_response=True)
-            conn.h11.receive_data(data)
+    async def _receive(self, conn: _Conn, *, before_response: bool) -> None:
+        """Feed the next bytes from the engine (``b""``: it closed) to ``conn``'s reader."""
+        try:
+            data = await conn.stream.receive(_READ)
+        except anyio.EndOfStream:
+            data = b""
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            raise UpstreamError(f"{self.host}:{self.port} dropped the connection: {exc}",
+                                before_response=before_response) from None
+        if not data and before_response:
+            raise UpstreamError(f"{self.host}:{self.port} closed the connection before answering",
+                                before_response=True)
+        conn.reader.feed(data)
 
     async def request(self, method: str, target: str, body: bytes, headers: list[tuple[bytes, bytes]]
                       ) -> UpstreamResponse:
@@ -166,20 +165,22 @@ class UpstreamPool:
         for attempt in range(2):
             conn = self._idle.pop() if self._idle else await self._connect()
             try:
+                conn.reader.no_body = method == "HEAD"
                 try:
-                    data = conn.h11.send(h11.Request(method=method, target=target, headers=hdrs))
-                    data += conn.h11.send(h11.Data(data=body)) or b""
-                    data += conn.h11.send(h11.EndOfMessage()) or b""
-                    await conn.stream.send(data)
+                    await conn.stream.send(request_bytes(method, target, hdrs, body))
                 except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
                     raise UpstreamError(f"cannot send to {self.host}:{self.port}: {exc}",
                                         before_response=True) from None
-                ev = await self._next_event(conn, before_response=True)
-                while type(ev) is h11.InformationalResponse:
-                    ev = await self._next_event(conn, before_response=True)
-                if type(ev) is not h11.Response:
-                    raise UpstreamError(f"unexpected HTTP event {type(ev).__name__}", before_response=True)
-                return UpstreamResponse(ev.status_code, list(ev.headers), self, conn)
+                reader = conn.reader
+                while True:
+                    try:
+                        if reader.head():
+                            break
+                    except HTTPParseError as exc:
+                        raise UpstreamError(f"bad HTTP from {self.host}:{self.port}: {exc}",
+                                            before_response=True) from None
+                    await self._receive(conn, before_response=True)
+                return UpstreamResponse(reader.status, reader.headers, self, conn)
             except UpstreamError:
                 stale = conn.reused
                 await self._discard(conn)
