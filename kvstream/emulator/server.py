@@ -13,7 +13,6 @@ requests changed. Handlers never touch the engine between steps except to submit
 from __future__ import annotations
 
 import math
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -302,16 +301,9 @@ class EngineServer:
         ``on_ready`` once both accept, and serve until SIGINT/SIGTERM (then return)."""
         import uvicorn
 
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            sock.close()
-            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port") from None
-        sock.listen(2048)
-        sock.setblocking(False)
+        from kvstream.service.listen import listen_tcp
+
+        sock = listen_tcp(host, port)
         bound_port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level=log_level, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=1)

@@ -549,20 +549,11 @@ class _Metrics:
 async def serve_proxy(proxy: KVProxy, host: str, port: int, on_ready: Any = None, log_level: str = "warning") -> None:
     """Serve ``proxy.app`` on ``host:port`` (0: any free port) until SIGINT/SIGTERM;
     ``on_ready(url)`` once it accepts connections."""
-    import socket
-
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port") from None
-    sock.listen(2048)
-    sock.setblocking(False)
+    from kvstream.service.listen import listen_tcp
+
+    sock = listen_tcp(host, port)
     bound = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(proxy.app, log_level=log_level, access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=1))
