@@ -141,7 +141,7 @@ class Relay:
         self._life = life = Lifetime()
         async with life.opening():
             self._nc = await connect(self.servers, name=self.name, timeout_s=self.connect_timeout_s)
-            life.on_close(self._close_nats)
+            life.on_close(self._nc.close)
             js = self._nc.jetstream()
             await ensure_stream(js, self.settings, update=self.update_stream)
             for spec in self.specs:
@@ -155,11 +155,6 @@ class Relay:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._life.aclose()
-
-    async def _close_nats(self) -> None:
-        nc, self._nc = self._nc, None
-        if nc is not None:
-            await nc.close()
 
     # -- the data connection ---------------------------------------------------------------
 

@@ -96,18 +96,13 @@ class SnapshotWriter:
         self._life = life = Lifetime()
         async with life.opening():
             self._nc = await connect(spec.url, name="kvstream-snapshots")
-            life.on_close(self._close_nats)
+            life.on_close(self._nc.close)
             self._os = await _store(self._nc.jetstream(), spec.stream, create=True, replicas=self.replicas)
             await life.start(self._loop, name="kvstream-snapshot-writer")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self._life.aclose()
-
-    async def _close_nats(self) -> None:
-        nc, self._nc = self._nc, None
-        if nc is not None:
-            await nc.close()
 
     async def _loop(self) -> None:
         while True:

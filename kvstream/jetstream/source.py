@@ -130,7 +130,7 @@ class JetStreamSource:
         self._life = life = Lifetime()
         async with life.opening():
             self._nc = await connect(self.spec.url, name=self.name, reconnected_cb=self._on_reconnect)
-            life.on_close(self._close_nats)
+            life.on_close(self._nc.close)
             self._closed = False
             await life.start(self._drive, name="kvstream-jetstream-consumer")
         return self
@@ -143,11 +143,6 @@ class JetStreamSource:
             w = self._out_wait
             if w is not None:
                 w.set()
-
-    async def _close_nats(self) -> None:
-        nc, self._nc = self._nc, None
-        if nc is not None:
-            await nc.close()
 
     @property
     def sources(self) -> list[str]:
