@@ -174,7 +174,8 @@ def test_a_snapshot_with_a_hash_held_but_never_keyed_is_refused() -> None:
     from kvstream.routing import snapshot as sn
 
     snap = sn.decode(KVIndex().dump())
-    snap.sources.append(sn._Source("x", False, None, BS, 1, [sn._Tier("GPU", sn.pack_u64([5]), [])]))
+    snap.sources.append(sn._Source("x", False, None, BS, 1, "session", 0))
+    snap.rows.append(sn._Row("GPU", 5, None, b"\x01"))
     idx = KVIndex()
     with pytest.raises(SnapshotError, match="no key"):
         idx.load_source(sn.encode(snap))

@@ -1,4 +1,4 @@
-"""The block table (``U64Map``): a dict's behaviour over arrays, through churn, crafted
+"""The block table (``ArrayBlockTable``, the in-memory ``BlockTable``): a dict's behaviour over arrays, through churn, crafted
 collisions and regrowth; deletion shifts clusters back and never leaves the index full."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstream.routing._compactmap import _EMPTY, U64Map
+from kvstream.routing.table import _EMPTY, ArrayBlockTable
 
 _keys = st.one_of(
     st.integers(0, 40), st.integers(0, 2**64 - 1), st.integers(1, 64).map(lambda i: i << 58),
@@ -17,7 +17,7 @@ _keys = st.one_of(
 _values = st.one_of(st.integers(0, 2**64 - 1), st.integers(2**64, 2**70), st.tuples(st.integers(0, 9)))
 
 
-def _consistent(m: U64Map) -> None:
+def _consistent(m: ArrayBlockTable) -> None:
     """Every live array entry is found from its home slot, and the index holds nothing else."""
     live = [k for k in m.ks if k]
     assert len(live) == m.n == m.used
@@ -29,7 +29,7 @@ def _consistent(m: U64Map) -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["set", "set", "pop", "get"]), _keys, _values), max_size=300))
 def test_u64map_behaves_like_a_dict(ops) -> None:
-    m, d = U64Map(), {}
+    m, d = ArrayBlockTable(), {}
     for op, k, v in ops:
         if op == "set":
             m[k] = v
@@ -45,7 +45,7 @@ def test_u64map_behaves_like_a_dict(ops) -> None:
 
 def test_u64map_survives_churn_crafted_keys_and_regrowth() -> None:
     rnd = random.Random(5)
-    m, d = U64Map(), {}
+    m, d = ArrayBlockTable(), {}
     for step in range(20_000):
         # Strided keys (the multiply must spread them) and sequential ones (clusters).
         k = rnd.randrange(1, 3000) * (1 << 44) if step % 2 else 1 + rnd.randrange(4000)
@@ -59,7 +59,7 @@ def test_u64map_survives_churn_crafted_keys_and_regrowth() -> None:
 
 
 def test_churn_at_a_steady_size_reuses_positions_and_never_rebuilds() -> None:
-    m = U64Map()
+    m = ArrayBlockTable()
     for k in range(1, 5001):
         m[k * 0x9E37] = k
     idx_before = len(m.idx)

@@ -1,24 +1,28 @@
-"""A compact ``int -> int`` map: the router index's block table (engine hash -> router key).
+"""The block table: the index's ``engine hash -> router key(s)`` store, and its interface.
 
-CPython spends ~42 bytes of dict entry plus a 32-40 byte int object per 64-bit key at
-10**6 entries. :class:`U64Map` keeps keys in ``[1, 2**64)`` and values in ``[0, 2**64)`` in
-two ``array('Q')`` columns (16 bytes per entry) and a power-of-two ``array('i')``
+:class:`BlockTable` is the storage seam of :class:`kvstream.routing.index.KVIndex`: what the
+index needs from wherever its block table lives (``get``, ``in``, item assignment, ``pop``,
+iteration in insertion order, ``items``, ``len``, ``nbytes``) plus the two bulk operations
+snapshots use (:meth:`BlockTable.export_u64`, :meth:`BlockTable.load_u64`). A shared backend
+(Valkey, a JetStream KV bucket) implements this protocol; today there is one implementation,
+in memory: :class:`ArrayBlockTable`.
+
+:class:`ArrayBlockTable` keeps keys in ``[1, 2**64)`` and values in ``[0, 2**64)`` in two
+``array('Q')`` columns (16 bytes per entry) and a power-of-two ``array('i')``
 open-addressing index over them (4 bytes per slot, load <= 3/4, linear probing, deletion
 by moving the rest of the cluster back, so there are no tombstones), the layout of
-CPython's own dict but without per-entry objects: ~25 bytes per entry at 10**6. A column
-position freed by a deletion is reused by the next insert, so churn never forces a
-rebuild; iteration follows the columns (insertion order, except for reused positions).
-Anything else (key 0, bytes keys, tuple values) goes to a plain dict beside it, so the map
-accepts whatever a dict would.
+CPython's own dict but without per-entry objects: ~25 bytes per entry at 10**6, where a dict
+spends ~42 bytes of entry plus a 32-40 byte int object per 64-bit key. A column position
+freed by a deletion is reused by the next insert, so churn never forces a rebuild;
+iteration follows the columns (insertion order, except for reused positions). Anything
+else (key 0, bytes keys, tuple values) goes to a plain dict beside it, so the table accepts
+whatever a dict would.
 
 The price is Python-level probing: a method call costs ~0.2-0.4 us instead of ~0.05 us
 for a dict, so the index's hot loops probe the columns inline (the layout is part of
 this module's contract: ``idx``, ``ks``, ``vs``, ``mask``, ``shift``, ``n``, and the
-``free``, ``used`` and the ``_EMPTY`` marker; :meth:`U64Map.room` before an inline insert,
-:meth:`U64Map._kill` to delete).
-It implements the dict API the index uses (``get``, ``in``, item assignment, ``del``,
-``pop``, iteration, ``items``, ``len``). Iteration yields array entries in insertion
-order, then the fallback dict's. This module imports nothing of kvstream's.
+``free``, ``used`` and the ``_EMPTY`` marker; :meth:`ArrayBlockTable.room` before an inline
+insert, :meth:`ArrayBlockTable._kill` to delete). This module imports nothing of kvstream's.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import sys
 from array import array
 from itertools import compress
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Protocol
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of key*MIX mod 2**64 pick the slot
 _MAX_PROBE = 24
@@ -39,8 +43,38 @@ _DUMMY = -2  # never written now (deletion shifts the cluster back); probes stil
 _MISSING: Any = object()
 
 
-class U64Map:
-    """A map with a dict's API subset; see the module docstring."""
+class BlockTable(Protocol):
+    """What the index needs from its block table (``engine hash -> router key`` or keys).
+
+    Keys are engine hashes (int or bytes); values a router key (int) or a tuple of them.
+    Iteration is in insertion order (the eviction order of ``max_bytes``)."""
+
+    def get(self, key: Any, default: Any = None) -> Any: ...
+    def __contains__(self, key: Any) -> bool: ...
+    def __setitem__(self, key: Any, value: Any) -> None: ...
+    def __delitem__(self, key: Any) -> None: ...
+    def pop(self, key: Any, default: Any = ...) -> Any: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Any]: ...
+    def items(self) -> Iterator[tuple[Any, Any]]: ...
+    def nbytes(self) -> int:
+        """Heap bytes held (bytes)."""
+        ...
+    def shrink(self) -> None:
+        """Release memory left by deletions (after eviction); may do nothing."""
+        ...
+    def export_u64(self) -> tuple[array, array, dict[Any, Any]]:
+        """Every entry, in bulk: the entries whose key and value both fit 64 bits as two
+        ``array('Q')`` columns (keys, values), and the rest as a dict."""
+        ...
+    def load_u64(self, keys: array, values: array, other: Iterable[tuple[Any, Any]] = ()) -> None:
+        """Add entries in bulk (keys must be absent, distinct and non-zero); raises
+        ``ValueError`` for a duplicate or zero key, with the table unchanged."""
+        ...
+
+
+class ArrayBlockTable:
+    """The in-memory :class:`BlockTable` over arrays; see the module docstring."""
 
     __slots__ = ("idx", "ks", "vs", "shift", "mask", "n", "used", "free", "other")
 
@@ -49,20 +83,35 @@ class U64Map:
         self.n = 0  # live array entries
         self._build(array("Q"), array("Q"), 3)
 
-    def _build(self, ks: array, vs: array, bits: int) -> None:
-        """Index ``ks`` (all live, in order) in a table of ``2**bits`` slots."""
-        self.idx = idx = array("i", [_EMPTY]) * (1 << bits)
-        self.shift = sh = 64 - bits
-        self.mask = m = (1 << bits) - 1
+    def _build(self, ks: array, vs: array, bits: int, check: bool = False) -> None:
+        """Index ``ks`` (all live, in order) in a table of ``2**bits`` slots; ``check``:
+        raise ``ValueError`` on a duplicate key (bulk loads of untrusted columns)."""
+        idx = array("i", [_EMPTY]) * (1 << bits)
+        sh = 64 - bits
+        m = (1 << bits) - 1
+        # Home slots in one comprehension (C-speed iteration), then the probing loop.
+        homes = [((key * _MIX) & _M64) >> sh for key in ks]
+        if check:
+            for j, h in enumerate(homes):
+                e = idx[h]
+                while e != _EMPTY:
+                    if ks[e] == ks[j]:
+                        raise ValueError(f"duplicate key {ks[j]}")
+                    h = (h + 1) & m
+                    e = idx[h]
+                idx[h] = j
+        else:
+            for j, h in enumerate(homes):
+                while idx[h] != _EMPTY:
+                    h = (h + 1) & m
+                idx[h] = j
+        self.idx = idx
+        self.shift = sh
+        self.mask = m
         self.ks = ks
         self.vs = vs
         self.used = len(ks)  # index slots that are not EMPTY (live + DUMMY)
         self.free: list[int] = []  # dead dense positions, reused by inserts
-        for j, key in enumerate(ks):
-            h = ((key * _MIX) & _M64) >> sh
-            while idx[h] != _EMPTY:
-                h = (h + 1) & m
-            idx[h] = j
 
     def _grow(self) -> None:
         """The index is 3/4 used (live + deleted slots): drop dead entries and re-index
@@ -90,6 +139,11 @@ class U64Map:
     def compact(self) -> None:
         """Drop dead entries and shrink the index to fit the live ones (after eviction)."""
         self._grow()
+
+    def shrink(self) -> None:
+        """:meth:`compact` when at most half the columns or an eighth of the index is live."""
+        if 2 * self.n < len(self.ks) or 8 * self.n < len(self.idx):
+            self.compact()
 
     def nbytes(self) -> int:
         """Heap bytes held: the columns, the index, the free list, the fallback dict and
@@ -267,6 +321,36 @@ class U64Map:
         yield from compress(zip(ks, self.vs), ks)
         yield from self.other.items()
 
+    def export_u64(self) -> tuple[array, array, dict[Any, Any]]:
+        ks = self.ks
+        if self.n == len(ks):
+            return array("Q", ks), array("Q", self.vs), dict(self.other)
+        return array("Q", compress(ks, ks)), array("Q", compress(self.vs, ks)), dict(self.other)
+
+    def load_u64(self, keys: array, values: array, other: Iterable[tuple[Any, Any]] = ()) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if len(keys):
+            ks0, vs0 = self.export_u64()[:2]
+            ks = ks0 + array("Q", keys)
+            vs = vs0 + array("Q", values)
+            if not all(keys):
+                raise ValueError("key 0 in the u64 columns")
+            bits = 3
+            while (1 << bits) < 2 * max(len(ks), 3):
+                bits += 1
+            saved = (self.idx, self.ks, self.vs, self.shift, self.mask, self.used, self.free, self.n)
+            try:
+                self._build(ks, vs, bits, check=True)
+            except ValueError:
+                self.idx, self.ks, self.vs, self.shift, self.mask, self.used, self.free, self.n = saved
+                raise
+            self.n = len(ks)
+        for k, v in other:
+            if k in self:
+                raise ValueError(f"duplicate key {k!r:.40}")
+            self[k] = v
+
     def walk(self, keys: Any, active: int) -> list[int]:
         """Values of ``keys`` (0 if absent) in order, stopping after the first whose
         bitwise and with ``active`` (and all before it) is 0: the scoring walk's lookups
@@ -292,3 +376,7 @@ class U64Map:
             if not active:
                 break
         return out
+
+
+U64Map = ArrayBlockTable
+"""The former name of :class:`ArrayBlockTable`."""
