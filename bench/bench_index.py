@@ -16,6 +16,11 @@ apply), and <= 200 us median to score 4,096 tokens x 64 sources, all at once.
    ``match`` (prefixes only) and ``score`` (prefixes + default policy ranking).
 3. Memory: tracemalloc bytes per (block, source) residency at 10**6 entries, for
    distinct blocks on one source and for blocks shared by 8 and by 64 sources.
+4. Small batches: vLLM-shaped allocator batches of 1-8 events (kvstream's block pool
+   serving requests that share system prompts, as ``bench_jetstream.py`` feeds its
+   consumer), decoded up front and applied: batches/s and block events/s.
+5. Snapshots: ``dump()`` and ``load()`` of a 10**6-block index of 8 sources (a router
+   replica's start), in seconds, and the snapshot's size.
 
 ``engine`` runs the same three on :class:`kvstream.routing.engine_index.EngineKeyIndex`
 (keyed by engine hashes): scoring once per hasher (native, xxhash, sha256_cbor), the
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from array import array
 import os
 import random
 import sys
@@ -34,6 +40,8 @@ import statistics
 import time
 import tracemalloc
 
+from kvstream.allocator.manager import KVCacheManager
+from kvstream.allocator.pool import BlockPool
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.wire.events import BlockRemoved, BlockStored, EventDecoder, KVEventBatch, encode_batch
 from kvstream.hashing import BlockHasher
@@ -160,6 +168,79 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
     print(f"  of which key computation: p50 {statistics.median(keys_t) / 1e3:.0f} us")
 
 
+def _allocator_batches(n: int, seed: int = 0) -> list[bytes]:
+    """``n`` consecutive batches of one engine: the block pool serving requests that share
+    32 system prompts (4 blocks) plus 3-5 blocks of their own, up to 8 running (the
+    workload of ``bench_jetstream.py``)."""
+    rng = random.Random(seed)
+    m = KVCacheManager(BlockPool(num_gpu_blocks=8192, block_size=BS), BlockHasher("native", BS, seed="0"))
+    prefixes = [list(range(100_000 * p, 100_000 * p + 4 * BS)) for p in range(32)]
+    running: list = []
+    out = []
+    ts = time.time()
+    for i in range(n):
+        own = array("H", rng.randbytes(2 * BS * rng.randint(3, 5) + 6)).tolist()
+        req = m.new_request(i, rng.choice(prefixes) + own)
+        while not m.admit(req) and running:
+            m.free(running.pop(0))
+        if req.running:
+            running.append(req)
+        while len(running) > 8:
+            m.free(running.pop(0))
+        ts += 0.0005
+        out.append(encode_batch(KVEventBatch(ts, m.take_events())))
+    return out
+
+
+def bench_small_batches(n: int, layout: str) -> None:
+    payloads = _allocator_batches(n)
+    dec = EventDecoder()
+    batches = [dec.decode(p) for p in payloads]
+    events = sum(len(b.events) for b in batches)
+    blocks = sum(len(getattr(e, "block_hashes", ())) for b in batches for e in b.events)
+    best = 0.0
+    for _ in range(3):
+        index = _new_index(layout)
+        gc.collect()
+        t0 = time.perf_counter()
+        for b in batches:
+            index.apply_batch("e0", b)
+        best = max(best, n / (time.perf_counter() - t0))
+    print(f"small batches: {n:,} allocator batches ({events / n:.1f} events, {blocks / n:.1f} block events, "
+          f"{sum(map(len, payloads)) / n:.0f} B each), apply only: {best:,.0f} batches/s = "
+          f"{best * blocks / n / 1e6:.2f} M block events/s")
+
+
+def bench_snapshot(n_blocks: int, layout: str, sources: int = 8) -> None:
+    """A ``n_blocks``-block index of ``sources`` sources (chains of 64 blocks, each held by
+    one source, every 8th chain by two): ``dump()`` and ``load()`` wall time."""
+    if layout == "reference":
+        return
+    rnd = random.Random(4)
+    index = _new_index(layout)
+    made = 0
+    c = 0
+    while made < n_blocks:
+        hashes = [rnd.getrandbits(63) + 1 for _ in range(64)]
+        toks = [rnd.randrange(50_000) for _ in range(64 * BS)]
+        ev = KVEventBatch(0.0, [BlockStored(hashes, None, toks, BS, None, "GPU", None)])
+        index.apply_batch(f"e{c % sources}", ev)
+        if c % 8 == 0:
+            index.apply_batch(f"e{(c + 1) % sources}", ev)
+        made += 64
+        c += 1
+    gc.collect()
+    t0 = time.perf_counter()
+    data = index.dump(cursors={f"e{s}": s for s in range(sources)})
+    t_dump = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    again = type(index).load(data)
+    t_load = time.perf_counter() - t0
+    assert again.sources == index.sources
+    print(f"snapshot of {made:,} blocks x {sources} sources: dump {t_dump:.3f} s, load {t_load:.3f} s, "
+          f"{len(data) / 2**20:.1f} MiB ({len(data) / made:.1f} B/block)")
+
+
 def _time_ns(fn) -> int:
     t0 = time.perf_counter_ns()
     fn()
@@ -223,7 +304,9 @@ def main() -> None:
             if layout == "engine":
                 print(f"-- scoring with BlockHasher({hasher!r})")
             bench_score(iters=200 if a.quick else 2000, layout=layout, hasher=hasher)
+        bench_small_batches(2_000 if a.quick else 20_000, layout)
         n = 100_000 if a.quick else 1_000_000
+        bench_snapshot(n, layout)
         for sharers in (1, 8, 64):
             bench_memory(n, sharers, layout)
 

@@ -335,13 +335,15 @@ class KVIndex(_IndexCore):
         """Token keying's ingest loop."""
         young = self._table
         assert isinstance(young, ArrayBlockTable)
-        yidx, yks, yvs, ymask, ysh = young.idx, young.ks, young.vs, young.mask, young.shift
+        yidx, yks, yvs, ymask, ysh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
         gpu = self._held[0]
         href = self._href
         bit = s.bit
         fast_removed = 0
+        killed = 0
         copies = self._copies  # never rebound, only mutated
         slot = s.slot
+        MIX, M64, EMPTY = _MIX, _M64, _EMPTY
         for ev in events:
             cls = type(ev)
             if cls is BlockRemoved:
@@ -349,19 +351,18 @@ class KVIndex(_IndexCore):
                 # in the block table's columns (probed here: a method call per block would
                 # cost more than the rest of the removal).
                 hs = ev.block_hashes
-                if (len(hs) == 1 and not ev.group_idx and (ev.medium == "GPU" or ev.medium is None)
+                medium = ev.medium
+                if (len(hs) == 1 and not ev.group_idx and (medium == "GPU" or medium is None)
                         and not (copies and (hs[0], slot, 0) in copies)):
                     eh = hs[0]
-                    if type(eh) is int and 0 < eh <= _M64:
-                        h = ((eh * _MIX) & _M64) >> ysh
-                        while True:
-                            j = yidx[h]
-                            if j >= 0:
-                                if yks[j] == eh:
-                                    break
-                            elif j == _EMPTY:
+                    if type(eh) is int:  # any int: one outside the u64 columns is not found
+                        h = ((eh * MIX) & M64) >> ysh
+                        j = yidx[h]
+                        while j >= 0:  # EMPTY is -1; deletion leaves no other marker
+                            if yks[j] == eh:
                                 break
                             h = (h + 1) & ymask
+                            j = yidx[h]
                         if j >= 0:
                             rk = yvs[j]
                             m = gpu.get(rk, 0)
@@ -376,8 +377,19 @@ class KVIndex(_IndexCore):
                                     if n > 1:
                                         href[eh] = n
                                 else:
-                                    young._kill(h, j)
+                                    # young._kill(h, j), inline; the counts are settled below.
+                                    yks[j] = 0
+                                    dead.append(j)
+                                    killed += 1
+                                    if yidx[(h + 1) & ymask] == EMPTY:
+                                        yidx[h] = EMPTY  # the end of its cluster: nothing moves back
+                                    else:
+                                        young._close(h)
                                 continue
+            if killed:
+                young.n -= killed
+                young.used -= killed
+                killed = 0
             try:
                 if cls is BlockStored:
                     self._stored(s, ev)
@@ -392,7 +404,10 @@ class KVIndex(_IndexCore):
                 self.stats.rejected_events += 1
                 _log.debug("source %s: skipped a malformed event: %s", s.name, exc)
             # The slow paths may have grown (rebuilt) the block table's columns.
-            yidx, yks, yvs, ymask, ysh = young.idx, young.ks, young.vs, young.mask, young.shift
+            yidx, yks, yvs, ymask, ysh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
+        if killed:
+            young.n -= killed
+            young.used -= killed
         if fast_removed:
             s.count[0] -= fast_removed
             self.stats.removed_blocks += fast_removed
@@ -522,7 +537,8 @@ class KVIndex(_IndexCore):
             return
         if type(hashes[0]) is not int or type(ev.parent_block_hash) is bytes:
             _check_hash_sizes(hashes, ev.parent_block_hash)
-        t = self._store_tier(s, ev.medium)
+        medium = ev.medium
+        t = 0 if medium == "GPU" or medium is None else self._store_tier(s, medium)
         if t < 0:
             self.stats.rejected_media += n
             return
@@ -553,7 +569,7 @@ class KVIndex(_IndexCore):
             self._per_mask[per] = self._per_mask.get(per, 0) | s.bit
         parent = ev.parent_block_hash
         extra = ev.extra_keys
-        if extra:
+        if extra and (len(extra) != n or extra.count(None) != n):  # vLLM sends [None] * n
             salt, extras = event_block_extras(extra, ev.lora_name, n, per, R, parent is None)
         else:
             salt, extras = None, None
@@ -567,7 +583,24 @@ class KVIndex(_IndexCore):
                 self.stats.reannounced_blocks += n
                 return
         else:
-            pv = young.get(parent)
+            if type(parent) is int:
+                # young.get(parent), probed inline (one method call less per event).
+                yidx, yks = young.idx, young.ks
+                ymask = young.mask
+                h = ((parent * _MIX) & _M64) >> young.shift
+                while True:
+                    j = yidx[h]
+                    if j >= 0:
+                        if yks[j] == parent:
+                            pv = young.vs[j]
+                            break
+                    elif j == _EMPTY:
+                        other = young.other
+                        pv = other.get(parent) if other else None
+                        break
+                    h = (h + 1) & ymask
+            else:
+                pv = young.get(parent)
             if pv is None:
                 self._store_unlinked_run(s, ev, pack_tokens(toks), per, extras, t, g)
                 return
@@ -576,10 +609,14 @@ class KVIndex(_IndexCore):
             self._touched.update(hashes)  # a store refreshes the TTL
         raw = pack_tokens(toks)
         keys = chain_keys(raw, n * per, R, seed, extras)
-        held = self._held[t]
+        hl = self._held
+        held = hl[t]
         bit = s.bit
         fam = self._per_mask[per]
-        others = [h for i, h in enumerate(self._held) if i != t and h]
+        if t == 0 and len(hl) == 2:
+            others = [hl[1]] if hl[1] else []
+        else:
+            others = [h for i, h in enumerate(hl) if i != t and h]
         unl = self._unl
         waiting = self._waiting
         fast = per == 1 and g == 0
@@ -587,52 +624,45 @@ class KVIndex(_IndexCore):
         step = 4 * R * per
         start = 0
         v: int | tuple[int, ...]  # a block's router key, or its keys when per > 1
-        if fast and not others and not unl and not waiting and not young.other:
-            # The common case (one key per block, one tier, nothing unlinked or aging):
-            # new blocks whose keys no other hash of the family holds are installed here,
-            # probing the block table's columns inline; the general loop below takes over
-            # at the first block that is anything else.
+        if fast:
+            try:
+                fast = type(hashes[0]) is int and min(hashes) > 0 and max(hashes) <= _M64
+            except TypeError:  # bytes among ints
+                fast = False
+        if fast:
+            # The common case (one key per block, group 0, int hashes): new blocks whose
+            # keys no other hash of the family holds are installed here, probing the block
+            # table's columns inline; the general loop below takes over at the first block
+            # that is anything else (known, crowded, unlinked, a parent others wait for).
+            if young.room() < n:
+                young.reserve(n)
             idx, ks, vs, mask, sh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
-            room = young.room()
-            used0 = room
+            other = young.other
+            MIX, M64, EMPTY, MAXP = _MIX, _M64, _EMPTY, _MAX_PROBE
             for eh, v in zip(hashes, keys):
-                if type(eh) is not int or not 0 < eh <= _M64:
-                    break
-                if room <= 0:
-                    young.used += used0 - room
-                    young.n += start - added
-                    added = start
-                    young._grow()
-                    idx, ks, vs, mask, sh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
-                    room = used0 = young.room()
-                h = ((eh * _MIX) & _M64) >> sh
+                h = h0 = ((eh * MIX) & M64) >> sh
                 j = idx[h]
-                if j == _EMPTY:  # the usual case: a free home slot
-                    free = h
-                    room -= 1
-                else:
-                    free = -1
-                    d = 0
-                    while True:
-                        if j >= 0:
-                            if ks[j] == eh:
-                                break
-                        elif j == _EMPTY:
+                if j != EMPTY:
+                    # Positions are >= 0, EMPTY is -1 (deletion leaves no other marker).
+                    while j >= 0:
+                        if ks[j] == eh:
                             break
-                        elif free < 0:
-                            free = h
                         h = (h + 1) & mask
-                        d += 1
                         j = idx[h]
-                    if j >= 0 or (d > _MAX_PROBE and free < 0):
-                        break  # known already, or a crowded slot: the general loop handles it
-                    if free < 0:
-                        free = h
-                        room -= 1
+                    if j >= 0 or (h - h0) & mask > MAXP:
+                        break  # known already, or a crowded slot
+                if other and eh in other:
+                    break
                 m = held.get(v, 0)
                 if m & fam:
-                    if j == _EMPTY and free == h:
-                        room += 1
+                    break
+                if others:
+                    anym = 0
+                    for oh in others:
+                        anym |= oh.get(v, 0)
+                    if anym & fam:
+                        break
+                if (unl and eh in unl) or (waiting and eh in waiting):
                     break
                 if dead:
                     j = dead.pop()
@@ -642,11 +672,11 @@ class KVIndex(_IndexCore):
                     j = len(ks)
                     ks.append(eh)
                     vs.append(v)
-                idx[free] = j
+                idx[h] = j
                 held[v] = m | bit if m else bit
                 start += 1
-            young.used += used0 - room
-            young.n += start - added
+            young.used += start
+            young.n += start
             added = start
         for i in range(start, n):
             eh = hashes[i]

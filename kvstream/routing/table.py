@@ -113,16 +113,22 @@ class ArrayBlockTable:
         self.used = len(ks)  # index slots that are not EMPTY (live + DUMMY)
         self.free: list[int] = []  # dead dense positions, reused by inserts
 
-    def _grow(self) -> None:
+    def _grow(self, extra: int = 0) -> None:
         """The index is 3/4 used (live + deleted slots): drop dead entries and re-index
-        in a table of at least twice the live entries."""
+        in a table of at least twice the live entries (with room for ``extra`` more)."""
         ks, vs = self.ks, self.vs
         if self.n != len(ks):
             ks, vs = array("Q", compress(ks, ks)), array("Q", compress(vs, ks))
         bits = 3
-        while (1 << bits) < 2 * max(self.n, 3):
+        while (1 << bits) < 2 * max(self.n, 3) or 3 * (1 << bits) // 4 - self.n < extra:
             bits += 1
         self._build(ks, vs, bits)
+
+    def reserve(self, k: int) -> None:
+        """Make room for ``k`` inserts without a rebuild (an inline prober reloads the
+        columns after this)."""
+        if self.room() < k:
+            self._grow(k)
 
     def room(self) -> int:
         """Inserts possible before the index must be rebuilt (:meth:`_grow`)."""
@@ -240,12 +246,18 @@ class ArrayBlockTable:
         without tombstones: later entries of the cluster that may not sit beyond the hole
         move back into it (Knuth's algorithm R), so deletions never fill the index and
         churn never forces a rebuild."""
-        ks = self.ks
-        ks[j] = 0
+        self.ks[j] = 0
         self.free.append(j)
         self.n -= 1
         self.used -= 1
+        self._close(h)
+
+    def _close(self, h: int) -> None:
+        """Empty index slot ``h`` (its entry is gone), moving later entries of its cluster
+        back (the second half of :meth:`_kill`, for inline deleters)."""
+        ks = self.ks
         idx, m, sh = self.idx, self.mask, self.shift
+        MIX, M64 = _MIX, _M64
         i = h
         k = h
         while True:
@@ -253,7 +265,7 @@ class ArrayBlockTable:
             e = idx[k]
             if e < 0:
                 break
-            home = ((ks[e] * _MIX) & _M64) >> sh
+            home = ((ks[e] * MIX) & M64) >> sh
             # The entry at k may move to the hole i unless its home lies cyclically in (i, k].
             if (home <= i or home > k) if i <= k else (home <= i and home > k):
                 idx[i] = e
