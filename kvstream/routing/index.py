@@ -344,6 +344,7 @@ class KVIndex(_IndexCore):
         copies = self._copies  # never rebound, only mutated
         slot = s.slot
         MIX, M64, EMPTY = _MIX, _M64, _EMPTY
+        nursery = young.young  # never rebound
         for ev in events:
             cls = type(ev)
             if cls is BlockRemoved:
@@ -355,7 +356,9 @@ class KVIndex(_IndexCore):
                 if (len(hs) == 1 and not ev.group_idx and (medium == "GPU" or medium is None)
                         and not (copies and (hs[0], slot, 0) in copies)):
                     eh = hs[0]
-                    if type(eh) is int:  # any int: one outside the u64 columns is not found
+                    rk = nursery.get(eh)
+                    j = -2  # in the nursery (a dict): no array slot
+                    if rk is None and type(eh) is int:  # any int: one outside the u64 columns is not found
                         h = ((eh * MIX) & M64) >> ysh
                         j = yidx[h]
                         while j >= 0:  # EMPTY is -1; deletion leaves no other marker
@@ -365,27 +368,30 @@ class KVIndex(_IndexCore):
                             j = yidx[h]
                         if j >= 0:
                             rk = yvs[j]
-                            m = gpu.get(rk, 0)
-                            if m & bit:
-                                if m == bit:
-                                    del gpu[rk]
+                    if rk is not None:
+                        m = gpu.get(rk, 0)
+                        if m & bit:
+                            if m == bit:
+                                del gpu[rk]
+                            else:
+                                gpu[rk] = m ^ bit
+                            fast_removed += 1
+                            if href and eh in href:
+                                n = href.pop(eh) - 1
+                                if n > 1:
+                                    href[eh] = n
+                            elif j == -2:
+                                del nursery[eh]
+                            else:
+                                # young._kill(h, j), inline; the counts are settled below.
+                                yks[j] = 0
+                                dead.append(j)
+                                killed += 1
+                                if yidx[(h + 1) & ymask] == EMPTY:
+                                    yidx[h] = EMPTY  # the end of its cluster: nothing moves back
                                 else:
-                                    gpu[rk] = m ^ bit
-                                fast_removed += 1
-                                if href and eh in href:
-                                    n = href.pop(eh) - 1
-                                    if n > 1:
-                                        href[eh] = n
-                                else:
-                                    # young._kill(h, j), inline; the counts are settled below.
-                                    yks[j] = 0
-                                    dead.append(j)
-                                    killed += 1
-                                    if yidx[(h + 1) & ymask] == EMPTY:
-                                        yidx[h] = EMPTY  # the end of its cluster: nothing moves back
-                                    else:
-                                        young._close(h)
-                                continue
+                                    young._close(h)
+                            continue
             if killed:
                 young.n -= killed
                 young.used -= killed
@@ -583,7 +589,10 @@ class KVIndex(_IndexCore):
                 self.stats.reannounced_blocks += n
                 return
         else:
-            if type(parent) is int:
+            pv = young.young.get(parent)
+            if pv is not None:
+                pass
+            elif type(parent) is int:
                 # young.get(parent), probed inline (one method call less per event).
                 yidx, yks = young.idx, young.ks
                 ymask = young.mask
@@ -629,28 +638,29 @@ class KVIndex(_IndexCore):
                 fast = type(hashes[0]) is int and min(hashes) > 0 and max(hashes) <= _M64
             except TypeError:  # bytes among ints
                 fast = False
-        if fast:
+        if fast and young.cap:
             # The common case (one key per block, group 0, int hashes): new blocks whose
             # keys no other hash of the family holds are installed here, probing the block
             # table's columns inline; the general loop below takes over at the first block
             # that is anything else (known, crowded, unlinked, a parent others wait for).
-            if young.room() < n:
-                young.reserve(n)
-            idx, ks, vs, mask, sh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
+            nursery = young.young
+            probe = young.n  # the arrays hold entries: absence needs a probe there too
+            idx, ks, mask, sh = young.idx, young.ks, young.mask, young.shift
             other = young.other
-            MIX, M64, EMPTY, MAXP = _MIX, _M64, _EMPTY, _MAX_PROBE
+            MIX, M64 = _MIX, _M64
             for eh, v in zip(hashes, keys):
-                h = h0 = ((eh * MIX) & M64) >> sh
-                j = idx[h]
-                if j != EMPTY:
-                    # Positions are >= 0, EMPTY is -1 (deletion leaves no other marker).
-                    while j >= 0:
+                if eh in nursery:
+                    break  # known already
+                if probe:
+                    h = ((eh * MIX) & M64) >> sh
+                    j = idx[h]
+                    while j >= 0:  # EMPTY is -1; deletion leaves no other marker
                         if ks[j] == eh:
                             break
                         h = (h + 1) & mask
                         j = idx[h]
-                    if j >= 0 or (h - h0) & mask > MAXP:
-                        break  # known already, or a crowded slot
+                    if j >= 0:
+                        break  # known already
                 if other and eh in other:
                     break
                 m = held.get(v, 0)
@@ -664,19 +674,11 @@ class KVIndex(_IndexCore):
                         break
                 if (unl and eh in unl) or (waiting and eh in waiting):
                     break
-                if dead:
-                    j = dead.pop()
-                    ks[j] = eh
-                    vs[j] = v
-                else:
-                    j = len(ks)
-                    ks.append(eh)
-                    vs.append(v)
-                idx[h] = j
+                nursery[eh] = v
                 held[v] = m | bit if m else bit
                 start += 1
-            young.used += start
-            young.n += start
+            if len(nursery) > young.cap:
+                young.settle(len(nursery) - young.cap + 256)
             added = start
         for i in range(start, n):
             eh = hashes[i]

@@ -18,7 +18,13 @@ iteration follows the columns (insertion order, except for reused positions). An
 else (key 0, bytes keys, tuple values) goes to a plain dict beside it, so the table accepts
 whatever a dict would.
 
-The price is Python-level probing: a method call costs ~0.2-0.4 us instead of ~0.05 us
+New entries first go to a *nursery*, a plain dict of at most ``nursery`` entries (default
+:data:`NURSERY`); when it is full its oldest 256 entries move into the arrays. A block that is
+removed while in the nursery (most blocks of a pool smaller than the nursery) never
+touches the arrays, so it costs what a dict costs; the nursery adds ~50 bytes per entry it
+holds (~0.5 bytes per entry of a 10**6-entry table).
+
+The price of the arrays is Python-level probing: a method call costs ~0.2-0.4 us instead of ~0.05 us
 for a dict, so the index's hot loops probe the columns inline (the layout is part of
 this module's contract: ``idx``, ``ks``, ``vs``, ``mask``, ``shift``, ``n``, and the
 ``free``, ``used`` and the ``_EMPTY`` marker; :meth:`ArrayBlockTable.room` before an inline
@@ -29,8 +35,8 @@ from __future__ import annotations
 
 import sys
 from array import array
-from itertools import compress
-from typing import Any, Iterable, Iterator, Protocol
+from itertools import compress, islice
+from typing import Any, Final, Iterable, Iterator, Protocol
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of key*MIX mod 2**64 pick the slot
 _MAX_PROBE = 24
@@ -41,6 +47,9 @@ _M64 = (1 << 64) - 1
 _EMPTY = -1
 _DUMMY = -2  # never written now (deletion shifts the cluster back); probes still skip it
 _MISSING: Any = object()
+NURSERY: Final = 8192
+"""Entries an :class:`ArrayBlockTable` keeps in its dict nursery before moving them to the
+arrays (see the module docstring)."""
 
 
 class BlockTable(Protocol):
@@ -76,10 +85,12 @@ class BlockTable(Protocol):
 class ArrayBlockTable:
     """The in-memory :class:`BlockTable` over arrays; see the module docstring."""
 
-    __slots__ = ("idx", "ks", "vs", "shift", "mask", "n", "used", "free", "other")
+    __slots__ = ("idx", "ks", "vs", "shift", "mask", "n", "used", "free", "other", "young", "cap")
 
-    def __init__(self) -> None:
+    def __init__(self, nursery: int = NURSERY) -> None:
         self.other: dict[Any, Any] = {}
+        self.young: dict[Any, Any] = {}  # the nursery: newest entries, oldest first
+        self.cap = nursery
         self.n = 0  # live array entries
         self._build(array("Q"), array("Q"), 3)
 
@@ -157,7 +168,8 @@ class ArrayBlockTable:
         bytes hash of up to 64 bytes and an int value)."""
         return (sys.getsizeof(self.idx) + sys.getsizeof(self.ks) + sys.getsizeof(self.vs)
                 + sys.getsizeof(self.free) + 28 * len(self.free)
-                + sys.getsizeof(self.other) + 136 * len(self.other))
+                + sys.getsizeof(self.other) + 136 * len(self.other)
+                + sys.getsizeof(self.young) + 40 * len(self.young))
 
     def _put(self, h: int, key: int, value: int, was_empty: bool) -> None:
         """Store a new entry at index slot ``h`` (EMPTY or DUMMY), reusing a dead dense
@@ -198,6 +210,11 @@ class ArrayBlockTable:
             d += 1
 
     def get(self, key: Any, default: Any = None) -> Any:
+        young = self.young
+        if young:
+            v = young.get(key, _MISSING)
+            if v is not _MISSING:
+                return v
         if type(key) is int and 0 < key <= _M64:
             idx, ks = self.idx, self.ks
             m = self.mask
@@ -223,6 +240,25 @@ class ArrayBlockTable:
         return v
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        young = self.young
+        if key in young:
+            young[key] = value
+            return
+        if self.cap and type(key) is int and type(value) is int and self.get(key, _MISSING) is _MISSING:
+            young[key] = value
+            if len(young) > self.cap:
+                self.settle(len(young) - self.cap + 256)  # in small steps: short pauses
+            return
+        self._set_old(key, value)
+
+    def settle(self, k: int) -> None:
+        """Move the ``k`` oldest nursery entries into the arrays."""
+        young = self.young
+        for key in list(islice(young, k)):
+            self._set_old(key, young.pop(key))
+
+    def _set_old(self, key: Any, value: Any) -> None:
+        """``self[key] = value`` in the arrays (or the fallback dict), never the nursery."""
         if type(key) is int and 0 < key <= _M64:
             h, j = self._slot(key)
             if type(value) is int and 0 <= value <= _M64:
@@ -273,6 +309,11 @@ class ArrayBlockTable:
         idx[i] = _EMPTY
 
     def pop(self, key: Any, default: Any = _MISSING) -> Any:
+        young = self.young
+        if young:
+            v = young.pop(key, _MISSING)
+            if v is not _MISSING:
+                return v
         if type(key) is int and 0 < key <= _M64:
             idx, ks = self.idx, self.ks
             m = self.mask
@@ -316,14 +357,15 @@ class ArrayBlockTable:
         self.pop(key)
 
     def __len__(self) -> int:
-        return self.n + len(self.other)
+        return self.n + len(self.other) + len(self.young)
 
     def __bool__(self) -> bool:
-        return bool(self.n or self.other)
+        return bool(self.n or self.other or self.young)
 
     def __iter__(self) -> Iterator[Any]:
         yield from compress(self.ks, self.ks)
         yield from self.other
+        yield from self.young
 
     def keys(self) -> Iterator[Any]:
         return iter(self)
@@ -332,17 +374,36 @@ class ArrayBlockTable:
         ks = self.ks
         yield from compress(zip(ks, self.vs), ks)
         yield from self.other.items()
+        yield from self.young.items()
 
     def export_u64(self) -> tuple[array, array, dict[Any, Any]]:
         ks = self.ks
         if self.n == len(ks):
-            return array("Q", ks), array("Q", self.vs), dict(self.other)
-        return array("Q", compress(ks, ks)), array("Q", compress(self.vs, ks)), dict(self.other)
+            k, v = array("Q", ks), array("Q", self.vs)
+        else:
+            k, v = array("Q", compress(ks, ks)), array("Q", compress(self.vs, ks))
+        other = dict(self.other)
+        young = self.young
+        if young:
+            try:
+                k.extend(young)
+                v.extend(young.values())
+            except (OverflowError, TypeError):
+                del k[len(k) - len(young):]
+                del v[len(v) - len(young):]
+                for key, value in young.items():
+                    if 0 < key <= _M64 and 0 <= value <= _M64:
+                        k.append(key)
+                        v.append(value)
+                    else:
+                        other[key] = value
+        return k, v, other
 
     def load_u64(self, keys: array, values: array, other: Iterable[tuple[Any, Any]] = ()) -> None:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         if len(keys):
+            self.settle(len(self.young))
             ks0, vs0 = self.export_u64()[:2]
             ks = ks0 + array("Q", keys)
             vs = vs0 + array("Q", values)
@@ -369,6 +430,8 @@ class ArrayBlockTable:
         in one call, so it probes without a method call per block."""
         idx, ks, vs, m, sh = self.idx, self.ks, self.vs, self.mask, self.shift
         other = self.other
+        if self.young:
+            other = {**other, **self.young}
         out: list[int] = []
         append = out.append
         for key in keys:
