@@ -635,7 +635,7 @@ class KVIndex(_IndexCore):
         v: int | tuple[int, ...]  # a block's router key, or its keys when per > 1
         if fast:
             try:
-                fast = type(hashes[0]) is int and min(hashes) > 0 and max(hashes) <= _M64
+                fast = type(hashes[0]) is int and min(hashes) > 0 and max(hashes) <= _M64  # type: ignore[operator]
             except TypeError:  # bytes among ints
                 fast = False
         if fast and young.cap:
@@ -652,7 +652,7 @@ class KVIndex(_IndexCore):
                 if eh in nursery:
                     break  # known already
                 if probe:
-                    h = ((eh * MIX) & M64) >> sh
+                    h = ((eh * MIX) & M64) >> sh  # type: ignore[operator]
                     j = idx[h]
                     while j >= 0:  # EMPTY is -1; deletion leaves no other marker
                         if ks[j] == eh:
