@@ -1353,13 +1353,12 @@ class KVIndex(_IndexCore):
                     others = [(h, h) for h, ok in zip(hs_all, u64) if not ok]
                 cols_k = array("Q")
             else:
-                get = held.get
-                ms = [get(v, 0) for v in cols_k]
+                ms = list(map(held.get, cols_k))  # None where not held in this medium
                 a1 = allow[1]
                 if a1 != everyone:
-                    ms = [m & a1 for m in ms]
+                    ms = [m & a1 if m else 0 for m in ms]
             if keep is not None:
-                ms = [m & keep for m in ms]
+                ms = [m & keep if m else 0 for m in ms]
             hs_t = array("Q", compress(cols_h, ms))
             ks_t = array("Q", compress(cols_k, ms)) if not engine else array("Q")
             ms_t = list(compress(ms, ms))
@@ -1486,6 +1485,11 @@ class KVIndex(_IndexCore):
                 f"snapshot holds blocks in {len(media)} media; an index tracks at most {self.MAX_MEDIA} "
                 f"({self.MAX_MEDIA_PER_SOURCE} per source)")
         p = sn.prepare(snap, tokens=not self._by_engine, router_block_size=self._R)  # validates: raises before any change
+        if len(self._table) or self._unl:
+            # Not the bulk path (which finds a listed-twice hash for free, holding nothing).
+            for medium, hs, _ks, _m in p.tiers:
+                if len(set(hs)) != len(hs):
+                    raise sn.SnapshotError(f"snapshot medium {medium!r}: a hash is listed twice (a damaged snapshot)")
         saved = copy.copy(self.stats)
         try:
             self._load_prepared(snap, p)
@@ -1534,6 +1538,10 @@ class KVIndex(_IndexCore):
             if self._by_engine:
                 if not held:
                     held.update(zip(hs, masks))
+                    if len(held) != len(hs):
+                        held.clear()
+                        raise sn.SnapshotError(
+                            f"snapshot medium {medium!r}: a hash is listed twice (a damaged snapshot)")
                 else:
                     for eh, m in zip(hs, masks):
                         old = held.get(eh, 0)
@@ -1547,7 +1555,11 @@ class KVIndex(_IndexCore):
                         held.clear()
                         bulk = False
                 if bulk:
-                    table.load_u64(hs, ks)
+                    try:
+                        table.load_u64(hs, ks)
+                    except ValueError as exc:
+                        held.clear()
+                        raise sn.SnapshotError(f"snapshot medium {medium!r}: a hash is listed twice or is 0 ({exc}; a damaged snapshot)") from None
                     for eh, m in zip(hs, masks):
                         if m & (m - 1):
                             href[eh] = m.bit_count()

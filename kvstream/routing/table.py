@@ -101,7 +101,8 @@ class ArrayBlockTable:
         sh = 64 - bits
         m = (1 << bits) - 1
         # Home slots in one comprehension (C-speed iteration), then the probing loop.
-        homes = [((key * _MIX) & _M64) >> sh for key in ks]
+        MIX, M64 = _MIX, _M64
+        homes = [((key * MIX) & M64) >> sh for key in ks]
         if check:
             for j, h in enumerate(homes):
                 e = idx[h]
