@@ -253,10 +253,40 @@ class ArrayBlockTable:
         self._set_old(key, value)
 
     def settle(self, k: int) -> None:
-        """Move the ``k`` oldest nursery entries into the arrays."""
+        """Move the ``k`` oldest nursery entries into the arrays (a nursery key is in
+        neither the arrays nor the fallback dict, so each only needs a free slot)."""
         young = self.young
-        for key in list(islice(young, k)):
-            self._set_old(key, young.pop(key))
+        items = list(islice(young.items(), k))
+        if not items:
+            return
+        self.reserve(len(items))
+        idx, ks, vs, m, sh, free = self.idx, self.ks, self.vs, self.mask, self.shift, self.free
+        other = self.other
+        MIX, M64, MAXP = _MIX, _M64, _MAX_PROBE
+        placed = 0
+        for key, value in items:
+            del young[key]
+            if type(key) is not int or not 0 < key <= M64 or type(value) is not int or not 0 <= value <= M64:
+                other[key] = value
+                continue
+            h = h0 = ((key * MIX) & M64) >> sh
+            while idx[h] >= 0:
+                h = (h + 1) & m
+            if (h - h0) & m > MAXP:
+                other[key] = value  # a crowded slot (crafted hashes): the dict beside
+                continue
+            if free:
+                j = free.pop()
+                ks[j] = key
+                vs[j] = value
+            else:
+                j = len(ks)
+                ks.append(key)
+                vs.append(value)
+            idx[h] = j
+            placed += 1
+        self.n += placed
+        self.used += placed
 
     def _set_old(self, key: Any, value: Any) -> None:
         """``self[key] = value`` in the arrays (or the fallback dict), never the nursery."""
