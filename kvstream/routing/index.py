@@ -1560,8 +1560,10 @@ class KVIndex(_IndexCore):
                     except ValueError as exc:
                         held.clear()
                         raise sn.SnapshotError(f"snapshot medium {medium!r}: a hash is listed twice or is 0 ({exc}; a damaged snapshot)") from None
-                    for eh, m in zip(hs, masks):
-                        if m & (m - 1):
+                    shared = {m for m in canon if m & (m - 1)}  # masks of two or more sources
+                    if shared:
+                        for eh, m in zip(compress(hs, map(shared.__contains__, masks)),
+                                         filter(shared.__contains__, masks)):
                             href[eh] = m.bit_count()
                 else:
                     for eh, v, m in zip(hs, ks, masks):
