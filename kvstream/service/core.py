@@ -33,7 +33,7 @@ from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.service.load import LoadBoard
 from kvstream.service.schema import ENCODER, EngineScore, LoadIn, RouteRequest, RouteResponse
 from kvstream.transport.items import SourceBatch, SourceReset
-from kvstream.transport.subscriber import SourceHealth, SourceSpec
+from kvstream.transport.subscriber import SourceHealth, SourceSpec, Subscriber
 from kvstream.observe.metrics import EngineSnapshot, IndexSnapshot, ServiceMetrics
 
 __all__ = ["ServiceCore", "Engine", "SubscriberLike", "DEFAULT_INDEX"]
@@ -131,8 +131,14 @@ class ServiceCore:
         it; later :meth:`add_engine` / :meth:`remove_engine` calls reach it at once."""
         self._sub = sub
         if sub is not None:
-            for e in self.engines.values():
-                sub.add_source(e.spec)
+            for name, e in self.engines.items():
+                seq = self._resume.get(name)
+                if seq is not None and isinstance(sub, Subscriber):
+                    # Resumed from a replica's dump: ask the replay socket only for what
+                    # came after (the seqs up to it are still skipped if they arrive live).
+                    sub.add_source(e.spec, start_seq=seq + 1)
+                else:
+                    sub.add_source(e.spec)
 
     def add_engine(self, spec: SourceSpec, index: str, *, http: str | None = None,
                    meta: dict[str, Any] | None = None) -> Engine:
