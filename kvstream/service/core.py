@@ -331,9 +331,10 @@ class ServiceCore:
 
     # -- POST /v1/route ----------------------------------------------------------------
 
-    def tokens_of(self, token_ids: list[int] | None, prompt: str | None) -> list[int]:
-        """The request's tokens: ``token_ids``, or ``prompt`` through the tokenizer;
-        checks every id is a uint32 and the size limit."""
+    def tokens_of(self, token_ids: list[int] | None, prompt: str | None) -> Sequence[int]:
+        """The request's tokens: ``token_ids`` as an ``array('I')`` (the check that every id
+        is a uint32 is the packing the router keys need, done once), or ``prompt`` through
+        the tokenizer; checks the size limit."""
         if (token_ids is None) == (prompt is None):
             raise ApiError(422, "bad_field", "give exactly one of token_ids and prompt", "$")
         if prompt is not None:
@@ -347,7 +348,7 @@ class ServiceCore:
         else:
             assert token_ids is not None
             try:
-                array("I", token_ids)  # every id a uint32 (C speed; the index packs them the same way)
+                packed = array("I", token_ids)  # every id a uint32 (C speed)
             except OverflowError:
                 i, bad = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t <= 0xFFFFFFFF)
                 raise ApiError(422, "bad_field", f"Expected `int` >= 0 and <= 4294967295 (a uint32 token id), "
@@ -356,7 +357,7 @@ class ServiceCore:
             raise ApiError(413, "too_large", f"the prompt has {len(token_ids)} tokens; the limit is "
                            f"{self.config.max_prompt_tokens} (--max-prompt-tokens)",
                            "$.prompt" if prompt is not None else "$.token_ids")
-        return token_ids
+        return token_ids if prompt is not None else packed
 
     def check_loads(self, loads: dict[str, Any] | None, index: str) -> dict[str, Load] | None:
         """Request loads as :class:`Load` s; every name must be an engine of ``index``."""
