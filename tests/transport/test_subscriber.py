@@ -460,3 +460,13 @@ async def test_add_source_with_a_start_seq_skips_what_the_caller_holds(tmp_path)
                 with pytest.raises(ValueError, match="start_seq must be >= 0"):
                     sub.add_source(SourceSpec(pub.endpoint, name="q"), start_seq=-1)
     assert [b.seq for b in batches_of(items)] == [4, 5]  # 0-3 were not asked for
+
+
+def test_a_start_seq_source_nobody_answers_stays_connecting_and_keeps_asking_its_anchor():
+    t = SourceTracker("s", has_replay=True, max_retries=2)
+    t.start(0.0, start_seq=5)
+    for _ in range(6):
+        _sent(t)
+        t.on_timeout()
+    req = t.inflight
+    assert (req.start, req.purpose) == (4, "anchor") and t.state == "connecting" and not t.stale
