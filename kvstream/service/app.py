@@ -180,7 +180,7 @@ class HotRoutes:
 
     async def _answer(self, route: tuple[Callable[[bytes], bytes], str], scope: Any, receive: Any,
                       send: Any) -> None:
-        handler, api = route
+        handler = route[0]
         status = 200
         try:
             body = await self._body(scope, receive)
