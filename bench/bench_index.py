@@ -24,6 +24,10 @@ apply), and <= 200 us median to score 4,096 tokens x 64 sources, all at once.
 5. Snapshots: ``dump()`` and ``load()`` of a 10**6-block index of 8 sources (a router
    replica's start), in seconds, and the snapshot's size.
 
+With ``--layout all`` (the default) the ingest cases run first with the default index and
+the reference alternating run by run (best of 3 each), so load drift on a shared machine
+hits both alike: those ratios are the gate's numbers.
+
 ``engine`` runs the same three on :class:`kvstream.routing.engine_index.EngineKeyIndex`
 (keyed by engine hashes): scoring once per hasher (native, xxhash, sha256_cbor), the
 prompt's engine hashes computed inside the timed call; memory with random 64-bit hashes
@@ -245,6 +249,31 @@ def bench_snapshot(n_blocks: int, layout: str, sources: int = 8) -> None:
           f"{len(data) / 2**20:.1f} MiB ({len(data) / made:.1f} B/block)")
 
 
+def bench_interleaved(n_blocks: int, n_small: int, rounds: int = 3) -> None:
+    """The default index against the reference, alternating run by run (best of ``rounds``
+    each), so machine load drifts hit both alike: decode + apply rates and their ratio."""
+    dec = EventDecoder()
+    cases = [(f"ingest decode+apply, {live:,} blocks live", _payloads(n_blocks, run=16, live_blocks=live), None)
+             for live in (4096, 65_536)]
+    small = _allocator_batches(n_small)
+    cases.append(("small allocator batches, decode+apply", small, None))
+    for label, payloads, _ in cases:
+        n = sum(len(getattr(e, "block_hashes", ())) for p in payloads for e in dec.decode(p).events)
+        best = {"default": 0.0, "reference": 0.0}
+        for _ in range(rounds):
+            for layout in best:
+                index = _new_index(layout)
+                gc.collect()
+                t0 = time.perf_counter()
+                for p in payloads:
+                    index.apply_batch("e0", dec.decode(p), now=0.0)
+                best[layout] = max(best[layout], n / (time.perf_counter() - t0))
+        print(f"{label}: kvstream {best['default'] / 1e6:.2f} M block events/s, reference "
+              f"{best['reference'] / 1e6:.2f} M/s, ratio {best['default'] / best['reference']:.2f}"
+              + (f" ({best['default'] * len(payloads) / n:,.0f} vs {best['reference'] * len(payloads) / n:,.0f} batches/s)"
+                 if payloads is small else ""))
+
+
 def _time_ns(fn) -> int:
     t0 = time.perf_counter_ns()
     fn()
@@ -298,6 +327,9 @@ def main() -> None:
                          "EngineKeyIndex, or all three")
     a = ap.parse_args()
     layouts = ("default", "reference", "engine") if a.layout == "all" else (a.layout,)
+    if a.layout == "all":
+        print("== KVIndex() against the reference, interleaved run by run (best of 3)")
+        bench_interleaved(200_000 if a.quick else 1_000_000, 2_000 if a.quick else 20_000)
     for layout in layouts:
         title = {"default": "KVIndex() (block table in arrays, key -> mask dicts)",
                  "reference": "reference: the previous KVIndex() layout (dicts), same process",
