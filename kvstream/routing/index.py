@@ -67,7 +67,7 @@ from kvstream.routing._core import (
     _Source,
 )
 from kvstream.routing.keying import EngineHashes, TokenKeys
-from kvstream.routing.table import _EMPTY, _M64, _MAX_PROBE, _MIX, ArrayBlockTable, BlockTable
+from kvstream.routing.table import _EMPTY, _M64, _MIX, ArrayBlockTable, BlockTable
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvstream.routing.keys import (
     KEY_MASK,
