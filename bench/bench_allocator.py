@@ -57,34 +57,63 @@ def bench_cache_full_blocks(events: bool = True, repeat: int = 200) -> float:
     return statistics.median(times)
 
 
-def breakdown(trace: list[Any]) -> dict[bool, dict[str, float]]:
-    """CPU seconds per request spent in each ``BlockPool`` method over the pool trace,
-    events off and on (``--breakdown``): where the events' cost lands. The methods are
-    wrapped for the run (a timer call each side of every call), so the sum exceeds the
-    plain replay's time; compare off with on."""
-    names = ("cached_prefix", "touch", "get_new_blocks", "cache_full_blocks", "free_blocks", "take_events")
-    saved = {name: getattr(BlockPool, name) for name in names}
-    acc: dict[str, int] = {}
+def _timed_methods(cls: Any, names: tuple[str, ...], acc: dict[str, int]) -> dict[str, Any]:
+    """Wrap ``cls``'s methods ``names`` with a thread-CPU timer adding into ``acc`` (ns);
+    returns the originals to restore. Each timed call also counts, so the timer's own
+    cost can be taken off (see :func:`_timer_cost`)."""
+    saved = {name: getattr(cls, name) for name in names}
+    clock = time.thread_time_ns
 
     def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.thread_time_ns
+        calls = name + "#"
 
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             t = clock()
-            out = fn(self, *args, **kwargs)
+            out = fn(*args, **kwargs)
             acc[name] = acc.get(name, 0) + clock() - t
+            acc[calls] = acc.get(calls, 0) + 1
             return out
         return call
 
+    for name, fn in saved.items():
+        setattr(cls, name, timed(name, fn))
+    return saved
+
+
+def _timer_cost() -> float:
+    """CPU ns one timed call adds inside its own measurement (a wrapped no-op, best of 5)."""
+    class _Nop:
+        def nop(self) -> None:
+            pass
+    acc: dict[str, int] = {}
+    _timed_methods(_Nop, ("nop",), acc)
+    nop = _Nop().nop
+    best = float("inf")
+    for _ in range(5):
+        acc.clear()
+        for _ in range(20_000):
+            nop()
+        best = min(best, acc["nop"] / 20_000)
+    return best
+
+
+def breakdown(trace: list[Any]) -> dict[bool, dict[str, float]]:
+    """CPU seconds per request spent in each ``BlockPool`` method over the pool trace,
+    events off and on (``--breakdown``): where the events' cost lands. The methods are
+    wrapped for the run (a timer call each side of every call; its own cost, measured on
+    a no-op, is taken off), so compare off with on."""
+    names = ("cached_prefix", "touch", "get_new_blocks", "cache_full_blocks", "free_blocks", "take_events")
+    acc: dict[str, int] = {}
+    cost = _timer_cost()
     out: dict[bool, dict[str, float]] = {}
+    saved = _timed_methods(BlockPool, names, acc)
     try:
-        for name, fn in saved.items():
-            setattr(BlockPool, name, timed(name, fn))
         for events in (False, True, False, True):
             acc.clear()
             workloads.run_kvstream_pool(trace, events, "v0.11")
             gc.collect()
-            got = {name: acc.get(name, 0) / 1e9 / len(trace) for name in names}
+            got = {name: max(0.0, acc.get(name, 0) - cost * acc.get(name + "#", 0)) / 1e9 / len(trace)
+                   for name in names}
             prev = out.get(events)
             out[events] = got if prev is None else {k: min(v, prev[k]) for k, v in got.items()}
     finally:
@@ -93,12 +122,52 @@ def breakdown(trace: list[Any]) -> dict[bool, dict[str, float]]:
     return out
 
 
+def manager_breakdown(trace: list[Any]) -> dict[str, float]:
+    """CPU seconds per request over the pool trace through ``KVCacheManager`` (events on,
+    precomputed hashes), best of 2 (``--breakdown``): each manager call (pool calls inside
+    included), each pool call it makes, the manager's own code (its calls minus the pool
+    calls inside), the replay loop's own code, and the total: where the manager's cost
+    over the bare pool goes. Timer costs (measured on a no-op) are taken off."""
+    from kvstream.allocator.manager import KVCacheManager
+
+    mnames = ("new_request", "admit", "decode", "free")
+    pnames = ("cached_prefix", "touch", "get_new_blocks", "cache_blocks_of", "free_blocks")
+    acc: dict[str, int] = {}
+    cost = _timer_cost()
+    best: dict[str, float] = {}
+    saved_m = _timed_methods(KVCacheManager, mnames, acc)
+    saved_p = _timed_methods(BlockPool, pnames + ("take_events",), acc)
+    try:
+        for _ in range(2):
+            acc.clear()
+            c0 = time.thread_time_ns()
+            workloads.run_kvstream_manager(trace, True, "v0.11", False)
+            total = time.thread_time_ns() - c0
+            gc.collect()
+            calls = {n: acc.get(n + "#", 0) for n in mnames + pnames + ("take_events",)}
+            inner = sum(calls[n] for n in pnames)  # pool calls, all made inside manager calls
+            got = {n: acc.get(n, 0) - cost * calls[n] for n in mnames + pnames + ("take_events",)}
+            # A manager call's time holds the pool calls inside it, each with its timer cost.
+            got["manager's own code"] = (sum(got[n] for n in mnames) - sum(got[n] for n in pnames)
+                                         - cost * inner)
+            got["total"] = total - cost * (sum(calls.values()) + inner)
+            got["replay loop"] = got["total"] - sum(got[n] for n in mnames) - got["take_events"]
+            for k, v in got.items():
+                best[k] = min(best.get(k, float("inf")), v / 1e9 / len(trace))
+    finally:
+        for name, fn in saved_m.items():
+            setattr(KVCacheManager, name, fn)
+        for name, fn in saved_p.items():
+            setattr(BlockPool, name, fn)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--repeat", type=int, default=3, help="replays per contender; the best is reported")
     ap.add_argument("--breakdown", action="store_true",
-                    help="only print the CPU time per BlockPool method, events off and on")
+                    help="only print the CPU time per BlockPool method (events off and on) and per KVCacheManager call")
     args = ap.parse_args()
     t = time.perf_counter()
     trace = workloads.make_trace(args.requests)
@@ -120,6 +189,15 @@ def main() -> None:
             off, on = parts[False][name] * 1e6, parts[True][name] * 1e6
             print(f"  {name:20s} {off:10.2f} {on:10.2f} {on - off:+8.2f}")
         print(f"  {'total':20s} {sum(parts[False].values()) * 1e6:10.2f} {sum(parts[True].values()) * 1e6:10.2f}")
+        gc.disable()
+        try:
+            mparts = manager_breakdown(trace)
+        finally:
+            gc.enable()
+        print("CPU us/request through KVCacheManager, events on (best of 2; manager calls include "
+              "the pool calls inside them):")
+        for name, v in mparts.items():
+            print(f"  {name:20s} {v * 1e6:10.2f}")
         return
 
     contenders: list[tuple[str, Callable[[], tuple[float, dict[str, Any]]]]] = []

@@ -970,8 +970,10 @@ class BlockPool:
         """The events recorded since the last call, in order (and forget them).
 
         The pool records compactly as it works and builds the event structs here, so the
-        cost of events lands on the step that takes them. The returned list and its
-        events belong to the caller.
+        cost of events lands on the step that takes them. Treat the events as read-only
+        values: a ``BlockStored``'s ``token_ids`` list is shared with the pool's record of
+        the run while any of its blocks is cached (:meth:`snapshot_events` re-announces
+        tokens from it).
         """
         pending = self._events
         if not pending:
