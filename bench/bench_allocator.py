@@ -123,42 +123,56 @@ def breakdown(trace: list[Any]) -> dict[bool, dict[str, float]]:
 
 
 def manager_breakdown(trace: list[Any]) -> dict[str, float]:
-    """CPU seconds per request over the pool trace through ``KVCacheManager`` (events on,
-    precomputed hashes), best of 2 (``--breakdown``): each manager call (pool calls inside
-    included), each pool call it makes, the manager's own code (its calls minus the pool
-    calls inside), the replay loop's own code, and the total: where the manager's cost
-    over the bare pool goes. Timer costs (measured on a no-op) are taken off."""
-    from kvstream.allocator.manager import KVCacheManager
+    """Where the manager's cost over the bare pool goes (``--breakdown``), CPU seconds per
+    request over the pool trace, events on, precomputed hashes, best of 2 interleaved runs.
+
+    * ``pool driver`` and ``manager``: the two replays, unwrapped; their difference is the
+      manager's extra cost.
+    * ``manager without <piece>``: the manager replay with one piece removed (the token-id
+      check of ``new_request``; the hit-rate window ``metrics.add``).
+    * ``<call> (wrapped)``: CPU inside each manager call, pool calls included (a thread-CPU
+      timer around every call, its cost measured on a no-op taken off).
+    """
+    from kvstream.allocator import manager as manager_mod
+    from kvstream.allocator.prefix_stats import PrefixCachingMetrics
+
+    def cpu(fn: Callable[[], Any]) -> float:
+        c = time.thread_time_ns()
+        fn()
+        return (time.thread_time_ns() - c) / 1e9 / len(trace)
+
+    check, add = manager_mod._check_token_ids, PrefixCachingMetrics.add
+    best: dict[str, float] = {}
+
+    def keep(name: str, v: float) -> None:
+        best[name] = min(best.get(name, float("inf")), v)
 
     mnames = ("new_request", "admit", "decode", "free")
-    pnames = ("cached_prefix", "touch", "get_new_blocks", "cache_blocks_of", "free_blocks")
     acc: dict[str, int] = {}
     cost = _timer_cost()
-    best: dict[str, float] = {}
-    saved_m = _timed_methods(KVCacheManager, mnames, acc)
-    saved_p = _timed_methods(BlockPool, pnames + ("take_events",), acc)
-    try:
-        for _ in range(2):
-            acc.clear()
-            c0 = time.thread_time_ns()
+    for _ in range(2):
+        keep("pool driver", cpu(lambda: workloads.run_kvstream_pool(trace, True, "v0.11")))
+        keep("manager", cpu(lambda: workloads.run_kvstream_manager(trace, True, "v0.11", False)))
+        try:
+            manager_mod._check_token_ids = lambda *a: None  # type: ignore[assignment]
+            keep("manager without the token-id check",
+                 cpu(lambda: workloads.run_kvstream_manager(trace, True, "v0.11", False)))
+            PrefixCachingMetrics.add = lambda *a: None  # type: ignore[assignment,method-assign]
+            keep("manager without the token-id check and metrics.add",
+                 cpu(lambda: workloads.run_kvstream_manager(trace, True, "v0.11", False)))
+        finally:
+            manager_mod._check_token_ids = check
+            PrefixCachingMetrics.add = add  # type: ignore[method-assign]
+        acc.clear()
+        saved = _timed_methods(manager_mod.KVCacheManager, mnames, acc)
+        try:
             workloads.run_kvstream_manager(trace, True, "v0.11", False)
-            total = time.thread_time_ns() - c0
-            gc.collect()
-            calls = {n: acc.get(n + "#", 0) for n in mnames + pnames + ("take_events",)}
-            inner = sum(calls[n] for n in pnames)  # pool calls, all made inside manager calls
-            got = {n: acc.get(n, 0) - cost * calls[n] for n in mnames + pnames + ("take_events",)}
-            # A manager call's time holds the pool calls inside it, each with its timer cost.
-            got["manager's own code"] = (sum(got[n] for n in mnames) - sum(got[n] for n in pnames)
-                                         - cost * inner)
-            got["total"] = total - cost * (sum(calls.values()) + inner)
-            got["replay loop"] = got["total"] - sum(got[n] for n in mnames) - got["take_events"]
-            for k, v in got.items():
-                best[k] = min(best.get(k, float("inf")), v / 1e9 / len(trace))
-    finally:
-        for name, fn in saved_m.items():
-            setattr(KVCacheManager, name, fn)
-        for name, fn in saved_p.items():
-            setattr(BlockPool, name, fn)
+        finally:
+            for name, fn in saved.items():
+                setattr(manager_mod.KVCacheManager, name, fn)
+        for n in mnames:
+            keep(f"{n} (wrapped)", (acc.get(n, 0) - cost * acc.get(n + "#", 0)) / 1e9 / len(trace))
+        gc.collect()
     return best
 
 
@@ -194,8 +208,8 @@ def main() -> None:
             mparts = manager_breakdown(trace)
         finally:
             gc.enable()
-        print("CPU us/request through KVCacheManager, events on (best of 2; manager calls include "
-              "the pool calls inside them):")
+        print(f"CPU us/request, KVCacheManager vs the bare pool driver, events on (best of 2; "
+              f"load average {os.getloadavg()[0]:.2f}):")
         for name, v in mparts.items():
             print(f"  {name:20s} {v * 1e6:10.2f}")
         return

@@ -519,22 +519,25 @@ class BlockPool:
         Emits nothing. Touching the null block or a block of another pool raises
         :class:`BlockPoolError` (nothing changes).
         """
-        n = 0
+        held = 0  # blocks already held (counted rather than the ones taken off the queue)
         for blk in blocks:
             if blk.pool is not self:
                 self._undo_touch(blocks, blk)
-            if blk.ref_cnt == 0:
-                # The null block always has ref_cnt 0, so this test finds it without a
-                # separate scan of every hit.
-                if blk.is_null:
-                    self._undo_touch(blocks, blk)
-                prev = blk.prev_free
-                nxt = blk.next_free
-                prev.next_free = nxt
-                nxt.prev_free = prev
-                n += 1
-            blk.ref_cnt += 1
-        self.free_block_queue.num_free_blocks -= n
+            r = blk.ref_cnt
+            if r:
+                blk.ref_cnt = r + 1
+                held += 1
+                continue
+            # The null block always has ref_cnt 0, so this test finds it without a
+            # separate scan of every hit.
+            if blk.is_null:
+                self._undo_touch(blocks, blk)
+            prev = blk.prev_free
+            nxt = blk.next_free
+            prev.next_free = nxt
+            nxt.prev_free = prev
+            blk.ref_cnt = 1
+        self.free_block_queue.num_free_blocks -= len(blocks) - held
 
     def _undo_touch(self, blocks: Sequence[KVCacheBlock], bad: KVCacheBlock) -> None:
         """Put back what touch did before meeting a bad block, then raise."""
@@ -568,19 +571,22 @@ class BlockPool:
         q = self.free_block_queue
         tail = q.tail
         old_last = last = tail.prev_free
-        n = 0
+        # No per-block index or count: blocks still held are counted (the rarer case), the
+        # linked ones follow from it, and a bad entry's index is recovered on the error path.
+        kept = 0
         unhashed: list[KVCacheBlock] | None = None
         if self._prepend_unhashed:
             unhashed = []
-            for i, blk in enumerate(blocks):
+            for blk in blocks:
                 if blk.pool is not self:
-                    self._undo_free(blocks, i, old_last, unhashed)
+                    self._undo_free(blocks, old_last, last, kept, unhashed)
                 r = blk.ref_cnt
                 if r > 1:
                     blk.ref_cnt = r - 1
+                    kept += 1
                     continue
                 if r <= 0:  # the null block's ref_cnt is always 0: one test catches both misuses
-                    self._undo_free(blocks, i, old_last, unhashed)
+                    self._undo_free(blocks, old_last, last, kept, unhashed)
                 blk.ref_cnt = 0
                 if blk.block_hash is None:
                     unhashed.append(blk)
@@ -588,23 +594,24 @@ class BlockPool:
                 last.next_free = blk
                 blk.prev_free = last
                 last = blk
-                n += 1
+            n = len(blocks) - kept - len(unhashed)
         else:
             # free_order "v0.11": the same loop, every block to the tail.
-            for i, blk in enumerate(blocks):
+            for blk in blocks:
                 if blk.pool is not self:
-                    self._undo_free(blocks, i, old_last, None)
+                    self._undo_free(blocks, old_last, last, kept, None)
                 r = blk.ref_cnt
                 if r > 1:
                     blk.ref_cnt = r - 1
+                    kept += 1
                     continue
                 if r <= 0:
-                    self._undo_free(blocks, i, old_last, None)
+                    self._undo_free(blocks, old_last, last, kept, None)
                 blk.ref_cnt = 0
                 last.next_free = blk
                 blk.prev_free = last
                 last = blk
-                n += 1
+            n = len(blocks) - kept
         if n:
             last.next_free = tail
             tail.prev_free = last
@@ -612,9 +619,19 @@ class BlockPool:
         if unhashed:
             q.prepend_n(unhashed)
 
-    def _undo_free(self, blocks: list[KVCacheBlock], failed_at: int, old_last: KVCacheBlock,
+    def _undo_free(self, blocks: list[KVCacheBlock], old_last: KVCacheBlock, last: KVCacheBlock, kept: int,
                    unhashed: list[KVCacheBlock] | None) -> None:
-        """Put back what free_blocks did before meeting a bad entry, then raise."""
+        """Put back what free_blocks did before meeting a bad entry, then raise.
+
+        The entries before the bad one were each kept (still held), linked after
+        ``old_last`` up to ``last``, or put aside as unhashed: their count is its index.
+        """
+        linked = 0
+        blk = old_last
+        while blk is not last:
+            blk = blk.next_free
+            linked += 1
+        failed_at = kept + linked + (len(unhashed) if unhashed is not None else 0)
         old_last.next_free = self.free_block_queue.tail
         for done in blocks[:failed_at]:
             done.ref_cnt += 1  # a block linked by this call is unlinked again above
