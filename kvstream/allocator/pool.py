@@ -456,23 +456,26 @@ class BlockPool:
             q.num_free_blocks -= 1
             h = blk.block_hash
             if h is not None:
-                g = blk.group_id
-                idx = self._index[g]
-                if idx.dups:
-                    idx.remove(h, blk)
+                idx0 = self._index[0]
+                if blk.group_id or idx0.dups:
+                    self._evict(blk, h)
                 else:
-                    del idx.first[h]  # HashIndex.remove's common case
-                if self.enable_kv_cache_events:
-                    self._events.append(h if not g else self._removed_now(h, g))
-                    blk.origin = None
+                    del idx0.first[h]  # HashIndex.remove's common case
+                    if self.enable_kv_cache_events:
+                        self._events.append(h)
                 blk.block_hash = None
+                blk.origin = None
             blk.ref_cnt = 1
             return [blk]
         ret: list[KVCacheBlock] = []
         if not num_blocks:
             return ret
         append = ret.append
-        index = self._index
+        # Group 0 without duplicate copies is the common case, inline (HashIndex.remove's
+        # common case); anything else goes through _evict.
+        idx0 = self._index[0]
+        first0 = idx0.first
+        dups0 = idx0.dups
         # A held block's queue links are stale and never read (only blocks with ref_cnt 0
         # are in the queue), so popping does not clear them: two stores less per block.
         if self.enable_kv_cache_events:
@@ -483,13 +486,11 @@ class BlockPool:
                 h = blk.block_hash
                 if h is not None:
                     # Lazy eviction: the block leaves the index only now that it is reused.
-                    g = blk.group_id
-                    idx = index[g]
-                    if idx.dups:
-                        idx.remove(h, blk)
+                    if blk.group_id or dups0:
+                        self._evict(blk, h)
                     else:
-                        del idx.first[h]  # HashIndex.remove's common case
-                    emit(h if not g else self._removed_now(h, g))  # built in take_events()
+                        del first0[h]
+                        emit(h)  # a BlockRemoved, built in take_events()
                     blk.block_hash = None
                     blk.origin = None
                 blk.ref_cnt = 1
@@ -499,11 +500,10 @@ class BlockPool:
             for _ in range(num_blocks):
                 h = blk.block_hash
                 if h is not None:
-                    idx = index[blk.group_id]
-                    if idx.dups:
-                        idx.remove(h, blk)
+                    if blk.group_id or dups0:
+                        self._evict(blk, h)
                     else:
-                        del idx.first[h]
+                        del first0[h]
                     blk.block_hash = None
                 blk.ref_cnt = 1
                 append(blk)
@@ -512,6 +512,18 @@ class BlockPool:
         blk.prev_free = head
         q.num_free_blocks -= num_blocks
         return ret
+
+    def _evict(self, blk: KVCacheBlock, h: bytes) -> None:
+        """Drop ``blk``'s index entry (any group, duplicates too) and record its removal;
+        the caller clears the block's hash."""
+        g = blk.group_id
+        idx = self._index[g]
+        if idx.dups:
+            idx.remove(h, blk)
+        else:
+            del idx.first[h]
+        if self.enable_kv_cache_events:
+            self._events.append(h if not g else self._removed_now(h, g))
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add a holder to each block (a prefix hit); a free one leaves the free queue.
