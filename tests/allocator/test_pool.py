@@ -420,3 +420,22 @@ def test_an_eviction_in_another_group_keeps_its_place_among_group_zero_events() 
         BlockRemoved(block_hashes=[_u64(g0[0])], medium="GPU", group_idx=0),
         BlockRemoved(block_hashes=[_u64(g1[0])], medium="GPU", group_idx=1),
     ]
+
+
+@pytest.mark.parametrize("order", ["v0.33", "v0.11"])
+def test_a_double_free_after_kept_linked_and_unhashed_blocks_changes_nothing(order: str) -> None:
+    pool = BlockPool(8, BS, free_order=order)
+    shared, cached, plain = pool.get_new_blocks(3)
+    pool.touch([shared])  # two holders: freeing once keeps it held
+    cache(pool, [cached], digests("c"))
+    pool.take_events()
+    before = state(pool)
+    links = [(b.prev_free, b.next_free) for b in pool.free_block_queue.blocks()]
+    with pytest.raises(BlockPoolError, match=f"block {cached.block_id} is already free"):
+        pool.free_blocks([shared, cached, plain, cached])
+    assert state(pool) == before
+    assert [(b.prev_free, b.next_free) for b in pool.free_block_queue.blocks()] == links
+    pool.check_invariants()
+    pool.free_blocks([shared, cached, plain])
+    pool.check_invariants()
+    assert shared.ref_cnt == 1 and cached.ref_cnt == 0 and plain.ref_cnt == 0
