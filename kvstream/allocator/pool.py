@@ -108,6 +108,14 @@ class KVCacheBlock:
         self.origin: tuple[Any, ...] | None = None
         self.pos = 0
 
+    @property
+    def ext_hash(self) -> int | bytes | None:
+        """The block's hash as its pool's events carry it (``hash_form``), None without a hash."""
+        h = self.block_hash
+        if h is None:
+            return None
+        return to_external(h, self.pool.hash_form if self.pool is not None else "int")
+
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:12] if self.block_hash is not None else None
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h}, group={self.group_id})"

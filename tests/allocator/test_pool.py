@@ -439,3 +439,12 @@ def test_a_double_free_after_kept_linked_and_unhashed_blocks_changes_nothing(ord
     pool.free_blocks([shared, cached, plain])
     pool.check_invariants()
     assert shared.ref_cnt == 1 and cached.ref_cnt == 0 and plain.ref_cnt == 0
+
+
+@pytest.mark.parametrize("form", ["int", "bytes"])
+def test_a_cached_blocks_ext_hash_is_its_hash_as_events_carry_it(form: str) -> None:
+    pool = BlockPool(4, BS, hash_form=form)
+    blk = pool.get_new_blocks(1)
+    assert blk[0].ext_hash is None
+    cache(pool, blk, digests("e"))
+    assert [blk[0].ext_hash] == pool.take_events()[0].block_hashes
