@@ -15,7 +15,9 @@ For every vLLM algorithm it prints microseconds per prompt for
   ``kv_cache_utils.py``) when the peer cache holds it (``bench/vllm_peer/fetch.py``);
 * kvstream's ``RequestBlockHasher.extend`` (the prompt in one call), and the ratio.
 
-and the same with 256 output tokens appended one call each (the incremental hasher).
+and the same with 256 output tokens appended one call each (the incremental hasher), and
+a floor: the digest calls alone on the naive loop's own serialized inputs (same lengths),
+which no hasher of that algorithm can beat.
 Digests are checked equal. Every prompt is timed alone, contenders alternate prompt by\nprompt, and the median per-prompt time counts (robust to bursts of load on a shared machine).
 Target (issue #13): >= 1.5x the naive loop for every vLLM algorithm on every input kind.
 """
@@ -55,6 +57,25 @@ def naive_hasher(algorithm: str) -> Callable[[Any], bytes]:
     if algorithm.startswith("sha256"):
         return lambda o: hashlib.sha256(ser(o)).digest()
     return lambda o: xxhash.xxh3_128_digest(ser(o))
+
+
+def naive_hasher_ser(algorithm: str) -> Callable[[Any], bytes]:
+    """The naive loop's serializer alone (for the floor: digests of the same inputs)."""
+    if algorithm.endswith("_cbor"):
+        return lambda o: cbor2.dumps(o, canonical=True)
+    return lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _naive_inputs(ser: Callable[[Any], bytes], tokens: list[int], root: bytes, size: int, decode: bool) -> list[bytes]:
+    """Every block's serialized input as the naive loop chains them (parents of the
+    algorithm's digest size; only the input lengths matter for the floor)."""
+    toks = list(tokens) + (DECODE if decode else [])
+    out, parent = [], root
+    for i in range(0, len(toks) - len(toks) % BS, BS):
+        b = ser((parent, tuple(toks[i : i + BS]), None))
+        out.append(b)
+        parent = hashlib.sha256(b).digest()[:size]
+    return out
 
 
 def naive_blocks(fn: Callable[[Any], bytes], tokens: list[int], parent: bytes) -> list[bytes]:
@@ -155,12 +176,25 @@ def main() -> None:
                             dt = (time.perf_counter() - t0) * 1e6
                             samples.setdefault((name, f"{kind} {mode}"), []).append(dt)
                 gc.enable()
+        # The floor: the digest calls alone, on the naive loop's own inputs (same lengths),
+        # with the serialization done beforehand. No hasher of these algorithms can go below it.
+        digest_only = xxhash.xxh3_128_digest if algorithm.startswith("xxhash") else (
+            lambda b: hashlib.sha256(b).digest())
+        for kind in workloads.HASH_KINDS:
+            for mode in MODES:
+                for p in workloads.hash_prompts(kind, args.prompts, seed=4242):
+                    inputs = _naive_inputs(naive_hasher_ser(algorithm), p, root, hasher.digest_size, mode == "+decode")
+                    t0 = time.perf_counter()
+                    for b in inputs:
+                        digest_only(b)
+                    samples.setdefault(("floor", f"{kind} {mode}"), []).append((time.perf_counter() - t0) * 1e6)
         best = {key: statistics.median(v) for key, v in samples.items()}
         cols = [f"{k} {m}" for k in workloads.HASH_KINDS for m in ("prompt", "+decode")]
         print(f"\n{algorithm}")
         print(f"  {'':22s}" + "".join(f"{c:>18s}" for c in cols))
-        for name in contenders:
-            print(f"  {name:22s}" + "".join(f"{best[(name, c)]:18.1f}" for c in cols))
+        for name in [*contenders, "floor"]:
+            label = "floor (digests only)" if name == "floor" else name
+            print(f"  {label:22s}" + "".join(f"{best[(name, c)]:18.1f}" for c in cols))
         for ref in contenders:
             if ref != "kvstream":
                 print(f"  {'x ' + ref:22s}" + "".join(f"{best[(ref, c)] / best[('kvstream', c)]:17.2f}x" for c in cols))

@@ -986,20 +986,19 @@ class RequestBlockHasher:
     def extend(self, new_token_ids: Iterable[int]) -> list[bytes]:
         """Append token ids; return the hashes of the blocks this call completed (maybe [])."""
         pending = self._pending
-        bs = self._bs
         if not pending and (type(new_token_ids) is list or type(new_token_ids) is tuple):
             # Nothing held back (a prompt, or a call that starts at a block boundary): hash
             # the caller's list where it is and keep only its partial tail, instead of
             # copying the whole prompt into the pending list and out again.
             count = len(new_token_ids)
-            full = count - count % bs
-            if full:
-                new = self._hash_full(new_token_ids, full)
-                if full < count:
-                    pending.extend(new_token_ids[full:])
-                return new
-            pending.extend(new_token_ids)
-            return []
+            full = count - count % self._bs
+            if not full:
+                pending.extend(new_token_ids)
+                return []
+            new = self._hash_full(new_token_ids, full)
+            if full < count:
+                pending.extend(new_token_ids[full:])
+            return new
         try:
             pending.extend(new_token_ids)
         except TypeError:
@@ -1008,7 +1007,8 @@ class RequestBlockHasher:
                 f"{new_token_ids!r:.40}; wrap a single token as [token]"
             ) from None
         after = len(pending)
-        if after < bs:
+        bs = self._bs
+        if after < bs:  # the usual decode step: no block completed
             return []
         hashes = self._hashes
         one = self._one
