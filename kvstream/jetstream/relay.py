@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import anyio
-import anyio.abc
 import anyio.lowlevel
 
 from kvstream.wire.events import EventDecoder
@@ -36,6 +35,7 @@ from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, hpub_op
 from kvstream.transport._ratelog import RateLimitedLog
 from kvstream.jetstream.config import StreamSettings
 from kvstream.jetstream.tracking import RelaySource
+from kvstream.transport.lifetime import Lifetime
 from kvstream.transport.subscriber import SourceSpec, Subscriber
 
 __all__ = ["Relay", "RelayStats"]
@@ -112,7 +112,7 @@ class Relay:
         """Per-source relay state (instance, position), by source name."""
         self._sub = Subscriber(self.specs, **subscriber_options)
         self._nc: Any = None
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._life = Lifetime()
         self._pending: dict[int, _Pending] = {}
         self._failed: dict[int, _Pending] = {}
         self._bytes = 0
@@ -138,37 +138,23 @@ class Relay:
         return self._sub
 
     async def __aenter__(self) -> "Relay":
-        self._nc = await connect(self.servers, name=self.name, timeout_s=self.connect_timeout_s)
-        try:
+        self._life = life = Lifetime()
+        async with life.opening():
+            self._nc = await connect(self.servers, name=self.name, timeout_s=self.connect_timeout_s)
+            life.on_close(self._nc.close)
             js = self._nc.jetstream()
             await ensure_stream(js, self.settings, update=self.update_stream)
             for spec in self.specs:
                 known = await self._position(js, spec.source)
                 self.sources[spec.source] = RelaySource(spec.source, known)
             self._inbox = self._nc.new_inbox()
-            await self._sub.__aenter__()
-        except BaseException:
-            await self._nc.close()
-            raise
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._connection, name="kvstream-relay-connection")
-        self._tg.start_soon(self._watch_acks, name="kvstream-relay-acks")
+            await life.enter(self._sub)
+            await life.start(self._connection, name="kvstream-relay-connection")
+            await life.start(self._watch_acks, name="kvstream-relay-acks")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        tg, self._tg = self._tg, None
-        try:
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-        finally:
-            try:
-                await self._sub.__aexit__(None, None, None)
-            finally:
-                nc, self._nc = self._nc, None
-                if nc is not None:
-                    await nc.close()
+        await self._life.aclose()
 
     # -- the data connection ---------------------------------------------------------------
 

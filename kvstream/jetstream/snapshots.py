@@ -25,12 +25,12 @@ import time
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 import anyio
-import anyio.abc
 
 from kvstream.jetstream import wire
 from kvstream.jetstream._nats import connect
 from kvstream.jetstream.config import NatsSource, parse_nats_url
 from kvstream.jetstream.tracking import SourceState
+from kvstream.transport.lifetime import Lifetime
 
 __all__ = ["SnapshotWriter", "load_snapshots", "bucket_name", "SnapshotIndex"]
 
@@ -89,31 +89,20 @@ class SnapshotWriter:
         self._done: dict[str, int] = {}
         self._nc: Any = None
         self._os: Any = None
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._life = Lifetime()
 
     async def __aenter__(self) -> "SnapshotWriter":
         spec: NatsSource = self.source.spec
-        self._nc = await connect(spec.url, name="kvstream-snapshots")
-        try:
+        self._life = life = Lifetime()
+        async with life.opening():
+            self._nc = await connect(spec.url, name="kvstream-snapshots")
+            life.on_close(self._nc.close)
             self._os = await _store(self._nc.jetstream(), spec.stream, create=True, replicas=self.replicas)
-        except BaseException:
-            await self._nc.close()
-            raise
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._loop, name="kvstream-snapshot-writer")
+            await life.start(self._loop, name="kvstream-snapshot-writer")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        tg, self._tg = self._tg, None
-        try:
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-        finally:
-            nc, self._nc = self._nc, None
-            if nc is not None:
-                await nc.close()
+        await self._life.aclose()
 
     async def _loop(self) -> None:
         while True:

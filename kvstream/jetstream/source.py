@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 import anyio
-import anyio.abc
 
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder
 from kvstream.jetstream import wire
@@ -37,6 +36,7 @@ from kvstream.jetstream.errors import JetStreamConfigError
 from kvstream.jetstream.tracking import SourceState, StreamSource
 from kvstream.transport.items import StreamItem
 from kvstream.transport.recovery import SourceCounters
+from kvstream.transport.lifetime import Lifetime
 from kvstream.transport.subscriber import SourceHealth
 
 __all__ = ["JetStreamSource", "ConsumerHealth"]
@@ -110,7 +110,7 @@ class JetStreamSource:
         if state:
             self._sseq = min(st.sseq for st in state.values())
         self._nc: Any = None
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._life = Lifetime()
         self._inbox = ""
         self._wire_out = bytearray()
         self._wire_wake = anyio.Event()
@@ -127,24 +127,19 @@ class JetStreamSource:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def __aenter__(self) -> "JetStreamSource":
-        self._nc = await connect(self.spec.url, name=self.name, reconnected_cb=self._on_reconnect)
-        self._closed = False
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._drive, name="kvstream-jetstream-consumer")
+        self._life = life = Lifetime()
+        async with life.opening():
+            self._nc = await connect(self.spec.url, name=self.name, reconnected_cb=self._on_reconnect)
+            life.on_close(self._nc.close)
+            self._closed = False
+            await life.start(self._drive, name="kvstream-jetstream-consumer")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self._closed = True
-        tg, self._tg = self._tg, None
         try:
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
+            await self._life.aclose()
         finally:
-            nc, self._nc = self._nc, None
-            if nc is not None:
-                await nc.close()
             w = self._out_wait
             if w is not None:
                 w.set()

@@ -19,12 +19,12 @@ import time
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import anyio
-import anyio.abc
 
 from kvstream.errors import LocalProtocolError
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.routing.index import KVIndex
 from kvstream.routing.scoring import Load, Policy, ScoreResult
+from kvstream.transport.lifetime import Lifetime
 from kvstream.transport.items import SourceBatch, SourceLive, SourceReset, SourceStale
 from kvstream.transport.subscriber import SourceHealth, SourceSpec, Subscriber
 
@@ -148,31 +148,21 @@ class Router:
         self._sub: Any = subscriber if subscriber is not None else Subscriber(specs, **subscriber_options)
         for s in specs:
             self.index.add_source(s.source)
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._life = Lifetime()
         self._applied: dict[str, int] = {}
         self._changed = anyio.Event()
         self.items_applied = 0
         """Subscriber items applied so far."""
 
     async def __aenter__(self) -> "Router":
-        await self._sub.__aenter__()
-        try:
-            self._tg = anyio.create_task_group()
-            await self._tg.__aenter__()
-            self._tg.start_soon(self._pump, name="kvstream-router-pump")
-        except BaseException:
-            await self._sub.__aexit__(None, None, None)
-            raise
+        self._life = life = Lifetime()
+        async with life.opening():
+            await life.enter(self._sub)
+            await life.start(self._pump, name="kvstream-router-pump")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        tg, self._tg = self._tg, None
-        try:
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-        finally:
-            await self._sub.__aexit__(None, None, None)
+        await self._life.aclose()
 
     async def _pump(self) -> None:
         index = self.index

@@ -17,12 +17,12 @@ from collections import deque
 from typing import Any
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 
 from kvstream.service.core import ServiceCore
 from kvstream.service.load import parse_vllm_metrics
 from kvstream.wire.mooncake import AnyFormatDecoder
+from kvstream.transport.lifetime import Lifetime
 from kvstream.transport.subscriber import Subscriber
 
 __all__ = ["ServiceRuntime"]
@@ -48,7 +48,7 @@ class ServiceRuntime:
 
     def __init__(self, core: ServiceCore, **subscriber_options: Any) -> None:
         self.core = core
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._life = Lifetime()
         cfg = core.config
         opts: dict[str, Any] = {"topic": cfg.topic, "replay_timeout_s": cfg.replay_timeout,
                                 "unknown_events": "skip"}
@@ -70,29 +70,21 @@ class ServiceRuntime:
     async def __aenter__(self) -> "ServiceRuntime":
         if self.core.config.peers:
             await self._load_from_peers(self.core.config.peers)
-        await self._sub.__aenter__()
-        try:
+        self._life = life = Lifetime()
+        async with life.opening():
+            await life.enter(self._sub)
             self.core.attach(self._sub)
-            self._tg = anyio.create_task_group()
-            await self._tg.__aenter__()
-            self._tg.start_soon(self._pump, name="kvstream-serve-pump")
+            life.on_close(self._detach)
+            await life.start(self._pump, name="kvstream-serve-pump")
             if self.core.config.load_interval > 0:
-                self._tg.start_soon(self._scrape_loop, name="kvstream-serve-scraper")
-        except BaseException:
-            self.core.attach(None)
-            await self._sub.__aexit__(None, None, None)
-            raise
+                await life.start(self._scrape_loop, name="kvstream-serve-scraper")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        tg, self._tg = self._tg, None
-        try:
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-        finally:
-            self.core.attach(None)
-            await self._sub.__aexit__(None, None, None)
+        await self._life.aclose()
+
+    async def _detach(self) -> None:
+        self.core.attach(None)
 
     async def _load_from_peers(self, peers: list[str]) -> None:
         """Load the index from the first replica whose ``/v1/dump`` answers (10 s each)."""
