@@ -215,17 +215,20 @@ def _cbor_token_runs(tokens: Sequence[int], block_size: int) -> tuple[bytes, Seq
     else:
         key_i |= fb(c2.translate(_KEY_B23), "little") | fb(c3.translate(_KEY_B23), "little")
     key = key_i.to_bytes(n, "little")
-    units = bytearray(10 * n)
-    units[0::10] = key.translate(_CBOR_HEAD)
+    # Low bytes first (5 bytes an id), widened to UTF-16 units by a latin-1 round trip
+    # (cheaper than writing every low byte into the 10-byte layout), then the high bytes.
+    low = bytearray(5 * n)
+    low[0::5] = key.translate(_CBOR_HEAD)
+    low[1::5] = c3
+    low[2::5] = c2
+    low[3::5] = c1
+    low[4::5] = c0
+    units = bytearray(low.decode("latin-1").encode("utf-16-le"))
     units[1::10] = key.translate(_DROP_HEAD)
     drop = key.translate(_DROP_B23)
-    units[2::10] = c3
     units[3::10] = drop
-    units[4::10] = c2
     units[5::10] = drop
-    units[6::10] = c1
     units[7::10] = key.translate(_DROP_B1)
-    units[8::10] = c0
     encoded = units.decode("utf-16-le").encode("latin-1", "ignore")
     blocks = n // block_size
     each = key.translate(_CBOR_SIZE)
