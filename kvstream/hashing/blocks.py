@@ -154,7 +154,6 @@ def _encode_int(n: int) -> bytes:
 #
 # Ids outside [0, 2**31) or not exact ints take cbor2 per block (vLLM's own serializer).
 
-_NONZERO = bytes([0] + [1] * 255)  # byte -> 1 if set
 _KEY_B0 = bytes([0] * 24 + [1] * 232)  # bit 0: b0 >= 24
 _KEY_B1 = bytes([0] + [2] * 255)  # bit 1: b1 != 0
 _KEY_B23 = bytes([0] + [4] * 255)  # bit 2: b2 or b3 != 0
