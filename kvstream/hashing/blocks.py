@@ -573,6 +573,10 @@ class BlockHasher:
             return []
         if not parent:
             parent = self.root
+        if n == 1 and extra_keys_per_block is None and self._one is not None and len(parent) == self.digest_size:
+            # One block (a short prompt): a single serialize + digest, no bulk setup.
+            chunk = tokens[:bs]
+            return [self._one(parent, chunk if type(chunk) is list or type(chunk) is tuple else list(chunk))]
         if self._cbor:
             return self._hash_cbor(tokens, n, parent, extra_keys_per_block)
         if self._serialize is not None:
@@ -925,6 +929,9 @@ class RequestExtraKeys:
         return found, cursor
 
 
+_NO_EXTRA_KEYS = RequestExtraKeys()
+
+
 # --------------------------------------------------------------------------------------
 # A request's growing hash list.
 
@@ -961,7 +968,10 @@ class RequestBlockHasher:
         if not isinstance(hasher, BlockHasher):
             raise HashingError(f"hasher must be a BlockHasher, got {type(hasher).__name__}")
         self.hasher = hasher
-        self.keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
+        if lora is None and mm_items == () and cache_salt is None and prompt_embeds_digest is None:
+            self.keys = _NO_EXTRA_KEYS  # the usual request: skip building and checking keys
+        else:
+            self.keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
         self._bs = hasher.block_size
         self._plain = self.keys.empty
         # One-block decode steps skip hash_blocks' checks (plain requests only).
@@ -997,6 +1007,18 @@ class RequestBlockHasher:
             if not full:
                 pending.extend(new_token_ids)
                 return []
+            one = self._one
+            if full == self._bs and one is not None:
+                # One block (a short prompt, or a decode batch that ends one): a single call.
+                hashes = self._hashes
+                parent = hashes[-1] if hashes else self.hasher.root
+                if len(parent) == self.hasher.digest_size:
+                    h = one(parent, new_token_ids[:full])
+                    hashes.append(h)
+                    self._wire.append(None)
+                    if full < count:
+                        pending.extend(new_token_ids[full:])
+                    return [h]
             new = self._hash_full(new_token_ids, full)
             if full < count:
                 pending.extend(new_token_ids[full:])

@@ -585,6 +585,18 @@ def test_long_prompts_through_the_request_hasher_equal_the_naive_loop(algorithm,
     assert r.num_tokens == len(tokens)
 
 
+@pytest.mark.parametrize("algorithm", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+@pytest.mark.parametrize("container", [list, tuple, lambda t: array("I", t), lambda t: range(t[0], t[0] + len(t))])
+def test_one_block_prompts_in_any_sequence_hash_like_vllm(algorithm, container):
+    # A one-block prompt takes a single serialize + digest call, whatever sequence holds it.
+    tokens = container([70000, 70001, 70002, 70003, 70004])
+    h = BlockHasher(algorithm, 4, seed="x")
+    want = [hash_function(algorithm)((h.root, tuple(tokens[:4]), None))]
+    assert h.hash_blocks(tokens) == want
+    if type(tokens) in (list, tuple):
+        assert RequestBlockHasher(h).extend(tokens) == want
+
+
 def test_a_refused_aligned_prompt_leaves_the_request_unchanged():
     h = BlockHasher("native", 4, seed="0")
     r = RequestBlockHasher(h)
