@@ -1,6 +1,6 @@
 """Block hashing: kvstream against the naive loop and vLLM's own hasher, on unseen prompts.
 
-Run: ``.venv/bin/python bench/bench_hashing.py [--prompts 30] [--rounds 3]``
+Run: ``.venv/bin/python bench/bench_hashing.py [--prompts 30] [--rounds 3] [--tokens 4096]``
 
 Inputs (``bench/vllm_peer/workloads.py``): 4,096-token prompts over a 128k vocabulary,
 ``uniform`` (ids uniform, a new prompt every call: what a router mostly sees), ``zipf``
@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=30, help="prompts per input kind and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--algorithms", default=",".join(VLLM_ALGORITHMS))
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per prompt (4,096 for issue #13's goal)")
     args = ap.parse_args()
     vl = None
     if fetch.available("0.33"):
@@ -99,7 +100,7 @@ def main() -> None:
         vl = shims.load(fetch.source_root("0.33"))
     else:
         print("(vLLM 0.33 is not in the peer cache: run bench/vllm_peer/fetch.py once to compare with it)")
-    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; us per 4,096-token prompt, "
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; us per {args.tokens:,}-token prompt, "
           f"median of {args.rounds} rounds x {args.prompts} prompts, each timed alone")
     for algorithm in args.algorithms.split(","):
         hasher = BlockHasher(algorithm, BS, seed="bench")
@@ -153,14 +154,15 @@ def main() -> None:
         samples: dict[tuple[str, str], list[float]] = {}
         names = list(contenders)
         for kind in workloads.HASH_KINDS:
-            check = workloads.hash_prompts(kind, 1, seed=99)[0]
+            check = workloads.hash_prompts(kind, 1, args.tokens, seed=99)[0]
             want = naive_decode(check)
             for name, (_, dec) in contenders.items():
                 assert dec(check) == want, f"{name} differs from the naive loop ({algorithm}, {kind})"
             for r in range(args.rounds):
                 # Fresh prompts for every contender, mode and round: never seen before.
                 batches = {
-                    (name, mode): workloads.hash_prompts(kind, args.prompts, seed=1000 * r + hash((name, mode)) % 997)
+                    (name, mode): workloads.hash_prompts(
+                        kind, args.prompts, args.tokens, seed=1000 * r + hash((name, mode)) % 997)
                     for name in names for mode in MODES
                 }
                 gc.collect()
@@ -182,7 +184,7 @@ def main() -> None:
             lambda b: hashlib.sha256(b).digest())
         for kind in workloads.HASH_KINDS:
             for mode in MODES:
-                for p in workloads.hash_prompts(kind, args.prompts, seed=4242):
+                for p in workloads.hash_prompts(kind, args.prompts, args.tokens, seed=4242):
                     inputs = _naive_inputs(naive_hasher_ser(algorithm), p, root, hasher.digest_size, mode == "+decode")
                     t0 = time.perf_counter()
                     for b in inputs:
