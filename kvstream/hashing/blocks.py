@@ -373,7 +373,7 @@ if array("I").itemsize != 4:  # pragma: no cover - no mainstream platform
     raise ImportError("kvstream.hashing needs a 4-byte C unsigned int for native hashing")
 
 
-def _one_block_fn(algorithm: str, chain_prefix: bytes) -> Callable[[bytes, list[int]], bytes] | None:
+def _one_block_fn(algorithm: str, chain_prefix: bytes) -> Callable[[bytes, Sequence[int]], bytes] | None:
     """``f(parent, block)``: the hash of one full block without extra keys, for the decode path.
 
     ``parent`` must be a digest of this algorithm's size (``chain_prefix`` assumes it);
@@ -443,7 +443,7 @@ class BlockHasher:
     _cbor: bool
     _array_head: bytes
     _chain_prefix: bytes
-    _one: Callable[[bytes, list[int]], bytes] | None
+    _one: Callable[[bytes, Sequence[int]], bytes] | None
 
     def __init__(
         self,
