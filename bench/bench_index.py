@@ -1,12 +1,14 @@
 """Router index benchmarks: ingest rate, scoring latency, bytes per entry.
 
-    .venv/bin/python bench/bench_index.py [--quick] [--layout default|reference|engine|all]
+    .venv/bin/python bench/bench_index.py [--quick] [--layout dict|compact|reference|engine|all]
 
-Runs the default token-keyed ``KVIndex`` and, in the same process, its reference: the
-previous layout (dict ``engine hash -> key`` and ``key -> mask``, kept unmodified in
-read from git history by ``bench/_reference.py``), then ``EngineKeyIndex``. Issue #13's goal 4 for the default
-index: <= 100 bytes per (block, source) entry, >= 1 M block events/s ingested (decode +
-apply), and <= 200 us median to score 4,096 tokens x 64 sources, all at once.
+Runs the token-keyed ``KVIndex`` with each in-memory block table (``table="dict"``, the
+default, and ``table="compact"``) and, in the same process, their reference: the previous
+layout (dict ``engine hash -> key`` and ``key -> mask``, read unmodified from git history by
+``bench/_reference.py``), then ``EngineKeyIndex``. Gates: the default table within 5 % of the
+reference on every ingest line (issue #11); the compact table <= 100 bytes per (block,
+source) entry (issue #13's memory goal), >= 1 M block events/s ingested (decode + apply),
+<= 200 us median to score 4,096 tokens x 64 sources.
 
 1. Ingest: msgpack payloads of vLLM-shaped batches (runs of BlockStored with 16-token
    blocks, one BlockRemoved per evicted block) decoded with EventDecoder and applied to a
@@ -24,9 +26,9 @@ apply), and <= 200 us median to score 4,096 tokens x 64 sources, all at once.
 5. Snapshots: ``dump()`` and ``load()`` of a 10**6-block index of 8 sources (a router
    replica's start), in seconds, and the snapshot's size.
 
-With ``--layout all`` (the default) the ingest cases run first with the default index and
-the reference alternating run by run (best of 3 each), so load drift on a shared machine
-hits both alike: those ratios are the gate's numbers.
+With ``--layout all`` (the default) the ingest cases run first with both tables and the
+reference alternating run by run (best of 3 each), so load drift on a shared machine hits
+all alike: those ratios are the gate's numbers; bytes per entry of the three follow.
 
 ``engine`` runs the same three on :class:`kvstream.routing.engine_index.EngineKeyIndex`
 (keyed by engine hashes): scoring once per hasher (native, xxhash, sha256_cbor), the
@@ -94,7 +96,9 @@ def _new_index(layout: str, hasher: str = "native"):
         return EngineKeyIndex(BlockHasher(hasher, BS, seed="0"))
     if layout == "reference":
         return reference_index.KVIndex()
-    return KVIndex()
+    if layout == "compact":
+        return KVIndex(table="compact")
+    return KVIndex()  # table="dict"
 
 
 def bench_ingest(n_blocks: int, layout: str = "dict", live_blocks: int = 4096) -> None:
@@ -250,8 +254,8 @@ def bench_snapshot(n_blocks: int, layout: str, sources: int = 8) -> None:
 
 
 def bench_interleaved(n_blocks: int, n_small: int, rounds: int = 3) -> None:
-    """The default index against the reference, alternating run by run (best of ``rounds``
-    each), so machine load drifts hit both alike: decode + apply rates and their ratio."""
+    """Both block tables against the reference, alternating run by run (best of ``rounds``
+    each), so machine load drifts hit all alike: decode + apply rates and their ratios."""
     dec = EventDecoder()
     cases = [(f"ingest decode+apply, {live:,} blocks live", _payloads(n_blocks, run=16, live_blocks=live), None)
              for live in (4096, 65_536)]
@@ -259,7 +263,7 @@ def bench_interleaved(n_blocks: int, n_small: int, rounds: int = 3) -> None:
     cases.append(("small allocator batches, decode+apply", small, None))
     for label, payloads, _ in cases:
         n = sum(len(getattr(e, "block_hashes", ())) for p in payloads for e in dec.decode(p).events)
-        best = {"default": 0.0, "reference": 0.0}
+        best = {"dict": 0.0, "compact": 0.0, "reference": 0.0}
         for _ in range(rounds):
             for layout in best:
                 index = _new_index(layout)
@@ -268,10 +272,12 @@ def bench_interleaved(n_blocks: int, n_small: int, rounds: int = 3) -> None:
                 for p in payloads:
                     index.apply_batch("e0", dec.decode(p), now=0.0)
                 best[layout] = max(best[layout], n / (time.perf_counter() - t0))
-        print(f"{label}: kvstream {best['default'] / 1e6:.2f} M block events/s, reference "
-              f"{best['reference'] / 1e6:.2f} M/s, ratio {best['default'] / best['reference']:.2f}"
-              + (f" ({best['default'] * len(payloads) / n:,.0f} vs {best['reference'] * len(payloads) / n:,.0f} batches/s)"
-                 if payloads is small else ""))
+        ref = best["reference"]
+        print(f"{label}: reference {ref / 1e6:.2f} M block events/s; kvstream table=\"dict\" (default) "
+              f"{best['dict'] / 1e6:.2f} M/s, ratio {best['dict'] / ref:.2f}; table=\"compact\" "
+              f"{best['compact'] / 1e6:.2f} M/s, ratio {best['compact'] / ref:.2f}"
+              + (f" (batches/s: reference {ref * len(payloads) / n:,.0f}, dict {best['dict'] * len(payloads) / n:,.0f}, "
+                 f"compact {best['compact'] * len(payloads) / n:,.0f})" if payloads is small else ""))
 
 
 def _time_ns(fn) -> int:
@@ -322,16 +328,22 @@ def bench_memory(entries: int, sharers: int, layout: str = "dict") -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    ap.add_argument("--layout", choices=("default", "reference", "engine", "all"), default="all",
-                    help="KVIndex() (the default index), the previous layout (reference), "
-                         "EngineKeyIndex, or all three")
+    ap.add_argument("--layout", choices=("dict", "compact", "reference", "engine", "all"), default="all",
+                    help="KVIndex() (table='dict', the default), KVIndex(table='compact'), the "
+                         "previous layout (reference), EngineKeyIndex, or all four")
     a = ap.parse_args()
-    layouts = ("default", "reference", "engine") if a.layout == "all" else (a.layout,)
+    layouts = ("dict", "compact", "reference", "engine") if a.layout == "all" else (a.layout,)
+    n_mem = 100_000 if a.quick else 1_000_000
     if a.layout == "all":
-        print("== KVIndex() against the reference, interleaved run by run (best of 3)")
+        print("== KVIndex(table='dict'), KVIndex(table='compact') and the reference, interleaved run by run (best of 3)")
         bench_interleaved(200_000 if a.quick else 1_000_000, 2_000 if a.quick else 20_000)
+        print("== bytes per (block, source) entry, 1 source: dict, compact, reference")
+        for layout in ("dict", "compact", "reference"):
+            print(f"  {layout:9s}", end=" ", flush=True)
+            bench_memory(n_mem, 1, layout)
     for layout in layouts:
-        title = {"default": "KVIndex() (block table in arrays, key -> mask dicts)",
+        title = {"dict": "KVIndex() = KVIndex(table='dict') (block table and key -> mask dicts)",
+                 "compact": "KVIndex(table='compact') (block table in arrays, key -> mask dicts)",
                  "reference": "reference: the previous KVIndex() layout (dicts), same process",
                  "engine": "EngineKeyIndex"}[layout]
         print(f"== {title}")
@@ -344,10 +356,9 @@ def main() -> None:
                 print(f"-- scoring with BlockHasher({hasher!r})")
             bench_score(iters=200 if a.quick else 2000, layout=layout, hasher=hasher)
         bench_small_batches(2_000 if a.quick else 20_000, layout)
-        n = 100_000 if a.quick else 1_000_000
-        bench_snapshot(n, layout)
+        bench_snapshot(n_mem, layout)
         for sharers in (1, 8, 64):
-            bench_memory(n, sharers, layout)
+            bench_memory(n_mem, sharers, layout)
 
 
 if __name__ == "__main__":

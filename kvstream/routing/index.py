@@ -67,7 +67,7 @@ from kvstream.routing._core import (
     _Source,
 )
 from kvstream.routing.keying import EngineHashes, TokenKeys
-from kvstream.routing.table import _EMPTY, _M64, _MIX, ArrayBlockTable, BlockTable
+from kvstream.routing.table import _EMPTY, _M64, _MIX, TABLES, ArrayBlockTable, BlockTable, DictBlockTable, dict_floor
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvstream.routing.keys import (
     KEY_MASK,
@@ -194,13 +194,21 @@ class KVIndex(_IndexCore):
         hasher: a :class:`kvstream.hashing.BlockHasher` with the engines' algorithm, seed
             and block size: the hasher of ``keying="engine"``; under token keying optional,
             for :meth:`engine_hashes` (matching by engine hashes).
+        table: token keying: where the block table (``engine hash -> router key``) lives
+            (:mod:`kvstream.routing.table`): ``"dict"`` (default; a plain dict, ~150 bytes
+            per (block, source) entry at 10**6 entries, the fastest ingest), ``"compact"``
+            (arrays, <= 100 bytes per entry, for memory-bound deployments; ingest is slower
+            once more than ~8,192 blocks are live, see ``docs/router.md``), or an empty
+            :class:`~kvstream.routing.table.BlockTable` instance (any backend; driven
+            through the protocol's methods only). Engine keying stores no block table
+            and takes no ``table``.
     """
 
     __slots__ = (
         "_R", "_keying", "_by_engine", "_slot_of", "_src", "_free_slots", "_live", "_media",
         "_tier_of", "_held", "_table", "_touched", "_href", "_sub_n", "_copies", "_unl",
         "_waiting", "_spec", "_spec_n", "_spec_q", "_per_mask", "_max_bytes", "_ttl", "_gen",
-        "_gen_start", "_reannounce", "_hasher", "_unl_bytes", "_warned", "stats",
+        "_gen_start", "_reannounce", "_hasher", "_unl_bytes", "_warned", "_kind", "_wide", "stats",
     )
 
     def __init__(
@@ -213,6 +221,7 @@ class KVIndex(_IndexCore):
         ttl_s: float | None = None,
         reannounce: str = "session",
         hasher: Any = None,
+        table: str | BlockTable | None = None,
     ) -> None:
         if block_size_hint is not None and router_block_size is not None and block_size_hint != router_block_size:
             raise IndexUsageError(
@@ -257,7 +266,14 @@ class KVIndex(_IndexCore):
         for m in ("GPU", "CPU"):
             self._new_tier(m)
         # The block table (engine hash -> key, or keys as a tuple); none under engine keying.
-        self._table: BlockTable = _HeldKeys(self._held) if self._by_engine else ArrayBlockTable()
+        self._table: BlockTable = _HeldKeys(self._held) if self._by_engine else _new_table(table)
+        if self._by_engine and table is not None:
+            raise IndexUsageError(
+                "engine keying stores no block table (a hash is its own key); leave table out")
+        # The ingest loop, picked once: one written against each in-memory table's layout,
+        # the generic one (protocol methods only) for any other backend.
+        self._kind = _KIND.get(type(self._table), _GENERIC)
+        self._wide = False  # a bytes engine hash was seen (estimated_bytes: larger keys)
         self._touched: set[Any] | None = set() if ttl_s is not None else None  # stored this TTL generation
         self._unl_bytes = 0  # token and extra bytes held by unlinked blocks
         self._sub_n: dict[tuple[int, int, int], int] = {}  # leading sub-key holdings
@@ -326,13 +342,89 @@ class KVIndex(_IndexCore):
             self._tick(batch.ts if now is None else now)
         if self._by_engine:
             self._apply_engine(s, batch.events)  # type: ignore[arg-type]
+        elif self._kind == _DICT:
+            self._apply_tokens_dict(s, batch.events)  # type: ignore[arg-type]
+        elif self._kind == _COMPACT:
+            self._apply_tokens_compact(s, batch.events)  # type: ignore[arg-type]
         else:
-            self._apply_tokens(s, batch.events)  # type: ignore[arg-type]
+            self._apply_events(s, batch.events)  # type: ignore[arg-type]
         if self._max_bytes is not None and self.estimated_bytes() > self._max_bytes:
             self._evict(int(self._max_bytes * 0.9))
 
-    def _apply_tokens(self, s: _Source, events: Sequence[Any]) -> None:
-        """Token keying's ingest loop."""
+    def _apply_events(self, s: _Source, events: Sequence[Any]) -> None:
+        """Token keying's generic ingest loop: any :class:`BlockTable`, through its methods."""
+        for ev in events:
+            self._apply_event(s, ev)
+
+    def _apply_event(self, s: _Source, ev: Any) -> None:
+        """One event, token keying, no inline fast path (every table's slow path)."""
+        cls = type(ev)
+        try:
+            if cls is BlockStored:
+                self._stored(s, ev)
+            elif cls is BlockRemoved:
+                self._removed(s, ev)
+            elif cls is AllBlocksCleared:
+                self.stats.clears += 1
+                self._drop_source(s, (0,))
+            else:
+                self.stats.rejected_events += 1
+        except RouterKeyError as exc:
+            self.stats.rejected_events += 1
+            _log.debug("source %s: skipped a malformed event: %s", s.name, exc)
+
+    def _apply_tokens_dict(self, s: _Source, events: Sequence[Any]) -> None:
+        """Token keying's ingest loop over a :class:`DictBlockTable` (used as the dict it is)."""
+        table = self._table
+        gpu = self._held[0]
+        href = self._href
+        bit = s.bit
+        fast_removed = 0
+        copies = self._copies  # never rebound, only mutated
+        slot = s.slot
+        for ev in events:
+            if type(ev) is BlockRemoved:
+                # Inline the GPU pool's common case: one hash, group 0, one copy.
+                hs = ev.block_hashes
+                medium = ev.medium
+                if (len(hs) == 1 and not ev.group_idx and (medium == "GPU" or medium is None)
+                        and not (copies and (hs[0], slot, 0) in copies)):
+                    eh = hs[0]
+                    rk = table.get(eh)
+                    if type(rk) is int:
+                        m = gpu.get(rk, 0)
+                        if m & bit:
+                            if m == bit:
+                                del gpu[rk]
+                            else:
+                                gpu[rk] = m ^ bit
+                            fast_removed += 1
+                            if href and eh in href:
+                                n = href.pop(eh) - 1
+                                if n > 1:
+                                    href[eh] = n
+                            else:
+                                del table[eh]
+                            continue
+            try:
+                if type(ev) is BlockStored:
+                    self._stored(s, ev)
+                elif type(ev) is BlockRemoved:
+                    self._removed(s, ev)
+                elif type(ev) is AllBlocksCleared:
+                    self.stats.clears += 1
+                    self._drop_source(s, (0,))
+                else:
+                    self.stats.rejected_events += 1
+            except RouterKeyError as exc:
+                self.stats.rejected_events += 1
+                _log.debug("source %s: skipped a malformed event: %s", s.name, exc)
+        if fast_removed:
+            s.count[0] -= fast_removed
+            self.stats.removed_blocks += fast_removed
+
+    def _apply_tokens_compact(self, s: _Source, events: Sequence[Any]) -> None:
+        """Token keying's ingest loop over an :class:`ArrayBlockTable` (probed inline)."""
         young = self._table
         assert isinstance(young, ArrayBlockTable)
         yidx, yks, yvs, ymask, ysh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
@@ -543,6 +635,7 @@ class KVIndex(_IndexCore):
             return
         if type(hashes[0]) is not int or type(ev.parent_block_hash) is bytes:
             _check_hash_sizes(hashes, ev.parent_block_hash)
+            self._wide = True
         medium = ev.medium
         t = 0 if medium == "GPU" or medium is None else self._store_tier(s, medium)
         if t < 0:
@@ -579,8 +672,8 @@ class KVIndex(_IndexCore):
             salt, extras = event_block_extras(extra, ev.lora_name, n, per, R, parent is None)
         else:
             salt, extras = None, None
-        young = self._table
-        assert isinstance(young, ArrayBlockTable)
+        young: Any = self._table
+        kind = self._kind
         if parent is None:
             seed = event_namespace(ev.lora_name, ev.lora_id, salt)
             ra = s.reannounce
@@ -589,8 +682,8 @@ class KVIndex(_IndexCore):
                 self.stats.reannounced_blocks += n
                 return
         else:
-            pv = young.young.get(parent)
-            if pv is not None:
+            pv = young.get(parent) if kind != _COMPACT else young.young.get(parent)
+            if pv is not None or kind != _COMPACT:
                 pass
             elif type(parent) is int:
                 # young.get(parent), probed inline (one method call less per event).
@@ -633,12 +726,35 @@ class KVIndex(_IndexCore):
         step = 4 * R * per
         start = 0
         v: int | tuple[int, ...]  # a block's router key, or its keys when per > 1
-        if fast:
+        if fast and kind == _DICT:
+            # The common case (one key per block, group 0): new blocks whose keys no other
+            # hash of the family holds are installed here; the general loop below takes
+            # over at the first block that is anything else (known, unlinked, a parent
+            # others wait for).
+            for eh, v in zip(hashes, keys):
+                if eh in young:
+                    break  # known already
+                m = held.get(v, 0)
+                if m & fam:
+                    break
+                if others:
+                    anym = 0
+                    for oh in others:
+                        anym |= oh.get(v, 0)
+                    if anym & fam:
+                        break
+                if (unl and eh in unl) or (waiting and eh in waiting):
+                    break
+                young[eh] = v
+                held[v] = m | bit if m else bit
+                start += 1
+            added = start
+        elif fast and kind == _COMPACT:
             try:
                 fast = type(hashes[0]) is int and min(hashes) > 0 and max(hashes) <= _M64  # type: ignore[operator]
             except TypeError:  # bytes among ints
                 fast = False
-        if fast and young.cap:
+        if fast and kind == _COMPACT and young.cap:
             # The common case (one key per block, group 0, int hashes): new blocks whose
             # keys no other hash of the family holds are installed here, probing the block
             # table's columns inline; the general loop below takes over at the first block
@@ -1093,6 +1209,7 @@ class KVIndex(_IndexCore):
             b += _BYTES_PER_KEY * entries
         hold = 0
         max_per = 1
+        multi = 0  # holdings of engine blocks of several router blocks
         for s in self._src:
             if s is not None:
                 per = s.per or 1
@@ -1100,10 +1217,17 @@ class KVIndex(_IndexCore):
                     max_per = per
                 for c in s.count:
                     hold += c * per
+                    if per > 1:
+                        multi += c
         if hold > entries:  # at most this many entries have a mask of their own
             b += (hold - entries) * (24 + 4 * (len(self._src) // 30 + 1))
-        if max_per > 1 and isinstance(table, ArrayBlockTable):  # tuples of router keys
-            b += len(table.other) * (40 + 8 * max_per)
+        if max_per > 1:  # tuples of router keys
+            if isinstance(table, ArrayBlockTable):
+                b += len(table.other) * (40 + 8 * max_per)
+            else:  # at most one tuple per such holding
+                b += min(multi, len(table)) * (40 + 8 * max_per)
+        if self._wide and not self._by_engine and not isinstance(table, ArrayBlockTable):
+            b += 61 * len(table)  # a bytes hash of up to 64 bytes (97) instead of an int (36)
         b += gs(self._href) + 32 * len(self._href)
         b += gs(self._copies) + _BYTES_PER_COPY_RECORD * len(self._copies)
         b += gs(self._sub_n) + 96 * len(self._sub_n)
@@ -1547,9 +1671,12 @@ class KVIndex(_IndexCore):
                         old = held.get(eh, 0)
                         held[eh] = old | m if old else m
             else:
-                assert isinstance(table, ArrayBlockTable)
                 bulk = not held and not len(table)
                 if bulk:
+                    if self._kind == _DICT:
+                        # One int object per key, shared by the table's value and the
+                        # key -> mask dict (as ingest shares them).
+                        ks = ks.tolist()
                     held.update(zip(ks, masks))
                     if len(held) != len(ks):  # a key shared by two hashes: merge below
                         held.clear()
@@ -1580,6 +1707,8 @@ class KVIndex(_IndexCore):
                 touched.update(hs)
         for medium, eh, keys, m in p.rows:
             t = self._tier(medium)
+            if type(eh) is bytes:
+                self._wide = True
             v = eh if keys is None else keys[0] if len(keys) == 1 else tuple(keys)
             for x in _bits(m):
                 s = ours[x]
@@ -1612,6 +1741,33 @@ class KVIndex(_IndexCore):
                     self._hold_unlinked(self._src[ours[slot].slot], cur, t, g)  # type: ignore[arg-type]
         for parent in [q for q in self._waiting if q in table]:
             self._link(parent)
+
+
+_DICT, _COMPACT, _GENERIC = 0, 1, 2
+_KIND = {DictBlockTable: _DICT, ArrayBlockTable: _COMPACT}
+
+
+def _new_table(table: Any) -> BlockTable:
+    """The block table ``KVIndex(table=...)`` names (see :class:`KVIndex`)."""
+    if table is None:
+        table = "dict"
+    if isinstance(table, str):
+        cls = TABLES.get(table)
+        if cls is None:
+            raise IndexUsageError(
+                f"table must be one of {sorted(TABLES)} or a BlockTable instance, got {table!r:.80}")
+        return cls()
+    missing = [m for m in ("get", "__contains__", "__setitem__", "__delitem__", "pop", "__len__",
+                           "__iter__", "items", "nbytes", "shrink", "export_u64", "load_u64")
+               if not callable(getattr(table, m, None))]
+    if missing:
+        raise IndexUsageError(
+            f"table={type(table).__name__} is not a BlockTable (kvstream.routing.table): "
+            f"it lacks {', '.join(missing)}")
+    if len(table):
+        raise IndexUsageError(f"table={type(table).__name__} holds {len(table)} entries; give an empty one "
+                              "(load a snapshot to start from a state)")
+    return table
 
 
 class _HeldKeys:
@@ -1689,14 +1845,7 @@ def _check_hash_sizes(hashes: Sequence[Any], parent: Any) -> None:
             raise RouterKeyError(f"a {len(h)}-byte block hash; digests are at most {MAX_HASH_BYTES} bytes")
 
 
-def _dict_floor(n: int) -> int:
-    """About ``sys.getsizeof`` of a dict sized for ``n`` entries (CPython's layout: a
-    power-of-two index of 1-8 byte slots, 2/3 of it usable 24-byte entries)."""
-    size = 8
-    while size * 2 // 3 < n:
-        size *= 2
-    ib = 1 if size <= 128 else 2 if size <= 1 << 15 else 4 if size <= 1 << 31 else 8
-    return 80 + size * ib + (size * 2 // 3) * 24
+_dict_floor = dict_floor
 
 
 def _perturb(v: Any, eh: Any) -> Any:

@@ -2,10 +2,20 @@
 
 :class:`BlockTable` is the storage seam of :class:`kvstream.routing.index.KVIndex`: what the
 index needs from wherever its block table lives (``get``, ``in``, item assignment, ``pop``,
-iteration in insertion order, ``items``, ``len``, ``nbytes``) plus the two bulk operations
-snapshots use (:meth:`BlockTable.export_u64`, :meth:`BlockTable.load_u64`). A shared backend
-(Valkey, a JetStream KV bucket) implements this protocol; today there is one implementation,
-in memory: :class:`ArrayBlockTable`.
+iteration in insertion order, ``items``, ``len``, ``nbytes``, ``shrink``) plus the two bulk
+operations snapshots use (:meth:`BlockTable.export_u64`, :meth:`BlockTable.load_u64`). A
+new backend (Valkey, a JetStream KV bucket) is one class implementing this protocol, given
+to the index as ``KVIndex(table=instance)``; the index drives it through these methods
+only (its generic ingest path). Two implementations live here, in memory:
+
+* :class:`DictBlockTable` (``table="dict"``, the default): a plain ``dict`` (~150 bytes per
+  (block, source) entry of the whole index at 10**6 entries, every operation at C speed).
+* :class:`ArrayBlockTable` (``table="compact"``): compact arrays (~100 bytes per entry),
+  for memory-bound deployments, at a measured speed cost once more blocks are live than
+  its nursery holds (``docs/router.md``).
+
+For these two the index runs ingest loops written against their layout (picked once, at
+construction, by the table's exact type); any other class gets the generic path.
 
 :class:`ArrayBlockTable` keeps keys in ``[1, 2**64)`` and values in ``[0, 2**64)`` in two
 ``array('Q')`` columns (16 bytes per entry) and a power-of-two ``array('i')``
@@ -25,7 +35,7 @@ touches the arrays, so it costs what a dict costs; the nursery adds ~50 bytes pe
 holds (~0.5 bytes per entry of a 10**6-entry table).
 
 The price of the arrays is Python-level probing: a method call costs ~0.2-0.4 us instead of ~0.05 us
-for a dict, so the index's hot loops probe the columns inline (the layout is part of
+for a dict, so the index's compact ingest loop probes the columns inline (the layout is part of
 this module's contract: ``idx``, ``ks``, ``vs``, ``mask``, ``shift``, ``n``, and the
 ``free``, ``used`` and the ``_EMPTY`` marker; :meth:`ArrayBlockTable.room` before an inline
 insert, :meth:`ArrayBlockTable._kill` to delete). This module imports nothing of kvstream's.
@@ -482,6 +492,78 @@ class ArrayBlockTable:
             if not active:
                 break
         return out
+
+
+class DictBlockTable(dict):
+    """The default in-memory :class:`BlockTable`: a plain ``dict`` (``engine hash -> key``,
+    or keys as a tuple), so every operation runs at C speed and the index's ingest loop
+    uses it directly. Accepts any hashable key and any value, like a dict."""
+
+    __slots__ = ()
+
+    def nbytes(self) -> int:
+        """Heap bytes held: the dict as allocated plus one 64-bit int object (36 bytes)
+        per key (the engine hash; bytes hashes are counted by the index)."""
+        return sys.getsizeof(self) + 36 * len(self)
+
+    def shrink(self) -> None:
+        """Rebuild the dict at its live size when it is more than twice that (CPython
+        dicts do not shrink on delete)."""
+        if sys.getsizeof(self) > 2 * dict_floor(len(self)):
+            items = list(self.items())
+            self.clear()
+            self.update(items)
+
+    def export_u64(self) -> tuple[array, array, dict[Any, Any]]:
+        if 0 not in self:
+            try:
+                return array("Q", self.keys()), array("Q", self.values()), {}
+            except (OverflowError, TypeError):
+                pass
+        ks, vs = array("Q"), array("Q")
+        other: dict[Any, Any] = {}
+        for key, value in self.items():
+            if type(key) is int and 0 < key <= _M64 and type(value) is int and 0 <= value <= _M64:
+                ks.append(key)
+                vs.append(value)
+            else:
+                other[key] = value
+        return ks, vs, other
+
+    def load_u64(self, keys: array, values: array, other: Iterable[tuple[Any, Any]] = ()) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if len(keys):
+            if not all(keys):
+                raise ValueError("key 0 in the u64 columns")
+            if not self:
+                self.update(zip(keys, values))
+                if len(self) != len(keys):
+                    self.clear()
+                    raise ValueError("a duplicate key in the u64 columns")
+            else:
+                new = dict(zip(keys, values))
+                if len(new) != len(keys) or not new.keys().isdisjoint(self):
+                    raise ValueError("a duplicate key in the u64 columns")
+                self.update(new)
+        for k, v in other:
+            if k in self:
+                raise ValueError(f"duplicate key {k!r:.40}")
+            self[k] = v
+
+
+TABLES: Final = {"dict": DictBlockTable, "compact": ArrayBlockTable}
+"""Constructor names of the in-memory tables (``KVIndex(table=name)``)."""
+
+
+def dict_floor(n: int) -> int:
+    """About ``sys.getsizeof`` of a dict sized for ``n`` entries (CPython's layout: a
+    power-of-two index of 1-8 byte slots, 2/3 of it usable 24-byte entries), in bytes."""
+    size = 8
+    while size * 2 // 3 < n:
+        size *= 2
+    ib = 1 if size <= 128 else 2 if size <= 1 << 15 else 4 if size <= 1 << 31 else 8
+    return 80 + size * ib + (size * 2 // 3) * 24
 
 
 U64Map = ArrayBlockTable
