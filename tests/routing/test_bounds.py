@@ -22,6 +22,8 @@ BS = 16
 def new_index(keying: str, **kw):
     if keying == "tokens":
         return KVIndex(**kw)
+    if keying == "compact":  # token keying over the compact block table
+        return KVIndex(table="compact", **kw)
     return EngineKeyIndex(BlockHasher("xxhash", BS, seed="0"), **kw)
 
 
@@ -30,7 +32,7 @@ def put(idx, source: str, hashes, medium: str = "GPU", base: int = 0) -> None:
     idx.apply_batch(source, KVEventBatch(1.0, [BlockStored(list(hashes), None, toks, BS, None, medium, None)]))
 
 
-KEYINGS = ["tokens", "engine"]
+KEYINGS = ["tokens", "compact", "engine"]
 
 
 @pytest.mark.parametrize("keying", KEYINGS)

@@ -26,12 +26,13 @@ from tests.routing.golden_index import (
 VERSIONS = ["vllm-0.11.0", "vllm-0.33.0"]
 
 
+@pytest.mark.parametrize("table", ["dict", "compact"])
 @pytest.mark.parametrize("version", VERSIONS)
-def test_index_equals_pool_snapshot_after_every_batch(golden_dir: Path, version: str) -> None:
+def test_index_equals_pool_snapshot_after_every_batch(golden_dir: Path, version: str, table: str) -> None:
     d = golden_dir / version
     stream = json.loads((d / "stream.json").read_text())
     batches = read_live_batches(d / "stream.bin")
-    index = KVIndex()
+    index = KVIndex(table=table)
     cpu_expected: Counter = Counter()
     published = 0
     for step in stream["steps"]:

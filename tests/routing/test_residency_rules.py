@@ -1,25 +1,113 @@
-"""Residency rules every keying strategy obeys (docs/router.md, "Index model"), one
-specification run over both: router token keys (``KVIndex``) and the engines' own hashes
+"""Residency rules every keying strategy and every block table obeys (docs/router.md,
+"Index model"), one specification run over all: router token keys (``KVIndex``) with each
+block table (``table="dict"``, ``"compact"``, and :class:`BytesStoreTable`, a third backend
+written here against the ``BlockTable`` protocol alone), and the engines' own hashes
 (``EngineKeyIndex``). Keying-specific behaviour stays in ``test_index.py`` and
 ``test_engine_index.py``."""
 
 from __future__ import annotations
 
+from array import array
+from typing import Any, Iterable, Iterator
+
+import msgspec
 import pytest
 
 from kvstream.hashing import BlockHasher, RequestBlockHasher, to_external_list
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.routing.index import KVIndex
 from kvstream.routing.keying import EngineHashes, TokenKeys
+from kvstream.routing.table import BlockTable
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 16
 HASHER = BlockHasher("xxhash", BS, seed="0")
 
 
+_MISSING: Any = object()
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder()
+
+
+class BytesStoreTable:
+    """A :class:`~kvstream.routing.table.BlockTable` over a ``bytes -> bytes`` store, the
+    way a remote key-value backend (Valkey, a JetStream KV bucket) would hold the block
+    table: keys and values serialized with msgpack, nothing kept as Python objects. Written
+    against the protocol alone: the index must drive it through its generic path."""
+
+    def __init__(self) -> None:
+        self.store: dict[bytes, bytes] = {}
+
+    @staticmethod
+    def _load(raw: bytes) -> Any:
+        v = _dec.decode(raw)
+        return tuple(v) if type(v) is list else v
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        raw = self.store.get(_enc.encode(key))
+        return default if raw is None else self._load(raw)
+
+    def __contains__(self, key: Any) -> bool:
+        return _enc.encode(key) in self.store
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.store[_enc.encode(key)] = _enc.encode(value)
+
+    def __delitem__(self, key: Any) -> None:
+        del self.store[_enc.encode(key)]
+
+    def pop(self, key: Any, default: Any = _MISSING) -> Any:
+        raw = self.store.pop(_enc.encode(key), None)
+        if raw is None:
+            if default is _MISSING:
+                raise KeyError(key)
+            return default
+        return self._load(raw)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __iter__(self) -> Iterator[Any]:
+        return map(_dec.decode, list(self.store))
+
+    def items(self) -> Iterator[tuple[Any, Any]]:
+        return ((_dec.decode(k), self._load(v)) for k, v in list(self.store.items()))
+
+    def nbytes(self) -> int:
+        return 100 * len(self.store)
+
+    def shrink(self) -> None:
+        pass
+
+    def export_u64(self) -> tuple[array, array, dict[Any, Any]]:
+        ks, vs, other = array("Q"), array("Q"), {}
+        for k, v in self.items():
+            if type(k) is int and 0 < k < 2**64 and type(v) is int:
+                ks.append(k)
+                vs.append(v)
+            else:
+                other[k] = v
+        return ks, vs, other
+
+    def load_u64(self, keys: array, values: array, other: Iterable[tuple[Any, Any]] = ()) -> None:
+        new = [*zip(keys, values), *other]
+        if len({k for k, _ in new}) != len(new) or any(k in self or k == 0 for k, _ in new):
+            raise ValueError("a duplicate or zero key")
+        for k, v in new:
+            self[k] = v
+
+
+def test_the_third_table_is_a_block_table() -> None:
+    t: BlockTable = BytesStoreTable()  # mypy checks the protocol; the index checks the methods
+    t[5] = (1, 2)
+    t[b"h"] = 7
+    assert t.get(5) == (1, 2) and list(t.items()) == [(5, (1, 2)), (b"h", 7)]
+    assert t.pop(b"h") == 7 and len(t) == 1
+
+
 class Keying:
-    """A keying strategy under test: how to build the index and which hashes its
-    engines' events carry for a prompt."""
+    """A keying strategy (and block table) under test: how to build the index and which
+    hashes its engines' events carry for a prompt."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -27,6 +115,10 @@ class Keying:
     def new(self, **kw):
         if self.name == "tokens":
             return KVIndex(**kw)
+        if self.name == "tokens, compact table":
+            return KVIndex(table="compact", **kw)
+        if self.name == "tokens, BytesStoreTable":
+            return KVIndex(table=BytesStoreTable(), **kw)
         if self.name == "engine":
             return EngineKeyIndex(HASHER, **kw)
         return KVIndex(keying=EngineHashes(HASHER), **kw)  # the same index, unnamed
@@ -37,7 +129,10 @@ class Keying:
         return to_external_list(rh.block_hashes)
 
 
-@pytest.fixture(params=["tokens", "engine", "engine-keyed KVIndex"])
+KEYINGS = ["tokens", "tokens, compact table", "tokens, BytesStoreTable", "engine", "engine-keyed KVIndex"]
+
+
+@pytest.fixture(params=KEYINGS)
 def keying(request) -> Keying:
     return Keying(request.param)
 
@@ -137,3 +232,59 @@ def test_the_keying_is_a_constructor_argument_with_one_index_behind_it() -> None
     # A snapshot of one loads into the other: one format, one index.
     assert EngineKeyIndex.load(by_name.dump()).state() == named.state()
     assert KVIndex.load(named.dump()).state() == named.state()
+
+
+def test_a_snapshot_round_trip_keeps_the_state(keying) -> None:
+    idx = keying.new()
+    p, q = P(0, 3), P(1000, 2)
+    h = keying.hashes(p)
+    apply(idx, "a", stored(h, p), cpu(h[:1]), stored(h[:1], p[:BS], group=1))
+    apply(idx, "b", stored(h[:2], p[: 2 * BS]), stored(keying.hashes(q), q))
+    apply(idx, "b", BlockRemoved(h[1:2], "GPU"))
+    kw = {"table": idx._table.__class__()} if keying.name.startswith("tokens, ") else {}
+    again = KVIndex.load(idx.dump(), **kw)
+    assert type(again._table) is type(idx._table)
+    assert again.state() == idx.state() and again.match(p) == idx.match(p)
+    # and it keeps ingesting: remove what the snapshot holds
+    for x in (idx, again):
+        apply(x, "a", BlockRemoved(h, "GPU"))
+    assert again.state() == idx.state() and again.match(p)["a"].tier_blocks == {"GPU": 1, "CPU": 1}  # group 1 stays
+
+
+@pytest.mark.parametrize("table", ["dict", "compact", "BytesStoreTable"])
+def test_every_table_holds_the_same_state_through_churn(table) -> None:
+    """A pool larger than the compact table's nursery, with copies, a second source and a
+    clear: each table ends exactly where the default one does, and so do the scores."""
+    import random
+
+    def new() -> KVIndex:
+        return KVIndex(table=BytesStoreTable() if table == "BytesStoreTable" else table)
+
+    rnd = random.Random(7)
+    ref, idx = KVIndex(), new()
+    live: list[int] = []
+    h = 1
+    prompts = []
+    for step in range(700):
+        p = [rnd.randrange(50_000) for _ in range(16 * BS)]
+        hs = list(range(h, h + 16))
+        h += 16
+        evs: list = [stored(hs, p)]
+        if step % 5 == 0:
+            evs.append(stored(hs[:2], p[: 2 * BS]))  # copies
+        live.extend(hs)
+        if len(live) > 9000:
+            evs += [BlockRemoved([x], "GPU") for x in live[:16]]
+            del live[:16]
+        src = "a" if step % 3 else "b"
+        for x in (ref, idx):
+            apply(x, src, *evs)
+        if step % 50 == 0:
+            prompts.append(p)
+        if step == 600:
+            for x in (ref, idx):
+                apply(x, "b", AllBlocksCleared())
+    assert idx.state() == ref.state()
+    for p in prompts:
+        assert idx.match(p) == ref.match(p)
+    assert idx.stats == ref.stats

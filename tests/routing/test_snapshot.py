@@ -1,5 +1,7 @@
 """Index snapshots (``dump`` / ``load`` / ``load_source``): a round trip keeps the state and
-every score, for both keying strategies; bad bytes are refused with the index unchanged."""
+every score, for both keying strategies and both in-memory block tables (``"tokens"`` is the
+default dict table, ``"compact"`` token keying over the compact table); bad bytes are
+refused with the index unchanged."""
 
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ def _chain(segs: list[int], form: str) -> list:
 def new_index(keying: str, **kw):
     if keying == "tokens":
         return KVIndex(**kw)
+    if keying == "compact":
+        return KVIndex(table="compact", **kw)
     return EngineKeyIndex(BlockHasher("xxhash", BS, seed="0"), **kw)
 
 
@@ -96,23 +100,23 @@ def same_scores(a, b, chains) -> None:
         assert a.score((), keys=keys).ranking == b.score((), keys=keys).ranking
 
 
-@pytest.mark.parametrize("keying", ["tokens", "engine"])
+@pytest.mark.parametrize("keying", ["tokens", "compact", "engine"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=EVENTS)
 def test_dump_then_load_gives_the_same_state_and_scores(keying, ops) -> None:
     idx, chains = build(keying, ops)
     data = idx.dump()
-    again = type(idx).load(data)
+    again = load(idx, data)
     assert again.state() == idx.state()
     same_scores(idx, again, chains)
     # Per source: a one-source dump loaded into an empty index holds exactly that source.
     full = idx.state()["sources"]
     for name in idx.sources:
-        one = type(idx).load(idx.dump(name))
+        one = load(idx, idx.dump(name))
         assert one.sources == [name]
         assert one.state()["sources"][name] == full[name]
     # A replica that already has other sources replaces only the named one.
-    replica = type(idx).load(data)
+    replica = load(idx, data)
     for name in idx.sources:
         replica.load_source(idx.dump(name))
     assert replica.state() == idx.state()
@@ -148,13 +152,13 @@ def test_a_snapshot_is_compact() -> None:
     assert KVIndex.load(data).state() == idx.state()
 
 
-@pytest.mark.parametrize("keying", ["tokens", "engine"])
+@pytest.mark.parametrize("keying", ["tokens", "compact", "engine"])
 def test_bad_snapshots_are_refused_and_change_nothing(keying) -> None:
     idx = new_index(keying)
     idx.apply_batch("a", KVEventBatch(1.0, [BlockStored([1, 2], None, SEGS[0] + SEGS[1], BS, None, "GPU", None)]))
     before = idx.state()
     good = idx.dump()
-    other = "engine" if keying == "tokens" else "tokens"
+    other = "tokens" if keying == "engine" else "engine"
     bad = {
         "garbage": b"\x93\x01\x02",
         "truncated": good[:-3],
@@ -167,7 +171,7 @@ def test_bad_snapshots_are_refused_and_change_nothing(keying) -> None:
             idx.load_source(data)  # type: ignore[arg-type]
         assert idx.state() == before, what
     with pytest.raises(SnapshotError, match="version"):
-        type(idx).load(bad["future version"])
+        load(idx, bad["future version"])
 
 
 def test_a_snapshot_with_a_hash_held_but_never_keyed_is_refused() -> None:
@@ -194,7 +198,7 @@ def test_the_per_source_reannounce_rule_travels_with_the_snapshot() -> None:
     assert again.state()["sources"]["a"]["blocks"] == (("GPU", 0, 1, 1),)
 
 
-@pytest.mark.parametrize("keying", ["tokens", "engine"])
+@pytest.mark.parametrize("keying", ["tokens", "compact", "engine"])
 def test_a_snapshot_listing_a_hash_twice_is_refused(keying) -> None:
     from kvstream.routing import snapshot as sn
 
@@ -205,7 +209,14 @@ def test_a_snapshot_listing_a_hash_twice_is_refused(keying) -> None:
     t = snap.tiers[0]
     t.hashes = t.hashes[:8] * 2
     with pytest.raises(SnapshotError, match="twice"):
-        type(idx).load(sn.encode(snap))
+        load(idx, sn.encode(snap))
     with pytest.raises(SnapshotError, match="twice"):
         idx.load_source(sn.encode(snap))  # into an index that holds blocks: checked before any change
     assert idx.state()["sources"]["a"]["blocks"]
+
+
+def load(idx, data: bytes):
+    """``type(idx).load(data)`` into the same kind of block table as ``idx``."""
+    if type(idx) is KVIndex and idx.keying.name != "engine":
+        return KVIndex.load(data, table=idx._table.__class__())
+    return type(idx).load(data)

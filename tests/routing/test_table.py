@@ -1,5 +1,8 @@
-"""The block table (``ArrayBlockTable``, the in-memory ``BlockTable``): a dict's behaviour over arrays, through churn, crafted
-collisions and regrowth; deletion shifts clusters back and never leaves the index full."""
+"""The block tables. ``ArrayBlockTable`` (the compact in-memory ``BlockTable``): a dict's
+behaviour over arrays, through churn, crafted collisions and regrowth; deletion shifts
+clusters back and never leaves the index full. ``DictBlockTable`` (the default): bulk export
+and load like the compact one, shrinking. ``KVIndex(table=...)`` picks either, or takes
+any ``BlockTable``."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstream.routing.table import _EMPTY, ArrayBlockTable
+from array import array
+
+from kvstream.routing.table import _EMPTY, ArrayBlockTable, DictBlockTable
 
 _keys = st.one_of(
     st.integers(0, 40), st.integers(0, 2**64 - 1), st.integers(1, 64).map(lambda i: i << 58),
@@ -87,3 +92,52 @@ def test_the_nursery_moves_its_oldest_entries_to_the_arrays_and_bulk_export_sees
     with pytest.raises(ValueError, match="duplicate"):
         again.load_u64(ks[:1], vs[:1])
     assert len(again) == 20
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(_keys, _values), max_size=60), st.lists(st.tuples(_keys, _values), max_size=20))
+def test_the_dict_table_exports_and_loads_in_bulk_like_the_compact_one(items, more) -> None:
+    src = DictBlockTable(items)
+    ks, vs, other = src.export_u64()
+    assert {**dict(zip(ks, vs)), **other} == dict(src) and 0 not in ks
+    for table in (DictBlockTable(), ArrayBlockTable()):
+        table.load_u64(ks, vs, other.items())
+        assert dict(table.items()) == dict(src)
+        dup = [k for k in ks[:1]]
+        if dup:  # a key listed again is refused, and the table is unchanged
+            with pytest.raises(ValueError):
+                table.load_u64(array("Q", dup), array("Q", [1]))
+            assert dict(table.items()) == dict(src)
+    d = DictBlockTable(more)
+    for k, _ in more[::2]:
+        d.pop(k, None)
+    kept = dict(d)
+    d.shrink()
+    assert dict(d) == kept
+
+
+def test_the_dict_table_shrinks_after_deletions() -> None:
+    d = DictBlockTable((k, k) for k in range(1, 100_001))
+    for k in range(1, 99_001):
+        del d[k]
+    big = d.nbytes()
+    d.shrink()
+    assert d.nbytes() < big // 10 and dict(d) == {k: k for k in range(99_001, 100_001)}
+
+
+def test_the_table_is_a_constructor_choice() -> None:
+    from kvstream.routing.index import IndexUsageError, KVIndex
+    from kvstream.hashing import BlockHasher
+
+    assert type(KVIndex()._table) is DictBlockTable
+    assert type(KVIndex(table="compact")._table) is ArrayBlockTable
+    mine = DictBlockTable()
+    assert KVIndex(table=mine)._table is mine
+    with pytest.raises(IndexUsageError, match="table must be one of"):
+        KVIndex(table="arrays")
+    with pytest.raises(IndexUsageError, match="lacks .*export_u64"):
+        KVIndex(table={})  # a dict is not a BlockTable: no bulk operations
+    with pytest.raises(IndexUsageError, match="empty"):
+        KVIndex(table=DictBlockTable({1: 2}))
+    with pytest.raises(IndexUsageError, match="engine keying stores no block table"):
+        KVIndex(keying="engine", hasher=BlockHasher("xxhash", 16, seed="0"), table="compact")
