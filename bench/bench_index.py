@@ -13,8 +13,9 @@ source) entry (issue #13's memory goal), >= 1 M block events/s ingested (decode 
 1. Ingest: msgpack payloads of vLLM-shaped batches (runs of BlockStored with 16-token
    blocks, one BlockRemoved per evicted block) decoded with EventDecoder and applied to a
    KVIndex, on one core. Reports block events per second (stored + removed blocks), with
-   4,096 blocks live (a small pool: blocks are removed while still in the block table's
-   dict nursery) and with 65,536 (a pool larger than the nursery: the array path).
+   4,096 blocks live (a small pool: under ``table="compact"`` blocks are removed while
+   still in the block table's dict nursery) and with 65,536 (a pool larger than the
+   nursery: the compact table's array path; the dict table is one dict either way).
 2. Score: a 4,096-token prompt (256 router blocks of 16) against 64 sources that hold
    prefixes of it of different lengths; key computation included. Reports p50/p99 of
    ``match`` (prefixes only) and ``score`` (prefixes + default policy ranking).

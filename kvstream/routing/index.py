@@ -20,8 +20,9 @@ Model
 * The scoring structure is, per medium, ``key -> bitmask of sources`` (``_held``). Scoring
   a prompt walks its keys once and stops when no source remains; there is no per-source
   loop per block. A lone holder's mask is its source's bit object (no int per block).
-* **The block table** (:mod:`kvstream.routing.table`, the storage seam) maps each engine
-  hash to its router key(s) under token keying. Under engine keying a hash is its own key
+* **The block table** (:mod:`kvstream.routing.table`, the storage seam, chosen with
+  ``KVIndex(table=...)``: a dict by default, compact arrays, or any ``BlockTable``) maps
+  each engine hash to its router key(s) under token keying. Under engine keying a hash is its own key
   and there is no table (:class:`_HeldKeys` reads the held maps instead).
 * **Router keys** (:mod:`kvstream.routing.keys`) are computed from each ``BlockStored``'s
   tokens and its parent's key. Engine blocks are split into router blocks of
