@@ -20,6 +20,7 @@ held back, so the server stops sending.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -43,6 +44,16 @@ __all__ = ["JetStreamSource", "ConsumerHealth"]
 
 log = logging.getLogger("kvstream.jetstream.source")
 
+# The delivery of a batch exactly as the relay publishes it (wire.batch_headers, in that
+# order, not replayed): ``HMSG subject 1 $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.
+# <dseq>.<ts>.<pending> hlen total`` and its header block, parsed in one regex call.
+# Groups: 1 subject, 2 sseq, 3 dseq, 4 hlen, 5 total, 6 Kv-Seq, 7 Kv-Instance, 8 Kv-Topic.
+# Every other message (control, snapshot, replayed, another server's reply layout) takes
+# the general path.
+_BATCH_DELIVERY = re.compile(
+    rb"HMSG ([^ \r\n]+) 1 \$JS\.ACK\.[^. \r\n]+\.[^. \r\n]+\.\d+\.(\d+)\.(\d+)\.\d+\.\d+ (\d+) (\d+)\r\n"
+    rb"NATS/1\.0\r\nNats-Msg-Id: [^\r\n]*\r\nKv-Seq: (\d+)\r\nKv-Instance: (\d+)\r\nKv-Topic: ([^\r\n]*)\r\n\r\n")
+
 
 @dataclass(frozen=True, slots=True)
 class ConsumerHealth:
@@ -56,6 +67,8 @@ class ConsumerHealth:
     last_sseq: int
     resets: int
     last_error: str | None
+    fast_deliveries: int = 0
+    """Deliveries parsed on the fast path (a batch in the relay's exact layout)."""
 
 
 class JetStreamSource:
@@ -100,6 +113,10 @@ class JetStreamSource:
         self._plen = len(self._prefix) + 1
         self._src: dict[str, StreamSource] = {}
         self._by_subject: dict[str, StreamSource | None] = {}
+        self._by_bsubject: dict[bytes, StreamSource | None] = {}
+        self._now = 0.0
+        self._reader: ProtocolReader | None = None
+        self._fast_done = 0
         self._pending_out: list[Any] = []
         self._out: deque[StreamItem] = deque()
         self._out_wait: anyio.Event | None = None
@@ -155,6 +172,7 @@ class JetStreamSource:
         if self._filter and name not in self._filter:
             self._filter.add(name)
             self._by_subject.clear()
+            self._by_bsubject.clear()
             self._reset.set()  # the consumer's filter changes
 
     def remove_source(self, name: str) -> None:
@@ -167,6 +185,7 @@ class JetStreamSource:
         if not self._filter:
             self._filter = set(self._src)
         self._by_subject.clear()
+        self._by_bsubject.clear()
         self._push([SourceReset(name, "removed", None)])
 
     def health(self) -> dict[str, SourceHealth]:
@@ -180,8 +199,9 @@ class JetStreamSource:
 
     def consumer_health(self) -> ConsumerHealth:
         """The stream side: connection, consumer, last stream sequence."""
+        r = self._reader
         return ConsumerHealth(self.spec.url, self.spec.stream, self._state, self._sseq, self._resets,
-                              self._last_error)
+                              self._last_error, self._fast_done + (r.fast_hits if r is not None else 0))
 
     def counters(self, name: str) -> SourceCounters:
         """The live counters object of source ``name``."""
@@ -260,13 +280,13 @@ class JetStreamSource:
         return s  # type: ignore[return-value]
 
     def _on_raw(self, subject: str, reply: str, hblock: bytes | None, payload: bytes) -> None:
-        """One delivery on the data connection (called by the protocol reader)."""
-        self._last_activity = time.monotonic()
+        """One delivery on the data connection (called by the protocol reader); what it
+        yields waits in ``_pending_out`` until the reader's chunk is done (:meth:`_flush`)."""
         if hblock is not None and hblock[8:9] == b" ":  # an inline status: flow control, heartbeat
             h = parse_headers(hblock)
             status = h.get("Status")
             if status == "100" and reply:  # flow control request
-                if len(self._out) > self.max_buffered_items:
+                if len(self._out) + len(self._pending_out) > self.max_buffered_items:
                     self._fc_held = reply
                 else:
                     self._send(pub_op(reply))
@@ -298,7 +318,26 @@ class JetStreamSource:
         s = self._source_for(subject)
         if s is None:
             return
-        s.on_message(sseq, parse_headers(hblock) if hblock is not None else None, payload, time.time())
+        s.on_message(sseq, parse_headers(hblock) if hblock is not None else None, payload, self._now)
+
+    def _on_fast(self, m: "re.Match[bytes]", payload: bytes) -> None:
+        """One batch delivery in the relay's exact layout (see ``_BATCH_DELIVERY``)."""
+        subject, sseq_b, dseq_b, _, _, seq, inst, topic = m.groups()
+        dseq = int(dseq_b)
+        if dseq != self._dseq + 1:
+            self._reset.set()
+            return
+        self._dseq = dseq
+        self._sseq = sseq = int(sseq_b)
+        self._state = "live"
+        s = self._by_bsubject.get(subject, False)
+        if s is False:
+            s = self._by_bsubject[subject] = self._source_for(subject.decode())
+        if s is not None:
+            s.on_batch(sseq, int(inst), int(seq), topic, payload, self._now)  # type: ignore[union-attr]
+
+    def _flush(self) -> None:
+        """Hand what the last chunk of deliveries yielded to the consumer, in one step."""
         po = self._pending_out
         if po:
             self._push(po)
@@ -340,7 +379,13 @@ class JetStreamSource:
     async def _read_loop(self, stream: Any, reader: ProtocolReader) -> None:
         try:
             while True:
-                reader.feed(await stream.receive(1 << 18))
+                data = await stream.receive(1 << 20)
+                self._now = time.time()
+                self._last_activity = time.monotonic()
+                try:
+                    reader.feed(data)
+                finally:
+                    self._flush()
                 if reader.outgoing:
                     self._send(bytes(reader.outgoing))
                     reader.outgoing.clear()
@@ -367,7 +412,9 @@ class JetStreamSource:
             self._reset = anyio.Event()
             self._state = "recovering" if self._resets else "connecting"
             try:
-                reader = ProtocolReader(self._on_raw)
+                if self._reader is not None:
+                    self._fast_done += self._reader.fast_hits
+                self._reader = reader = ProtocolReader(self._on_raw, (_BATCH_DELIVERY, self._on_fast))
                 self._inbox = self._nc.new_inbox()
                 async with await open_data_connection(self.spec.url, self.name + "-data", reader, self._inbox) as stream:
                     self._wire_out = bytearray()

@@ -44,6 +44,7 @@ async def test_a_replica_started_after_a_long_stream_is_warm_from_snapshot_plus_
             assert replica.index.state() == first.index.state()
             assert sub.counters("e0").batches == 120 and sub.counters("e1").batches == 30
             assert not sub.counters("e0").stale_marks
+            assert sub.consumer_health().fast_deliveries >= 150  # plain batches: one regex call each
         tg.cancel_scope.cancel()
 
 
