@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 import anyio
+import anyio.lowlevel
 
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder
 from kvstream.jetstream import wire
@@ -43,6 +44,11 @@ from kvstream.transport.subscriber import SourceHealth
 __all__ = ["JetStreamSource", "ConsumerHealth"]
 
 log = logging.getLogger("kvstream.jetstream.source")
+_RECV = 1 << 20  # bytes per socket read: ~2,000 batch deliveries per wake-up
+# ...handed to the consumer in slices of this many bytes (~100 deliveries), with a yield
+# between: a batch decoded is applied while its objects are still in the CPU cache, which
+# costs half as much per batch as decoding 2,000 and then applying 2,000.
+_SLICE = 1 << 16
 
 # The delivery of a batch exactly as the relay publishes it (wire.batch_headers, in that
 # order, not replayed): ``HMSG subject 1 $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.
@@ -379,13 +385,17 @@ class JetStreamSource:
     async def _read_loop(self, stream: Any, reader: ProtocolReader) -> None:
         try:
             while True:
-                data = await stream.receive(1 << 20)
+                data = await stream.receive(_RECV)
                 self._now = time.time()
                 self._last_activity = time.monotonic()
-                try:
-                    reader.feed(data)
-                finally:
-                    self._flush()
+                n = len(data)
+                for off in range(0, n, _SLICE):
+                    try:
+                        reader.feed(data[off:off + _SLICE] if n > _SLICE else data)
+                    finally:
+                        self._flush()
+                    if off + _SLICE < n and self._out:
+                        await anyio.lowlevel.checkpoint()
                 if reader.outgoing:
                     self._send(bytes(reader.outgoing))
                     reader.outgoing.clear()
