@@ -284,10 +284,13 @@ async def kv_consume(url: str, n: int, index: Any) -> float:
 async def kv_read(url: str, n: int, *, decode: bool) -> float:
     """JetStreamSource alone, items taken and dropped (``decode=False``: every payload
     "decodes" to one prepared batch, leaving the transport and tracking): batches/s."""
+    from kvstream.jetstream import tracking
+
     sub = JetStreamSource(url, max_buffered_items=50_000)
-    if not decode:
+    saved = tracking._decode_map
+    if not decode:  # both decoders of the consumer (the one-call and the general one)
         const = KVEventBatch(0.0, [])
-        sub._decode = lambda payload: const  # the sources made later take it from here
+        tracking._decode_map = sub._decode = lambda payload: const  # type: ignore[assignment]
     got = 0
     t0 = time.perf_counter()
     async with sub:
@@ -301,6 +304,7 @@ async def kv_read(url: str, n: int, *, decode: bool) -> float:
                     got += 1
             if got >= n:
                 break
+    tracking._decode_map = saved
     return n / (time.perf_counter() - t0)
 
 

@@ -115,6 +115,7 @@ class JetStreamSource:
         self.name = name
         self._decode = EventDecoder(max_payload_bytes=max_payload_bytes,
                                     unknown_events=unknown_events).decode  # type: ignore[arg-type]
+        self._max_payload = max_payload_bytes
         self._prefix = self.spec.subject_prefix
         self._plen = len(self._prefix) + 1
         self._src: dict[str, StreamSource] = {}
@@ -129,7 +130,8 @@ class JetStreamSource:
         self._closed = True
         self._sseq = start_sseq - 1
         for name_, st in (state or {}).items():
-            self._src[name_] = StreamSource(name_, self._decode, self._pending_out, st)
+            self._src[name_] = StreamSource(name_, self._decode, self._pending_out, st,
+                                            max_payload_bytes=max_payload_bytes)
         if state:
             self._sseq = min(st.sseq for st in state.values())
         self._nc: Any = None
@@ -281,7 +283,8 @@ class JetStreamSource:
             else:
                 s = self._src.get(name)
                 if s is None:
-                    s = self._src[name] = StreamSource(name, self._decode, self._pending_out)
+                    s = self._src[name] = StreamSource(name, self._decode, self._pending_out,
+                                                      max_payload_bytes=self._max_payload)
             self._by_subject[subject] = s
         return s  # type: ignore[return-value]
 
