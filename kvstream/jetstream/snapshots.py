@@ -169,6 +169,8 @@ async def _fetch(nc: Any, url: str, bucket: str, info: Any, timeout_s: float) ->
     docstring). Raises :class:`SnapshotFetchError` or ``TimeoutError``."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+    if not info.chunks:
+        return b""  # nothing to read (load_source refuses it as no snapshot)
     chunks: list[bytes] = []
     got = 0
     done = anyio.Event()
