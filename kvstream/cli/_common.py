@@ -29,6 +29,8 @@ __all__ = [
     "format_hash",
     "version_lines",
     "LOG_LEVELS",
+    "fraction",
+    "port_number",
     "exception_leaves",
     "quiet_stdout",
 ]
@@ -71,6 +73,10 @@ positive_float = _number(float, lambda v: v > 0 and v != float("inf"), "a positi
 """argparse type: a finite number > 0."""
 non_negative_float = _number(float, lambda v: v >= 0 and v != float("inf"), "a number >= 0")
 """argparse type: a finite number >= 0."""
+fraction = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+"""argparse type: a number in (0, 1]."""
+port_number = _number(int, lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: any free port)")
+"""argparse type: a TCP port, 0 for any free one."""
 
 
 def check_output_path(path: str | os.PathLike[str], flag: str, *, suffixes: tuple[str, ...] = ()) -> Path:

@@ -23,15 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+from kvstream.cli._common import positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,9 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--engines", type=_count, default=None, help="emulated engines (default 4; --quick 2)")
-    p.add_argument("--sessions", type=_count, default=None, help="conversations (default 32; --quick 6)")
-    p.add_argument("--turns", type=_count, default=None, help="turns per conversation (default 4; --quick 2)")
+    p.add_argument("--engines", type=positive_int, default=None, help="emulated engines (default 4; --quick 2)")
+    p.add_argument("--sessions", type=positive_int, default=None, help="conversations (default 32; --quick 6)")
+    p.add_argument("--turns", type=positive_int, default=None, help="turns per conversation (default 4; --quick 2)")
     p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp", help="KV event transport (default tcp)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--out", default="kvstream-demo", metavar="DIR", help="output directory (default ./kvstream-demo)")

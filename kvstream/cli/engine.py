@@ -21,37 +21,8 @@ import json
 import sys
 from typing import Any
 
+from kvstream.cli._common import port_number, positive_float, positive_int
 from kvstream.cli.plan import parse_memory
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
-
-
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any free port), got {v}")
-    return v
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     h = p.add_argument_group("serving")
     h.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
-    h.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000; 0 picks a free one)")
+    h.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000; 0 picks a free one)")
     h.add_argument("--served-model-name", "--model", dest="model", default="kvstream-emulated",
                    help="model name clients must use (default kvstream-emulated)")
     h.add_argument("--tokenizer", metavar="PATH",
@@ -74,10 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="server log level (default warning)")
     c = p.add_argument_group("KV cache")
-    c.add_argument("--num-gpu-blocks", type=_positive_int, metavar="N",
+    c.add_argument("--num-gpu-blocks", type=positive_int, metavar="N",
                    help="KV blocks (default 4096, or planned from --model-config)")
-    c.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default 16)")
-    c.add_argument("--max-model-len", type=_positive_int, metavar="TOKENS",
+    c.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
+    c.add_argument("--max-model-len", type=positive_int, metavar="TOKENS",
                    help="longest prompt+output (default: the model config's, else 16384)")
     c.add_argument("--model-config", metavar="CONFIG_JSON", help="plan the cache for this Hugging Face config.json")
     c.add_argument("--gpu-memory", type=parse_memory, metavar="SIZE", help="GPU memory for --model-config, e.g. 80GiB")
@@ -87,14 +58,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--prefix-caching-hash-algo", default="sha256",
                    help="block hash algorithm: sha256 (vLLM's default), sha256_cbor, xxhash, xxhash_cbor, native")
     t = p.add_argument_group("timing")
-    t.add_argument("--prefill-tokens-per-s", type=_positive_float, default=20000.0,
+    t.add_argument("--prefill-tokens-per-s", type=positive_float, default=20000.0,
                    help="prompt tokens computed per second (default 20000)")
-    t.add_argument("--decode-tokens-per-s", type=_positive_float, default=50.0,
+    t.add_argument("--decode-tokens-per-s", type=positive_float, default=50.0,
                    help="output tokens per second per sequence (default 50)")
-    t.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
+    t.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
                    help="tokens computed per step (default 8192)")
-    t.add_argument("--max-num-seqs", type=_positive_int, default=64, help="requests running at once (default 64)")
-    t.add_argument("--default-max-tokens", type=_positive_int, default=16,
+    t.add_argument("--max-num-seqs", type=positive_int, default=64, help="requests running at once (default 64)")
+    t.add_argument("--default-max-tokens", type=positive_int, default=16,
                    help="output tokens when a request sets no max_tokens (default 16)")
     t.add_argument("--seed", type=int, default=0, help="output token seed (default 0)")
     p.set_defaults(func=_run)

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvstream.cli._common import fraction, positive_int
+
 _UNITS = {
     "": 1 << 30, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
     "m": 1 << 20, "mib": 1 << 20, "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
@@ -46,20 +48,6 @@ def parse_memory(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _fraction(text: str) -> float:
-    v = float(text)
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return v
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``plan`` sub-command to the ``kvstream`` parser."""
     p = sub.add_parser(
@@ -77,33 +65,33 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the same as CONFIG (the name `kvstream simulate` uses)")
     m = p.add_argument_group("model (override or replace config.json)")
     m.add_argument("--layers", type=int, help="number of decoder layers")
-    m.add_argument("--kv-heads", type=_positive_int, help="KV heads per layer (whole model)")
-    m.add_argument("--head-dim", type=_positive_int, help="elements per attention head")
+    m.add_argument("--kv-heads", type=positive_int, help="KV heads per layer (whole model)")
+    m.add_argument("--head-dim", type=positive_int, help="elements per attention head")
     m.add_argument("--dtype", help="model dtype (bfloat16, float16, float32); default bfloat16")
-    m.add_argument("--sliding-window", type=_positive_int,
+    m.add_argument("--sliding-window", type=positive_int,
                    help="sliding window of every layer (tokens), with explicit dimensions")
     c = p.add_argument_group("cache")
     c.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache dtype: auto (= model dtype), fp8, fp8_e4m3, ... (default auto)")
-    c.add_argument("--block-size", type=_positive_int, default=16,
+    c.add_argument("--block-size", type=positive_int, default=16,
                    help="tokens per block (default 16)")
-    c.add_argument("--max-model-len", type=_positive_int,
+    c.add_argument("--max-model-len", type=positive_int,
                    help="longest request in tokens (default: the config's max_position_embeddings)")
-    c.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+    c.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                    help="tokens per scheduler step; windowed layers hold window + this "
                         "(default 2048, vLLM's SchedulerConfig default)")
-    c.add_argument("--num-gpu-blocks-override", type=_positive_int,
+    c.add_argument("--num-gpu-blocks-override", type=positive_int,
                    help="use this many blocks instead of what memory allows")
     c.add_argument("--no-hybrid", action="store_true",
                    help="disable the hybrid KV cache manager: plan windowed layers as full attention")
     g = p.add_argument_group("hardware")
     g.add_argument("--gpu-memory", type=parse_memory, required=True,
                    help="memory of one GPU, e.g. 80, 80GiB, 141GB")
-    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="share of GPU memory vLLM may use (default 0.9)")
-    g.add_argument("--tensor-parallel", "-tp", type=_positive_int, default=1,
+    g.add_argument("--tensor-parallel", "-tp", type=positive_int, default=1,
                    help="tensor parallel size: divides KV heads per GPU (default 1)")
-    g.add_argument("--pipeline-parallel", "-pp", type=_positive_int, default=1,
+    g.add_argument("--pipeline-parallel", "-pp", type=positive_int, default=1,
                    help="pipeline parallel size: splits layers over stages (default 1)")
     g.add_argument("--model-weights-gib", type=parse_memory, metavar="SIZE",
                    help="whole checkpoint size, spread evenly over TP*PP GPUs and subtracted")

@@ -26,6 +26,7 @@ from kvstream.cli._common import (
     CLIError,
     add_log_level,
     check_output_path,
+    fraction,
     non_negative_float,
     positive_float,
     positive_int,
@@ -117,7 +118,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory", type=parse_memory, metavar="SIZE",
                    help="with --model-config: memory of one GPU (80, 80GiB, 141GB); the KV cache gets "
                         "SIZE x --gpu-memory-utilization (as in kvstream plan)")
-    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
                    help="with --gpu-memory: share of it for the KV cache (default 0.9)")
     g.add_argument("--kv-memory-gib", type=positive_float, default=40.0, metavar="GIB",
                    help="with --model-config and no --gpu-memory: KV cache memory per engine (default 40)")
@@ -139,16 +140,6 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="penalty per running request (default 0.02)")
     g.add_argument("--kv-usage-weight", type=non_negative_float, metavar="W",
                    help="penalty per unit of KV cache usage, 0..1 (default 0.2)")
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]") from None
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
 
 
 def kv_scoring(args: argparse.Namespace) -> Any:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from math import prod
-from typing import Union
+from typing import TypeVar, Union
 
 from .errors import KVCachePlanningError
 
@@ -94,14 +94,12 @@ def _positive(name: str, value: int) -> None:
         raise KVCachePlanningError(f"{name} must be a positive integer, got {value!r}")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FullAttentionSpec:
-    """A full-attention layer: K and V of every token stay cached.
+_Spec = TypeVar("_Spec", bound="_AttentionLayer")
 
-    ``sliding_window`` / ``attention_chunk_size`` are set only when hybrid management is
-    off and a windowed layer is planned as full attention: the window still limits compute
-    but no longer frees memory.
-    """
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _AttentionLayer:
+    """What every attention layer spec has: its block shape and the bytes of one block."""
 
     block_size: int
     """Tokens per block."""
@@ -111,12 +109,6 @@ class FullAttentionSpec:
     """Elements per head."""
     dtype: str
     """KV cache element type (see :func:`normalize_dtype`)."""
-    sliding_window: int | None = None
-    """Window kept for compute only (tokens); ``None`` for a real full-attention layer."""
-    attention_chunk_size: int | None = None
-    """Local-attention chunk kept for compute only (tokens)."""
-
-    kind = "full_attention"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -129,15 +121,32 @@ class FullAttentionSpec:
         """Bytes of one block of this layer: K and V, ``2 * block_size * heads * head_size * dtype``."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_bytes(self.dtype)
 
+    def with_block_size(self: _Spec, block_size: int) -> _Spec:
+        """The same spec with another block size (tokens)."""
+        return replace(self, block_size=block_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FullAttentionSpec(_AttentionLayer):
+    """A full-attention layer: K and V of every token stay cached.
+
+    ``sliding_window`` / ``attention_chunk_size`` are set only when hybrid management is
+    off and a windowed layer is planned as full attention: the window still limits compute
+    but no longer frees memory.
+    """
+
+    sliding_window: int | None = None
+    """Window kept for compute only (tokens); ``None`` for a real full-attention layer."""
+    attention_chunk_size: int | None = None
+    """Local-attention chunk kept for compute only (tokens)."""
+
+    kind = "full_attention"
+
     def max_memory_usage_bytes(
         self, max_model_len: int, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     ) -> int:
         """Bytes one request of ``max_model_len`` tokens can hold in this layer."""
         return _cdiv(max_model_len, self.block_size) * self.page_size_bytes
-
-    def with_block_size(self, block_size: int) -> "FullAttentionSpec":
-        """The same spec with another block size (tokens)."""
-        return replace(self, block_size=block_size)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,33 +168,17 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SlidingWindowSpec:
+class SlidingWindowSpec(_AttentionLayer):
     """A sliding-window attention layer: only the last ``sliding_window`` tokens are attended."""
 
-    block_size: int
-    """Tokens per block."""
-    num_kv_heads: int
-    """KV heads held by one worker."""
-    head_size: int
-    """Elements per head."""
-    dtype: str
-    """KV cache element type."""
     sliding_window: int
     """Window (tokens)."""
 
     kind = "sliding_window"
 
     def __post_init__(self) -> None:
-        _positive("block_size", self.block_size)
-        _positive("num_kv_heads", self.num_kv_heads)
-        _positive("head_size", self.head_size)
+        _AttentionLayer.__post_init__(self)
         _positive("sliding_window", self.sliding_window)
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
-
-    @property
-    def page_size_bytes(self) -> int:
-        """Bytes of one block of this layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_bytes(self.dtype)
 
     def max_memory_usage_bytes(
         self, max_model_len: int, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -199,39 +192,19 @@ class SlidingWindowSpec:
         tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
         return (_cdiv(tokens, self.block_size) + 1) * self.page_size_bytes
 
-    def with_block_size(self, block_size: int) -> "SlidingWindowSpec":
-        """The same spec with another block size (tokens)."""
-        return replace(self, block_size=block_size)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkedLocalAttentionSpec:
+class ChunkedLocalAttentionSpec(_AttentionLayer):
     """A chunked local attention layer (Llama-4): tokens attend within fixed chunks."""
 
-    block_size: int
-    """Tokens per block."""
-    num_kv_heads: int
-    """KV heads held by one worker."""
-    head_size: int
-    """Elements per head."""
-    dtype: str
-    """KV cache element type."""
     attention_chunk_size: int
     """Chunk (tokens)."""
 
     kind = "chunked_local_attention"
 
     def __post_init__(self) -> None:
-        _positive("block_size", self.block_size)
-        _positive("num_kv_heads", self.num_kv_heads)
-        _positive("head_size", self.head_size)
+        _AttentionLayer.__post_init__(self)
         _positive("attention_chunk_size", self.attention_chunk_size)
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
-
-    @property
-    def page_size_bytes(self) -> int:
-        """Bytes of one block of this layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_bytes(self.dtype)
 
     def max_memory_usage_bytes(
         self, max_model_len: int, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -240,10 +213,6 @@ class ChunkedLocalAttentionSpec:
         ``max_model_len``."""
         tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
         return _cdiv(tokens, self.block_size) * self.page_size_bytes
-
-    def with_block_size(self, block_size: int) -> "ChunkedLocalAttentionSpec":
-        """The same spec with another block size (tokens)."""
-        return replace(self, block_size=block_size)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

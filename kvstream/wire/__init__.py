@@ -7,78 +7,9 @@ nothing of kvstream but :mod:`kvstream.errors`.
 
 from __future__ import annotations
 
-from kvstream.wire.events import (
-    MEDIUM_GPU,
-    MEDIUM_CPU,
-    ExternalBlockHash,
-    KVCacheEvent,
-    BlockStored,
-    BlockRemoved,
-    AllBlocksCleared,
-    KVEventBatch,
-    EventDecodeError,
-    EventEncoder,
-    EventDecoder,
-    encode_batch,
-    decode_batch,
-    ARRAY_FIELDS_V0_11,
-    DEFAULT_MAX_PAYLOAD_BYTES,
-)
-from kvstream.wire.framing import (
-    END_SEQ,
-    END_SEQ_BYTES,
-    FrameError,
-    LiveMessage,
-    ReplayReply,
-    encode_seq,
-    decode_seq,
-    parse_live,
-    parse_replay_reply,
-    parse_replay_request,
-    SNAPSHOT_REQUEST,
-)
-from kvstream.wire.capture import (
-    CaptureChannel,
-    CaptureRecord,
-    CaptureFormatError,
-    read_capture,
-    iter_capture,
-    write_capture,
-    CAPTURE_MAGIC,
-)
+from kvstream.wire import capture, events, framing
+from kvstream.wire.capture import *  # noqa: F403 - the package re-exports each module's __all__
+from kvstream.wire.events import *  # noqa: F403
+from kvstream.wire.framing import *  # noqa: F403
 
-__all__ = [
-    "MEDIUM_GPU",
-    "MEDIUM_CPU",
-    "ExternalBlockHash",
-    "KVCacheEvent",
-    "BlockStored",
-    "BlockRemoved",
-    "AllBlocksCleared",
-    "KVEventBatch",
-    "EventDecodeError",
-    "EventEncoder",
-    "EventDecoder",
-    "encode_batch",
-    "decode_batch",
-    "ARRAY_FIELDS_V0_11",
-    "DEFAULT_MAX_PAYLOAD_BYTES",
-    "END_SEQ",
-    "END_SEQ_BYTES",
-    "FrameError",
-    "LiveMessage",
-    "ReplayReply",
-    "encode_seq",
-    "decode_seq",
-    "parse_live",
-    "parse_replay_reply",
-    "parse_replay_request",
-    "SNAPSHOT_REQUEST",
-    "CaptureChannel",
-    "CaptureRecord",
-    "CaptureFormatError",
-    "read_capture",
-    "iter_capture",
-    "write_capture",
-    "CAPTURE_MAGIC",
-]
+__all__ = [*events.__all__, *framing.__all__, *capture.__all__]

@@ -26,6 +26,7 @@ make sense of raises :class:`EventDecodeError`, and nothing else.
 from __future__ import annotations
 
 import re
+import typing
 from typing import Annotated, Any, Final, Literal, Union
 
 import msgspec
@@ -140,46 +141,46 @@ class EventDecodeError(RemoteProtocolError, ValueError):
 
 # -- legacy array shapes (decode side) ------------------------------------------------
 # msgspec cannot put array-like and map-like structs in one union, so array events are
-# decoded with these mirrors and converted. Every field after the first few defaults to
-# None so that short arrays from older engines decode ("missing trailing slots become
-# None"); extra trailing slots are ignored by msgspec.
+# decoded with mirrors of the structs above and converted. The mirrors are derived from
+# the map structs (a new field is declared once, above): same fields in the same order,
+# but every field after the first has a default, so short arrays from older engines
+# decode ("missing trailing slots become None", or an empty list / 0 where the field
+# cannot be None); extra trailing slots are ignored by msgspec.
 
 
 class _ArrayEvent(msgspec.Struct, tag=True, array_like=True, gc=False):
     pass
 
 
-class _BlockStoredArray(_ArrayEvent, tag="BlockStored"):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+def _empty(tp: Any) -> Any:
+    """The default a missing trailing array slot of type ``tp`` decodes to."""
+    args = typing.get_args(tp)
+    if tp is Any or type(None) in args:
+        return None
+    origin = typing.get_origin(tp) or tp
+    if origin is list:
+        return []
+    if origin is int:
+        return 0
+    raise TypeError(f"no empty value for a required field of type {tp!r}; give it a default")
 
 
-class _BlockRemovedArray(_ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: Any = None
-    ownership: Any = None
+def _array_mirror(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    fields: list[Any] = []
+    for i, f in enumerate(msgspec.structs.fields(cls)):
+        if i == 0:
+            fields.append((f.name, f.type))
+        else:
+            default = f.default if f.default is not msgspec.NODEFAULT else _empty(f.type)
+            fields.append((f.name, f.type, default))
+    return msgspec.defstruct(f"_{cls.__name__}Array", fields, bases=(_ArrayEvent,),
+                             tag=cls.__struct_config__.tag, module=__name__)
 
 
-class _AllBlocksClearedArray(_ArrayEvent, tag="AllBlocksCleared"):
-    pass
-
-
-_AnyArrayEvent = Union[_BlockStoredArray, _BlockRemovedArray, _AllBlocksClearedArray]
+_BlockStoredArray = _array_mirror(BlockStored)
+_BlockRemovedArray = _array_mirror(BlockRemoved)
+_AllBlocksClearedArray = _array_mirror(AllBlocksCleared)
+_AnyArrayEvent = Union[_BlockStoredArray, _BlockRemovedArray, _AllBlocksClearedArray]  # type: ignore[valid-type]
 
 
 class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):

@@ -33,9 +33,9 @@ def test_quick_demo_compares_policies_over_http_and_replay_equals_live(
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--engines", "0"], "--engines: must be at least 1, got 0"),
-    (["--engines", "-1"], "--engines: must be at least 1, got -1"),
-    (["--sessions", "x"], "--sessions: expected a whole number"),
+    (["--engines", "0"], "--engines: must be a positive integer, got 0"),
+    (["--engines", "-1"], "--engines: must be a positive integer, got -1"),
+    (["--sessions", "x"], "--sessions: 'x' is not a positive integer"),
 ])
 def test_bad_numbers_are_one_line_and_exit_2(argv: list[str], message: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:

@@ -269,3 +269,18 @@ def test_fuzz_structured_garbage_raises_only_event_decode_error(ts, events, rank
     except OverflowError:
         return
     _decode_only_raises_our_error(payload)
+
+
+@pytest.mark.parametrize("cls", [BlockStored, BlockRemoved, AllBlocksCleared])
+def test_array_shape_follows_the_struct(cls) -> None:
+    """The 0.11 array shape is derived from the struct: a full-length array of every field
+    decodes to the same event as the map shape, and a one-slot array decodes too."""
+    fields = msgspec.structs.fields(cls)
+    values = {f.name: ([7, 8] if f.name == "block_hashes" else [1, 2] if f.name.endswith("token_ids")
+                       else 16 if f.name == "block_size" else None) for f in fields}
+    ev = cls(**values)
+    tag = cls.__struct_config__.tag
+    full = msgspec.msgpack.encode([0.5, [[tag, *values.values()]]])
+    assert EventDecoder().decode(full).events == [ev]
+    short = msgspec.msgpack.encode([0.5, [[tag, *list(values.values())[:1]]]])
+    assert type(EventDecoder().decode(short).events[0]) is cls
