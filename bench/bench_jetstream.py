@@ -9,13 +9,17 @@ this process.
   References in the same run: nats-py publishing the same payloads and headers with our
   async-ack window but no kvstream (the client's ceiling), nats-py's own
   ``js.publish_async``, and kvstream's ZMQ path alone (Publisher -> Subscriber).
-* consumer: ``JetStreamSource`` items applied into a ``KVIndex`` (target >= 200,000
-  batches/s). References: nats-py reading the same messages with a bare push consumer (no
-  decoding, no index), and applying the same decoded batches into a ``KVIndex`` with no
-  transport at all.
-* replica: a stream holding 1,000,000 distinct blocks (8 engines), a snapshot of each, then
-  a 10,000-batch tail; a new replica loads the snapshots and reads the tail until its index
-  is current (target <= 2 s). Reference: the same replica replaying the whole stream.
+* consumer: ``JetStreamSource`` -> ``Router`` -> an index, once with ``KVIndex`` (token
+  keys) and once with ``EngineKeyIndex`` (keyed by the engines' own hashes); wall clock and
+  CPU seconds of this process (target >= 200,000 batches/s). References: nats-py reading
+  the same messages with a bare push consumer (no decoding, no index), and each index
+  applying the same decoded batches with no transport at all. Stages, each alone: the
+  source with decoding stubbed out, the whole source (read + decode), decoding alone.
+* replica, per keying: a stream holding 1,000,000 distinct blocks (8 engines), one
+  whole-index snapshot, then a 10,000-batch tail; a new replica loads the snapshot and
+  reads the tail until its index equals the first one's (target <= 2 s). References: the
+  same replica replaying the whole stream, and the index's ``dump()`` / ``load_source()``
+  alone.
 
 Run: .venv/bin/python bench/bench_jetstream.py [--quick]   (50,000 batches per path and
 1,000,000 blocks; --quick: 30,000 and 200,000)
