@@ -14,7 +14,9 @@ this process.
   CPU seconds of this process (target >= 200,000 batches/s). References: nats-py reading
   the same messages with a bare push consumer (no decoding, no index), and each index
   applying the same decoded batches with no transport at all. Stages, each alone: the
-  source with decoding stubbed out, the whole source (read + decode), decoding alone.
+  source with decoding stubbed out, the whole source (read + decode), decoding alone; and
+  the consumer's CPU floor: the same deliveries as pre-built bytes fed to the source's
+  protocol reader, no server and no event loop (parse + track, + decode, + apply).
 * replica, per keying: a stream holding 1,000,000 distinct blocks (8 engines), one
   whole-index snapshot, then a 10,000-batch tail; a new replica loads the snapshot and
   reads the tail until its index equals the first one's (target <= 2 s). References: the
@@ -316,6 +318,60 @@ async def kv_read(url: str, n: int, *, decode: bool) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def stage_offline(payloads: list[bytes], n: int, make_index: Any) -> dict[str, float]:
+    """The consumer's CPU floor, no server, no event loop: ``n`` deliveries exactly as
+    nats-server sends them (relay headers, ``$JS.ACK`` replies) as bytes, fed to a
+    ``JetStreamSource``'s protocol reader in the slices it uses, items taken after each
+    slice and applied into ``make_index()`` (None: not applied). us/batch: parse + track
+    (decoding stubbed out), + decode, + apply; best of 5."""
+    from kvstream.jetstream import tracking, wire
+    from kvstream.jetstream._proto import ProtocolReader
+    from kvstream.jetstream.source import _BATCH_DELIVERY, _SLICE
+    from kvstream.routing.router import apply_item
+
+    w = len(payloads)
+    parts = []
+    for i in range(n):
+        h = wire.batch_headers("bench", 0, i, "kv@bench")
+        hdr = ("NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items()) + "\r\n").encode()
+        p = payloads[i % w]
+        reply = f"$JS.ACK.KV_EVENTS.bench0consumer.1.{i + 1}.{i + 1}.1733000000000000000.{n - i - 1}".encode()
+        parts.append(b"HMSG kv.bench 1 %s %d %d\r\n%s%s\r\n" % (reply, len(hdr), len(hdr) + len(p), hdr, p))
+    data = b"".join(parts)
+    del parts
+    slices = [data[i:i + _SLICE] for i in range(0, len(data), _SLICE)]
+
+    def once(apply: bool) -> float:
+        sub = JetStreamSource("nats://127.0.0.1:4222")
+        reader = ProtocolReader(sub._on_raw, (_BATCH_DELIVERY, sub._on_fast))
+        index = make_index() if apply else None
+        got = 0
+        t0 = time.perf_counter()
+        for chunk in slices:
+            reader.feed(chunk)
+            sub._flush()
+            items = sub.get_nowait()
+            got += len(items)
+            if index is not None:
+                for item in items:
+                    apply_item(index, item, 0.0)
+        dt = time.perf_counter() - t0
+        assert got == n and reader.fast_hits == n
+        return dt / n * 1e6
+
+    saved = tracking._decode_map
+    const = KVEventBatch(0.0, [])
+    tracking._decode_map = lambda payload: const  # type: ignore[assignment]
+    try:
+        track = min(once(False) for _ in range(5))
+    finally:
+        tracking._decode_map = saved
+    decode = min(once(False) for _ in range(5))
+    applied = min(once(True) for _ in range(5))
+    return {"parse_and_track_us": round(track, 2), "plus_decode_us": round(decode, 2),
+            "plus_apply_us": round(applied, 2)}
+
+
 def ref_decode(payloads: list[bytes], n: int) -> float:
     """Decoding the payloads alone (kvstream's EventDecoder, results kept as a consumer
     keeps them until applied: 2,000 at a time): batches/s."""
@@ -493,6 +549,8 @@ async def main(quick: bool) -> None:
             res["stage_read_no_decode_batches_per_s"] = round(await kv_read(url, n, decode=False))
             res["stage_read_and_decode_batches_per_s"] = round(await kv_read(url, n, decode=True))
             res["ref_decode_only_batches_per_s"] = round(ref_decode(payloads, n))
+            res["stage_offline_engine_index"] = stage_offline(payloads, n, _engine_index)
+            res["stage_offline_kvindex"] = stage_offline(payloads, n, KVIndex)
             res["ref_index_apply_only_batches_per_s"] = round(ref_apply(payloads, n, KVIndex()))
             res["ref_engine_index_apply_only_batches_per_s"] = round(ref_apply(payloads, n, _engine_index()))
             wall, cpu = await kv_consume(url, n, KVIndex())
@@ -528,6 +586,11 @@ async def main(quick: bool) -> None:
                   us["ref_decode_only_batches_per_s"], us["ref_index_apply_only_batches_per_s"],
                   us["ref_engine_index_apply_only_batches_per_s"], us["kvstream_consume_and_apply_batches_per_s"],
                   us["kvstream_consume_and_apply_engine_index_batches_per_s"]))
+        oe, ok = res["stage_offline_engine_index"], res["stage_offline_kvindex"]
+        print(f"consumer CPU floor (no server, pre-built deliveries), us/batch: parse+track "
+              f"{oe['parse_and_track_us']}, +decode {oe['plus_decode_us']}, +apply EngineKeyIndex "
+              f"{oe['plus_apply_us']} ({1e6 / oe['plus_apply_us']:,.0f}/s), +apply KVIndex {ok['plus_apply_us']} "
+              f"({1e6 / ok['plus_apply_us']:,.0f}/s)")
         for key, label in (("replica", "KVIndex"), ("replica_engine_index", "EngineKeyIndex")):
             r = res[key]
             print(f"replica ({label}): warm from snapshot + {r['tail_batches']:,}-batch tail ready in "
