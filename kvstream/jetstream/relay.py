@@ -259,12 +259,15 @@ class Relay:
         publish = self._publish
         async for item in sub:
             st.items += 1
-            rs = sources.get(item.source)
+            name = item.source
+            rs = sources.get(name)
             if rs is None:
                 continue
             skipped = rs.skipped
             for payload, headers in rs.on_item(item):
-                await publish(subjects[item.source], payload, headers)
+                if len(self._pending) >= self.max_inflight or self._bytes >= self.max_inflight_bytes:
+                    await self._wait_space()
+                publish(subjects[name], payload, headers, name)
             if st.items & 255 == 0:
                 await anyio.lowlevel.checkpoint()  # let the writer stream while items keep coming
             st.skipped += rs.skipped - skipped
@@ -272,10 +275,14 @@ class Relay:
                 break
         return st
 
-    async def _publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+    async def _wait_space(self) -> None:
         while len(self._pending) >= self.max_inflight or self._bytes >= self.max_inflight_bytes:
             ev = self._space = anyio.Event()
             await ev.wait()
+
+    def _publish(self, subject: str, payload: bytes, headers: dict[str, str], source: str) -> None:
+        """Queue one message (the caller made room: :meth:`_wait_space`). A plain function,
+        not a coroutine: one per message would cost as much as the rest of this."""
         self._token = t = self._token + 1
         self._pending[t] = p = _Pending(subject, payload, headers, time.monotonic())
         self._bytes += len(payload)
@@ -286,8 +293,7 @@ class Relay:
         st.published += 1
         if wire.H_KIND not in headers:
             bs = st.by_source
-            src = headers[wire.H_MSG_ID].rsplit(":", 2)[0]
-            bs[src] = bs.get(src, 0) + 1
+            bs[source] = bs.get(source, 0) + 1
         if self._conn is not None:  # else it goes out when the connection is back
             self._wbuf += hpub_op(subject, f"{self._inbox}.{t}", headers, payload)
             p.written = True
