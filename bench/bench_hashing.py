@@ -1,6 +1,6 @@
 """Block hashing: kvstream against the naive loop and vLLM's own hasher, on unseen prompts.
 
-Run: ``.venv/bin/python bench/bench_hashing.py [--prompts 30] [--rounds 3]``
+Run: ``.venv/bin/python bench/bench_hashing.py [--prompts 30] [--rounds 3] [--tokens 4096]``
 
 Inputs (``bench/vllm_peer/workloads.py``): 4,096-token prompts over a 128k vocabulary,
 ``uniform`` (ids uniform, a new prompt every call: what a router mostly sees), ``zipf``
@@ -15,7 +15,9 @@ For every vLLM algorithm it prints microseconds per prompt for
   ``kv_cache_utils.py``) when the peer cache holds it (``bench/vllm_peer/fetch.py``);
 * kvstream's ``RequestBlockHasher.extend`` (the prompt in one call), and the ratio.
 
-and the same with 256 output tokens appended one call each (the incremental hasher).
+and the same with 256 output tokens appended one call each (the incremental hasher), and
+a floor: the digest calls alone on the naive loop's own serialized inputs (same lengths),
+which no hasher of that algorithm can beat.
 Digests are checked equal. Every prompt is timed alone, contenders alternate prompt by\nprompt, and the median per-prompt time counts (robust to bursts of load on a shared machine).
 Target (issue #13): >= 1.5x the naive loop for every vLLM algorithm on every input kind.
 """
@@ -57,6 +59,25 @@ def naive_hasher(algorithm: str) -> Callable[[Any], bytes]:
     return lambda o: xxhash.xxh3_128_digest(ser(o))
 
 
+def naive_hasher_ser(algorithm: str) -> Callable[[Any], bytes]:
+    """The naive loop's serializer alone (for the floor: digests of the same inputs)."""
+    if algorithm.endswith("_cbor"):
+        return lambda o: cbor2.dumps(o, canonical=True)
+    return lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _naive_inputs(ser: Callable[[Any], bytes], tokens: list[int], root: bytes, size: int, decode: bool) -> list[bytes]:
+    """Every block's serialized input as the naive loop chains them (parents of the
+    algorithm's digest size; only the input lengths matter for the floor)."""
+    toks = list(tokens) + (DECODE if decode else [])
+    out, parent = [], root
+    for i in range(0, len(toks) - len(toks) % BS, BS):
+        b = ser((parent, tuple(toks[i : i + BS]), None))
+        out.append(b)
+        parent = hashlib.sha256(b).digest()[:size]
+    return out
+
+
 def naive_blocks(fn: Callable[[Any], bytes], tokens: list[int], parent: bytes) -> list[bytes]:
     out = []
     for i in range(0, len(tokens) - len(tokens) % BS, BS):
@@ -70,6 +91,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=30, help="prompts per input kind and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--algorithms", default=",".join(VLLM_ALGORITHMS))
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per prompt (4,096 for issue #13's goal)")
     args = ap.parse_args()
     vl = None
     if fetch.available("0.33"):
@@ -78,7 +100,7 @@ def main() -> None:
         vl = shims.load(fetch.source_root("0.33"))
     else:
         print("(vLLM 0.33 is not in the peer cache: run bench/vllm_peer/fetch.py once to compare with it)")
-    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; us per 4,096-token prompt, "
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; us per {args.tokens:,}-token prompt, "
           f"median of {args.rounds} rounds x {args.prompts} prompts, each timed alone")
     for algorithm in args.algorithms.split(","):
         hasher = BlockHasher(algorithm, BS, seed="bench")
@@ -132,14 +154,15 @@ def main() -> None:
         samples: dict[tuple[str, str], list[float]] = {}
         names = list(contenders)
         for kind in workloads.HASH_KINDS:
-            check = workloads.hash_prompts(kind, 1, seed=99)[0]
+            check = workloads.hash_prompts(kind, 1, args.tokens, seed=99)[0]
             want = naive_decode(check)
             for name, (_, dec) in contenders.items():
                 assert dec(check) == want, f"{name} differs from the naive loop ({algorithm}, {kind})"
             for r in range(args.rounds):
                 # Fresh prompts for every contender, mode and round: never seen before.
                 batches = {
-                    (name, mode): workloads.hash_prompts(kind, args.prompts, seed=1000 * r + hash((name, mode)) % 997)
+                    (name, mode): workloads.hash_prompts(
+                        kind, args.prompts, args.tokens, seed=1000 * r + hash((name, mode)) % 997)
                     for name in names for mode in MODES
                 }
                 gc.collect()
@@ -155,12 +178,25 @@ def main() -> None:
                             dt = (time.perf_counter() - t0) * 1e6
                             samples.setdefault((name, f"{kind} {mode}"), []).append(dt)
                 gc.enable()
+        # The floor: the digest calls alone, on the naive loop's own inputs (same lengths),
+        # with the serialization done beforehand. No hasher of these algorithms can go below it.
+        digest_only = xxhash.xxh3_128_digest if algorithm.startswith("xxhash") else (
+            lambda b: hashlib.sha256(b).digest())
+        for kind in workloads.HASH_KINDS:
+            for mode in MODES:
+                for p in workloads.hash_prompts(kind, args.prompts, args.tokens, seed=4242):
+                    inputs = _naive_inputs(naive_hasher_ser(algorithm), p, root, hasher.digest_size, mode == "+decode")
+                    t0 = time.perf_counter()
+                    for b in inputs:
+                        digest_only(b)
+                    samples.setdefault(("floor", f"{kind} {mode}"), []).append((time.perf_counter() - t0) * 1e6)
         best = {key: statistics.median(v) for key, v in samples.items()}
         cols = [f"{k} {m}" for k in workloads.HASH_KINDS for m in ("prompt", "+decode")]
         print(f"\n{algorithm}")
         print(f"  {'':22s}" + "".join(f"{c:>18s}" for c in cols))
-        for name in contenders:
-            print(f"  {name:22s}" + "".join(f"{best[(name, c)]:18.1f}" for c in cols))
+        for name in [*contenders, "floor"]:
+            label = "floor (digests only)" if name == "floor" else name
+            print(f"  {label:22s}" + "".join(f"{best[(name, c)]:18.1f}" for c in cols))
         for ref in contenders:
             if ref != "kvstream":
                 print(f"  {'x ' + ref:22s}" + "".join(f"{best[(ref, c)] / best[('kvstream', c)]:17.2f}x" for c in cols))

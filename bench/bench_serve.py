@@ -3,6 +3,7 @@
     python bench/bench_serve.py                    # both services, defaults below
     python bench/bench_serve.py --no-dynamo        # kvstream only
     python bench/bench_serve.py --workers 1,2      # kvstream serve --workers 1, then 2, then Dynamo
+    python bench/bench_serve.py --stages           # each stage of ingest and /query alone, in-process
 
 The state: ``--engines`` (64) real kvstream publishers in one "farm" process, each
 publishing ``--docs`` (17) cached documents of ``--prompt-tokens`` (4096) tokens as vLLM
@@ -292,6 +293,96 @@ def wrk_result(proc: subprocess.Popen) -> dict[str, float]:
     return {"rps": int(n) / float(dur), "p50_ms": float(p50), "p99_ms": float(p99), "errors": int(errors)}
 
 
+# -- where the time goes: each stage alone, in-process, on the same state ----------------------
+
+
+def stages(args: argparse.Namespace) -> None:
+    """Time each stage of ingest and of one ``/query`` alone on the bench's state (one
+    process, no HTTP): what a request and a block cost before any server or client."""
+    import gc
+    from array import array
+
+    from kvstream.hashing import BlockHasher, to_external_list
+    from kvstream.routing.keys import prompt_keys
+    from kvstream.service.config import build_config
+    from kvstream.service.core import DEFAULT_INDEX, ServiceCore
+    from kvstream.service.mooncake import _QUERY, MooncakeAPI
+    from kvstream.service.schema import ENCODER
+    from kvstream.wire.events import BlockStored, EventDecoder, EventEncoder, KVEventBatch
+
+    documents, held = workload(args.engines, args.docs, args.prompt_tokens)
+    hasher = BlockHasher("sha256_cbor", BS, seed="0")
+    names = [f"e{i}" for i in range(args.engines)]
+    cfg = build_config({"model_name": "bench", "load_interval": 0},
+                       [f"{n}=tcp://127.0.0.1:{20000 + i}" for i, n in enumerate(names)], None)
+    core = ServiceCore(cfg)
+    mc = core.mooncake = MooncakeAPI(core)
+    ix = core.indexes[DEFAULT_INDEX]
+    enc, dec = EventEncoder(), EventDecoder()
+    hashes: dict[int, list[Any]] = {}
+    payloads = []
+    for i, docs in enumerate(held):
+        for d in docs:
+            if d not in hashes:
+                hashes[d] = to_external_list(hasher.hash_blocks(documents[d]))
+            batch = KVEventBatch(time.time(), [BlockStored(hashes[d], None, documents[d], BS, None, "GPU", None)], 0)
+            payloads.append((names[i], enc.encode(batch)))
+    blocks = args.engines * args.docs * (args.prompt_tokens // BS)
+    gc.collect()
+    t = time.perf_counter()
+    batches = [(n, dec.decode(p)) for n, p in payloads]
+    t_dec = time.perf_counter() - t
+    t = time.perf_counter()
+    for n, b in batches:
+        ix.apply_batch(n, b)
+    t_apply = time.perf_counter() - t
+    del batches
+    print(f"ingest of {blocks:,} blocks ({len(payloads)} batches of {args.prompt_tokens // BS} blocks), one core:")
+    print(f"  decode (msgpack -> events)  {t_dec / blocks * 1e6:6.2f} us/block  {blocks / t_dec:>11,.0f} blocks/s")
+    print(f"  index apply                 {t_apply / blocks * 1e6:6.2f} us/block  {blocks / t_apply:>11,.0f} blocks/s")
+    both = t_dec + t_apply
+    print(f"  both                        {both / blocks * 1e6:6.2f} us/block  {blocks / both:>11,.0f} blocks/s")
+
+    rng = random.Random(3)
+    bodies = [json.dumps({"model": "bench", "token_ids": documents[rng.randrange(len(documents))],
+                          "block_size": BS}).encode() for _ in range(64)]
+    reqs = [_QUERY.decode(b) for b in bodies]
+    packed = [array("I", q.token_ids) for q in reqs]
+    keys = [prompt_keys(p, BS) for p in packed]
+    matches = [ix.match((), keys=k) for k in keys]
+    results = []
+    for m in matches:
+        r: dict[str, Any] = {}
+        mc._merge(r, m, BS, None)
+        results.append(r)
+    n = 64 * max(1, args.stage_rounds)
+
+    def timed(f: Any) -> float:
+        for i in range(64):
+            f(i)
+        t = time.perf_counter()
+        for i in range(n):
+            f(i % 64)
+        return (time.perf_counter() - t) / n * 1e6
+
+    rows = [
+        ("JSON decode (msgspec, 4,096 ints)", timed(lambda i: _QUERY.decode(bodies[i]))),
+        ("uint32 check and pack (array)", timed(lambda i: array("I", reqs[i].token_ids))),
+        ("router keys (256 x xxh3)", timed(lambda i: prompt_keys(packed[i], BS))),
+        ("index walk (64 engines)", timed(lambda i: ix.match((), keys=keys[i]))),
+        ("per-instance answer (merge)", timed(lambda i: mc._merge({}, matches[i], BS, None))),
+        ("JSON encode", timed(lambda i: ENCODER.encode({"default": results[i]}))),
+        ("metrics (counter, 2 histograms)", timed(lambda i: core.metrics.routed("query", 2e-4, 4096))),
+    ]
+    total = timed(lambda i: mc.query(bodies[i]))
+    print(f"\none /query ({args.prompt_tokens}-token prompt, {args.engines} engines), each stage alone, one core:")
+    for name, us in rows:
+        print(f"  {name:<36} {us:7.1f} us  {us / total * 100:5.1f} %")
+    print(f"  {'sum of the stages':<36} {sum(us for _, us in rows):7.1f} us")
+    print(f"  {'the whole handler (MooncakeAPI.query)':<36} {total:7.1f} us  = {1e6 / total:,.0f} requests/s per core "
+          "before HTTP")
+
+
 # -- one run ----------------------------------------------------------------------------
 
 
@@ -347,10 +438,17 @@ def main() -> None:
                    help="kvstream serve --workers; a list (1,2) runs kvstream once per count")
     p.add_argument("--no-dynamo", action="store_true")
     p.add_argument("--only-dynamo", action="store_true")
+    p.add_argument("--stages", action="store_true",
+                   help="time each stage of ingest and of /query alone, in-process on the same state; no services")
+    p.add_argument("--stage-rounds", type=int, default=10, help="rounds of 64 prompts per /query stage")
     p.add_argument("--farm", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.farm:
         farm_main(args)
+        return
+    if args.stages:
+        print(f"load average (1 min) {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        stages(args)
         return
     runs = ([] if args.only_dynamo else [("kvstream", w) for w in args.workers])
     runs += [] if args.no_dynamo else [("dynamo", 1)]

@@ -290,11 +290,19 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         proxy = KVProxy.for_service(core, **proxy_opts)
         core.engine_view_extras.append(proxy.engine_view)
         core.metrics_extras.append(proxy.metrics_text)
-    app = create_app(core, extra_routes=proxy.openai_routes() if proxy is not None else ())
+    hot = create_app(core, extra_routes=proxy.openai_routes() if proxy is not None else ())
+    app: Any = hot
+    http: Any = "auto"
     if proxy is not None:
-        app = proxy.asgi(app)  # its POST routes in raw ASGI, in front of the service's app
+        app = proxy.asgi(hot)  # its POST routes in raw ASGI, in front of the service's app
+    else:
+        # The routing calls answered on the connection itself, the rest by uvicorn
+        # (kvstream/service/fastpath.py).
+        from kvstream.service.fastpath import fast_protocol
+
+        http = fast_protocol(hot.answer, [p.encode() for p in hot.hot], hot.limit)
     # proxy_headers off: no handler reads the client address, and the middleware costs per call.
-    ucfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", server_header=False,
+    ucfg = uvicorn.Config(app, http=http, log_config=None, access_log=False, lifespan="on", server_header=False,
                           date_header=False, proxy_headers=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(ucfg)
     server.capture_signals = _no_signal_capture  # type: ignore[method-assign]

@@ -21,6 +21,7 @@ This is kvstream's bottom layer: it imports nothing of kvstream.
 from __future__ import annotations
 
 import hashlib
+import marshal
 import os
 import pickle
 import struct
@@ -131,56 +132,110 @@ def _encode_int(n: int) -> bytes:
     return b"\xc3" + _head(2, len(raw)) + raw
 
 
-# Token ids in bulk. A per-token lookup table is fast only while the table is in CPU cache,
-# and a router mostly hashes prompts it has never seen. So a long prompt is encoded by one
-# cbor2 call over the whole token list (C, no table), and cut into blocks at offsets found
-# with a few C-level passes over the ids' bytes: every id in [0, 2**32) takes 1 + (id >= 24)
-# + (id >= 256) + 2 * (id >= 65536) bytes, and the flags come from bitwise ORs of whole byte
-# columns read as big ints (no carries). A bool id has the same size as its int value, so
-# the cut holds for whatever cbor2 wrote.
+# Token ids in bulk, without cbor2 and without a per-token table. A table of per-token
+# encodings is fast only while it sits in CPU cache, and a router mostly hashes prompts it
+# has never seen; cbor2 itself spends ~28 ns per id. So a long prompt goes through C-level
+# passes over whole byte strings, none of which depends on the vocabulary:
+#
+# 1. ``marshal.dumps(ids, 2)`` writes every exact int in [-2**31, 2**31) as b"i" + its 4 bytes
+#    little-endian, and anything else (a bool, an int subclass, a bigger int, a non-int)
+#    another way or not at all. A stream of exactly 5 + 5 * n bytes with b"i" every 5 bytes
+#    therefore proves every id is such an int, and slicing it every 5th byte gives the ids'
+#    byte columns b0..b3.
+# 2. One class key per id from the columns: bit 0 = b0 >= 24, bit 1 = b1 != 0, bit 2 =
+#    (b2 | b3) != 0 (each a ``bytes.translate``; ORed as big ints, no carries). The key
+#    decides the id's canonical CBOR size (1, 2, 3 or 5 bytes) and header (0x18/0x19/0x1a).
+# 3. Each id is laid out as five UTF-16 code units, header b3 b2 b1 b0 (big-endian, CBOR's
+#    order); a unit whose byte is not part of the id's encoding gets high byte 1. Decoding
+#    that as UTF-16 and encoding it as latin-1 with errors="ignore" drops exactly those units
+#    (they are >= U+0100) in one C pass: what remains is every id's canonical CBOR, back to back.
+# 4. Block sizes: the per-id sizes read as one big int, times 1 + 256 + ... + 256**(B-1),
+#    give every window sum of B sizes in one multiplication (each sum < 256: no carry).
+#
+# Ids outside [0, 2**31) or not exact ints take cbor2 per block (vLLM's own serializer).
 
-_LITTLE_ENDIAN_HOST = sys.byteorder == "little"
-_NONZERO = bytes([0] + [1] * 255)  # byte -> 1 if set
-_AT_LEAST_24 = bytes([0] * 24 + [1] * 232)
+_KEY_B0 = bytes([0] * 24 + [1] * 232)  # bit 0: b0 >= 24
+_KEY_B1 = bytes([0] + [2] * 255)  # bit 1: b1 != 0
+_KEY_B23 = bytes([0] + [4] * 255)  # bit 2: b2 or b3 != 0
+
+
+def _by_key(f: Callable[[int], int]) -> bytes:
+    """A translate table over class keys 0..7 (the rest of the 256 entries unused)."""
+    return bytes(f(k) for k in range(8)) + bytes(248)
+
+
+# key -> canonical CBOR size of the id in bytes: 1 (< 24), 2 (< 256), 3 (< 65536) or 5.
+_CBOR_SIZE = _by_key(lambda k: 5 if k & 4 else 3 if k & 2 else 2 if k & 1 else 1)
+# key -> the header byte (ignored for ids < 24, whose header unit is dropped: b0 is the item).
+_CBOR_HEAD = _by_key(lambda k: 0x1A if k & 4 else 0x19 if k & 2 else 0x18)
+_DROP_HEAD = _by_key(lambda k: int(k == 0))  # id < 24
+_DROP_B1 = _by_key(lambda k: int(k < 2))  # id < 256
+_DROP_B23 = _by_key(lambda k: int(k < 4))  # id < 65536
 
 # Below this many blocks per call, cbor2 on each block's token list is cheaper than the
-# bulk passes' fixed cost (measured: ~5 us for the passes, ~1 us per cbor2 call).
+# bulk passes' fixed cost (measured: ~10 us for the passes, ~1 us per cbor2 call).
 _BULK_MIN_BLOCKS = 12
 
 
-def _cbor_token_runs(tokens: Sequence[int], block_size: int) -> tuple[bytes, int, Sequence[int]] | None:
-    """Canonical CBOR of every token id concatenated, where it starts, and each block's size.
+def _int32_columns(tokens: Sequence[int]) -> tuple[bytes, bytes, bytes, bytes] | None:
+    """Little-endian byte columns (b0, b1, b2, b3) of every id, or None.
 
-    ``len(tokens)`` must be a multiple of ``block_size``. Returns ``(encoded, start, sizes)``:
-    block ``i``'s ids are ``encoded[start + sum(sizes[:i]) :][: sizes[i]]``. None when an id
-    is not an int in [0, 2**32) (the caller falls back to cbor2 per block, which decides).
+    None unless every id is an exact ``int`` in [-2**31, 2**31) (see step 1 above).
     """
+    seq = tokens if type(tokens) is list or type(tokens) is tuple else list(tokens)
     try:
-        col = array("I", tokens)
-    except (OverflowError, TypeError):
+        m = marshal.dumps(seq, 2)
+    except ValueError:  # an object marshal cannot write: certainly not an exact int
         return None
-    try:
-        encoded = _cbor_dumps(tokens if type(tokens) is list else list(tokens))
-    except Exception:  # an int-like cbor2 cannot encode (it would fail per block too)
+    n = len(seq)
+    if len(m) != 5 + 5 * n or m[5::5] != b"i" * n:
         return None
-    if _LITTLE_ENDIAN_HOST:
-        col.byteswap()
-    raw = col.tobytes()
-    n = len(col)
+    return m[6::5], m[7::5], m[8::5], m[9::5]
+
+
+def _cbor_token_runs(tokens: Sequence[int], block_size: int) -> tuple[bytes, Sequence[int]] | None:
+    """Canonical CBOR of the token ids of every full block, back to back, and each block's size.
+
+    Returns ``(encoded, sizes)``: block ``i``'s ids are ``encoded[sum(sizes[:i]):][:sizes[i]]``
+    (ids after the last full block are encoded too, and not counted). None when an id is not
+    an exact int in [0, 2**31) (the caller falls back to cbor2 per block, which decides).
+    """
+    cols = _int32_columns(tokens)
+    if cols is None:
+        return None
+    c0, c1, c2, c3 = cols
+    if not c3.isascii():  # a negative id (b3 >= 0x80): CBOR's major type 1, leave it to cbor2
+        return None
+    n = len(c0)
     fb = int.from_bytes
-    high = fb(raw[0::4], "little") | fb(raw[1::4], "little")
-    wide = fb(high.to_bytes(n, "little").translate(_NONZERO), "little")  # id >= 65536
-    mid = fb((high | fb(raw[2::4], "little")).to_bytes(n, "little").translate(_NONZERO), "little")  # >= 256
-    low = mid | fb(raw[3::4].translate(_AT_LEAST_24), "little")  # >= 24
-    sizes_i = low + mid + 2 * wide + fb(b"\x01" * n, "little")  # 1..5 per byte
+    key_i = fb(c0.translate(_KEY_B0), "little") | fb(c1.translate(_KEY_B1), "little")
+    if c3.count(0) == n:  # every id < 2**24 (all real vocabularies): b3 adds nothing
+        key_i |= fb(c2.translate(_KEY_B23), "little")
+    else:
+        key_i |= fb(c2.translate(_KEY_B23), "little") | fb(c3.translate(_KEY_B23), "little")
+    key = key_i.to_bytes(n, "little")
+    # Low bytes first (5 bytes an id), widened to UTF-16 units by a latin-1 round trip
+    # (cheaper than writing every low byte into the 10-byte layout), then the high bytes.
+    low = bytearray(5 * n)
+    low[0::5] = key.translate(_CBOR_HEAD)
+    low[1::5] = c3
+    low[2::5] = c2
+    low[3::5] = c1
+    low[4::5] = c0
+    units = bytearray(low.decode("latin-1").encode("utf-16-le"))
+    units[1::10] = key.translate(_DROP_HEAD)
+    drop = key.translate(_DROP_B23)
+    units[3::10] = drop
+    units[5::10] = drop
+    units[7::10] = key.translate(_DROP_B1)
+    encoded = units.decode("utf-16-le").encode("latin-1", "ignore")
+    blocks = n // block_size
+    each = key.translate(_CBOR_SIZE)
     if 5 * block_size < 256:
         # Sliding sums of block_size bytes in one multiplication (each sum < 256: no carry).
-        sums = (sizes_i * fb(b"\x01" * block_size, "little")).to_bytes(n + block_size, "little")
-        sizes: Sequence[int] = sums[block_size - 1 :: block_size][: n // block_size]
-    else:
-        each = sizes_i.to_bytes(n, "little")
-        sizes = [sum(each[i : i + block_size]) for i in range(0, n, block_size)]
-    return encoded, len(encoded) - sum(sizes), sizes
+        sums = (fb(each, "little") * fb(b"\x01" * block_size, "little")).to_bytes(n + block_size, "little")
+        return encoded, sums[block_size - 1 :: block_size][:blocks]
+    return encoded, [sum(each[i : i + block_size]) for i in range(0, blocks * block_size, block_size)]
 
 
 def _encode_into(obj: Any, out: list[bytes]) -> None:
@@ -318,7 +373,7 @@ if array("I").itemsize != 4:  # pragma: no cover - no mainstream platform
     raise ImportError("kvstream.hashing needs a 4-byte C unsigned int for native hashing")
 
 
-def _one_block_fn(algorithm: str, chain_prefix: bytes) -> Callable[[bytes, list[int]], bytes] | None:
+def _one_block_fn(algorithm: str, chain_prefix: bytes) -> Callable[[bytes, Sequence[int]], bytes] | None:
     """``f(parent, block)``: the hash of one full block without extra keys, for the decode path.
 
     ``parent`` must be a digest of this algorithm's size (``chain_prefix`` assumes it);
@@ -388,7 +443,7 @@ class BlockHasher:
     _cbor: bool
     _array_head: bytes
     _chain_prefix: bytes
-    _one: Callable[[bytes, list[int]], bytes] | None
+    _one: Callable[[bytes, Sequence[int]], bytes] | None
 
     def __init__(
         self,
@@ -518,6 +573,10 @@ class BlockHasher:
             return []
         if not parent:
             parent = self.root
+        if n == 1 and extra_keys_per_block is None and self._one is not None and len(parent) == self.digest_size:
+            # One block (a short prompt): a single serialize + digest, no bulk setup.
+            chunk = tokens[:bs]
+            return [self._one(parent, chunk if type(chunk) is list or type(chunk) is tuple else list(chunk))]
         if self._cbor:
             return self._hash_cbor(tokens, n, parent, extra_keys_per_block)
         if self._serialize is not None:
@@ -575,7 +634,7 @@ class BlockHasher:
     ) -> list[bytes]:
         bs = self.block_size
         ahead = self._array_head
-        runs = _cbor_token_runs(tokens[: n * bs], bs) if n >= _BULK_MIN_BLOCKS else None
+        runs = _cbor_token_runs(tokens, bs) if n >= _BULK_MIN_BLOCKS else None
         chain_prefix = self._chain_prefix
         out: list[bytes] = []
         append = out.append
@@ -583,7 +642,8 @@ class BlockHasher:
         if runs is not None and extras is None and len(parent) == self.digest_size:
             # The common case, a long prompt without extra keys: every block's input is
             # prefix|parent|array head|its ids|None, joined straight from the one encoding.
-            encoded, a, sizes = runs
+            encoded, sizes = runs
+            a = 0
             join = b"".join
             if self.algorithm == "sha256_cbor":
                 new = hashlib.sha256  # called directly: one Python call less per block
@@ -601,8 +661,8 @@ class BlockHasher:
                     a = b
             return out
         if runs is not None:
-            encoded, start, sizes = runs
-            ends = accumulate(sizes, initial=start)
+            encoded, sizes = runs
+            ends = accumulate(sizes, initial=0)
             next(ends)
             arrays: Iterable[bytes] = [ahead + encoded[e - k : e] for e, k in zip(ends, sizes)]
         else:
@@ -869,6 +929,9 @@ class RequestExtraKeys:
         return found, cursor
 
 
+_NO_EXTRA_KEYS = RequestExtraKeys()
+
+
 # --------------------------------------------------------------------------------------
 # A request's growing hash list.
 
@@ -905,7 +968,10 @@ class RequestBlockHasher:
         if not isinstance(hasher, BlockHasher):
             raise HashingError(f"hasher must be a BlockHasher, got {type(hasher).__name__}")
         self.hasher = hasher
-        self.keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
+        if lora is None and mm_items == () and cache_salt is None and prompt_embeds_digest is None:
+            self.keys = _NO_EXTRA_KEYS  # the usual request: skip building and checking keys
+        else:
+            self.keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
         self._bs = hasher.block_size
         self._plain = self.keys.empty
         # One-block decode steps skip hash_blocks' checks (plain requests only).
@@ -932,6 +998,31 @@ class RequestBlockHasher:
     def extend(self, new_token_ids: Iterable[int]) -> list[bytes]:
         """Append token ids; return the hashes of the blocks this call completed (maybe [])."""
         pending = self._pending
+        if not pending and (type(new_token_ids) is list or type(new_token_ids) is tuple):
+            # Nothing held back (a prompt, or a call that starts at a block boundary): hash
+            # the caller's list where it is and keep only its partial tail, instead of
+            # copying the whole prompt into the pending list and out again.
+            count = len(new_token_ids)
+            full = count - count % self._bs
+            if not full:
+                pending.extend(new_token_ids)
+                return []
+            one = self._one
+            if full == self._bs and one is not None:
+                # One block (a short prompt, or a decode batch that ends one): a single call.
+                hashes = self._hashes
+                parent = hashes[-1] if hashes else self.hasher.root
+                if len(parent) == self.hasher.digest_size:
+                    h = one(parent, new_token_ids[:full])
+                    hashes.append(h)
+                    self._wire.append(None)
+                    if full < count:
+                        pending.extend(new_token_ids[full:])
+                    return [h]
+            new = self._hash_full(new_token_ids, full)
+            if full < count:
+                pending.extend(new_token_ids[full:])
+            return new
         try:
             pending.extend(new_token_ids)
         except TypeError:
@@ -941,7 +1032,7 @@ class RequestBlockHasher:
             ) from None
         after = len(pending)
         bs = self._bs
-        if after < bs:
+        if after < bs:  # the usual decode step: no block completed
             return []
         hashes = self._hashes
         one = self._one
@@ -953,11 +1044,20 @@ class RequestBlockHasher:
             self._wire.append(None)
             return [h]
         full = after - after % bs
-        chunk = pending[:full]
+        new = self._hash_full(pending, full)
         del pending[:full]
+        return new
+
+    def _hash_full(self, tokens: Sequence[int], full: int) -> list[bytes]:
+        """Hash the ``full // block_size`` full blocks of ``tokens`` onto the request's chain.
+
+        ``tokens`` may hold a partial block after them: hash_blocks ignores it (no slice).
+        """
+        bs = self._bs
+        hashes = self._hashes
         parent = hashes[-1] if hashes else None
         if self._plain:
-            new = self.hasher.hash_blocks(chunk, parent)
+            new = self.hasher.hash_blocks(tokens, parent)
             self._wire.extend([None] * len(new))
         else:
             start = len(hashes) * bs
@@ -965,12 +1065,14 @@ class RequestBlockHasher:
             style = self.hasher.extra_key_style
             cursor = 0 if start == 0 else -1
             extras: list[tuple[Any, ...] | None] = []
+            wire: list[list[Any] | None] = []
             for s in range(start, start + full, bs):
                 items, cursor = keys._mm_scan(s, s + bs, cursor, style)
                 ek = keys._build(s, s + bs, items, style)
                 extras.append(ek.hash_input)
-                self._wire.append(ek.wire)
-            new = self.hasher.hash_blocks(chunk, parent, extras)
+                wire.append(ek.wire)
+            new = self.hasher.hash_blocks(tokens, parent, extras)
+            self._wire.extend(wire)
         hashes.extend(new)
         return new
 

@@ -33,7 +33,7 @@ from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.service.load import LoadBoard
 from kvstream.service.schema import ENCODER, EngineScore, LoadIn, RouteRequest, RouteResponse
 from kvstream.transport.items import SourceBatch, SourceReset
-from kvstream.transport.subscriber import SourceHealth, SourceSpec
+from kvstream.transport.subscriber import SourceHealth, SourceSpec, Subscriber
 from kvstream.observe.metrics import EngineSnapshot, IndexSnapshot, ServiceMetrics
 
 __all__ = ["ServiceCore", "Engine", "SubscriberLike", "DEFAULT_INDEX"]
@@ -131,8 +131,14 @@ class ServiceCore:
         it; later :meth:`add_engine` / :meth:`remove_engine` calls reach it at once."""
         self._sub = sub
         if sub is not None:
-            for e in self.engines.values():
-                sub.add_source(e.spec)
+            for name, e in self.engines.items():
+                seq = self._resume.get(name)
+                if seq is not None and isinstance(sub, Subscriber):
+                    # Resumed from a replica's dump: ask the replay socket only for what
+                    # came after (the seqs up to it are still skipped if they arrive live).
+                    sub.add_source(e.spec, start_seq=seq + 1)
+                else:
+                    sub.add_source(e.spec)
 
     def add_engine(self, spec: SourceSpec, index: str, *, http: str | None = None,
                    meta: dict[str, Any] | None = None) -> Engine:
@@ -325,9 +331,10 @@ class ServiceCore:
 
     # -- POST /v1/route ----------------------------------------------------------------
 
-    def tokens_of(self, token_ids: list[int] | None, prompt: str | None) -> list[int]:
-        """The request's tokens: ``token_ids``, or ``prompt`` through the tokenizer;
-        checks every id is a uint32 and the size limit."""
+    def tokens_of(self, token_ids: list[int] | None, prompt: str | None) -> Sequence[int]:
+        """The request's tokens: ``token_ids`` as an ``array('I')`` (the check that every id
+        is a uint32 is the packing the router keys need, done once), or ``prompt`` through
+        the tokenizer; checks the size limit."""
         if (token_ids is None) == (prompt is None):
             raise ApiError(422, "bad_field", "give exactly one of token_ids and prompt", "$")
         if prompt is not None:
@@ -341,7 +348,7 @@ class ServiceCore:
         else:
             assert token_ids is not None
             try:
-                array("I", token_ids)  # every id a uint32 (C speed; the index packs them the same way)
+                packed = array("I", token_ids)  # every id a uint32 (C speed)
             except OverflowError:
                 i, bad = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t <= 0xFFFFFFFF)
                 raise ApiError(422, "bad_field", f"Expected `int` >= 0 and <= 4294967295 (a uint32 token id), "
@@ -350,7 +357,7 @@ class ServiceCore:
             raise ApiError(413, "too_large", f"the prompt has {len(token_ids)} tokens; the limit is "
                            f"{self.config.max_prompt_tokens} (--max-prompt-tokens)",
                            "$.prompt" if prompt is not None else "$.token_ids")
-        return token_ids
+        return token_ids if prompt is not None else packed
 
     def check_loads(self, loads: dict[str, Any] | None, index: str) -> dict[str, Load] | None:
         """Request loads as :class:`Load` s; every name must be an engine of ``index``."""

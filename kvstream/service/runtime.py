@@ -62,10 +62,11 @@ class ServiceRuntime:
 
             self._sub = open_subscriber(specs, **opts)
             return
+        # Decode RFC #1527 (Mooncake) payloads beside vLLM's.
+        if "decoder" not in opts:
+            limit = {k: opts[k] for k in ("max_payload_bytes",) if k in opts}
+            opts["decoder"] = AnyFormatDecoder(unknown_events=opts["unknown_events"], **limit)
         self._sub = Subscriber((), **opts)
-        # Decode RFC #1527 (Mooncake) payloads beside vLLM's. The subscriber has no decoder
-        # argument yet, so its decoder is replaced before any source starts.
-        self._sub._decoder = AnyFormatDecoder(unknown_events=opts["unknown_events"])
 
     async def __aenter__(self) -> "ServiceRuntime":
         if self.core.config.peers:

@@ -247,12 +247,24 @@ class SourceTracker:
             return "recovering"
         return "stale" if self.stale else "live"
 
-    def start(self, now: float = 0.0) -> None:
+    def start(self, now: float = 0.0, start_seq: int = 0) -> None:
         """Ask for everything the publisher still buffers (joining mid-stream); ``now``
-        starts the probe clock."""
+        starts the probe clock. ``start_seq`` > 0: the consumer already holds the state up
+        to ``start_seq - 1`` (a loaded replica dump), so only what follows is asked for,
+        from the anchor ``start_seq - 1``, which the publisher must still buffer (else a
+        restart from 0 if it went backwards, a snapshot or stale if its buffer moved on)."""
+        if start_seq < 0:
+            raise ValueError(f"start_seq must be >= 0, got {start_seq}")
         self._last_live = now
+        if start_seq:
+            self.expected = start_seq
         if self.has_replay and self.inflight is None:
-            self.inflight = Request(REPLAY, JOIN, 0)
+            self.inflight = self._join()
+
+    def _join(self) -> Request:
+        # Before anything was heard, E > 0 only from start(start_seq): resume at its anchor.
+        e = self.expected
+        return Request(REPLAY, ANCHOR, e - 1, None, 0.0, e) if e else Request(REPLAY, JOIN, 0)
 
     # -- the ring of recent payload hashes -----------------------------------------------
 
@@ -470,7 +482,7 @@ class SourceTracker:
         self._abandon()
         self._attempts = 0
         if not self.connected or self.expected == 0:
-            self.inflight = Request(REPLAY, JOIN, 0)
+            self.inflight = self._join()
         elif self._known(self.expected - 1) is None:
             # Nothing to compare with (just after a snapshot or a stale jump): the new
             # connection may be a new instance, so rebuild from it.
@@ -678,7 +690,7 @@ class SourceTracker:
         if self.expected > req.e0:
             self._attempts = 0
         self._attempts += 1
-        if self._attempts <= self.max_retries or (req.purpose == JOIN and not self.connected):
+        if self._attempts <= self.max_retries or (req.purpose in (JOIN, ANCHOR) and not self.connected):
             # Nobody has answered yet (no publisher, a failed handshake): keep asking,
             # slowly; the source stays "connecting".
             c.retries += 1

@@ -160,6 +160,11 @@ class Subscriber:
             than ``max_payload_bytes`` + 64 KiB (it drops the connection), so each ZMQ
             queue holds at most HWM x that many bytes.
         curve: CURVE client settings for every source without its own.
+        decoder: what turns a payload into a ``KVEventBatch`` (anything with
+            ``decode(bytes)`` raising ``EventDecodeError`` for bad bytes, e.g.
+            :class:`~kvstream.wire.mooncake.AnyFormatDecoder`); default: an
+            :class:`~kvstream.wire.events.EventDecoder` with ``unknown_events`` and
+            ``max_payload_bytes``.
     """
 
     def __init__(
@@ -183,6 +188,7 @@ class Subscriber:
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         curve: CurveClientConfig | None = None,
         context: zmq.Context | None = None,
+        decoder: Any = None,
     ) -> None:
         for k, v in (("max_buffered_items", max_buffered_items), ("max_buffered_bytes", max_buffered_bytes),
                      ("max_held", max_held), ("max_held_bytes", max_held_bytes),
@@ -209,7 +215,8 @@ class Subscriber:
         self._maxmsg = max_payload_bytes + (64 << 10)
         self._curve = curve
         self._ctx = context
-        self._decoder = EventDecoder(max_payload_bytes=max_payload_bytes, unknown_events=unknown_events)  # type: ignore[arg-type]
+        self._decoder = decoder if decoder is not None else EventDecoder(
+            max_payload_bytes=max_payload_bytes, unknown_events=unknown_events)  # type: ignore[arg-type]
         self._specs = [SourceSpec(s) if isinstance(s, str) else s for s in sources]
         names = [s.source for s in self._specs]
         if len(set(names)) != len(names):
@@ -258,12 +265,15 @@ class Subscriber:
             if w is not None:
                 w.set()
 
-    def add_source(self, spec: SourceSpec | str) -> None:
-        """Start following one more publisher (while open)."""
+    def add_source(self, spec: SourceSpec | str, *, start_seq: int = 0) -> None:
+        """Start following one more publisher (while open). ``start_seq`` > 0: the caller
+        already holds this source's state up to ``start_seq - 1`` (e.g. a replica's dump),
+        so the replay socket is asked only from there (the publisher must still buffer
+        ``start_seq - 1``; see :meth:`SourceTracker.start`), not from 0."""
         if self._tg is None:
             raise LocalProtocolError("add_source needs an open subscriber: use `async with Subscriber(...)`")
         spec = SourceSpec(spec) if isinstance(spec, str) else spec
-        self._start_source(spec)
+        self._start_source(spec, start_seq)
 
     def remove_source(self, name: str) -> None:
         """Stop following ``name``; yields ``SourceReset(reason="removed")`` for it."""
@@ -410,8 +420,10 @@ class Subscriber:
 
     # -- sources -----------------------------------------------------------------------
 
-    def _start_source(self, spec: SourceSpec) -> None:
+    def _start_source(self, spec: SourceSpec, start_seq: int = 0) -> None:
         name = spec.source
+        if start_seq < 0:
+            raise ValueError(f"start_seq must be >= 0, got {start_seq}")
         if name in self._sources:
             raise ValueError(f"source {name!r} is already followed")
         assert self._tg is not None and self._ctx is not None
@@ -444,7 +456,7 @@ class Subscriber:
             # SourceTracker.on_reconnect). Failed handshakes (CURVE) are logged.
             src.monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
         self._sources[name] = src
-        tracker.start(time.monotonic())
+        tracker.start(time.monotonic(), start_seq)
         self._tg.start_soon(self._run_source, src, name=f"kvstream-source-{name}")
 
     def _close_source(self, src: _Source) -> None:

@@ -397,7 +397,7 @@ width_class_ints = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     algorithm=st.sampled_from(["sha256_cbor", "xxhash_cbor"]),
     block_size=st.sampled_from([1, 2, 16, 51, 52, 64]),
@@ -405,11 +405,11 @@ width_class_ints = st.one_of(
     data=st.data(),
 )
 def test_bulk_cbor_path_equals_the_naive_loop_for_long_prompts(algorithm, block_size, blocks, data):
-    # Prompts of 12+ blocks take the bulk encoder (one cbor2 call, cut by computed sizes);
-    # ids from every CBOR width class, and now and then one it cannot take (bigint,
-    # negative, bool), which must fall back without changing a digest.
+    # Prompts of 12+ blocks take the bulk encoder (marshal columns, compaction, cut by
+    # computed sizes); ids from every CBOR width class, and now and then one it cannot take
+    # (bigint, negative, bool, an id >= 2**31), which must fall back without changing a digest.
     tokens = data.draw(st.lists(width_class_ints, min_size=blocks * block_size, max_size=blocks * block_size + 3))
-    odd = data.draw(st.none() | st.sampled_from([2**40, -5, True, False, 2**64]))
+    odd = data.draw(st.none() | st.sampled_from([2**40, -5, True, False, 2**64, 2**31, 2**32 - 1, -(2**31)]))
     if odd is not None:
         tokens[data.draw(st.integers(min_value=0, max_value=len(tokens) - 1))] = odd
     h = BlockHasher(algorithm, block_size, seed="x")
@@ -423,6 +423,56 @@ def test_bulk_cbor_path_equals_the_naive_loop_for_long_prompts(algorithm, block_
     assert h.hash_blocks(tokens) == expected
     assert h.hash_blocks(array("I", [t for t in tokens if type(t) is int and 0 <= t < 2**32])) == h.hash_blocks(
         [t for t in tokens if type(t) is int and 0 <= t < 2**32])
+
+
+class _Tok(int):
+    """An int subclass: cbor2 and pickle encode it (pickle by reduce), marshal refuses it."""
+
+
+# Ids at every boundary the bulk CBOR encoder decides on: CBOR's header widths (24, 256,
+# 65536), the columns it tests (b3 != 0 from 2**24 on), and marshal's exact-int32 proof
+# (2**31 and up, negatives, bools and int subclasses are not int32 "i" records).
+cbor_edge_ids = st.one_of(
+    width_class_ints,
+    st.sampled_from([0, 1, 23, 24, 25, 255, 256, 257, 65535, 65536, 65537, 2**24 - 1, 2**24, 2**24 + 1, 2**31 - 1]),
+    st.integers(min_value=2**24, max_value=2**31 - 1),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    algorithm=st.sampled_from(["sha256_cbor", "xxhash_cbor"]),
+    block_size=st.sampled_from([1, 3, 16, 32]),
+    data=st.data(),
+)
+def test_bulk_cbor_ids_at_every_width_and_proof_boundary(algorithm, block_size, data):
+    blocks = data.draw(st.integers(min_value=12, max_value=30))
+    tokens = data.draw(st.lists(cbor_edge_ids, min_size=blocks * block_size, max_size=blocks * block_size + block_size - 1))
+    odd = data.draw(st.none() | st.sampled_from([2**31, 2**32 - 1, -1, -(2**31), True, _Tok(7), _Tok(70000)]))
+    if odd is not None:
+        tokens[data.draw(st.integers(min_value=0, max_value=len(tokens) - 1))] = odd
+    h = BlockHasher(algorithm, block_size, seed="x")
+    fn = hash_function(algorithm)
+    expected, prev = [], h.root
+    for i in range(len(tokens) // block_size):
+        prev = fn((prev, tuple(tokens[i * block_size : (i + 1) * block_size]), None))
+        expected.append(prev)
+    container = data.draw(st.sampled_from([list, tuple]))
+    assert h.hash_blocks(container(tokens)) == expected
+    assert RequestBlockHasher(h).extend(container(tokens)) == expected
+
+
+def test_int32_proof_refuses_everything_but_exact_int32_ids():
+    from kvstream.hashing.blocks import _int32_columns
+
+    ok = [0, 1, 255, 256, 65535, 65536, 2**24, 2**31 - 1, -1, -(2**31)]
+    cols = _int32_columns(ok)
+    assert cols is not None
+    assert [int.from_bytes(bytes(c[i] for c in cols), "little", signed=True) for i in range(len(ok))] == ok
+    assert _int32_columns(tuple(ok)) == cols
+    for bad in (2**31, -(2**31) - 1, 2**40, True, False, _Tok(5), 1.0, None, "7", b"7"):
+        assert _int32_columns([*ok, bad]) is None, bad
+        assert _int32_columns([bad, *ok]) is None, bad
 
 
 pickle_ints = st.one_of(
@@ -496,6 +546,70 @@ def test_incremental_request_hasher_equals_one_shot(algorithm, style, tokens, cu
     assert got == rbh.block_hashes == one_shot
     assert rbh.num_tokens == len(tokens)
     assert rbh.wire_extra_keys == [f.wire for f in forms]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_long_prompts_through_the_request_hasher_equal_the_naive_loop(algorithm, data):
+    # A prompt long enough for the bulk paths, passed as a list, a tuple or another iterable,
+    # then more tokens in calls of any length (some starting at a block boundary, which hash
+    # the caller's list in place): the same digests as the naive loop, and the caller's
+    # lists are neither kept nor changed.
+    block_size = data.draw(st.sampled_from([4, 16]))
+    ids = pickle_ints if algorithm in ("sha256", "xxhash") else cbor_edge_ids
+    if algorithm == "native":
+        ids = st.integers(min_value=0, max_value=2**32 - 1)
+    tokens = data.draw(st.lists(ids, min_size=12 * block_size, max_size=30 * block_size))
+    cuts = sorted(set(data.draw(st.lists(st.integers(min_value=0, max_value=len(tokens)), max_size=6))))
+    h = BlockHasher(algorithm, block_size, seed="0")
+    want = h.hash_blocks(tokens)
+    if algorithm != "native":
+        fn, prev, naive = hash_function(algorithm), h.root, []
+        for i in range(len(tokens) // block_size):
+            prev = fn((prev, tuple(tokens[i * block_size : (i + 1) * block_size]), None))
+            naive.append(prev)
+        assert want == naive
+    r = RequestBlockHasher(h)
+    got: list[bytes] = []
+    for a, b in zip([0, *cuts], [*cuts, len(tokens)]):
+        part = data.draw(st.sampled_from([list, tuple, iter]))(tokens[a:b])
+        kept = list(part) if not isinstance(part, type(iter([]))) else None
+        new = r.extend(part)
+        if kept is not None:
+            assert list(part) == kept  # not changed
+            if isinstance(part, list):
+                part.append(12345)  # and not kept: changing it now changes nothing
+        got += new
+    assert got == r.block_hashes == want
+    assert r.num_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+@pytest.mark.parametrize("container", [list, tuple, lambda t: array("I", t), lambda t: range(t[0], t[0] + len(t))])
+def test_one_block_prompts_in_any_sequence_hash_like_vllm(algorithm, container):
+    # A one-block prompt takes a single serialize + digest call, whatever sequence holds it.
+    tokens = container([70000, 70001, 70002, 70003, 70004])
+    h = BlockHasher(algorithm, 4, seed="x")
+    want = [hash_function(algorithm)((h.root, tuple(tokens[:4]), None))]
+    assert h.hash_blocks(tokens) == want
+    if type(tokens) in (list, tuple):
+        assert RequestBlockHasher(h).extend(tokens) == want
+
+
+def test_a_refused_aligned_prompt_leaves_the_request_unchanged():
+    h = BlockHasher("native", 4, seed="0")
+    r = RequestBlockHasher(h)
+    r.extend([1, 2, 3, 4, 5])
+    before = (list(r.block_hashes), r.num_tokens)
+    with pytest.raises(HashingError):
+        RequestBlockHasher(h).extend([1, 2, 3, 2**40, 5, 6, 7, 8])
+    r2 = RequestBlockHasher(h)
+    with pytest.raises(HashingError):
+        r2.extend((1, 2, 3, -1))
+    assert r2.block_hashes == [] and r2.num_tokens == 0
+    r2.extend([1, 2, 3, 4, 5])
+    assert (r2.block_hashes, r2.num_tokens) == before
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

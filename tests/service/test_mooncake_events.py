@@ -63,3 +63,23 @@ def test_any_format_decoder_takes_both_and_keeps_vllms_error() -> None:
     assert rfc.events == [BlockRemoved([5], "GPU")] and d.mooncake_batches == 1
     with pytest.raises(EventDecodeError, match="not valid msgpack"):
         d.decode(b"\xc1")
+
+
+@pytest.mark.anyio
+async def test_a_subscriber_given_the_any_format_decoder_reads_rfc_batches_off_the_wire(tmp_path) -> None:
+    import anyio
+
+    from kvstream.transport import KVEventsConfig, Publisher, SourceBatch, SourceSpec, Subscriber
+
+    cfg = KVEventsConfig(endpoint=f"ipc://{tmp_path}/p.sock", replay_endpoint=f"ipc://{tmp_path}/r.sock")
+    dec = AnyFormatDecoder()
+    stored = {**ENVELOPE, "event_type": "stored", "seq_hashes": [7], "base_block_idx": 0, "parent_hash": None}
+    with anyio.fail_after(10):
+        async with Publisher(cfg) as pub, Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, "m")],
+                                                    decoder=dec) as sub:
+            await sub.wait_connected()
+            pub.publish_raw(_batch(stored), 0)
+            item = await sub.__anext__()
+            while type(item) is not SourceBatch:
+                item = await sub.__anext__()
+    assert item.batch.events == [BlockStored([7], None, [], 4, None, "GPU", None)] and dec.mooncake_batches == 1

@@ -31,6 +31,10 @@ def test_a_replica_starts_from_a_peers_dump_and_follows_from_there(engines, serv
     b.wait_applied("e0", 0)
     b.wait_applied("e1", 0)
     assert {n: e["resumed_seq"] for n, e in b.engines().items()} == {"e0": 0, "e1": 0}
+    # each replay socket was asked from the dumped seq (its anchor), not from 0: nothing
+    # the dump held came over the wire again
+    wait_for(lambda: all(e["state"] == "live" for e in b.engines().values()), "both engines live on b")
+    assert {n: (e["batches"], e["last_seq"]) for n, e in b.engines().items()} == {"e0": (0, 0), "e1": (0, 0)}
     assert "loaded the index from " + a.url in b.stderr()
     # the replayed batches the dump already held were skipped, not counted twice
     assert _state(b.url) == _state(a.url)

@@ -413,3 +413,60 @@ def test_an_idle_probe_after_a_quiet_period_finds_a_lost_tail_and_a_clean_one_sa
     t.on_tick(11.0)
     _serve(t, {0: 0, 1: 1, 2: 2})  # clean: no item at all
     assert len(t.out) == n and t.probe_at() == 12.0
+
+
+def test_a_start_seq_asks_from_its_anchor_and_yields_only_what_follows():
+    t = SourceTracker("s", has_replay=True)
+    t.start(0.0, start_seq=5)
+    req = t.inflight
+    assert (req.kind, req.start, req.purpose) == ("replay", 4, "anchor")
+    assert t.state == "connecting"
+    _serve(t, {s: s for s in range(8)})
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [5, 6, 7]
+    assert t.state == "live" and t.counters.restarts == 0
+    _live(t, 8)
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)][-1] == 8
+
+
+def test_a_start_seq_the_publisher_never_reached_is_a_restart_from_zero():
+    t = SourceTracker("s", has_replay=True)
+    t.start(0.0, start_seq=5)
+    _serve(t, {0: 0, 1: 1})  # a new instance: its seqs stop before the anchor
+    assert _kinds(t.out) == [("SourceReset", 4)]
+    req = t.inflight
+    assert (req.start, req.purpose) == (0, "join")
+    _serve(t, {0: 0, 1: 1})
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 1] and t.state == "live"
+
+
+def test_a_start_seq_older_than_the_replay_buffer_asks_for_a_snapshot():
+    t = SourceTracker("s", has_replay=True)
+    t.start(0.0, start_seq=5)
+    _serve(t, {7: 7, 8: 8})  # the anchor is gone
+    assert t.inflight.kind == "snapshot" and t.state == "recovering"
+
+
+async def test_add_source_with_a_start_seq_skips_what_the_caller_holds(tmp_path):
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"))
+    with anyio.fail_after(10):
+        async with Publisher(cfg) as pub:
+            for i in range(6):
+                pub.publish(_batch(100 + i))
+            async with Subscriber() as sub:
+                sub.add_source(SourceSpec(pub.endpoint, pub.replay_endpoint, name="p"), start_seq=4)
+                items = await collect(sub, lambda it: len(batches_of(it)) == 2)
+                await sub.wait_connected("p")
+                assert sub.health()["p"].counters["replays"] == 1
+                with pytest.raises(ValueError, match="start_seq must be >= 0"):
+                    sub.add_source(SourceSpec(pub.endpoint, name="q"), start_seq=-1)
+    assert [b.seq for b in batches_of(items)] == [4, 5]  # 0-3 were not asked for
+
+
+def test_a_start_seq_source_nobody_answers_stays_connecting_and_keeps_asking_its_anchor():
+    t = SourceTracker("s", has_replay=True, max_retries=2)
+    t.start(0.0, start_seq=5)
+    for _ in range(6):
+        _sent(t)
+        t.on_timeout()
+    req = t.inflight
+    assert (req.start, req.purpose) == (4, "anchor") and t.state == "connecting" and not t.stale
