@@ -27,8 +27,9 @@ from typing import Any, Iterable, Sequence
 
 import anyio
 import anyio.lowlevel
+import msgspec
 
-from kvstream.wire.events import EventDecoder
+from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecodeError, EventDecoder, KVEventBatch
 from kvstream.jetstream import wire
 from kvstream.jetstream._nats import connect, ensure_stream, open_data_connection
 from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, hpub_op
@@ -38,7 +39,7 @@ from kvstream.jetstream.tracking import RelaySource
 from kvstream.transport.lifetime import Lifetime
 from kvstream.transport.subscriber import SourceSpec, Subscriber
 
-__all__ = ["Relay", "RelayStats"]
+__all__ = ["Relay", "RelayStats", "EnvelopeDecoder"]
 
 log = logging.getLogger("kvstream.jetstream.relay")
 
@@ -70,6 +71,41 @@ class RelayStats:
         return (f"items={self.items} published={self.published} acked={self.acked} dup={self.duplicates} "
                 f"skipped={self.skipped} inflight={self.inflight} errors={self.ack_errors} "
                 f"retransmits={self.retransmits}")
+
+
+class _Envelope(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: Any = None
+
+
+class EnvelopeDecoder:
+    """The relay's payload check: a batch's envelope (``[ts, events, rank]``, either vLLM
+    shape) with each event kept as raw msgpack. A relay publishes the engine's bytes
+    unchanged and reads only ``ts``; the events are decoded (and a bad one refused) by
+    every consumer. A quarter of a full decode. ``decode`` returns a
+    :class:`KVEventBatch` whose ``events`` are ``msgspec.Raw`` (their count is right) and
+    raises :class:`EventDecodeError` for bytes that are not a batch or exceed
+    ``max_payload_bytes``."""
+
+    __slots__ = ("_decode", "max_payload_bytes")
+
+    def __init__(self, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+        self._decode = msgspec.msgpack.Decoder(_Envelope).decode
+        self.max_payload_bytes = max_payload_bytes
+
+    def decode(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:
+        """The envelope of one payload (see the class docstring)."""
+        n = len(payload)
+        if n > self.max_payload_bytes:
+            raise EventDecodeError(f"payload is {n} bytes, over the limit of {self.max_payload_bytes} bytes "
+                                   "(raise max_payload_bytes if the engine really sends batches this large)",
+                                   payload_len=n)
+        try:
+            e = self._decode(payload)
+        except msgspec.MsgspecError as exc:
+            raise EventDecodeError(f"not a KV event batch: {exc}", payload_len=n) from None
+        return KVEventBatch(e.ts, e.events, e.data_parallel_rank)  # type: ignore[arg-type]
 
 
 class _Pending:
@@ -110,6 +146,9 @@ class Relay:
         self.stats = RelayStats()
         self.sources: dict[str, RelaySource] = {}
         """Per-source relay state (instance, position), by source name."""
+        if "decoder" not in subscriber_options:
+            subscriber_options["decoder"] = EnvelopeDecoder(
+                subscriber_options.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES))
         self._sub = Subscriber(self.specs, **subscriber_options)
         self._nc: Any = None
         self._life = Lifetime()

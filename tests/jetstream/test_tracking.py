@@ -128,3 +128,18 @@ def test_the_one_call_batch_path_yields_what_the_general_path_yields() -> None:
         ("SourceBatch", 0), ("SourceBatch", 1), ("SourceBatch", 2), ("SourceStale", None), ("SourceBatch", 7),
         ("SourceReset", 0), ("SourceBatch", 0)]
     assert items[1].batch == stored and counters["decode_errors"] == 2 and counters["duplicates"] == 1
+
+
+def test_the_relays_envelope_check_reads_ts_and_counts_events_of_either_shape_and_refuses_the_rest() -> None:
+    from kvstream.jetstream.relay import EnvelopeDecoder
+    from kvstream.wire.events import BlockRemoved, BlockStored, EventDecodeError
+
+    batch = KVEventBatch(12.5, [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None),
+                                BlockRemoved([1], "GPU")], 3)
+    dec = EnvelopeDecoder(max_payload_bytes=400)
+    for shape in ("map", "array"):
+        env = dec.decode(encode_batch(batch, shape))  # type: ignore[arg-type]
+        assert (env.ts, len(env.events), env.data_parallel_rank) == (12.5, 2, 3)
+    for bad in (b"", b"\xc1", b"\x92\xa1x\x90", encode_batch(KVEventBatch(1.0, [batch.events[0]] * 20))):
+        with pytest.raises(EventDecodeError):
+            dec.decode(bad)
