@@ -92,7 +92,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--algorithms", default=",".join(VLLM_ALGORITHMS))
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per prompt (4,096 for issue #13's goal)")
+    ap.add_argument("--short-samples", type=int, default=15, help="batches per cell in the short-prompt section")
+    ap.add_argument("--short-only", action="store_true", help="only the short-prompt and decode section")
     args = ap.parse_args()
+    if args.short_only:
+        short_section(args.algorithms.split(","), args.short_samples)
+        return
     vl = None
     if fetch.available("0.33"):
         from vllm_peer import shims
@@ -200,6 +205,80 @@ def main() -> None:
         for ref in contenders:
             if ref != "kvstream":
                 print(f"  {'x ' + ref:22s}" + "".join(f"{best[(ref, c)] / best[('kvstream', c)]:17.2f}x" for c in cols))
+    if not args.short_only:
+        short_section(args.algorithms.split(","), args.short_samples)
+
+
+SHORT_LENGTHS = (0, 1, 15, 16, 17, 21, 32, 53, 100, 181, 400)
+
+
+def short_section(algorithms: list[str], samples_per: int) -> None:
+    """kvstream's request hasher against the naive loop on short prompts and decode steps.
+
+    For each prompt length: a new request per prompt (``RequestBlockHasher(h).extend(p)``)
+    against ``naive_blocks``; and the same prompt followed by the 256 output tokens of
+    ``DECODE``, one ``extend((t,))`` call each, against the naive loop's inline append.
+    Each sample times a batch of fresh uniform prompts (short prompts are too quick to time
+    one by one); the contenders alternate batch by batch; the median sample counts.
+    """
+    import random
+
+    print(f"\nshort prompts and decode steps (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}): "
+          f"kvstream / naive loop, us per request, median of {samples_per} batches, x = naive / kvstream")
+    rng = random.Random(5)
+    for algorithm in algorithms:
+        hasher = BlockHasher(algorithm, BS, seed="bench")
+        root = hasher.root
+        naive = naive_hasher(algorithm)
+
+        def naive_prompt(p: list[int]) -> list[bytes]:
+            return naive_blocks(naive, p, root)
+
+        def naive_decode(p: list[int]) -> list[bytes]:
+            toks = list(p)
+            hs = naive_blocks(naive, toks, root)
+            for t in DECODE:
+                toks.append(t)
+                if len(toks) % BS == 0:
+                    hs.append(naive((hs[-1] if hs else root, tuple(toks[-BS:]), None)))
+            return hs
+
+        def ours_prompt(p: list[int]) -> list[bytes]:
+            return RequestBlockHasher(hasher).extend(p)
+
+        def ours_decode(p: list[int]) -> list[bytes]:
+            r = RequestBlockHasher(hasher)
+            r.extend(p)
+            for t in DECODE:
+                r.extend((t,))
+            return r.block_hashes
+
+        pairs = {"prompt": (naive_prompt, ours_prompt), "+decode": (naive_decode, ours_decode)}
+        cells = []
+        for n in SHORT_LENGTHS:
+            batch = 100 if n < 64 else 20
+            for mode, (nf, of) in pairs.items():
+                check = [rng.randrange(workloads.VOCAB) for _ in range(n)]
+                assert nf(check) == of(check), f"kvstream differs from the naive loop ({algorithm}, {n}, {mode})"
+                times: dict[str, list[float]] = {"naive": [], "ours": []}
+                gc.collect()
+                gc.disable()
+                for i in range(samples_per):
+                    order = (("naive", nf), ("ours", of)) if i % 2 == 0 else (("ours", of), ("naive", nf))
+                    for name, f in order:
+                        ps = [[rng.randrange(workloads.VOCAB) for _ in range(n)] for _ in range(batch)]
+                        t0 = time.perf_counter()
+                        for p in ps:
+                            f(p)
+                        times[name].append((time.perf_counter() - t0) / batch * 1e6)
+                gc.enable()
+                o, v = statistics.median(times["ours"]), statistics.median(times["naive"])
+                cells.append((n, mode, o, v))
+        print(f"\n{algorithm}")
+        print(f"  {'tokens':>7s}  {'prompt us (ours/naive)':>24s} {'x':>6s}   {'+256 decode us':>20s} {'x':>6s}")
+        for n in SHORT_LENGTHS:
+            (_, _, o1, v1), (_, _, o2, v2) = [c for c in cells if c[0] == n]
+            print(f"  {n:7d}  {o1:11.2f} / {v1:10.2f} {v1 / o1:5.2f}x   {o2:9.1f} / {v2:8.1f} {v2 / o2:5.2f}x")
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
