@@ -635,6 +635,8 @@ class BlockHasher:
             extra_keys: the block's extra keys in the hash-input form (see
                 :meth:`RequestExtraKeys.for_block`), or None.
         """
+        if extra_keys is None and (type(tokens) is list or type(tokens) is tuple) and len(tokens) == self.block_size:
+            return self._few(parent, tokens, len(tokens))[0]  # one serialize + digest, no checks left
         if len(tokens) != self.block_size:
             raise HashingError(
                 f"hash_block needs exactly block_size={self.block_size} tokens, got {len(tokens)}; "
