@@ -290,6 +290,9 @@ def _sha256(data: bytes) -> bytes:
 
 
 _xxh3_128 = xxhash.xxh3_128_digest
+_sha256_new = hashlib.sha256
+_pickle_dumps_c = pickle.dumps
+_PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 # name -> (serializer, digest); native has no generic serializer (see BlockHasher).
 _VLLM_FNS: dict[str, tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]] = {
@@ -636,7 +639,18 @@ class BlockHasher:
                 :meth:`RequestExtraKeys.for_block`), or None.
         """
         if extra_keys is None and (type(tokens) is list or type(tokens) is tuple) and len(tokens) == self.block_size:
-            return self._few(parent, tokens, len(tokens))[0]  # one serialize + digest, no checks left
+            # A plain block (a decode step): one serialize + digest, no other checks; the
+            # pickle algorithms inline (a caller hashing block by block pays one call a block).
+            if parent:
+                algorithm = self.algorithm
+                if algorithm == "sha256":
+                    return _sha256_new(_pickle_dumps_c((parent, tuple(tokens), None), _PICKLE_PROTOCOL)).digest()
+                if algorithm == "xxhash":
+                    return _xxh3_128(_pickle_dumps_c((parent, tuple(tokens), None), _PICKLE_PROTOCOL))
+                one = self._one
+                if one is not None and len(parent) == self.digest_size:
+                    return one(parent, tokens)
+            return self._few(parent, tokens, len(tokens))[0]
         if len(tokens) != self.block_size:
             raise HashingError(
                 f"hash_block needs exactly block_size={self.block_size} tokens, got {len(tokens)}; "
