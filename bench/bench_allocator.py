@@ -38,7 +38,8 @@ BLOCK_SIZE = workloads.BLOCK_SIZE
 
 
 def bench_cache_full_blocks(events: bool = True, repeat: int = 200) -> float:
-    """Median seconds of one cache_full_blocks call caching a 4,096-token prompt (256 blocks)."""
+    """Median seconds of one cache_full_blocks call caching a 4,096-token prompt (256 blocks),
+    and of the take_events call that builds its BlockStored (events are built when taken)."""
     hasher = BlockHasher("sha256_cbor", BLOCK_SIZE, seed="0")
     rng = random.Random(1)
     tokens = [rng.randrange(32_000) for _ in range(4096)]
@@ -49,42 +50,71 @@ def bench_cache_full_blocks(events: bool = True, repeat: int = 200) -> float:
         blocks = pool.get_new_blocks(256)
         t0 = time.perf_counter()
         pool.cache_full_blocks(blocks, hashes, 0, 256, tokens, 0)
-        times.append(time.perf_counter() - t0)
         pool.take_events()
+        times.append(time.perf_counter() - t0)
         pool.free_blocks(blocks[::-1])
         pool.reset_prefix_cache()
         pool.take_events()
     return statistics.median(times)
 
 
-def breakdown(trace: list[Any]) -> dict[bool, dict[str, float]]:
-    """CPU seconds per request spent in each ``BlockPool`` method over the pool trace,
-    events off and on (``--breakdown``): where the events' cost lands. The methods are
-    wrapped for the run (a timer call each side of every call), so the sum exceeds the
-    plain replay's time; compare off with on."""
-    names = ("cached_prefix", "touch", "get_new_blocks", "cache_full_blocks", "free_blocks", "take_events")
-    saved = {name: getattr(BlockPool, name) for name in names}
-    acc: dict[str, int] = {}
+def _timed_methods(cls: Any, names: tuple[str, ...], acc: dict[str, int]) -> dict[str, Any]:
+    """Wrap ``cls``'s methods ``names`` with a thread-CPU timer adding into ``acc`` (ns);
+    returns the originals to restore. Each timed call also counts, so the timer's own
+    cost can be taken off (see :func:`_timer_cost`)."""
+    saved = {name: getattr(cls, name) for name in names}
+    clock = time.thread_time_ns
 
     def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.thread_time_ns
+        calls = name + "#"
 
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             t = clock()
-            out = fn(self, *args, **kwargs)
+            out = fn(*args, **kwargs)
             acc[name] = acc.get(name, 0) + clock() - t
+            acc[calls] = acc.get(calls, 0) + 1
             return out
         return call
 
+    for name, fn in saved.items():
+        setattr(cls, name, timed(name, fn))
+    return saved
+
+
+def _timer_cost() -> float:
+    """CPU ns one timed call adds inside its own measurement (a wrapped no-op, best of 5)."""
+    class _Nop:
+        def nop(self) -> None:
+            pass
+    acc: dict[str, int] = {}
+    _timed_methods(_Nop, ("nop",), acc)
+    nop = _Nop().nop
+    best = float("inf")
+    for _ in range(5):
+        acc.clear()
+        for _ in range(20_000):
+            nop()
+        best = min(best, acc["nop"] / 20_000)
+    return best
+
+
+def breakdown(trace: list[Any]) -> dict[bool, dict[str, float]]:
+    """CPU seconds per request spent in each ``BlockPool`` method over the pool trace,
+    events off and on (``--breakdown``): where the events' cost lands. The methods are
+    wrapped for the run (a timer call each side of every call; its own cost, measured on
+    a no-op, is taken off), so compare off with on."""
+    names = ("cached_prefix", "touch", "get_new_blocks", "cache_full_blocks", "free_blocks", "take_events")
+    acc: dict[str, int] = {}
+    cost = _timer_cost()
     out: dict[bool, dict[str, float]] = {}
+    saved = _timed_methods(BlockPool, names, acc)
     try:
-        for name, fn in saved.items():
-            setattr(BlockPool, name, timed(name, fn))
         for events in (False, True, False, True):
             acc.clear()
             workloads.run_kvstream_pool(trace, events, "v0.11")
             gc.collect()
-            got = {name: acc.get(name, 0) / 1e9 / len(trace) for name in names}
+            got = {name: max(0.0, acc.get(name, 0) - cost * acc.get(name + "#", 0)) / 1e9 / len(trace)
+                   for name in names}
             prev = out.get(events)
             out[events] = got if prev is None else {k: min(v, prev[k]) for k, v in got.items()}
     finally:
@@ -93,12 +123,112 @@ def breakdown(trace: list[Any]) -> dict[bool, dict[str, float]]:
     return out
 
 
+def event_floor(trace: list[Any]) -> float:
+    """CPU seconds per request to build the trace's events and nothing else: every event
+    the pool replay emitted is made again by keyword from its field values, with fresh
+    ``block_hashes`` and ``token_ids`` lists (the copies a pool makes), then dropped. The
+    least events can cost while ``take_events()`` hands out the wire schema's structs."""
+    from kvstream.wire.events import BlockRemoved, BlockStored
+
+    taken: list[Any] = []
+    orig = BlockPool.take_events
+
+    def keep(self: BlockPool) -> list[Any]:
+        out = orig(self)
+        taken.extend(out)
+        return out
+
+    BlockPool.take_events = keep  # type: ignore[method-assign]
+    try:
+        workloads.run_kvstream_pool(trace, True, "v0.11")
+    finally:
+        BlockPool.take_events = orig  # type: ignore[method-assign]
+
+    steps = [taken[i:i + 23] for i in range(0, len(taken), 23)]  # ~ one step's events each
+
+    def rebuild() -> None:
+        for step in steps:
+            rebuild_step(step)
+
+    def rebuild_step(events: list[Any]) -> None:
+        out = []
+        for e in events:
+            if type(e) is BlockRemoved:
+                out.append(BlockRemoved(block_hashes=list(e.block_hashes), medium=e.medium, group_idx=e.group_idx))
+            else:
+                out.append(BlockStored(block_hashes=list(e.block_hashes), parent_block_hash=e.parent_block_hash,
+                                       token_ids=list(e.token_ids), block_size=e.block_size, lora_id=e.lora_id,
+                                       medium=e.medium, lora_name=e.lora_name))
+    best = float("inf")
+    gc.disable()
+    for _ in range(3):
+        c = time.thread_time_ns()
+        rebuild()
+        best = min(best, (time.thread_time_ns() - c) / 1e9 / len(trace))
+    gc.enable()
+    return best
+
+
+def manager_breakdown(trace: list[Any]) -> dict[str, float]:
+    """Where the manager's cost over the bare pool goes (``--breakdown``), CPU seconds per
+    request over the pool trace, events on, precomputed hashes, best of 2 interleaved runs.
+
+    * ``pool driver`` and ``manager``: the two replays, unwrapped; their difference is the
+      manager's extra cost.
+    * ``manager without <piece>``: the manager replay with one piece removed (the token-id
+      check of ``new_request``; the hit-rate window ``metrics.add``).
+    * ``<call> (wrapped)``: CPU inside each manager call, pool calls included (a thread-CPU
+      timer around every call, its cost measured on a no-op taken off).
+    """
+    from kvstream.allocator import manager as manager_mod
+    from kvstream.allocator.prefix_stats import PrefixCachingMetrics
+
+    def cpu(fn: Callable[[], Any]) -> float:
+        c = time.thread_time_ns()
+        fn()
+        return (time.thread_time_ns() - c) / 1e9 / len(trace)
+
+    check, add = manager_mod._check_token_ids, PrefixCachingMetrics.add
+    best: dict[str, float] = {}
+
+    def keep(name: str, v: float) -> None:
+        best[name] = min(best.get(name, float("inf")), v)
+
+    mnames = ("new_request", "admit", "decode", "free")
+    acc: dict[str, int] = {}
+    cost = _timer_cost()
+    for _ in range(2):
+        keep("pool driver", cpu(lambda: workloads.run_kvstream_pool(trace, True, "v0.11")))
+        keep("manager", cpu(lambda: workloads.run_kvstream_manager(trace, True, "v0.11", False)))
+        try:
+            manager_mod._check_token_ids = lambda *a: None  # type: ignore[assignment]
+            keep("manager without the token-id check",
+                 cpu(lambda: workloads.run_kvstream_manager(trace, True, "v0.11", False)))
+            PrefixCachingMetrics.add = lambda *a: None  # type: ignore[assignment,method-assign]
+            keep("manager without the token-id check and metrics.add",
+                 cpu(lambda: workloads.run_kvstream_manager(trace, True, "v0.11", False)))
+        finally:
+            manager_mod._check_token_ids = check
+            PrefixCachingMetrics.add = add  # type: ignore[method-assign]
+        acc.clear()
+        saved = _timed_methods(manager_mod.KVCacheManager, mnames, acc)
+        try:
+            workloads.run_kvstream_manager(trace, True, "v0.11", False)
+        finally:
+            for name, fn in saved.items():
+                setattr(manager_mod.KVCacheManager, name, fn)
+        for n in mnames:
+            keep(f"{n} (wrapped)", (acc.get(n, 0) - cost * acc.get(n + "#", 0)) / 1e9 / len(trace))
+        gc.collect()
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--repeat", type=int, default=3, help="replays per contender; the best is reported")
     ap.add_argument("--breakdown", action="store_true",
-                    help="only print the CPU time per BlockPool method, events off and on")
+                    help="only print the CPU time per BlockPool method (events off and on) and per KVCacheManager call")
     args = ap.parse_args()
     t = time.perf_counter()
     trace = workloads.make_trace(args.requests)
@@ -120,6 +250,17 @@ def main() -> None:
             off, on = parts[False][name] * 1e6, parts[True][name] * 1e6
             print(f"  {name:20s} {off:10.2f} {on:10.2f} {on - off:+8.2f}")
         print(f"  {'total':20s} {sum(parts[False].values()) * 1e6:10.2f} {sum(parts[True].values()) * 1e6:10.2f}")
+        print(f"  building the same events and nothing else (the floor with eager structs): "
+              f"{event_floor(trace) * 1e6:.2f}")
+        gc.disable()
+        try:
+            mparts = manager_breakdown(trace)
+        finally:
+            gc.enable()
+        print(f"CPU us/request, KVCacheManager vs the bare pool driver, events on (best of 2; "
+              f"load average {os.getloadavg()[0]:.2f}):")
+        for name, v in mparts.items():
+            print(f"  {name:20s} {v * 1e6:10.2f}")
         return
 
     contenders: list[tuple[str, Callable[[], tuple[float, dict[str, Any]]]]] = []
@@ -168,7 +309,8 @@ def main() -> None:
                 print(f"speed-up ({ref} / {name}): {base / results[name][0]:.2f}x wall, "
                       f"{cpu[ref] / cpu[name]:.2f}x CPU  (target >= 2x)")
         cfb = bench_cache_full_blocks(True)
-        print(f"cache_full_blocks, 4,096-token prompt (256 blocks), events on: {cfb * 1e6:.1f} us (target < 100 us)")
+        print(f"cache_full_blocks + take_events, 4,096-token prompt (256 blocks), events on: {cfb * 1e6:.1f} us "
+              "(target < 100 us)")
         cfb_off = bench_cache_full_blocks(False)
         print(f"cache_full_blocks, 4,096-token prompt (256 blocks), events off: {cfb_off * 1e6:.1f} us")
     finally:

@@ -259,7 +259,7 @@ def run_kvstream_manager(trace: list[TraceRequest], events: bool, free_order: st
 
     pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, enable_kv_cache_events=events, free_order=free_order)
     mgr = KVCacheManager(pool, BlockHasher("sha256_cbor", BLOCK_SIZE, seed="bench"))
-    running: list[tuple[Any, list[int], int]] = []
+    running: list[list[Any]] = []  # [request, outputs, i], updated in place as the pool driver's
     waiting: Any = None
     nxt = 0
     n = len(trace)
@@ -278,17 +278,19 @@ def run_kvstream_manager(trace: list[TraceRequest], events: bool, free_order: st
             req = waiting
             if not admit(req):
                 break
-            running.append((req, tr.outputs, 0))
+            running.append([req, tr.outputs, 0])
             waiting = None
             nxt += 1
         still = []
-        for req, outs, i in running:
+        for st in running:
+            req, outs, i = st
             decode(req, outs[i])
             i += 1
             if i == len(outs):
                 free(req)
             else:
-                still.append((req, outs, i))
+                st[2] = i
+                still.append(st)
         running = still
         if events:
             num_events += len(take())

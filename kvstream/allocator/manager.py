@@ -54,12 +54,14 @@ _WIRE_TOKEN_LIMIT = 1 << 64  # token ids travel as msgpack unsigned ints: [0, 2*
 def _check_token_ids(request_id: Any, token_ids: Sequence[Any]) -> None:
     """Raise :class:`KVCacheManagerError` unless every id is an int in [0, 2**64).
 
-    One C-level pass (``array('Q')``, ~6 ns per id) in the common case; the slow scan only
-    names the bad id. ``True``/``False`` pass that pass as 1/0 and are not looked for (that
-    would cost a Python-level type test per id); :meth:`KVCacheManager.decode` refuses them.
+    One C-level pass (``array('Q').fromlist``, ~3 ns per id; building the array from the
+    list instead goes through the generic iterator path, ~5 ns) in the common case; the
+    slow scan only names the bad id. ``True``/``False`` pass that pass as 1/0 and are not
+    looked for (that would cost a Python-level type test per id);
+    :meth:`KVCacheManager.decode` refuses them.
     """
     try:
-        array("Q", token_ids)
+        array("Q").fromlist(token_ids if type(token_ids) is list else list(token_ids))
     except (TypeError, OverflowError):
         pass
     else:

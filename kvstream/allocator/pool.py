@@ -32,7 +32,7 @@ from typing import Any, Iterable, Literal, Sequence
 
 from kvstream.compat import VllmVersion, version
 from kvstream.errors import LocalProtocolError
-from kvstream.wire.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvstream.wire.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvstream.hashing import to_external, to_external_list
 
 __all__ = [
@@ -85,7 +85,7 @@ class KVCacheBlock:
     """
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free",
-                 "is_null", "origin", "pos", "ext_hash", "pool")
+                 "is_null", "origin", "pos", "pool")
 
     def __init__(self, block_id: int, is_null: bool = False, pool: Any = None) -> None:
         self.block_id = block_id
@@ -100,35 +100,44 @@ class KVCacheBlock:
         self.prev_free: KVCacheBlock = None  # type: ignore[assignment]
         self.next_free: KVCacheBlock = None  # type: ignore[assignment]
         self.is_null = is_null
-        # With events on: the BlockStored that announced this block and the logical index
-        # of that event's first block, shared by the run's blocks (one tuple per run), and
-        # the block's own logical index. snapshot_events() re-announces tokens, parent and
-        # extra keys from the event: the pool keeps the run's token slice, which the event
-        # needed anyway, rather than the request's whole token list.
-        self.origin: tuple[BlockStored, int] | None = None
+        # With events on: the record of the run that cached this block (see the comment above
+        # _R_START; one tuple shared by the run's blocks) and the block's own logical index.
+        # snapshot_events() re-announces tokens, parent and extra keys from the record: the
+        # pool keeps the run's token slice, which the event needs anyway, rather than the
+        # request's whole token list.
+        self.origin: tuple[Any, ...] | None = None
         self.pos = 0
-        # The hash's event form, computed once when cached (events on), reused on eviction.
-        self.ext_hash: int | bytes = 0
+
+    @property
+    def ext_hash(self) -> int | bytes | None:
+        """The block's hash as its pool's events carry it (``hash_form``), None without a hash."""
+        h = self.block_hash
+        if h is None:
+            return None
+        return to_external(h, self.pool.hash_form if self.pool is not None else "int")
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:12] if self.block_hash is not None else None
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h}, group={self.group_id})"
 
 
-class _Origin:
-    """The request-side lists a run of blocks is cached from (for one cache_full_blocks call)."""
-
-    __slots__ = ("token_ids", "block_hashes", "extra_keys", "lora_id", "lora_name", "session_id")
-
-    def __init__(self, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes],
-                 extra_keys: Sequence[Any] | None, lora_id: int | None, lora_name: str | None,
-                 session_id: str | None = None) -> None:
-        self.token_ids = token_ids
-        self.block_hashes = block_hashes
-        self.extra_keys = extra_keys
-        self.lora_id = lora_id
-        self.lora_name = lora_name
-        self.session_id = session_id
+# Events are recorded compactly while the pool works and built (as the wire schema's
+# structs, by keyword) only when someone takes them: take_events() converts every digest
+# of the batch to its event form in one pass. The pending list holds, in order:
+#
+# * a digest (``bytes``): one GPU block of group 0 evicted, a ``BlockRemoved`` to be;
+# * a stored record (a ``tuple``, layout below): a run of blocks cached, a ``BlockStored``;
+# * a ready event struct (resets, other groups' evictions, offload tiers: rare).
+#
+# A stored record is ``(start, end, group, token_ids, digests, parent, lora_id, lora_name,
+# extra_keys, session_id)``: logical blocks [start, end) of the request, their flat token
+# slice and digests, the parent digest (None at block 0), and the request's per-block wire
+# extra keys for [start, end) (None if it has none). Everything in it is copied out of the
+# caller's lists during the call (slices), so the caller may change them afterwards. The
+# request side a run is cached from travels as ``(token_ids, extra_keys, lora_id,
+# lora_name, session_id)``.
+_R_START, _R_END, _R_GROUP, _R_TOKENS, _R_DIGESTS, _R_PARENT = 0, 1, 2, 3, 4, 5
+_R_LORA_ID, _R_LORA_NAME, _R_EXTRA, _R_SESSION = 6, 7, 8, 9
 
 
 class FreeBlockQueue:
@@ -455,44 +464,41 @@ class BlockPool:
             q.num_free_blocks -= 1
             h = blk.block_hash
             if h is not None:
-                g = blk.group_id
-                idx = self._index[g]
-                if idx.dups:
-                    idx.remove(h, blk)
+                idx0 = self._index[0]
+                if blk.group_id or idx0.dups:
+                    self._evict(blk, h)
                 else:
-                    del idx.first[h]  # HashIndex.remove's common case
-                if self.enable_kv_cache_events:
-                    self._events.append(BlockRemoved(
-                        block_hashes=[blk.ext_hash], medium=self.medium, group_idx=self._gidx[g]))
-                    blk.origin = None
+                    del idx0.first[h]  # HashIndex.remove's common case
+                    if self.enable_kv_cache_events:
+                        self._events.append(h)
                 blk.block_hash = None
+                blk.origin = None
             blk.ref_cnt = 1
             return [blk]
         ret: list[KVCacheBlock] = []
         if not num_blocks:
             return ret
         append = ret.append
-        index = self._index
+        # Group 0 without duplicate copies is the common case, inline (HashIndex.remove's
+        # common case); anything else goes through _evict.
+        idx0 = self._index[0]
+        first0 = idx0.first
+        dups0 = idx0.dups
         # A held block's queue links are stale and never read (only blocks with ref_cnt 0
         # are in the queue), so popping does not clear them: two stores less per block.
         if self.enable_kv_cache_events:
             # Two loops rather than one with an events test per block: this runs for every
             # block handed out, and most of them are evictions under churn.
             emit = self._events.append
-            removed = BlockRemoved
-            medium = self.medium
-            gidx = self._gidx
             for _ in range(num_blocks):
                 h = blk.block_hash
                 if h is not None:
                     # Lazy eviction: the block leaves the index only now that it is reused.
-                    g = blk.group_id
-                    idx = index[g]
-                    if idx.dups:
-                        idx.remove(h, blk)
+                    if blk.group_id or dups0:
+                        self._evict(blk, h)
                     else:
-                        del idx.first[h]  # HashIndex.remove's common case
-                    emit(removed(block_hashes=[blk.ext_hash], medium=medium, group_idx=gidx[g]))
+                        del first0[h]
+                        emit(h)  # a BlockRemoved, built in take_events()
                     blk.block_hash = None
                     blk.origin = None
                 blk.ref_cnt = 1
@@ -502,11 +508,10 @@ class BlockPool:
             for _ in range(num_blocks):
                 h = blk.block_hash
                 if h is not None:
-                    idx = index[blk.group_id]
-                    if idx.dups:
-                        idx.remove(h, blk)
+                    if blk.group_id or dups0:
+                        self._evict(blk, h)
                     else:
-                        del idx.first[h]
+                        del first0[h]
                     blk.block_hash = None
                 blk.ref_cnt = 1
                 append(blk)
@@ -516,28 +521,43 @@ class BlockPool:
         q.num_free_blocks -= num_blocks
         return ret
 
+    def _evict(self, blk: KVCacheBlock, h: bytes) -> None:
+        """Drop ``blk``'s index entry (any group, duplicates too) and record its removal;
+        the caller clears the block's hash."""
+        g = blk.group_id
+        idx = self._index[g]
+        if idx.dups:
+            idx.remove(h, blk)
+        else:
+            del idx.first[h]
+        if self.enable_kv_cache_events:
+            self._events.append(h if not g else self._removed_now(h, g))
+
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add a holder to each block (a prefix hit); a free one leaves the free queue.
 
         Emits nothing. Touching the null block or a block of another pool raises
         :class:`BlockPoolError` (nothing changes).
         """
-        n = 0
+        held = 0  # blocks already held (counted rather than the ones taken off the queue)
         for blk in blocks:
             if blk.pool is not self:
                 self._undo_touch(blocks, blk)
-            if blk.ref_cnt == 0:
-                # The null block always has ref_cnt 0, so this test finds it without a
-                # separate scan of every hit.
-                if blk.is_null:
-                    self._undo_touch(blocks, blk)
-                prev = blk.prev_free
-                nxt = blk.next_free
-                prev.next_free = nxt
-                nxt.prev_free = prev
-                n += 1
-            blk.ref_cnt += 1
-        self.free_block_queue.num_free_blocks -= n
+            r = blk.ref_cnt
+            if r:
+                blk.ref_cnt = r + 1
+                held += 1
+                continue
+            # The null block always has ref_cnt 0, so this test finds it without a
+            # separate scan of every hit.
+            if blk.is_null:
+                self._undo_touch(blocks, blk)
+            prev = blk.prev_free
+            nxt = blk.next_free
+            prev.next_free = nxt
+            nxt.prev_free = prev
+            blk.ref_cnt = 1
+        self.free_block_queue.num_free_blocks -= len(blocks) - held
 
     def _undo_touch(self, blocks: Sequence[KVCacheBlock], bad: KVCacheBlock) -> None:
         """Put back what touch did before meeting a bad block, then raise."""
@@ -571,19 +591,22 @@ class BlockPool:
         q = self.free_block_queue
         tail = q.tail
         old_last = last = tail.prev_free
-        n = 0
+        # No per-block index or count: blocks still held are counted (the rarer case), the
+        # linked ones follow from it, and a bad entry's index is recovered on the error path.
+        kept = 0
         unhashed: list[KVCacheBlock] | None = None
         if self._prepend_unhashed:
             unhashed = []
-            for i, blk in enumerate(blocks):
+            for blk in blocks:
                 if blk.pool is not self:
-                    self._undo_free(blocks, i, old_last, unhashed)
+                    self._undo_free(blocks, old_last, last, kept, unhashed)
                 r = blk.ref_cnt
                 if r > 1:
                     blk.ref_cnt = r - 1
+                    kept += 1
                     continue
                 if r <= 0:  # the null block's ref_cnt is always 0: one test catches both misuses
-                    self._undo_free(blocks, i, old_last, unhashed)
+                    self._undo_free(blocks, old_last, last, kept, unhashed)
                 blk.ref_cnt = 0
                 if blk.block_hash is None:
                     unhashed.append(blk)
@@ -591,23 +614,24 @@ class BlockPool:
                 last.next_free = blk
                 blk.prev_free = last
                 last = blk
-                n += 1
+            n = len(blocks) - kept - len(unhashed)
         else:
             # free_order "v0.11": the same loop, every block to the tail.
-            for i, blk in enumerate(blocks):
+            for blk in blocks:
                 if blk.pool is not self:
-                    self._undo_free(blocks, i, old_last, None)
+                    self._undo_free(blocks, old_last, last, kept, None)
                 r = blk.ref_cnt
                 if r > 1:
                     blk.ref_cnt = r - 1
+                    kept += 1
                     continue
                 if r <= 0:
-                    self._undo_free(blocks, i, old_last, None)
+                    self._undo_free(blocks, old_last, last, kept, None)
                 blk.ref_cnt = 0
                 last.next_free = blk
                 blk.prev_free = last
                 last = blk
-                n += 1
+            n = len(blocks) - kept
         if n:
             last.next_free = tail
             tail.prev_free = last
@@ -615,9 +639,19 @@ class BlockPool:
         if unhashed:
             q.prepend_n(unhashed)
 
-    def _undo_free(self, blocks: list[KVCacheBlock], failed_at: int, old_last: KVCacheBlock,
+    def _undo_free(self, blocks: list[KVCacheBlock], old_last: KVCacheBlock, last: KVCacheBlock, kept: int,
                    unhashed: list[KVCacheBlock] | None) -> None:
-        """Put back what free_blocks did before meeting a bad entry, then raise."""
+        """Put back what free_blocks did before meeting a bad entry, then raise.
+
+        The entries before the bad one were each kept (still held), linked after
+        ``old_last`` up to ``last``, or put aside as unhashed: their count is its index.
+        """
+        linked = 0
+        blk = old_last
+        while blk is not last:
+            blk = blk.next_free
+            linked += 1
+        failed_at = kept + linked + (len(unhashed) if unhashed is not None else 0)
         old_last.next_free = self.free_block_queue.tail
         for done in blocks[:failed_at]:
             done.ref_cnt += 1  # a block linked by this call is unlinked again above
@@ -667,9 +701,9 @@ class BlockPool:
         - 1]`` (None when the run starts at block 0). A block that already holds this very
         hash is left as it is (not re-announced); one holding a *different* hash raises
         :class:`BlockPoolError` before anything changes. The lists are only read during
-        the call: what :meth:`snapshot_events` needs later is kept in the emitted event.
+        the call: what the event and :meth:`snapshot_events` need later is copied out.
         """
-        src = (_Origin(token_ids, block_hashes, extra_keys, lora_id, lora_name, session_id)
+        src = ((token_ids, extra_keys, lora_id, lora_name, session_id)
                if self.enable_kv_cache_events else None)
         self._check_run(blocks, block_hashes, token_ids, num_cached_blocks, num_full_blocks, kv_cache_group_id)
         if num_cached_blocks < num_full_blocks and self.enable_caching:
@@ -694,7 +728,8 @@ class BlockPool:
             self._check_run(blocks, hashes, tokens, num_cached_blocks, num_full_blocks, kv_cache_group_id)
         if num_cached_blocks < num_full_blocks and self.enable_caching:
             self._cache_run(blocks, hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id,
-                            source if self.enable_kv_cache_events else None)
+                            (tokens, source.extra_keys, source.lora_id, source.lora_name, source.session_id)
+                            if self.enable_kv_cache_events else None)
 
     def _check_run(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
                    token_ids: Sequence[int] | None, nc: int, nf: int, g: int) -> None:
@@ -724,8 +759,7 @@ class BlockPool:
                    g: int, src: Any) -> None:
         """Cache blocks [nc, nf) (arguments already checked).
 
-        ``src`` carries the request's ``token_ids``, ``block_hashes``, ``extra_keys``,
-        ``lora_id`` and ``lora_name`` for the event; None with events off.
+        ``src`` is the request side for the event (see ``_R_START``); None with events off.
         """
         idx = self._index[g]
         first = idx.first
@@ -739,12 +773,10 @@ class BlockPool:
                 if first.setdefault(h, blk) is not blk:  # HashIndex.insert's common case
                     idx.dups.setdefault(h, []).append(blk)
                 if src is not None:
-                    e = to_external(h, self.hash_form)
-                    ev = self._stored(nc, nf, g, src, [e], blocks)
-                    blk.origin = (ev, nc)
+                    rec = self._record(nc, nf, g, src, block_hashes)
+                    blk.origin = rec
                     blk.pos = nc
-                    blk.ext_hash = e
-                    self._events.append(ev)
+                    self._events.append(rec)
                 return
         setdefault = first.setdefault
         skip: list[int] | None = None
@@ -766,13 +798,10 @@ class BlockPool:
                     idx.dups.setdefault(h, []).append(blk)
                 i += 1
             return
-        # Events on. The event form of each hash is computed once per cached block, here,
-        # and kept on the block for its BlockRemoved. Blocks point at the event (see
-        # KVCacheBlock.origin); the event is recorded only if the whole run succeeds.
-        ext: list[Any] = to_external_list(block_hashes[nc:nf], self.hash_form)
-        ev = self._stored(nc, nf, g, src, ext, blocks)
-        origin = (ev, nc)
-        for blk, h, e in zip(blocks[nc:nf], block_hashes[nc:nf], ext):
+        # Events on. Blocks point at the run's record (see KVCacheBlock.origin); it is
+        # recorded only if the whole run succeeds.
+        rec = self._record(nc, nf, g, src, block_hashes)
+        for blk, h in zip(blocks[nc:nf], block_hashes[nc:nf]):
             if blk.block_hash is not None or blk.ref_cnt <= 0 or blk.pool is not self:
                 if self._cache_conflict(blocks, block_hashes, nc, i, g, skip):
                     if skip is None:
@@ -784,21 +813,19 @@ class BlockPool:
             blk.group_id = g
             if setdefault(h, blk) is not blk:
                 idx.dups.setdefault(h, []).append(blk)
-            blk.origin = origin
+            blk.origin = rec
             blk.pos = i
-            blk.ext_hash = e
             i += 1
         if skip is None:
-            self._events.append(ev)
+            self._events.append(rec)
             return
         # Blocks that already held their hash split the run: one event per sub-run.
         start = nc
         for i in skip + [nf]:
             if i > start:
-                sub = self._stored(start, i, g, src, ext[start - nc:i - nc], blocks)
-                origin = (sub, start)
+                sub = self._record(start, i, g, src, block_hashes)
                 for blk in blocks[start:i]:
-                    blk.origin = origin
+                    blk.origin = sub
                 self._events.append(sub)
             start = i + 1
 
@@ -834,39 +861,81 @@ class BlockPool:
             f"(group {g}); a block is cached once, under one hash"
         )
 
-    def _stored(self, start: int, end: int, g: int, src: Any, ext: list[Any],
-                blocks: Sequence[KVCacheBlock]) -> BlockStored:
-        """The BlockStored for logical blocks [start, end) of ``src`` (hashes ``ext``)."""
+    def _record(self, start: int, end: int, g: int, src: Any, block_hashes: Sequence[bytes]) -> tuple[Any, ...]:
+        """The stored record (see the comment above ``_R_START``) of logical blocks [start, end)."""
         bs = self.block_size
-        if start:
-            # The parent is the logical chain's previous hash; the block holding it usually
-            # has its event form at hand already (origin set: cached with events on).
-            ph = src.block_hashes[start - 1]
-            pb = blocks[start - 1]
-            if pb.origin is not None and pb.block_hash == ph:
-                parent = pb.ext_hash
-            else:
-                parent = to_external(ph, self.hash_form)
-        else:
-            parent = None
         # One slice of the request's own token list: the run's tokens, already flat.
-        tok = src.token_ids[start * bs:end * bs]
+        tok = src[0][start * bs:end * bs]
         if type(tok) is not list:
             tok = tok.tolist() if type(tok) is array else list(tok)
+        ek = src[1]
+        return (start, end, g, tok, block_hashes[start:end], block_hashes[start - 1] if start else None,
+                src[2], src[3], None if ek is None else ek[start:end], src[4])
+
+    def _removed_now(self, digest: bytes, g: int) -> BlockRemoved:
+        """The ``BlockRemoved`` of a GPU block of group ``g`` (built at once: groups other
+        than 0 are rare, and the pending list keeps only group 0's as bare digests)."""
+        return BlockRemoved(block_hashes=[to_external(digest, self.hash_form)], medium=self.medium,
+                            group_idx=self._gidx[g])
+
+    def _stored_event(self, rec: tuple[Any, ...], ext: list[Any], parent: Any) -> BlockStored:
+        """The ``BlockStored`` of a stored record whose digests' event forms are ``ext``."""
+        g = rec[_R_GROUP]
         if not self._v033:
-            return BlockStored(block_hashes=ext, parent_block_hash=parent, token_ids=tok, block_size=bs,
-                               lora_id=src.lora_id, medium=self.medium, lora_name=None)
-        ek = src.extra_keys
+            return BlockStored(block_hashes=ext, parent_block_hash=parent, token_ids=rec[_R_TOKENS],
+                               block_size=self.block_size, lora_id=rec[_R_LORA_ID], medium=self.medium,
+                               lora_name=None)
+        ek = rec[_R_EXTRA]
         # The schema types each entry as a tuple (what a decoder yields); the hasher's wire
         # form is a list.
         extra: list[tuple[Any, ...] | None] = (
-            [None if e is None else tuple(e) for e in ek[start:end]] if ek is not None
-            else [None] * (end - start))
+            [None if e is None else tuple(e) for e in ek] if ek is not None else [None] * len(ext))
         kind, window = self.kv_cache_event_metadata[g]
-        return BlockStored(block_hashes=ext, parent_block_hash=parent, token_ids=tok, block_size=bs,
-                           lora_id=src.lora_id, medium=self.medium, lora_name=src.lora_name,
-                           extra_keys=extra, group_idx=g, kv_cache_spec_kind=kind,
-                           kv_cache_spec_sliding_window=window, session_id=src.session_id)
+        return BlockStored(block_hashes=ext, parent_block_hash=parent, token_ids=rec[_R_TOKENS],
+                           block_size=self.block_size, lora_id=rec[_R_LORA_ID], medium=self.medium,
+                           lora_name=rec[_R_LORA_NAME], extra_keys=extra, group_idx=g,
+                           kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window,
+                           session_id=rec[_R_SESSION])
+
+    def _build_events(self, pending: list[Any]) -> list[Any]:
+        """The events of the pending records, in order (see the comment above ``_R_START``)."""
+        # Every digest the batch carries, in order, converted to the event form in one pass.
+        digests: list[bytes] = []
+        add = digests.append
+        more = digests.extend
+        for r in pending:
+            t = type(r)
+            if t is bytes:
+                add(r)
+            elif t is tuple:
+                more(r[_R_DIGESTS])
+                if r[_R_PARENT] is not None:
+                    add(r[_R_PARENT])
+            elif not isinstance(r, KVCacheEvent):
+                add(r)  # a digest of a bytes subclass
+        ext: list[Any] = to_external_list(digests, self.hash_form)
+        out: list[Any] = []
+        append = out.append
+        removed = BlockRemoved
+        medium = self.medium
+        g0 = self._gidx[0]
+        j = 0
+        for r in pending:
+            t = type(r)
+            if t is tuple:
+                k = j + len(r[_R_DIGESTS])
+                if r[_R_PARENT] is not None:
+                    append(self._stored_event(r, ext[j:k], ext[k]))
+                    j = k + 1
+                else:
+                    append(self._stored_event(r, ext[j:k], None))
+                    j = k
+            elif t is bytes or not isinstance(r, KVCacheEvent):
+                append(removed(block_hashes=[ext[j]], medium=medium, group_idx=g0))
+                j += 1
+            else:
+                append(r)
+        return out
 
     def announce_cached_prefix(self, source: Any, num_blocks: int, kv_cache_group_id: int = 0) -> None:
         """Re-announce the first ``num_blocks`` blocks of ``source`` as one ``BlockStored``.
@@ -887,8 +956,8 @@ class BlockPool:
                 f"request has {len(hashes)} hashes and {len(source.token_ids)} tokens; the pool "
                 f"has {len(self._index)} group(s)"
             )
-        ext: list[Any] = to_external_list(hashes[:num_blocks], self.hash_form)
-        self._events.append(self._stored(0, num_blocks, kv_cache_group_id, source, ext, ()))
+        src = (source.token_ids, source.extra_keys, source.lora_id, source.lora_name, source.session_id)
+        self._events.append(self._record(0, num_blocks, kv_cache_group_id, src, hashes))
 
     def offload_events(self, medium: str, *, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (),
                        group_idx: int | None = 0) -> None:
@@ -937,15 +1006,17 @@ class BlockPool:
     def take_events(self) -> list[Any]:
         """The events recorded since the last call, in order (and forget them).
 
-        Treat the events as read-only values: the pool keeps a reference to each
-        ``BlockStored`` while any block it announced is cached (:meth:`snapshot_events`
-        re-announces tokens and parents from it).
+        The pool records compactly as it works and builds the event structs here, so the
+        cost of events lands on the step that takes them. Treat the events as read-only
+        values: a ``BlockStored``'s ``token_ids`` list is shared with the pool's record of
+        the run while any of its blocks is cached (:meth:`snapshot_events` re-announces
+        tokens from it).
         """
-        ev = self._events
-        if not ev:
+        pending = self._events
+        if not pending:
             return []
         self._events = []
-        return ev
+        return self._build_events(pending)
 
     def snapshot_events(self) -> list[Any]:
         """Events that rebuild the current cached state from scratch.
@@ -963,19 +1034,19 @@ class BlockPool:
         cached = [b for b in self.blocks if b.block_hash is not None]
         cached.sort(key=lambda b: (b.pos, b.block_id))
         out: list[Any] = [AllBlocksCleared()]
+        form = self.hash_form
+        bs = self.block_size
         for blk in cached:
-            ev, start = blk.origin  # type: ignore[misc]
-            k = blk.pos - start  # the block's place in the run its event announced
-            bs = ev.block_size
-            ek = ev.extra_keys
-            out.append(BlockStored(
-                # ext_hash is set whenever a block is cached with events on.
-                block_hashes=[blk.ext_hash],
-                parent_block_hash=ev.parent_block_hash if k == 0 else ev.block_hashes[k - 1],
-                token_ids=ev.token_ids[k * bs:(k + 1) * bs], block_size=bs, lora_id=ev.lora_id,
-                medium=ev.medium, lora_name=ev.lora_name, extra_keys=None if ek is None else [ek[k]],
-                group_idx=ev.group_idx, kv_cache_spec_kind=ev.kv_cache_spec_kind,
-                kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window, session_id=ev.session_id))
+            rec = blk.origin  # set whenever a block is cached with events on
+            assert rec is not None and blk.block_hash is not None
+            k = blk.pos - rec[_R_START]  # the block's place in the run its record holds
+            parent = rec[_R_PARENT] if k == 0 else rec[_R_DIGESTS][k - 1]
+            ek = rec[_R_EXTRA]
+            one = (blk.pos, blk.pos + 1, rec[_R_GROUP], rec[_R_TOKENS][k * bs:(k + 1) * bs],
+                   [blk.block_hash], parent, rec[_R_LORA_ID], rec[_R_LORA_NAME],
+                   None if ek is None else [ek[k]], rec[_R_SESSION])
+            out.append(self._stored_event(one, [to_external(blk.block_hash, form)],
+                                          None if parent is None else to_external(parent, form)))
         return out
 
     # -- checking --------------------------------------------------------------------------

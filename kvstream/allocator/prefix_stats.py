@@ -71,16 +71,21 @@ class PrefixCachingMetrics:
 
     def add(self, requests: int, queries: int, hits: int) -> None:
         """Add one observation given as counts (the allocation-free form of :meth:`observe`)."""
-        self._queue.append((requests, queries, hits))
-        self.aggregated_requests += requests
-        self.aggregated_query_total += queries
-        self.aggregated_query_hit += hits
         q = self._queue
-        while len(q) > 1 and self.aggregated_requests > self.max_recent_requests:
+        q.append((requests, queries, hits))
+        # Sums in locals, stored once: this runs once per admission attempt.
+        total = self.aggregated_requests + requests
+        qt = self.aggregated_query_total + queries
+        qh = self.aggregated_query_hit + hits
+        limit = self.max_recent_requests
+        while total > limit and len(q) > 1:
             r, qu, h = q.popleft()
-            self.aggregated_requests -= r
-            self.aggregated_query_total -= qu
-            self.aggregated_query_hit -= h
+            total -= r
+            qt -= qu
+            qh -= h
+        self.aggregated_requests = total
+        self.aggregated_query_total = qt
+        self.aggregated_query_hit = qh
 
     def reset(self) -> None:
         """Forget every observation."""

@@ -348,3 +348,103 @@ def test_hash_index_keeps_copies_oldest_first_and_promotes_the_next() -> None:
     pool.get_new_blocks(6)  # evicts every free block: a (the first copy) and c
     assert pool.lookup(h[0]) is b[0] and pool.cached_blocks()[(h[0], 0)] == [b[0].block_id]
     pool.check_invariants()
+
+
+# -- events are recorded compactly and built when taken ------------------------------------
+
+
+def _u64(d: bytes) -> int:
+    return int.from_bytes(d[-8:], "big")
+
+
+@pytest.mark.parametrize("form", ["int", "bytes"])
+def test_a_step_of_evictions_and_stores_is_built_in_order_when_taken(form: str) -> None:
+    pool = BlockPool(4, BS, hash_form=form, event_style="0.11", free_order="v0.11")
+    ext = _u64 if form == "int" else bytes
+    a = digests("a0", "a1", "a2")
+    blocks = pool.get_new_blocks(3)
+    cache(pool, blocks, a, tokens(3, 100))
+    pool.free_blocks(blocks[::-1])
+    assert [type(e) for e in pool.take_events()] == [BlockStored]
+    # One step: two evictions, a two-block run (chain parent b0), one more eviction, a
+    # one-block run extending the first (parent b1).
+    b = digests("b0", "b1", "b2")
+    got = pool.get_new_blocks(2)
+    cache(pool, got, b[:2], tokens(2, 200))
+    got += pool.get_new_blocks(1)
+    pool.cache_full_blocks(got, b, 2, 3, tokens(3, 200), 0)
+    assert pool.take_events() == [
+        BlockRemoved(block_hashes=[ext(a[2])], medium="GPU"),
+        BlockRemoved(block_hashes=[ext(a[1])], medium="GPU"),
+        BlockStored(block_hashes=[ext(h) for h in b[:2]], parent_block_hash=None,
+                    token_ids=tokens(2, 200), block_size=BS, lora_id=None, medium="GPU", lora_name=None),
+        BlockRemoved(block_hashes=[ext(a[0])], medium="GPU"),
+        BlockStored(block_hashes=[ext(b[2])], parent_block_hash=ext(b[1]),
+                    token_ids=tokens(3, 200)[2 * BS:], block_size=BS, lora_id=None, medium="GPU",
+                    lora_name=None),
+    ]
+    assert pool.take_events() == []
+
+
+def test_lists_changed_after_the_call_do_not_change_events_or_the_snapshot() -> None:
+    pool = BlockPool(4, BS)
+    h = digests("x0", "x1")
+    toks = tokens(2, 7)
+    extra = [["salt"], None]
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, h, 0, 2, toks, 0, extra_keys=extra)
+    expected = BlockStored(block_hashes=[_u64(d) for d in h], parent_block_hash=None, token_ids=tokens(2, 7),
+                           block_size=BS, lora_id=None, medium="GPU", lora_name=None,
+                           extra_keys=[("salt",), None], group_idx=0, kv_cache_spec_kind="full_attention")
+    toks[:] = [0] * len(toks)  # the caller reuses its lists before the step's events are taken
+    h[0] = digests("other")[0]
+    extra[0] = ["changed"]
+    assert pool.take_events() == [expected]
+    snap = pool.snapshot_events()
+    assert [e.token_ids for e in snap[1:]] == [tokens(1, 7), tokens(2, 7)[BS:]]
+    assert [e.extra_keys for e in snap[1:]] == [[("salt",)], [None]]
+    assert [e.parent_block_hash for e in snap[1:]] == [None, _u64(digests("x0")[0])]
+
+
+def test_an_eviction_in_another_group_keeps_its_place_among_group_zero_events() -> None:
+    meta = (("full_attention", None), ("sliding_window", 8))
+    pool = BlockPool(4, BS, kv_cache_event_metadata=meta, free_order="v0.11")
+    g0, g1 = digests("g0"), digests("g1")
+    b0, b1 = pool.get_new_blocks(1), pool.get_new_blocks(1)
+    cache(pool, b0, g0, group=0)
+    cache(pool, b1, g1, group=1)
+    pool.free_blocks(b0 + b1)
+    pool.take_events()
+    pool.get_new_blocks(3)  # the free block, then the two cached ones in queue order
+    assert pool.take_events() == [
+        BlockRemoved(block_hashes=[_u64(g0[0])], medium="GPU", group_idx=0),
+        BlockRemoved(block_hashes=[_u64(g1[0])], medium="GPU", group_idx=1),
+    ]
+
+
+@pytest.mark.parametrize("order", ["v0.33", "v0.11"])
+def test_a_double_free_after_kept_linked_and_unhashed_blocks_changes_nothing(order: str) -> None:
+    pool = BlockPool(8, BS, free_order=order)
+    shared, cached, plain = pool.get_new_blocks(3)
+    pool.touch([shared])  # two holders: freeing once keeps it held
+    cache(pool, [cached], digests("c"))
+    pool.take_events()
+    before = state(pool)
+    links = [(b.prev_free, b.next_free) for b in pool.free_block_queue.blocks()]
+    with pytest.raises(BlockPoolError, match=f"block {cached.block_id} is already free"):
+        pool.free_blocks([shared, cached, plain, cached])
+    assert state(pool) == before
+    assert [(b.prev_free, b.next_free) for b in pool.free_block_queue.blocks()] == links
+    pool.check_invariants()
+    pool.free_blocks([shared, cached, plain])
+    pool.check_invariants()
+    assert shared.ref_cnt == 1 and cached.ref_cnt == 0 and plain.ref_cnt == 0
+
+
+@pytest.mark.parametrize("form", ["int", "bytes"])
+def test_a_cached_blocks_ext_hash_is_its_hash_as_events_carry_it(form: str) -> None:
+    pool = BlockPool(4, BS, hash_form=form)
+    blk = pool.get_new_blocks(1)
+    assert blk[0].ext_hash is None
+    cache(pool, blk, digests("e"))
+    assert [blk[0].ext_hash] == pool.take_events()[0].block_hashes
