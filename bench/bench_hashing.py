@@ -1,6 +1,6 @@
 """Block hashing: kvstream against the naive loop and vLLM's own hasher, on unseen prompts.
 
-Run: ``.venv/bin/python bench/bench_hashing.py [--prompts 30] [--rounds 3] [--tokens 4096]``
+Run: ``.venv/bin/python bench/bench_hashing.py [--prompts 30] [--rounds 3] [--tokens 4096] [--short-only]``
 
 Inputs (``bench/vllm_peer/workloads.py``): 4,096-token prompts over a 128k vocabulary,
 ``uniform`` (ids uniform, a new prompt every call: what a router mostly sees), ``zipf``
@@ -18,8 +18,13 @@ For every vLLM algorithm it prints microseconds per prompt for
 and the same with 256 output tokens appended one call each (the incremental hasher), and
 a floor: the digest calls alone on the naive loop's own serialized inputs (same lengths),
 which no hasher of that algorithm can beat.
-Digests are checked equal. Every prompt is timed alone, contenders alternate prompt by\nprompt, and the median per-prompt time counts (robust to bursts of load on a shared machine).
+Digests are checked equal. Every prompt is timed alone, contenders alternate prompt by
+prompt, and the median per-prompt time counts (robust to bursts of load on a shared machine).
 Target (issue #13): >= 1.5x the naive loop for every vLLM algorithm on every input kind.
+
+A last section (alone with ``--short-only``) times short prompts (0 to 400 tokens) and
+256 per-token decode calls after them: the naive loop, kvstream's request hasher and its
+one-shot ``hash_blocks``/``hash_block``, in one run (goal: never slower than the naive loop).
 """
 
 from __future__ import annotations
