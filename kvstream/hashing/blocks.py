@@ -638,19 +638,20 @@ class BlockHasher:
             extra_keys: the block's extra keys in the hash-input form (see
                 :meth:`RequestExtraKeys.for_block`), or None.
         """
-        if extra_keys is None and (type(tokens) is list or type(tokens) is tuple) and len(tokens) == self.block_size:
+        if extra_keys is None and len(tokens) == self.block_size:
             # A plain block (a decode step): one serialize + digest, no other checks; the
             # pickle algorithms inline (a caller hashing block by block pays one call a block).
+            algorithm = self.algorithm
             if parent:
-                algorithm = self.algorithm
                 if algorithm == "sha256":
                     return _sha256_new(_pickle_dumps_c((parent, tuple(tokens), None), _PICKLE_PROTOCOL)).digest()
                 if algorithm == "xxhash":
                     return _xxh3_128(_pickle_dumps_c((parent, tuple(tokens), None), _PICKLE_PROTOCOL))
+            if type(tokens) is list or type(tokens) is tuple:
                 one = self._one
-                if one is not None and len(parent) == self.digest_size:
+                if one is not None and parent and len(parent) == self.digest_size:
                     return one(parent, tokens)
-            return self._few(parent, tokens, len(tokens))[0]
+                return self._few(parent, tokens, len(tokens))[0]
         if len(tokens) != self.block_size:
             raise HashingError(
                 f"hash_block needs exactly block_size={self.block_size} tokens, got {len(tokens)}; "
