@@ -1,11 +1,14 @@
-"""The router side: residency indexes built from many engines' event streams, and scoring.
+"""The router side: one residency index built from many engines' event streams, and scoring.
 
-``keys`` (engine-independent router keys), ``index`` (:class:`KVIndex`, keyed by router
-keys), ``engine_index`` (:class:`EngineKeyIndex`, keyed by the engines' own hashes), their
-shared core (``_core``), ``snapshot`` (the ``dump``/``load`` format), ``scoring``
-(policies) and ``router`` (the async :class:`Router` and
-:func:`apply_item`). The indexes and scoring are sans-IO and imported here; the async
-``Router`` (which opens sockets) is loaded only when first used.
+``index`` (:class:`KVIndex`: residency, copies, media, TTL, eviction, snapshots, written
+once), ``keying`` (how blocks and prompts are keyed: :class:`TokenKeys`, router keys from
+tokens via ``keys``, or :class:`EngineHashes`, the engines' own hashes;
+:class:`EngineKeyIndex` in ``engine_index`` is the latter's named configuration),
+``table`` (the block table's storage interface, :class:`~kvstream.routing.table.BlockTable`,
+and its in-memory implementation), ``_core`` (sources, the prefix walk, speculation),
+``snapshot`` (the ``dump``/``load`` format), ``scoring`` (policies) and ``router`` (the async
+:class:`Router` and :func:`apply_item`). The index and scoring are sans-IO and imported
+here; the async ``Router`` (which opens sockets) is loaded only when first used.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvstream.routing._core import IndexUsageError, SourceInfo
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.routing.index import KVIndex
+from kvstream.routing.keying import EngineHashes, TokenKeys
 from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch
 from kvstream.routing.snapshot import SnapshotError, SnapshotInfo, read_snapshot
 
@@ -22,6 +26,7 @@ if TYPE_CHECKING:
     from kvstream.routing.router import Router, apply_item
 
 __all__ = [
+    "EngineHashes",
     "EngineKeyIndex",
     "IndexUsageError",
     "KVIndex",
@@ -34,6 +39,7 @@ __all__ = [
     "SnapshotInfo",
     "SourceInfo",
     "SourceMatch",
+    "TokenKeys",
     "apply_item",
     "read_snapshot",
 ]

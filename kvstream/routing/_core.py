@@ -1,19 +1,15 @@
-"""What the two router indexes share: the source table, the prefix walk, ranking and
-speculation.
+"""The read side of the router index: the source table, media (tiers), the prefix walk,
+ranking and speculative entries.
 
-:class:`kvstream.routing.index.KVIndex` (keyed by the router's own token keys) and
-:class:`kvstream.routing.engine_index.EngineKeyIndex` (keyed by the engines' block hashes) differ
-only in how a block is keyed and ingested. Both keep, per medium, ``key -> bitmask of
-sources`` in ``_held``; everything that reads those masks (matching a prompt's keys,
-ranking, ``best``, speculative entries) and the per-source bookkeeping lives here, once.
-
-A subclass provides ``_R`` (tokens per scoring block), ``keys(prompt, lora, salt,
-mm_items)`` (a prompt's keys, one per scoring block) and ``_drop_source(s, tiers)``.
+:class:`kvstream.routing.index.KVIndex` keeps, per medium, ``key -> bitmask of sources`` in
+``_held`` (keys are router keys or engine hashes, depending on its keying); everything that
+reads those masks (matching a prompt's keys, ranking, ``best``, speculative entries) and the
+per-source records live here. The index provides ``_R`` (tokens per scoring block),
+``keys(prompt, lora, salt, mm_items)`` and ``_drop_source(s, tiers)``.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -180,140 +176,6 @@ class _IndexCore:
 
     def _drop_source(self, s: _Source, tiers: Iterable[int]) -> None:
         raise NotImplementedError
-
-    def _rows(self) -> dict[int, list[tuple[str, int, Any, int]]]:
-        """Per source slot, its (medium, group, engine hash, copies) rows, unsorted."""
-        raise NotImplementedError
-
-    # -- snapshots (format: kvstream.routing.snapshot) --------------------------------
-
-    def dump(self, source: str | None = None, *, cursors: Mapping[str, Any] | None = None) -> bytes:
-        """The index (or one ``source`` of it) as snapshot bytes, for a router replica or a
-        stream snapshot (format: :mod:`kvstream.routing.snapshot`, ``docs/router.md``).
-
-        Args:
-            source: dump only this source (its residency and the keys of the blocks it
-                holds); None dumps every source.
-            cursors: per source name, an opaque msgpack-able value stored with it (e.g. the
-                seq of the last batch applied), given back by :meth:`load_source` and
-                :func:`~kvstream.routing.snapshot.read_snapshot`.
-
-        Counters, speculative entries and TTL ages are not dumped."""
-        from kvstream.routing import snapshot as sn
-
-        if source is not None:
-            srcs = [self._known(source)]
-        else:
-            srcs = [s for s in self._src if s is not None]
-        rows = self._rows()
-        held: set[Any] = set()
-        out = []
-        for s in srcs:
-            tiers: dict[str, tuple[list[int], list[tuple[Any, int, int]]]] = {}
-            for m, g, eh, c in rows[s.slot]:
-                plain, other = tiers.setdefault(m, ([], []))
-                if g == 0 and c == 1 and sn.is_u64(eh):
-                    plain.append(eh)
-                else:
-                    other.append((eh, g, c))
-                held.add(eh)
-            out.append(sn._Source(
-                s.name, s.stale, sn.cursor_of(cursors, s.name), s.block_size, s.per,
-                [sn._Tier(m, sn.pack_u64(p), o) for m, (p, o) in tiers.items()],
-                REANNOUNCE_RULES[s.reannounce],
-            ))
-        keys, unlinked = self._dump_keys(held)
-        return sn.encode(sn._Snapshot(
-            sn.MAGIC, sn.FORMAT_VERSION, self._keying, self._R, self._options(), self._hasher_spec(),
-            keys, unlinked, out,
-        ))
-
-    @classmethod
-    def load(cls, data: bytes, **options: Any) -> Any:
-        """A new index holding what snapshot ``data`` (from :meth:`dump`) holds, configured
-        as the dumping index was; ``options`` override constructor arguments (e.g.
-        ``max_bytes``). Raises :class:`~kvstream.routing.snapshot.SnapshotError` for bad
-        bytes or a snapshot of the other keying (load it with the class that dumped it)."""
-        from kvstream.routing import snapshot as sn
-
-        snap = sn.decode(data)
-        idx = cls._from_snapshot(snap, options)
-        idx._load(snap)
-        return idx
-
-    def load_source(self, data: bytes) -> dict[str, Any]:
-        """Replace the state of every source in snapshot ``data`` (from :meth:`dump`, of
-        one source or all) with the snapshot's; other sources are untouched. Returns
-        ``{source: cursor}`` of the sources loaded. Raises
-        :class:`~kvstream.routing.snapshot.SnapshotError` (index unchanged) for bad bytes or
-        a snapshot of another keying or block size."""
-        from kvstream.routing import snapshot as sn
-
-        snap = sn.decode(data)
-        self._load(snap)
-        return {s.name: s.cursor for s in snap.sources}
-
-    def _load(self, snap: Any) -> None:
-        from kvstream.routing import snapshot as sn
-
-        if snap.keying != self._keying or snap.router_block_size != self._R:
-            raise sn.SnapshotError(
-                f"snapshot of a {snap.keying!r}-keyed index with {snap.router_block_size}-token blocks; "
-                f"this index is {self._keying!r}-keyed with {self._R}-token blocks "
-                "(load it with the same index class and block size)"
-            )
-        media = {td.medium for sd in snap.sources for td in sd.tiers}
-        if len(media | set(self._media)) > self.MAX_MEDIA or any(
-                len(sd.tiers) > self.MAX_MEDIA_PER_SOURCE for sd in snap.sources):
-            raise sn.SnapshotError(
-                f"snapshot holds blocks in {len(media)} media; an index tracks at most {self.MAX_MEDIA} "
-                f"({self.MAX_MEDIA_PER_SOURCE} per source)")
-        prepared = self._prepare_load(snap)  # validates; raises before any change
-        saved = copy.copy(getattr(self, "stats"))
-        try:
-            for sd in snap.sources:
-                s = self._source(sd.name)
-                self._drop_source(s, range(len(self._media)))
-                self._load_meta(s, sd.block_size, sd.per)
-                for td in sd.tiers:
-                    t = self._tier(td.medium)
-                    rows = [(eh, 0, 1) for eh in sn.unpack_u64(td.plain, "hashes")]
-                    rows.extend(td.rows)
-                    self._load_rows(s, t, rows, prepared)
-                self._set_stale(s, sd.stale)
-                if sd.reannounce is not None:
-                    s.reannounce = _reannounce_code(sd.reannounce)
-            self._load_done(prepared)
-        finally:
-            setattr(self, "stats", saved)  # loading is not ingest
-
-    _keying: str
-
-    def _options(self) -> Any:
-        raise NotImplementedError
-
-    def _hasher_spec(self) -> Any:
-        raise NotImplementedError
-
-    def _dump_keys(self, held: set[Any]) -> tuple[Any, list[Any]]:
-        raise NotImplementedError
-
-    @classmethod
-    def _from_snapshot(cls, snap: Any, options: dict[str, Any]) -> Any:
-        raise NotImplementedError
-
-    def _prepare_load(self, snap: Any) -> Any:
-        raise NotImplementedError
-
-    def _load_meta(self, s: _Source, block_size: int | None, per: int | None) -> None:
-        s.block_size = block_size
-        s.per = per
-
-    def _load_rows(self, s: _Source, t: int, rows: list[tuple[Any, int, int]], prepared: Any) -> None:
-        raise NotImplementedError
-
-    def _load_done(self, prepared: Any) -> None:
-        pass
 
     @property
     def router_block_size(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -124,11 +125,10 @@ def run_against_pools(ops, index, engines: list[_Engine]) -> None:
                             None, "GPU", None, session_id="sess"))
                 ok = e.mgr.admit(req)
                 if report:  # the request's own new blocks carry its session id too
-                    own = e.mgr.take_events()
-                    for ev in own:
-                        if type(ev) is BlockStored:
-                            ev.session_id = "sess"
-                    e.pre += own
+                    # Copies: the pool keeps its events (snapshot_events rebuilds from them),
+                    # and a snapshot is no request's report.
+                    e.pre += [msgspec.structs.replace(ev, session_id="sess") if type(ev) is BlockStored else ev
+                              for ev in e.mgr.take_events()]
                 return ok
 
             # A full pool finishes its oldest requests first (as a scheduler would), so

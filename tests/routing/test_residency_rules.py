@@ -10,6 +10,7 @@ import pytest
 from kvstream.hashing import BlockHasher, RequestBlockHasher, to_external_list
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.routing.index import KVIndex
+from kvstream.routing.keying import EngineHashes, TokenKeys
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 16
@@ -24,7 +25,11 @@ class Keying:
         self.name = name
 
     def new(self, **kw):
-        return KVIndex(**kw) if self.name == "tokens" else EngineKeyIndex(HASHER, **kw)
+        if self.name == "tokens":
+            return KVIndex(**kw)
+        if self.name == "engine":
+            return EngineKeyIndex(HASHER, **kw)
+        return KVIndex(keying=EngineHashes(HASHER), **kw)  # the same index, unnamed
 
     def hashes(self, prompt: list[int]) -> list[int]:
         rh = RequestBlockHasher(HASHER)
@@ -32,7 +37,7 @@ class Keying:
         return to_external_list(rh.block_hashes)
 
 
-@pytest.fixture(params=["tokens", "engine"])
+@pytest.fixture(params=["tokens", "engine", "engine-keyed KVIndex"])
 def keying(request) -> Keying:
     return Keying(request.param)
 
@@ -117,3 +122,18 @@ def test_all_blocks_cleared_clears_only_that_sources_gpu_tier(keying) -> None:
     assert m["a"].tier_blocks == {"CPU": 2} and m["a"].blocks == 2 and m["a"].served == {"CPU": 2}
     assert m["b"].tier_blocks == {"GPU": 2}
     assert idx.source_info("a").blocks == {"CPU": 2}
+
+
+def test_the_keying_is_a_constructor_argument_with_one_index_behind_it() -> None:
+    by_name = KVIndex(keying="engine", hasher=HASHER)
+    named = EngineKeyIndex(HASHER)
+    assert type(by_name.keying) is EngineHashes and by_name.router_block_size == BS
+    assert KVIndex(keying=TokenKeys(32)).router_block_size == 32
+    k = Keying("engine")
+    p = P(0, 3)
+    for idx in (by_name, named):
+        apply(idx, "e", stored(k.hashes(p), p))
+    assert by_name.state() == named.state() and by_name.match(p)["e"].blocks == 3
+    # A snapshot of one loads into the other: one format, one index.
+    assert EngineKeyIndex.load(by_name.dump()).state() == named.state()
+    assert KVIndex.load(named.dump()).state() == named.state()

@@ -174,7 +174,8 @@ def test_a_snapshot_with_a_hash_held_but_never_keyed_is_refused() -> None:
     from kvstream.routing import snapshot as sn
 
     snap = sn.decode(KVIndex().dump())
-    snap.sources.append(sn._Source("x", False, None, BS, 1, [sn._Tier("GPU", sn.pack_u64([5]), [])]))
+    snap.sources.append(sn._Source("x", False, None, BS, 1, "session", 0))
+    snap.rows.append(sn._Row("GPU", 5, None, b"\x01"))
     idx = KVIndex()
     with pytest.raises(SnapshotError, match="no key"):
         idx.load_source(sn.encode(snap))
@@ -191,3 +192,20 @@ def test_the_per_source_reannounce_rule_travels_with_the_snapshot() -> None:
             i.apply_batch("a", KVEventBatch(1.0, [BlockStored([1], None, p, BS, None, "GPU", None)]))
     assert again.state() == idx.state()
     assert again.state()["sources"]["a"]["blocks"] == (("GPU", 0, 1, 1),)
+
+
+@pytest.mark.parametrize("keying", ["tokens", "engine"])
+def test_a_snapshot_listing_a_hash_twice_is_refused(keying) -> None:
+    from kvstream.routing import snapshot as sn
+
+    idx = new_index(keying)
+    hs = _chain([0, 1], "int")
+    idx.apply_batch("a", KVEventBatch(1.0, [BlockStored(hs, None, SEGS[0] + SEGS[1], BS, None, "GPU", None)]))
+    snap = sn.decode(idx.dump())
+    t = snap.tiers[0]
+    t.hashes = t.hashes[:8] * 2
+    with pytest.raises(SnapshotError, match="twice"):
+        type(idx).load(sn.encode(snap))
+    with pytest.raises(SnapshotError, match="twice"):
+        idx.load_source(sn.encode(snap))  # into an index that holds blocks: checked before any change
+    assert idx.state()["sources"]["a"]["blocks"]
