@@ -1,6 +1,6 @@
 """Block hashing: kvstream against the naive loop and vLLM's own hasher, on unseen prompts.
 
-Run: ``.venv/bin/python bench/bench_hashing.py [--prompts 30] [--rounds 3] [--tokens 4096]``
+Run: ``.venv/bin/python bench/bench_hashing.py [--prompts 30] [--rounds 3] [--tokens 4096] [--short-only]``
 
 Inputs (``bench/vllm_peer/workloads.py``): 4,096-token prompts over a 128k vocabulary,
 ``uniform`` (ids uniform, a new prompt every call: what a router mostly sees), ``zipf``
@@ -18,8 +18,13 @@ For every vLLM algorithm it prints microseconds per prompt for
 and the same with 256 output tokens appended one call each (the incremental hasher), and
 a floor: the digest calls alone on the naive loop's own serialized inputs (same lengths),
 which no hasher of that algorithm can beat.
-Digests are checked equal. Every prompt is timed alone, contenders alternate prompt by\nprompt, and the median per-prompt time counts (robust to bursts of load on a shared machine).
+Digests are checked equal. Every prompt is timed alone, contenders alternate prompt by
+prompt, and the median per-prompt time counts (robust to bursts of load on a shared machine).
 Target (issue #13): >= 1.5x the naive loop for every vLLM algorithm on every input kind.
+
+A last section (alone with ``--short-only``) times short prompts (0 to 400 tokens) and
+256 per-token decode calls after them: the naive loop, kvstream's request hasher and its
+one-shot ``hash_blocks``/``hash_block``, in one run (goal: never slower than the naive loop).
 """
 
 from __future__ import annotations
@@ -92,7 +97,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--algorithms", default=",".join(VLLM_ALGORITHMS))
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per prompt (4,096 for issue #13's goal)")
+    ap.add_argument("--short-samples", type=int, default=15, help="batches per cell in the short-prompt section")
+    ap.add_argument("--short-only", action="store_true", help="only the short-prompt and decode section")
     args = ap.parse_args()
+    if args.short_only:
+        short_section(args.algorithms.split(","), args.short_samples)
+        return
     vl = None
     if fetch.available("0.33"):
         from vllm_peer import shims
@@ -200,6 +210,101 @@ def main() -> None:
         for ref in contenders:
             if ref != "kvstream":
                 print(f"  {'x ' + ref:22s}" + "".join(f"{best[(ref, c)] / best[('kvstream', c)]:17.2f}x" for c in cols))
+    if not args.short_only:
+        short_section(args.algorithms.split(","), args.short_samples)
+
+
+SHORT_LENGTHS = (0, 1, 15, 16, 17, 21, 32, 53, 100, 181, 400)
+
+
+def short_section(algorithms: list[str], samples_per: int) -> None:
+    """kvstream's request hasher against the naive loop on short prompts and decode steps.
+
+    For each prompt length: a new request per prompt (``RequestBlockHasher(h).extend(p)``)
+    against ``naive_blocks``; and the same prompt followed by the 256 output tokens of
+    ``DECODE``, one ``extend((t,))`` call each, against the naive loop's inline append.
+    Each sample times a batch of fresh uniform prompts (short prompts are too quick to time
+    one by one); the contenders alternate batch by batch; the median sample counts.
+    """
+    import random
+
+    print(f"\nshort prompts and decode steps (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}): "
+          f"kvstream / naive loop, us per request, median of {samples_per} batches, x = naive / kvstream")
+    rng = random.Random(5)
+    for algorithm in algorithms:
+        hasher = BlockHasher(algorithm, BS, seed="bench")
+        root = hasher.root
+        naive = naive_hasher(algorithm)
+
+        def naive_prompt(p: list[int]) -> list[bytes]:
+            return naive_blocks(naive, p, root)
+
+        def naive_decode(p: list[int]) -> list[bytes]:
+            toks = list(p)
+            hs = naive_blocks(naive, toks, root)
+            for t in DECODE:
+                toks.append(t)
+                if len(toks) % BS == 0:
+                    hs.append(naive((hs[-1] if hs else root, tuple(toks[-BS:]), None)))
+            return hs
+
+        def ours_prompt(p: list[int]) -> list[bytes]:
+            return RequestBlockHasher(hasher).extend(p)
+
+        def ours_decode(p: list[int]) -> list[bytes]:
+            r = RequestBlockHasher(hasher)
+            r.extend(p)
+            for t in DECODE:
+                r.extend((t,))
+            return r.block_hashes
+
+        def oneshot_prompt(p: list[int]) -> list[bytes]:
+            return hasher.hash_blocks(p)
+
+        def oneshot_decode(p: list[int]) -> list[bytes]:
+            # The caller keeps the tokens (an engine's request does) and hashes a block when
+            # one fills: the naive loop's shape with kvstream's one-block call.
+            toks = list(p)
+            hs = hasher.hash_blocks(toks)
+            for t in DECODE:
+                toks.append(t)
+                if len(toks) % BS == 0:
+                    hs.append(hasher.hash_block(hs[-1] if hs else None, toks[-BS:]))
+            return hs
+
+        pairs = {"prompt": (naive_prompt, ours_prompt, oneshot_prompt),
+                 "+decode": (naive_decode, ours_decode, oneshot_decode)}
+        cells = []
+        for n in SHORT_LENGTHS:
+            batch = 100 if n < 64 else 20
+            for mode, (nf, of, sf) in pairs.items():
+                check = [rng.randrange(workloads.VOCAB) for _ in range(n)]
+                want = nf(check)
+                assert of(check) == want and sf(check) == want, \
+                    f"kvstream differs from the naive loop ({algorithm}, {n}, {mode})"
+                times: dict[str, list[float]] = {"naive": [], "ours": [], "oneshot": []}
+                gc.collect()
+                gc.disable()
+                contenders = [("naive", nf), ("ours", of), ("oneshot", sf)]
+                for i in range(samples_per):
+                    # Contenders alternate batch by batch (order rotated every batch).
+                    order = contenders[i % 3 :] + contenders[: i % 3]
+                    for name, f in order:
+                        ps = [[rng.randrange(workloads.VOCAB) for _ in range(n)] for _ in range(batch)]
+                        t0 = time.perf_counter()
+                        for p in ps:
+                            f(p)
+                        times[name].append((time.perf_counter() - t0) / batch * 1e6)
+                gc.enable()
+                med = {k: statistics.median(v) for k, v in times.items()}
+                cells.append((n, mode, med["ours"], med["oneshot"], med["naive"]))
+        print(f"\n{algorithm}: RequestBlockHasher (request) and hash_blocks/hash_block (one-shot) against the naive loop")
+        print(f"  {'tokens':>6s}  {'prompt us: request / one-shot / naive':>37s} {'x req':>6s} {'x one':>6s}"
+              f"   {'+256 decode us: request / one-shot / naive':>43s} {'x req':>6s} {'x one':>6s}")
+        for n in SHORT_LENGTHS:
+            (_, _, o1, s1, v1), (_, _, o2, s2, v2) = [c for c in cells if c[0] == n]
+            print(f"  {n:6d}  {o1:13.2f} / {s1:8.2f} / {v1:8.2f} {v1 / o1:5.2f}x {v1 / s1:5.2f}x"
+                  f"   {o2:21.1f} / {s2:7.1f} / {v2:7.1f} {v2 / o2:5.2f}x {v2 / s2:5.2f}x")
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

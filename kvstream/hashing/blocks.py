@@ -175,6 +175,9 @@ _DROP_B23 = _by_key(lambda k: int(k < 4))  # id < 65536
 # Below this many blocks per call, cbor2 on each block's token list is cheaper than the
 # bulk passes' fixed cost (measured: ~10 us for the passes, ~1 us per cbor2 call).
 _BULK_MIN_BLOCKS = 12
+# Below this many blocks the pickle algorithms use the simple slice loop instead of the
+# zip-chunked one (measured: the zip setup costs more than it saves below ~5 blocks).
+_PICKLE_FEW_MAX = 5
 
 
 def _int32_columns(tokens: Sequence[int]) -> tuple[bytes, bytes, bytes, bytes] | None:
@@ -287,6 +290,9 @@ def _sha256(data: bytes) -> bytes:
 
 
 _xxh3_128 = xxhash.xxh3_128_digest
+_sha256_new = hashlib.sha256
+_pickle_dumps_c = pickle.dumps
+_PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 # name -> (serializer, digest); native has no generic serializer (see BlockHasher).
 _VLLM_FNS: dict[str, tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]] = {
@@ -398,6 +404,91 @@ def _one_block_fn(algorithm: str, chain_prefix: bytes) -> Callable[[bytes, Seque
     return None
 
 
+def _few_blocks_fn(
+    algorithm: str,
+    block_size: int,
+    root: bytes,
+    digest_size: int,
+    chain_prefix: bytes,
+    bulk: Callable[[Sequence[int], int, bytes, None], list[bytes]],
+    limit: int,
+) -> Callable[[bytes | None, Sequence[int], int], list[bytes]] | None:
+    """``f(parent, tokens, full)``: the plain hashes of the blocks in ``tokens[:full]``.
+
+    The naive loop itself, without its per-block Python calls: one serialize + digest per
+    block, nothing set up beforehand. Below a few blocks this beats every bulk path (their
+    setup costs more than it saves); :class:`BlockHasher` picks it below
+    ``_few_max`` blocks. ``tokens`` is a list or tuple (a CBOR block is encoded from its
+    slice, which cbor2 writes like vLLM's tuple); ``parent`` None (or empty) chains from
+    ``root``; ``full`` is a multiple of ``block_size``. No extra keys. From ``limit``
+    tokens on it hands the call to ``bulk`` (the hasher's bulk path, no argument checks).
+    None for ``native``.
+    """
+    proto = pickle.HIGHEST_PROTOCOL
+    pdumps = pickle.dumps
+    cdumps = cbor2.dumps
+    sha = hashlib.sha256
+    xxh = _xxh3_128
+    bs = block_size
+    root_head = b"\x83" + _head(2, len(root))
+
+    if algorithm == "sha256":
+
+        def few(parent: bytes | None, tokens: Sequence[int], full: int) -> list[bytes]:
+            prev = parent or root
+            if full >= limit:
+                return bulk(tokens, full // bs, prev, None)
+            if full == bs:
+                return [sha(pdumps((prev, tuple(tokens[:bs]), None), proto)).digest()]
+            out = []
+            for i in range(0, full, bs):
+                prev = sha(pdumps((prev, tuple(tokens[i : i + bs]), None), proto)).digest()
+                out.append(prev)
+            return out
+
+    elif algorithm == "xxhash":
+
+        def few(parent: bytes | None, tokens: Sequence[int], full: int) -> list[bytes]:
+            prev = parent or root
+            if full >= limit:
+                return bulk(tokens, full // bs, prev, None)
+            if full == bs:
+                return [xxh(pdumps((prev, tuple(tokens[:bs]), None), proto))]
+            out = []
+            for i in range(0, full, bs):
+                prev = xxh(pdumps((prev, tuple(tokens[i : i + bs]), None), proto))
+                out.append(prev)
+            return out
+
+    elif algorithm in ("sha256_cbor", "xxhash_cbor"):
+        is_sha = algorithm == "sha256_cbor"
+
+        def few(parent: bytes | None, tokens: Sequence[int], full: int) -> list[bytes]:
+            if full >= limit:
+                return bulk(tokens, full // bs, parent or root, None)
+            if not parent:
+                prev, head = root, root_head
+            else:
+                prev = parent
+                head = chain_prefix if len(parent) == digest_size else b"\x83" + _head(2, len(parent))
+            out = []
+            if is_sha:
+                for i in range(0, full, bs):
+                    prev = sha(head + prev + cdumps(tokens[i : i + bs], canonical=True) + b"\xf6").digest()
+                    head = chain_prefix
+                    out.append(prev)
+            else:
+                for i in range(0, full, bs):
+                    prev = xxh(head + prev + cdumps(tokens[i : i + bs], canonical=True) + b"\xf6")
+                    head = chain_prefix
+                    out.append(prev)
+            return out
+
+    else:
+        return None
+    return few
+
+
 class BlockHasher:
     """Hashes full token blocks into chained block hashes with one fixed configuration.
 
@@ -431,6 +522,8 @@ class BlockHasher:
         "_array_head",
         "_chain_prefix",
         "_one",
+        "_few",
+        "_few_max",
     )
 
     algorithm: str
@@ -444,6 +537,8 @@ class BlockHasher:
     _array_head: bytes
     _chain_prefix: bytes
     _one: Callable[[bytes, Sequence[int]], bytes] | None
+    _few: Callable[[bytes | None, Sequence[int], int], list[bytes]]
+    _few_max: int
 
     def __init__(
         self,
@@ -491,6 +586,13 @@ class BlockHasher:
         # 3-item array + bytes header of a parent of our own digest size.
         s(self, "_chain_prefix", b"\x83" + _head(2, self.digest_size))
         s(self, "_one", _one_block_fn(algorithm, self._chain_prefix))
+        # _few(parent, tokens, full): a plain list/tuple's blocks, the simple loop below
+        # _few_max blocks, the bulk path from there on (native: hash_blocks, _few_max 0).
+        few_max = _BULK_MIN_BLOCKS if self._cbor else _PICKLE_FEW_MAX
+        bulk = self._hash_cbor if self._cbor else self._hash_generic
+        few = _few_blocks_fn(algorithm, block_size, root, self.digest_size, self._chain_prefix, bulk, few_max * block_size)
+        s(self, "_few", few if few is not None else lambda parent, tokens, full: self.hash_blocks(tokens, parent))
+        s(self, "_few_max", 0 if few is None else few_max)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"BlockHasher is immutable; build a new one instead of setting {name!r}")
@@ -536,6 +638,20 @@ class BlockHasher:
             extra_keys: the block's extra keys in the hash-input form (see
                 :meth:`RequestExtraKeys.for_block`), or None.
         """
+        if extra_keys is None and len(tokens) == self.block_size:
+            # A plain block (a decode step): one serialize + digest, no other checks; the
+            # pickle algorithms inline (a caller hashing block by block pays one call a block).
+            algorithm = self.algorithm
+            if parent:
+                if algorithm == "sha256":
+                    return _sha256_new(_pickle_dumps_c((parent, tuple(tokens), None), _PICKLE_PROTOCOL)).digest()
+                if algorithm == "xxhash":
+                    return _xxh3_128(_pickle_dumps_c((parent, tuple(tokens), None), _PICKLE_PROTOCOL))
+            if type(tokens) is list or type(tokens) is tuple:
+                one = self._one
+                if one is not None and parent and len(parent) == self.digest_size:
+                    return one(parent, tokens)
+                return self._few(parent, tokens, len(tokens))[0]
         if len(tokens) != self.block_size:
             raise HashingError(
                 f"hash_block needs exactly block_size={self.block_size} tokens, got {len(tokens)}; "
@@ -569,6 +685,8 @@ class BlockHasher:
                 f"extra_keys_per_block has {len(extra_keys_per_block)} entries but tokens hold "
                 f"{n} full blocks of {bs}; give one entry (tuple or None) per full block"
             )
+        if n < self._few_max and extra_keys_per_block is None and (type(tokens) is list or type(tokens) is tuple):
+            return self._few(parent, tokens, n * bs) if n else []  # the simple loop, no bulk setup
         if n == 0:
             return []
         if not parent:
@@ -955,7 +1073,8 @@ class RequestBlockHasher:
         lora, mm_items, cache_salt, prompt_embeds_digest: see :class:`RequestExtraKeys`.
     """
 
-    __slots__ = ("hasher", "keys", "_bs", "_plain", "_one", "_pending", "_hashes", "_wire")
+    __slots__ = ("hasher", "keys", "_bs", "_few", "_pending", "_hashes", "_wire")
+    _few: Callable[[bytes | None, Sequence[int], int], list[bytes]] | None
 
     def __init__(
         self,
@@ -965,20 +1084,29 @@ class RequestBlockHasher:
         cache_salt: str | None = None,
         prompt_embeds_digest: PromptEmbedsDigest | None = None,
     ) -> None:
+        # Creating a request hasher is on every request's path: a plain request (the usual
+        # one) sets six fields and builds nothing else.
+        self._pending: list[int] = []
+        self._hashes: list[bytes] = []
+        if (
+            lora is None and cache_salt is None and prompt_embeds_digest is None and not mm_items
+            and type(hasher) is BlockHasher
+        ):
+            self.hasher = hasher
+            self._bs = hasher.block_size
+            self.keys = _NO_EXTRA_KEYS  # skip building and checking keys
+            self._few = hasher._few  # set: no extra keys (_wire unset: every entry None)
+            return
         if not isinstance(hasher, BlockHasher):
             raise HashingError(f"hasher must be a BlockHasher, got {type(hasher).__name__}")
         self.hasher = hasher
-        if lora is None and mm_items == () and cache_salt is None and prompt_embeds_digest is None:
-            self.keys = _NO_EXTRA_KEYS  # the usual request: skip building and checking keys
-        else:
-            self.keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
         self._bs = hasher.block_size
-        self._plain = self.keys.empty
-        # One-block decode steps skip hash_blocks' checks (plain requests only).
-        self._one = hasher._one if self._plain else None
-        self._pending: list[int] = []
-        self._hashes: list[bytes] = []
-        self._wire: list[list[Any] | None] = []
+        self.keys = keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
+        if keys.empty:
+            self._few = hasher._few
+        else:
+            self._few = None
+            self._wire: list[list[Any] | None] = []
 
     @property
     def block_hashes(self) -> list[bytes]:
@@ -993,35 +1121,75 @@ class RequestBlockHasher:
     @property
     def wire_extra_keys(self) -> list[list[Any] | None]:
         """Per full block, its ``BlockStored.extra_keys`` entry (None or untagged list)."""
-        return self._wire
+        return [None] * len(self._hashes) if self._few is not None else self._wire
 
     def extend(self, new_token_ids: Iterable[int]) -> list[bytes]:
         """Append token ids; return the hashes of the blocks this call completed (maybe [])."""
         pending = self._pending
-        if not pending and (type(new_token_ids) is list or type(new_token_ids) is tuple):
+        if pending:
+            # A decode step (tokens held back): append; hash only when a block fills.
+            try:
+                pending += new_token_ids
+            except TypeError:
+                raise HashingError(
+                    f"extend() takes an iterable of token ids, got {type(new_token_ids).__name__} "
+                    f"{new_token_ids!r:.40}; wrap a single token as [token]"
+                ) from None
+            after = len(pending)
+            bs = self._bs
+            if after < bs:  # the usual decode step: no block completed
+                return []
+            few = self._few
+            hashes = self._hashes
+            one = self.hasher._one if after == bs and hashes and few is not None else None
+            if one is not None:
+                # A decode step completed one block: one serialize + digest call.
+                try:
+                    h = one(hashes[-1], pending)
+                except BaseException:
+                    if type(new_token_ids) is list or type(new_token_ids) is tuple:
+                        del pending[after - len(new_token_ids) :]
+                    raise
+                pending.clear()
+                hashes.append(h)
+                return [h]
+            full = after - after % bs
+            try:
+                if few is not None:
+                    new = few(hashes[-1] if hashes else None, pending, full)
+                    hashes += new
+                else:
+                    new = self._hash_full(pending, full)
+            except BaseException:
+                # A bad id: take this call's tokens back out (a sized call's; an iterator's
+                # count is unknown, its tokens stay held back).
+                if type(new_token_ids) is list or type(new_token_ids) is tuple:
+                    del pending[after - len(new_token_ids) :]
+                raise
+            if full == after:
+                pending.clear()
+            else:
+                del pending[:full]
+            return new
+        if type(new_token_ids) is list or type(new_token_ids) is tuple:
             # Nothing held back (a prompt, or a call that starts at a block boundary): hash
             # the caller's list where it is and keep only its partial tail, instead of
             # copying the whole prompt into the pending list and out again.
             count = len(new_token_ids)
-            full = count - count % self._bs
+            bs = self._bs
+            full = count - count % bs
             if not full:
-                pending.extend(new_token_ids)
+                pending += new_token_ids
                 return []
-            one = self._one
-            if full == self._bs and one is not None:
-                # One block (a short prompt, or a decode batch that ends one): a single call.
+            few = self._few
+            if few is not None:
                 hashes = self._hashes
-                parent = hashes[-1] if hashes else self.hasher.root
-                if len(parent) == self.hasher.digest_size:
-                    h = one(parent, new_token_ids[:full])
-                    hashes.append(h)
-                    self._wire.append(None)
-                    if full < count:
-                        pending.extend(new_token_ids[full:])
-                    return [h]
-            new = self._hash_full(new_token_ids, full)
+                new = few(hashes[-1] if hashes else None, new_token_ids, full)
+                hashes += new
+            else:
+                new = self._hash_full(new_token_ids, full)
             if full < count:
-                pending.extend(new_token_ids[full:])
+                pending += new_token_ids[full:]
             return new
         try:
             pending.extend(new_token_ids)
@@ -1031,19 +1199,9 @@ class RequestBlockHasher:
                 f"{new_token_ids!r:.40}; wrap a single token as [token]"
             ) from None
         after = len(pending)
-        bs = self._bs
-        if after < bs:  # the usual decode step: no block completed
+        full = after - after % self._bs
+        if not full:
             return []
-        hashes = self._hashes
-        one = self._one
-        if after == bs and hashes and one is not None:
-            # A decode step completed one block, chained from a digest of ours.
-            h = one(hashes[-1], pending)
-            pending.clear()
-            hashes.append(h)
-            self._wire.append(None)
-            return [h]
-        full = after - after % bs
         new = self._hash_full(pending, full)
         del pending[:full]
         return new
@@ -1056,10 +1214,10 @@ class RequestBlockHasher:
         bs = self._bs
         hashes = self._hashes
         parent = hashes[-1] if hashes else None
-        if self._plain:
+        if self._few is not None:  # no extra keys
             new = self.hasher.hash_blocks(tokens, parent)
-            self._wire.extend([None] * len(new))
         else:
+            wire_out = self._wire
             start = len(hashes) * bs
             keys = self.keys
             style = self.hasher.extra_key_style
@@ -1072,7 +1230,7 @@ class RequestBlockHasher:
                 extras.append(ek.hash_input)
                 wire.append(ek.wire)
             new = self.hasher.hash_blocks(tokens, parent, extras)
-            self._wire.extend(wire)
+            wire_out.extend(wire)
         hashes.extend(new)
         return new
 

@@ -27,8 +27,9 @@ from typing import Any, Iterable, Sequence
 
 import anyio
 import anyio.lowlevel
+import msgspec
 
-from kvstream.wire.events import EventDecoder
+from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecodeError, EventDecoder, KVEventBatch
 from kvstream.jetstream import wire
 from kvstream.jetstream._nats import connect, ensure_stream, open_data_connection
 from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, hpub_op
@@ -38,7 +39,7 @@ from kvstream.jetstream.tracking import RelaySource
 from kvstream.transport.lifetime import Lifetime
 from kvstream.transport.subscriber import SourceSpec, Subscriber
 
-__all__ = ["Relay", "RelayStats"]
+__all__ = ["Relay", "RelayStats", "EnvelopeDecoder"]
 
 log = logging.getLogger("kvstream.jetstream.relay")
 
@@ -70,6 +71,41 @@ class RelayStats:
         return (f"items={self.items} published={self.published} acked={self.acked} dup={self.duplicates} "
                 f"skipped={self.skipped} inflight={self.inflight} errors={self.ack_errors} "
                 f"retransmits={self.retransmits}")
+
+
+class _Envelope(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: Any = None
+
+
+class EnvelopeDecoder:
+    """The relay's payload check: a batch's envelope (``[ts, events, rank]``, either vLLM
+    shape) with each event kept as raw msgpack. A relay publishes the engine's bytes
+    unchanged and reads only ``ts``; the events are decoded (and a bad one refused) by
+    every consumer. A quarter of a full decode. ``decode`` returns a
+    :class:`KVEventBatch` whose ``events`` are ``msgspec.Raw`` (their count is right) and
+    raises :class:`EventDecodeError` for bytes that are not a batch or exceed
+    ``max_payload_bytes``."""
+
+    __slots__ = ("_decode", "max_payload_bytes")
+
+    def __init__(self, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+        self._decode = msgspec.msgpack.Decoder(_Envelope).decode
+        self.max_payload_bytes = max_payload_bytes
+
+    def decode(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:
+        """The envelope of one payload (see the class docstring)."""
+        n = len(payload)
+        if n > self.max_payload_bytes:
+            raise EventDecodeError(f"payload is {n} bytes, over the limit of {self.max_payload_bytes} bytes "
+                                   "(raise max_payload_bytes if the engine really sends batches this large)",
+                                   payload_len=n)
+        try:
+            e = self._decode(payload)
+        except msgspec.MsgspecError as exc:
+            raise EventDecodeError(f"not a KV event batch: {exc}", payload_len=n) from None
+        return KVEventBatch(e.ts, e.events, e.data_parallel_rank)  # type: ignore[arg-type]
 
 
 class _Pending:
@@ -110,6 +146,9 @@ class Relay:
         self.stats = RelayStats()
         self.sources: dict[str, RelaySource] = {}
         """Per-source relay state (instance, position), by source name."""
+        if "decoder" not in subscriber_options:
+            subscriber_options["decoder"] = EnvelopeDecoder(
+                subscriber_options.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES))
         self._sub = Subscriber(self.specs, **subscriber_options)
         self._nc: Any = None
         self._life = Lifetime()
@@ -259,12 +298,15 @@ class Relay:
         publish = self._publish
         async for item in sub:
             st.items += 1
-            rs = sources.get(item.source)
+            name = item.source
+            rs = sources.get(name)
             if rs is None:
                 continue
             skipped = rs.skipped
             for payload, headers in rs.on_item(item):
-                await publish(subjects[item.source], payload, headers)
+                if len(self._pending) >= self.max_inflight or self._bytes >= self.max_inflight_bytes:
+                    await self._wait_space()
+                publish(subjects[name], payload, headers, name)
             if st.items & 255 == 0:
                 await anyio.lowlevel.checkpoint()  # let the writer stream while items keep coming
             st.skipped += rs.skipped - skipped
@@ -272,10 +314,14 @@ class Relay:
                 break
         return st
 
-    async def _publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+    async def _wait_space(self) -> None:
         while len(self._pending) >= self.max_inflight or self._bytes >= self.max_inflight_bytes:
             ev = self._space = anyio.Event()
             await ev.wait()
+
+    def _publish(self, subject: str, payload: bytes, headers: dict[str, str], source: str) -> None:
+        """Queue one message (the caller made room: :meth:`_wait_space`). A plain function,
+        not a coroutine: one per message would cost as much as the rest of this."""
         self._token = t = self._token + 1
         self._pending[t] = p = _Pending(subject, payload, headers, time.monotonic())
         self._bytes += len(payload)
@@ -286,8 +332,7 @@ class Relay:
         st.published += 1
         if wire.H_KIND not in headers:
             bs = st.by_source
-            src = headers[wire.H_MSG_ID].rsplit(":", 2)[0]
-            bs[src] = bs.get(src, 0) + 1
+            bs[source] = bs.get(source, 0) + 1
         if self._conn is not None:  # else it goes out when the connection is back
             self._wbuf += hpub_op(subject, f"{self._inbox}.{t}", headers, payload)
             p.written = True
@@ -304,7 +349,12 @@ class Relay:
         self._last_ack = time.monotonic()
         st = self.stats
         ok = False
-        if data:
+        if data[:1] == b"{" and b'"seq":' in data and b'"error"' not in data and b'"duplicate"' not in data:
+            # A plain PubAck ({"stream":..,"seq":..}): no JSON parse (a third of the ack
+            # path); anything else (errors, duplicates) is parsed below.
+            ok = True
+            st.acked += 1
+        elif data:
             try:
                 resp = json.loads(data)
             except ValueError:

@@ -1,13 +1,14 @@
 """Index snapshots in a JetStream object store, so a new router replica starts warm.
 
 A router replica that reads the stream (:class:`~kvstream.jetstream.JetStreamSource`)
-runs a :class:`SnapshotWriter`: every ``interval_s`` seconds it dumps each source that
-changed (``index.dump(source, cursors=...)``, see :mod:`kvstream.routing.snapshot`) into
-the object store bucket ``<STREAM>_SNAPSHOTS``, one object per source (named by its
-subject token, the latest replacing the one before), with the stream sequence it covers in
-the object's ``Kv-Sseq`` header and, as the dump's cursor, the consumer's position for the
-source (:class:`~kvstream.jetstream.tracking.SourceState`: engine instance, next seq,
-stale, stream sequence). A new replica calls :func:`load_snapshots` and reads only the tail::
+runs a :class:`SnapshotWriter`: every ``interval_s`` seconds, when any source's stream
+position moved, it dumps the whole index once (``index.dump(cursors=...)``, format in
+:mod:`kvstream.routing.snapshot`) into the object store bucket ``<STREAM>_SNAPSHOTS`` as
+one object, :data:`OBJECT_NAME` (the latest replacing the one before). The dump's cursor
+for each source is the consumer's position for it
+(:class:`~kvstream.jetstream.tracking.SourceState`: engine instance, next seq, stale,
+stream sequence); the object's ``Kv-Sseq`` header holds the last stream sequence read. A
+new replica calls :func:`load_snapshots` and reads only the tail::
 
     index = KVIndex()
     states = await load_snapshots("nats://nats:4222/KV_EVENTS", index)
@@ -15,29 +16,43 @@ stale, stream sequence). A new replica calls :func:`load_snapshots` and reads on
         ...
 
 Its start-up time depends on the index size and the tail since the last snapshot, not on
-the stream's history.
+the stream's history. The object is read back on a connection of its own (an ephemeral
+consumer of the bucket's chunk subject, chunks collected as they arrive, the SHA-256
+digest checked): nats-py's object store reader grows one ``bytes`` per chunk and reads at
+a fraction of the speed.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 import time
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 import anyio
 
-from kvstream.jetstream import wire
-from kvstream.jetstream._nats import connect
+from kvstream.jetstream._nats import connect, open_data_connection
+from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, parse_headers, pub_op
 from kvstream.jetstream.config import NatsSource, parse_nats_url
+from kvstream.jetstream.errors import RemoteProtocolError
 from kvstream.jetstream.tracking import SourceState
 from kvstream.transport.lifetime import Lifetime
 
-__all__ = ["SnapshotWriter", "load_snapshots", "bucket_name", "SnapshotIndex"]
+__all__ = ["SnapshotWriter", "load_snapshots", "bucket_name", "SnapshotIndex", "SnapshotFetchError", "OBJECT_NAME"]
 
 log = logging.getLogger("kvstream.jetstream.snapshots")
 
 _CHUNK = 1 << 20  # bytes per object-store chunk (nats-server's default max payload: 1 MiB)
 H_SSEQ = "Kv-Sseq"
+OBJECT_NAME = "kvstream.index"
+"""The one object holding the latest whole-index snapshot (a subject token never holds a
+``.``, so no source's name can collide with it)."""
+
+
+class SnapshotFetchError(RemoteProtocolError):
+    """The snapshot object could not be read back whole (chunks missing, a digest or size
+    that does not match its metadata)."""
 
 
 @runtime_checkable
@@ -48,6 +63,11 @@ class SnapshotIndex(Protocol):
     def dump(self, source: str | None = None, *, cursors: Mapping[str, Any] | None = None) -> bytes: ...
 
     def load_source(self, data: bytes) -> dict[str, Any]: ...
+
+    def remove_source(self, source: str) -> None: ...
+
+    @property
+    def sources(self) -> list[str]: ...
 
 
 def bucket_name(stream: str) -> str:
@@ -70,9 +90,9 @@ async def _store(js: Any, stream: str, *, create: bool, replicas: int = 1) -> An
 
 
 class SnapshotWriter:
-    """Writes ``index``'s per-source snapshots for the stream ``source`` reads, every
-    ``interval_s`` seconds (only sources whose stream position moved). ``replicas``: of
-    the bucket, when this writer creates it. Use as ``async with``; :meth:`write_now`
+    """Writes ``index``'s whole-index snapshot for the stream ``source`` reads, every
+    ``interval_s`` seconds (only when some source's stream position moved). ``replicas``:
+    of the bucket, when this writer creates it. Use as ``async with``; :meth:`write_now`
     forces one round. The index must be the one fed by ``source``'s items (a
     :class:`~kvstream.routing.router.Router`'s ``index`` and ``subscriber``)."""
 
@@ -113,45 +133,111 @@ class SnapshotWriter:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("snapshot round failed: %s", self.last_error)
 
-    def _take(self) -> list[tuple[str, int, bytes]]:
-        """Dump every source that moved, all in one synchronous step (consistent with the
-        consumer positions read at the same moment)."""
-        out = []
-        for name, st in self.source.states().items():
-            if st.sseq <= self._done.get(name, 0):
-                continue
-            try:
-                data = self.index.dump(name, cursors={name: st.as_dict()})
-            except Exception:  # noqa: BLE001 - the index does not know it (yet)
-                continue
-            out.append((name, st.sseq, data))
-        return out
+    def _take(self) -> tuple[dict[str, int], bytes] | None:
+        """Dump the whole index if any source moved, in one synchronous step (consistent
+        with the consumer positions read at the same moment)."""
+        states = self.source.states()
+        moved = {name: st.sseq for name, st in states.items()}
+        if moved == self._done or not moved:
+            return None
+        return moved, self.index.dump(cursors={name: st.as_dict() for name, st in states.items()})
 
     async def write_now(self, *, settle_s: float = 5.0) -> int:
-        """Write one round now; returns how many snapshots were written. Waits (at most
-        ``settle_s`` seconds) for a moment when every item read has been applied."""
+        """Write one round now; returns how many snapshots were written (0 or 1). Waits (at
+        most ``settle_s`` seconds) for a moment when every item read has been applied."""
         from nats.js.api import ObjectMeta, ObjectMetaOptions
 
         with anyio.move_on_after(settle_s):
             while self.source.ready:
                 await anyio.sleep(0.002)
         taken = self._take()
-        for name, sseq, data in taken:
-            meta = ObjectMeta(name=wire.subject_token(name), description=f"{name} at stream seq {sseq}",
-                              headers={H_SSEQ: str(sseq)}, options=ObjectMetaOptions(max_chunk_size=_CHUNK))
-            await self._os.put(meta.name, data, meta=meta)
-            self._done[name] = sseq
-            self.written += 1
-            self.bytes_written += len(data)
-        return len(taken)
+        if taken is None:
+            return 0
+        moved, data = taken
+        sseq = max(moved.values())
+        meta = ObjectMeta(name=OBJECT_NAME, description=f"kvstream index of {len(moved)} source(s) at stream seq {sseq}",
+                          headers={H_SSEQ: str(sseq)}, options=ObjectMetaOptions(max_chunk_size=_CHUNK))
+        await self._os.put(OBJECT_NAME, data, meta=meta)
+        self._done = moved
+        self.written += 1
+        self.bytes_written += len(data)
+        return 1
+
+
+async def _fetch(nc: Any, url: str, bucket: str, info: Any, timeout_s: float) -> bytes:
+    """The object ``info`` describes, read on a data connection of its own (see the module
+    docstring). Raises :class:`SnapshotFetchError` or ``TimeoutError``."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    if not info.chunks:
+        return b""  # nothing to read (load_source refuses it as no snapshot)
+    chunks: list[bytes] = []
+    got = 0
+    done = anyio.Event()
+    failed: list[str] = []
+    replies: list[bytes] = []
+
+    def on_msg(subject: str, reply: str, hblock: bytes | None, payload: bytes) -> None:
+        nonlocal got
+        if hblock is not None and hblock[8:9] == b" ":  # flow control or heartbeat
+            h = parse_headers(hblock)
+            if h.get("Status") == "100":
+                if reply:
+                    replies.append(pub_op(reply))
+            else:
+                failed.append(f"status {h.get('Status')} {h.get('Description', '')}".strip())
+                done.set()
+            return
+        chunks.append(payload)
+        got += len(payload)
+        if got >= info.size or len(chunks) >= info.chunks:
+            done.set()
+
+    reader = ProtocolReader(on_msg)
+    inbox = nc.new_inbox()
+    with anyio.fail_after(timeout_s):
+        async with await open_data_connection(url, "kvstream-snapshot-loader-data", reader, inbox) as stream:
+            cinfo = await nc.jsm().add_consumer(f"OBJ_{bucket}", ConsumerConfig(
+                deliver_subject=inbox, ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
+                filter_subject=f"$O.{bucket}.C.{info.nuid}", flow_control=True, idle_heartbeat=1.0,
+                mem_storage=True, inactive_threshold=5.0, max_deliver=1))
+            try:
+                while not done.is_set():
+                    try:
+                        reader.feed(await stream.receive(1 << 20))
+                    except (anyio.EndOfStream, NatsProtocolError) as exc:
+                        raise SnapshotFetchError(f"snapshot fetch from {url} broke off: {exc}") from None
+                    out = bytes(reader.outgoing) + b"".join(replies)
+                    reader.outgoing.clear()
+                    replies.clear()
+                    if out:
+                        await stream.send(out)
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                    try:
+                        await nc.jsm().delete_consumer(f"OBJ_{bucket}", cinfo.name)
+                    except Exception:  # noqa: BLE001 - it expires on its own (inactive threshold)
+                        pass
+    if failed:
+        raise SnapshotFetchError(f"snapshot fetch from {url}: {failed[0]}")
+    data = b"".join(chunks)
+    if len(data) != info.size or len(chunks) != info.chunks:
+        raise SnapshotFetchError(f"snapshot object {info.name!r}: {len(data)} bytes in {len(chunks)} chunks, "
+                                 f"its metadata says {info.size} in {info.chunks}")
+    want = (info.digest or "").partition("=")[2]
+    if want and base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode().rstrip("=") != want.rstrip("="):
+        raise SnapshotFetchError(f"snapshot object {info.name!r}: SHA-256 digest does not match its metadata")
+    return data
 
 
 async def load_snapshots(url: str | NatsSource, index: SnapshotIndex, *, timeout_s: float = 10.0) -> dict[str, SourceState]:
-    """Load the latest snapshot of every source of the stream ``url`` names into ``index``;
-    returns the consumer positions to start a :class:`JetStreamSource` from (empty when
-    there are no snapshots yet). Sources filtered by the URL's ``?source=`` only."""
-    import io
-
+    """Load the latest whole-index snapshot of the stream ``url`` names into ``index``
+    (:meth:`load_source`: the state of every source in it is replaced; sources outside the
+    URL's ``?source=`` filter are removed again afterwards) and return the consumer
+    positions to start a :class:`JetStreamSource` from (empty when there is no snapshot
+    yet). Raises :class:`SnapshotFetchError` for an object that does not read back whole,
+    :class:`~kvstream.routing.snapshot.SnapshotError` for bytes that are no snapshot, and
+    ``TimeoutError`` after ``timeout_s`` seconds (per step: connect, fetch)."""
     spec = parse_nats_url(url) if isinstance(url, str) else url
     nc = await connect(spec.url, name="kvstream-snapshot-loader", timeout_s=timeout_s)
     try:
@@ -161,28 +247,22 @@ async def load_snapshots(url: str | NatsSource, index: SnapshotIndex, *, timeout
         from nats.js.errors import NotFoundError
 
         try:
-            infos = await os_.list(ignore_deletes=True)
+            info = await os_.get_info(OBJECT_NAME)
         except NotFoundError:
             return {}
-        states: dict[str, SourceState] = {}
         t0 = time.monotonic()
-        wanted = [info.name for info in infos
-                  if not spec.sources or wire.source_from_token(info.name) in spec.sources]
-        blobs: dict[str, bytes] = {}
-
-        async def fetch(name: str) -> None:
-            buf = io.BytesIO()
-            await os_.get(name, writeinto=buf)
-            blobs[name] = buf.getvalue()
-
-        async with anyio.create_task_group() as tg:  # fetched concurrently, loaded in order
-            for name in wanted:
-                tg.start_soon(fetch, name)
-        for name in wanted:
-            for src, cursor in index.load_source(blobs.pop(name)).items():
-                if isinstance(cursor, Mapping):
-                    states[src] = SourceState.from_dict(cursor)
-        log.info("loaded %d source snapshot(s) in %.3fs", len(states), time.monotonic() - t0)
+        data = await _fetch(nc, spec.url, bucket_name(spec.stream), info, timeout_s)
+        t1 = time.monotonic()
+        had = set(index.sources)
+        states: dict[str, SourceState] = {}
+        for src, cursor in index.load_source(data).items():
+            if spec.sources and src not in spec.sources:
+                if src not in had:
+                    index.remove_source(src)
+            elif isinstance(cursor, Mapping):
+                states[src] = SourceState.from_dict(cursor)
+        log.info("snapshot of %d source(s), %d bytes: fetched in %.3fs, loaded in %.3fs", len(states), len(data),
+                 t1 - t0, time.monotonic() - t1)
         return states
     finally:
         await nc.close()

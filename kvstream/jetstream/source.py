@@ -20,12 +20,14 @@ held back, so the server stops sending.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 import anyio
+import anyio.lowlevel
 
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder
 from kvstream.jetstream import wire
@@ -42,6 +44,21 @@ from kvstream.transport.subscriber import SourceHealth
 __all__ = ["JetStreamSource", "ConsumerHealth"]
 
 log = logging.getLogger("kvstream.jetstream.source")
+_RECV = 1 << 20  # bytes per socket read: ~2,000 batch deliveries per wake-up...
+# ...parsed and handed to the consumer in slices of this many bytes (~100 deliveries) with
+# a yield between, so that a batch is applied while its decoded objects are still in the
+# CPU cache: about a quarter less per batch than decoding 2,000, then applying 2,000.
+_SLICE = 1 << 16
+
+# The delivery of a batch exactly as the relay publishes it (wire.batch_headers, in that
+# order, not replayed): ``HMSG subject 1 $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.
+# <dseq>.<ts>.<pending> hlen total`` and its header block, parsed in one regex call.
+# Groups: 1 subject, 2 sseq, 3 dseq, 4 hlen, 5 total, 6 Kv-Seq, 7 Kv-Instance, 8 Kv-Topic.
+# Every other message (control, snapshot, replayed, another server's reply layout) takes
+# the general path.
+_BATCH_DELIVERY = re.compile(
+    rb"HMSG ([^ \r\n]+) 1 \$JS\.ACK\.[^. \r\n]+\.[^. \r\n]+\.\d+\.(\d+)\.(\d+)\.\d+\.\d+ (\d+) (\d+)\r\n"
+    rb"NATS/1\.0\r\nNats-Msg-Id: [^\r\n]*\r\nKv-Seq: (\d+)\r\nKv-Instance: (\d+)\r\nKv-Topic: ([^\r\n]*)\r\n\r\n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +73,8 @@ class ConsumerHealth:
     last_sseq: int
     resets: int
     last_error: str | None
+    fast_deliveries: int = 0
+    """Deliveries parsed on the fast path (a batch in the relay's exact layout)."""
 
 
 class JetStreamSource:
@@ -96,17 +115,23 @@ class JetStreamSource:
         self.name = name
         self._decode = EventDecoder(max_payload_bytes=max_payload_bytes,
                                     unknown_events=unknown_events).decode  # type: ignore[arg-type]
+        self._max_payload = max_payload_bytes
         self._prefix = self.spec.subject_prefix
         self._plen = len(self._prefix) + 1
         self._src: dict[str, StreamSource] = {}
         self._by_subject: dict[str, StreamSource | None] = {}
+        self._by_bsubject: dict[bytes, StreamSource | None] = {}
+        self._now = 0.0
+        self._reader: ProtocolReader | None = None
+        self._fast_done = 0
         self._pending_out: list[Any] = []
         self._out: deque[StreamItem] = deque()
         self._out_wait: anyio.Event | None = None
         self._closed = True
         self._sseq = start_sseq - 1
         for name_, st in (state or {}).items():
-            self._src[name_] = StreamSource(name_, self._decode, self._pending_out, st)
+            self._src[name_] = StreamSource(name_, self._decode, self._pending_out, st,
+                                            max_payload_bytes=max_payload_bytes)
         if state:
             self._sseq = min(st.sseq for st in state.values())
         self._nc: Any = None
@@ -155,6 +180,7 @@ class JetStreamSource:
         if self._filter and name not in self._filter:
             self._filter.add(name)
             self._by_subject.clear()
+            self._by_bsubject.clear()
             self._reset.set()  # the consumer's filter changes
 
     def remove_source(self, name: str) -> None:
@@ -167,6 +193,7 @@ class JetStreamSource:
         if not self._filter:
             self._filter = set(self._src)
         self._by_subject.clear()
+        self._by_bsubject.clear()
         self._push([SourceReset(name, "removed", None)])
 
     def health(self) -> dict[str, SourceHealth]:
@@ -180,8 +207,9 @@ class JetStreamSource:
 
     def consumer_health(self) -> ConsumerHealth:
         """The stream side: connection, consumer, last stream sequence."""
+        r = self._reader
         return ConsumerHealth(self.spec.url, self.spec.stream, self._state, self._sseq, self._resets,
-                              self._last_error)
+                              self._last_error, self._fast_done + (r.fast_hits if r is not None else 0))
 
     def counters(self, name: str) -> SourceCounters:
         """The live counters object of source ``name``."""
@@ -255,18 +283,19 @@ class JetStreamSource:
             else:
                 s = self._src.get(name)
                 if s is None:
-                    s = self._src[name] = StreamSource(name, self._decode, self._pending_out)
+                    s = self._src[name] = StreamSource(name, self._decode, self._pending_out,
+                                                      max_payload_bytes=self._max_payload)
             self._by_subject[subject] = s
         return s  # type: ignore[return-value]
 
     def _on_raw(self, subject: str, reply: str, hblock: bytes | None, payload: bytes) -> None:
-        """One delivery on the data connection (called by the protocol reader)."""
-        self._last_activity = time.monotonic()
+        """One delivery on the data connection (called by the protocol reader); what it
+        yields waits in ``_pending_out`` until the reader's chunk is done (:meth:`_flush`)."""
         if hblock is not None and hblock[8:9] == b" ":  # an inline status: flow control, heartbeat
             h = parse_headers(hblock)
             status = h.get("Status")
             if status == "100" and reply:  # flow control request
-                if len(self._out) > self.max_buffered_items:
+                if len(self._out) + len(self._pending_out) > self.max_buffered_items:
                     self._fc_held = reply
                 else:
                     self._send(pub_op(reply))
@@ -298,7 +327,26 @@ class JetStreamSource:
         s = self._source_for(subject)
         if s is None:
             return
-        s.on_message(sseq, parse_headers(hblock) if hblock is not None else None, payload, time.time())
+        s.on_message(sseq, parse_headers(hblock) if hblock is not None else None, payload, self._now)
+
+    def _on_fast(self, m: "re.Match[bytes]", payload: bytes) -> None:
+        """One batch delivery in the relay's exact layout (see ``_BATCH_DELIVERY``)."""
+        subject, sseq_b, dseq_b, _, _, seq, inst, topic = m.groups()
+        dseq = int(dseq_b)
+        if dseq != self._dseq + 1:
+            self._reset.set()
+            return
+        self._dseq = dseq
+        self._sseq = sseq = int(sseq_b)
+        self._state = "live"
+        s = self._by_bsubject.get(subject, False)
+        if s is False:
+            s = self._by_bsubject[subject] = self._source_for(subject.decode())
+        if s is not None:
+            s.on_batch(sseq, int(inst), int(seq), topic, payload, self._now)  # type: ignore[union-attr]
+
+    def _flush(self) -> None:
+        """Hand what the last chunk of deliveries yielded to the consumer, in one step."""
         po = self._pending_out
         if po:
             self._push(po)
@@ -340,7 +388,17 @@ class JetStreamSource:
     async def _read_loop(self, stream: Any, reader: ProtocolReader) -> None:
         try:
             while True:
-                reader.feed(await stream.receive(1 << 18))
+                data = await stream.receive(_RECV)
+                self._now = time.time()
+                self._last_activity = time.monotonic()
+                n = len(data)
+                for off in range(0, n, _SLICE):
+                    try:
+                        reader.feed(data[off:off + _SLICE] if n > _SLICE else data)
+                    finally:
+                        self._flush()
+                    if off + _SLICE < n and self._out:
+                        await anyio.lowlevel.checkpoint()
                 if reader.outgoing:
                     self._send(bytes(reader.outgoing))
                     reader.outgoing.clear()
@@ -367,7 +425,9 @@ class JetStreamSource:
             self._reset = anyio.Event()
             self._state = "recovering" if self._resets else "connecting"
             try:
-                reader = ProtocolReader(self._on_raw)
+                if self._reader is not None:
+                    self._fast_done += self._reader.fast_hits
+                self._reader = reader = ProtocolReader(self._on_raw, (_BATCH_DELIVERY, self._on_fast))
                 self._inbox = self._nc.new_inbox()
                 async with await open_data_connection(self.spec.url, self.name + "-data", reader, self._inbox) as stream:
                     self._wire_out = bytearray()

@@ -71,6 +71,7 @@ STATES = ("connecting", "live", "recovering", "stale")
 RECENT_WINDOW = 256
 """Yielded seqs whose payload hash is remembered per source (an 8-byte slot each)."""
 _BACKOFF_CAP_S = 2.0
+_NO_SEQ = 1 << 62  # above any seq: "nothing held"
 
 
 class Request:
@@ -181,7 +182,8 @@ class SourceTracker:
                  "max_replies", "max_retries", "backoff_s", "probe_after_s", "topic_filter",
                  "topic", "expected", "live_high", "held", "held_bytes", "inflight", "stale",
                  "connected", "out", "counters", "generation", "_attempts", "_ring", "_ring_lo",
-                 "_ring_hi", "_last_live", "_probe_armed", "_recheck", "probe_max_s", "_probe_gap")
+                 "_ring_hi", "_last_live", "_probe_armed", "_recheck", "probe_max_s", "_probe_gap",
+                 "_held_min")
 
     def __init__(self, name: str, *, has_replay: bool, max_held: int = 100_000,
                  max_held_bytes: int = 64 << 20, max_snapshot_bytes: int = 256 << 20,
@@ -209,6 +211,9 @@ class SourceTracker:
         """The highest seq seen on the live socket from the current publisher instance."""
         self.held: dict[int, _Entry] = {}
         self.held_bytes = 0
+        # A lower bound of the held seqs: _drain_held scans for held seqs below E only
+        # when this is below E (a scan per replay reply is quadratic under overlap).
+        self._held_min = _NO_SEQ
         self.inflight: Request | None = None
         """The outstanding request, if any."""
         self.stale = False
@@ -328,10 +333,13 @@ class SourceTracker:
             return
         self.held[seq] = entry
         self.held_bytes += n
+        if seq < self._held_min:
+            self._held_min = seq
 
     def _clear_held(self) -> None:
         self.held.clear()
         self.held_bytes = 0
+        self._held_min = _NO_SEQ
 
     def _abandon(self) -> None:
         if self.inflight is not None:
@@ -375,6 +383,8 @@ class SourceTracker:
             self.held_bytes -= len(payload)
             self._yield(seq, topic, payload, batch, replayed)
             e += 1
+        if self._held_min >= e:
+            return True  # nothing held below E
         for s in [s for s in held if s < e]:
             entry = held.pop(s)
             self.held_bytes -= len(entry[2])
@@ -390,6 +400,7 @@ class SourceTracker:
             elif not entry[4]:
                 self._restart(s)
                 return False
+        self._held_min = min(held, default=_NO_SEQ)
         return True
 
     def _anchored(self, purpose: str, delay_s: float = 0.0) -> Request:

@@ -766,3 +766,77 @@ def test_external_list_equals_per_digest_conversion(digests):
     assert to_external_list(digests) == [to_external(d) for d in digests]
     same = [d for d in digests if len(d) == 32]
     assert to_external_list(same) == [int.from_bytes(d[-8:], "big") for d in same]
+
+
+# ---------------------------------------------------------------------------------------
+# Short prompts and decode steps: the simple per-block loop and its crossovers.
+
+VLLM_ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+
+
+def naive_chain(algorithm: str, root: bytes, tokens: list[int], block_size: int) -> list[bytes]:
+    fn, prev, out = hash_function(algorithm), root, []
+    for i in range(len(tokens) // block_size):
+        prev = fn((prev, tuple(tokens[i * block_size : (i + 1) * block_size]), None))
+        out.append(prev)
+    return out
+
+
+@pytest.mark.parametrize("algorithm", VLLM_ALGOS)
+@pytest.mark.parametrize("length", [0, 1, 15, 16, 17, 31, 32, 33, 79, 80, 81, 191, 192, 193])
+def test_edge_lengths_one_shot_and_request_equal_the_naive_loop(algorithm, length):
+    # Around one block and both crossovers (pickle: 5 blocks, CBOR: 12 blocks), as a list
+    # and as a tuple, in one call and token by token.
+    tokens = [(i * 7919) % 131072 for i in range(length)]
+    h = BlockHasher(algorithm, 16, seed="edge")
+    want = naive_chain(algorithm, h.root, tokens, 16)
+    assert h.hash_blocks(tokens) == h.hash_blocks(tuple(tokens)) == want
+    r = RequestBlockHasher(h)
+    assert r.extend(tokens) == want and r.num_tokens == length
+    assert r.wire_extra_keys == [None] * len(want)
+    r = RequestBlockHasher(h)
+    got: list[bytes] = []
+    for t in tokens:
+        got += r.extend((t,))
+    assert got == r.block_hashes == want
+
+
+@pytest.mark.parametrize("algorithm", VLLM_ALGOS)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_random_splits_of_short_prompts_equal_the_naive_loop(algorithm, data):
+    # Any prompt up to ~14 blocks, cut anywhere, each part a list, a tuple or an iterator,
+    # with the decode tail one token per call; any root length (a custom root is not a
+    # digest of the algorithm's size): the same digests as the naive loop.
+    block_size = data.draw(st.sampled_from([1, 3, 16]))
+    ids = pickle_ints if algorithm in ("sha256", "xxhash") else cbor_edge_ids
+    tokens = data.draw(st.lists(ids, max_size=14 * block_size))
+    root = data.draw(st.none() | st.binary(min_size=1, max_size=40))
+    h = BlockHasher(algorithm, block_size, seed="0", root=root)
+    want = naive_chain(algorithm, h.root, tokens, block_size)
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(tokens)), max_size=5))))
+    r = RequestBlockHasher(h)
+    got: list[bytes] = []
+    for a, b in zip([0, *cuts], [*cuts, len(tokens)]):
+        part = data.draw(st.sampled_from([list, tuple, iter]))(tokens[a:b])
+        got += r.extend(part)
+    assert got == r.block_hashes == want
+    assert r.num_tokens == len(tokens)
+    split = data.draw(st.integers(0, len(tokens)))
+    one_shot = h.hash_blocks(tokens[: split - split % block_size])
+    assert one_shot + h.hash_blocks(tokens[split - split % block_size :], one_shot[-1] if one_shot else None) == want
+
+
+@pytest.mark.parametrize("algorithm", VLLM_ALGOS)
+def test_a_decode_step_with_a_bad_token_leaves_the_request_unchanged(algorithm):
+    # A token the serializer refuses (an object; pickle cannot pickle a lambda either) in
+    # a call that completes a block: the call raises, the request is as before it.
+    h = BlockHasher(algorithm, 4, seed="0")
+    r = RequestBlockHasher(h)
+    r.extend([1, 2, 3, 4, 5, 6])
+    before = (list(r.block_hashes), r.num_tokens)
+    with pytest.raises(Exception):
+        r.extend([7, lambda: 0])  # type: ignore[list-item]
+    assert (r.block_hashes, r.num_tokens) == before
+    r.extend((7,))
+    assert r.extend((8,)) == naive_chain(algorithm, h.root, [1, 2, 3, 4, 5, 6, 7, 8], 4)[1:]

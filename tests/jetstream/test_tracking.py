@@ -94,3 +94,52 @@ def test_a_consumer_that_starts_after_old_batches_aged_out_marks_them_stale() ->
     items = _consume(r.on_item(_b("e0", 100, 2.0)) + r.on_item(SourceLive("e0", 100)))
     assert type(items[0]) is SourceStale and (items[0].first_missing_seq, items[0].resume_seq) == (0, 100)
     assert type(items[1]) is SourceBatch and items[2] == SourceLive("e0", 100)
+
+
+def test_the_one_call_batch_path_yields_what_the_general_path_yields() -> None:
+    from kvstream.wire.events import BlockStored
+
+    r = RelaySource("e0")
+    stored = KVEventBatch(1.0, [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None)])
+    msgs = r.on_item(SourceBatch("e0", 0, b"kv@e0", encode_batch(stored), stored, False))
+    msgs += r.on_item(SourceBatch("e0", 1, b"kv@e0", encode_batch(stored, "array"), stored, False))  # vLLM 0.11
+    msgs += r.on_item(_b("e0", 2, 3.0))
+    msgs.append(msgs[-1])  # a duplicate
+    msgs += [(b"\xc1damaged", h) for _, h in r.on_item(_b("e0", 3, 4.0))]
+    msgs += [(b"\x93" + b"\x00" * 300, h) for _, h in r.on_item(_b("e0", 4, 5.0))]  # over the size limit
+    msgs += r.on_item(_b("e0", 7, 6.0))  # a gap
+    msgs += RelaySource("e0", wire.StreamPosition(0, 7, 6.0)).on_item(_b("e0", 0, 9.0))[1:]  # a restart
+
+    def run(fast: bool) -> tuple[list, dict]:
+        out: list = []
+        s = StreamSource("e0", lambda p: decode_batch(p) if len(p) <= 200 else decode_batch(b""), out,
+                         max_payload_bytes=200)
+        for sseq, (payload, h) in enumerate(msgs, 1):
+            if fast and wire.H_KIND not in h and wire.H_REPLAYED not in h:
+                s.on_batch(sseq, int(h[wire.H_INSTANCE]), int(h[wire.H_SEQ]), h[wire.H_TOPIC].encode(), payload, 0.0)
+            else:
+                s.on_message(sseq, h, payload, 0.0)
+        return out, s.counters.as_dict()
+
+    general, fast = run(False), run(True)
+    assert fast == general
+    items, counters = fast
+    assert [(type(i).__name__, getattr(i, "seq", None)) for i in items] == [
+        ("SourceBatch", 0), ("SourceBatch", 1), ("SourceBatch", 2), ("SourceStale", None), ("SourceBatch", 7),
+        ("SourceReset", 0), ("SourceBatch", 0)]
+    assert items[1].batch == stored and counters["decode_errors"] == 2 and counters["duplicates"] == 1
+
+
+def test_the_relays_envelope_check_reads_ts_and_counts_events_of_either_shape_and_refuses_the_rest() -> None:
+    from kvstream.jetstream.relay import EnvelopeDecoder
+    from kvstream.wire.events import BlockRemoved, BlockStored, EventDecodeError
+
+    batch = KVEventBatch(12.5, [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None),
+                                BlockRemoved([1], "GPU")], 3)
+    dec = EnvelopeDecoder(max_payload_bytes=400)
+    for shape in ("map", "array"):
+        env = dec.decode(encode_batch(batch, shape))  # type: ignore[arg-type]
+        assert (env.ts, len(env.events), env.data_parallel_rank) == (12.5, 2, 3)
+    for bad in (b"", b"\xc1", b"\x92\xa1x\x90", encode_batch(KVEventBatch(1.0, [batch.events[0]] * 20))):
+        with pytest.raises(EventDecodeError):
+            dec.decode(bad)
