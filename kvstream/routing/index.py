@@ -171,9 +171,9 @@ class KVIndex(_IndexCore):
             :meth:`estimated_bytes`). When a batch leaves the index above it, entries are
             dropped until it is under 90 % of the bound and the tables are shrunk, in this
             order: unlinked blocks (oldest first), blocks not stored in the TTL's current
-            generation, then blocks in the block table's order (oldest first; positions
-            freed by removals are reused; engine keying: the GPU tier's order, then the
-            others'). A dropped block disappears from every source and tier.
+            generation, then blocks in the block table's order (oldest first; the compact
+            table reuses positions freed by removals; engine keying: the GPU tier's order,
+            then the others'). A dropped block disappears from every source and tier.
         ttl_s: optional time to live (seconds) of a block after its last ``BlockStored``
             from any source; a block is dropped between ``ttl_s`` and ``2 * ttl_s`` after
             it (two generations). Time is the ``now`` given to :meth:`apply_batch`
