@@ -48,6 +48,9 @@ def register(sub: Any) -> None:
     p.add_argument("--max-prompt-tokens", type=int, metavar="N", help="longest prompt accepted (default 262144)")
     p.add_argument("--max-body-bytes", type=int, metavar="N", help="largest request body (default 8 MiB)")
     p.add_argument("--router-block-size", type=int, metavar="TOKENS", help="router block of /v1/route (default 16)")
+    p.add_argument("--index-table", choices=("dict", "compact"),
+                   help="block table of the token-keyed indexes: dict (default, fastest ingest, ~150 B per block) "
+                        "or compact (~100 B per block)")
     p.add_argument("--index-max-bytes", type=int, metavar="BYTES", help="memory bound of each index")
     p.add_argument("--index-ttl", type=float, metavar="SECONDS", help="drop blocks not stored again for this long")
     p.add_argument("--speculate-ttl", type=float, metavar="SECONDS",
@@ -85,7 +88,7 @@ def register(sub: Any) -> None:
 
 
 _FLAGS = ("host", "port", "log_format", "log_level", "tokenizer", "load_interval", "max_prompt_tokens",
-          "max_body_bytes", "router_block_size", "index_max_bytes", "index_ttl", "speculate_ttl",
+          "max_body_bytes", "router_block_size", "index_table", "index_max_bytes", "index_ttl", "speculate_ttl",
           "prefix_weight", "queue_weight", "running_weight", "kv_weight", "register_token_file", "topic",
           "replay_timeout", "mooncake_seed", "model_name", "peers")
 

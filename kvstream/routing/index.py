@@ -1187,6 +1187,12 @@ class KVIndex(_IndexCore):
         self._gen += 1
         self._gen_start = now
 
+    @property
+    def table(self) -> BlockTable:
+        """The block table (engine hash -> router key) this index stores into; under engine
+        keying, a read-only view of the held blocks."""
+        return self._table
+
     def estimated_bytes(self) -> int:
         """Heap bytes held by the index (an upper bound): every table as allocated
         (``sys.getsizeof``, so a table that grew and emptied still counts) plus the objects

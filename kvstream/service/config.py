@@ -101,6 +101,7 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     max_prompt_tokens: int | UnsetType = UNSET
     max_body_bytes: int | UnsetType = UNSET
     router_block_size: int | UnsetType = UNSET
+    index_table: Literal["dict", "compact"] | UnsetType = UNSET
     index_max_bytes: int | UnsetType = UNSET
     index_ttl: float | UnsetType = UNSET
     speculate_ttl: float | UnsetType = UNSET
@@ -137,6 +138,8 @@ class ServeConfig:
         max_body_bytes: largest request body accepted, bytes (``--max-body-bytes``).
         router_block_size: tokens per router block of the default index
             (``--router-block-size``).
+        index_table: block table of the token-keyed indexes (``--index-table``): ``dict``
+            (default, fastest ingest, ~150 B per block) or ``compact`` (~100 B per block).
         index_max_bytes: memory bound of each index, bytes (``--index-max-bytes``).
         index_ttl: seconds a block lives after its last store (``--index-ttl``).
         speculate_ttl: seconds a ``"speculate": true`` insert lives (``--speculate-ttl``).
@@ -167,6 +170,7 @@ class ServeConfig:
     max_prompt_tokens: int = 262_144
     max_body_bytes: int = 8 * 1024 * 1024
     router_block_size: int = 16
+    index_table: str = "dict"
     index_max_bytes: int | None = None
     index_ttl: float | None = None
     speculate_ttl: float = 2.0
@@ -193,6 +197,7 @@ class ServeConfig:
         need(self.max_prompt_tokens > 0, "max-prompt-tokens", "a positive token count", self.max_prompt_tokens)
         need(self.max_body_bytes >= 1024, "max-body-bytes", "at least 1024 bytes", self.max_body_bytes)
         need(self.router_block_size > 0, "router-block-size", "a positive token count", self.router_block_size)
+        need(self.index_table in ("dict", "compact"), "index-table", "'dict' or 'compact'", self.index_table)
         need(self.index_max_bytes is None or self.index_max_bytes > 0, "index-max-bytes", "positive bytes",
              self.index_max_bytes)
         need(self.index_ttl is None or self.index_ttl > 0, "index-ttl", "positive seconds", self.index_ttl)

@@ -120,9 +120,9 @@ class ServiceCore:
             self.add_engine(e.source, DEFAULT_INDEX, http=e.http)
 
     def new_index(self, router_block_size: int) -> KVIndex:
-        """A fresh index with the configured memory bound and TTL."""
+        """A fresh index with the configured block table, memory bound and TTL."""
         return KVIndex(router_block_size=router_block_size, max_bytes=self.config.index_max_bytes,
-                       ttl_s=self.config.index_ttl)
+                       ttl_s=self.config.index_ttl, table=self.config.index_table)
 
     # -- engines -----------------------------------------------------------------------
 
