@@ -66,6 +66,13 @@ def short_tmp(tmp_path_factory):
     shutil.rmtree(d, ignore_errors=True)
 
 
+async def _drained(*pubs) -> None:
+    """Wait (a state, with a deadline) until every publisher's send queue is empty."""
+    with anyio.fail_after(10):
+        while any(p.queued for p in pubs):
+            await anyio.sleep(0.001)
+
+
 async def _record_live(tmp, log_path):
     """Four engines: e0 restarts, e1 loses live messages (replay fills them), e2 loses more
     than its replay buffer (snapshot), e3 too but has no snapshot (stale)."""
@@ -110,17 +117,15 @@ async def _record_live(tmp, log_path):
                         with anyio.fail_after(10):  # every SUB socket has joined its publisher
                             for p in (p0, p1, p2, p3):
                                 await p.wait_subscribed()
-                        for _ in range(30):
+                        for _ in range(30):  # paced: each step is sent before the next
                             for name, p in (("e0", p0), ("e1", p1), ("e2", p2), ("e3", p3)):
                                 step(p, name)
-                            await anyio.sleep(0.002)
+                            await _drained(p0, p1, p2, p3)
                         # Bursts with no await between publishes: the tiny queues overflow.
                         for name, p in (("e1", p1), ("e2", p2), ("e3", p3)):
                             for _ in range(30):
                                 step(p, name)
-                        with anyio.fail_after(10):  # what survived the overflow is sent
-                            while p1.queued or p2.queued or p3.queued:
-                                await anyio.sleep(0.001)
+                        await _drained(p1, p2, p3)  # what survived the overflow is sent
                         # One more live batch each: the subscriber sees the hole behind it.
                         for name, p in (("e1", p1), ("e2", p2), ("e3", p3)):
                             step(p, name)
@@ -134,7 +139,7 @@ async def _record_live(tmp, log_path):
                             await p0b.wait_subscribed()
                         for _ in range(10):
                             step(p0b, "e0")
-                            await anyio.sleep(0.002)
+                            await _drained(p0b)
                         with anyio.move_on_after(10):
                             await done.wait()
                         assert done.is_set(), f"stream incomplete: last seqs {want}, restarted={restarted}"
