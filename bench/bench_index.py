@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-from array import array
 import os
 import random
 import sys
@@ -49,8 +48,6 @@ import statistics
 import time
 import tracemalloc
 
-from kvstream.allocator.manager import KVCacheManager
-from kvstream.allocator.pool import BlockPool
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.wire.events import BlockRemoved, BlockStored, EventDecoder, KVEventBatch, encode_batch
 from kvstream.hashing import BlockHasher
@@ -59,6 +56,7 @@ from kvstream.routing.scoring import Load
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _reference import load_reference_index  # noqa: E402
+from _workloads import allocator_batches  # noqa: E402
 
 reference_index = load_reference_index()  # the previous layout, read from git history
 
@@ -181,32 +179,8 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
     print(f"  of which key computation: p50 {statistics.median(keys_t) / 1e3:.0f} us")
 
 
-def _allocator_batches(n: int, seed: int = 0) -> list[bytes]:
-    """``n`` consecutive batches of one engine: the block pool serving requests that share
-    32 system prompts (4 blocks) plus 3-5 blocks of their own, up to 8 running (the
-    workload of ``bench_jetstream.py``)."""
-    rng = random.Random(seed)
-    m = KVCacheManager(BlockPool(num_gpu_blocks=8192, block_size=BS), BlockHasher("native", BS, seed="0"))
-    prefixes = [list(range(100_000 * p, 100_000 * p + 4 * BS)) for p in range(32)]
-    running: list = []
-    out = []
-    ts = time.time()
-    for i in range(n):
-        own = array("H", rng.randbytes(2 * BS * rng.randint(3, 5) + 6)).tolist()
-        req = m.new_request(i, rng.choice(prefixes) + own)
-        while not m.admit(req) and running:
-            m.free(running.pop(0))
-        if req.running:
-            running.append(req)
-        while len(running) > 8:
-            m.free(running.pop(0))
-        ts += 0.0005
-        out.append(encode_batch(KVEventBatch(ts, m.take_events())))
-    return out
-
-
 def bench_small_batches(n: int, layout: str) -> None:
-    payloads = _allocator_batches(n)
+    payloads = allocator_batches(n, algorithm="native")
     dec = EventDecoder()
     batches = [dec.decode(p) for p in payloads]
     events = sum(len(b.events) for b in batches)
@@ -260,7 +234,7 @@ def bench_interleaved(n_blocks: int, n_small: int, rounds: int = 3) -> None:
     dec = EventDecoder()
     cases = [(f"ingest decode+apply, {live:,} blocks live", _payloads(n_blocks, run=16, live_blocks=live), None)
              for live in (4096, 65_536)]
-    small = _allocator_batches(n_small)
+    small = allocator_batches(n_small, algorithm="native")
     cases.append(("small allocator batches, decode+apply", small, None))
     for label, payloads, _ in cases:
         n = sum(len(getattr(e, "block_hashes", ())) for p in payloads for e in dec.decode(p).events)

@@ -35,19 +35,15 @@ import gc
 import json
 import os
 import pickle
-import random
 import subprocess
 import sys
 import tempfile
 import time
-from array import array
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from kvstream.allocator.manager import KVCacheManager
-from kvstream.allocator.pool import BlockPool
 from kvstream.hashing import BlockHasher
 from kvstream.jetstream import JetStreamSource, Relay, RelaySource, StreamSettings
 from kvstream.jetstream._nats import connect, ensure_stream
@@ -59,30 +55,8 @@ from kvstream.routing.router import Router
 from kvstream.transport import KVEventsConfig, Publisher, SourceBatch, SourceSpec, Subscriber
 from kvstream.wire.events import BlockStored, EventDecoder, KVEventBatch, decode_batch, encode_batch
 
-BS = 16
-
-
-def workload(n: int, seed: int = 0) -> list[bytes]:
-    """``n`` consecutive batches of one engine: kvstream's allocator serving requests that
-    share 32 system prompts (4 blocks) plus 3-5 blocks of their own, up to 8 running."""
-    rng = random.Random(seed)
-    m = KVCacheManager(BlockPool(num_gpu_blocks=8192, block_size=BS), BlockHasher("xxhash", BS, seed="0"))
-    prefixes = [list(range(100_000 * p, 100_000 * p + 4 * BS)) for p in range(32)]
-    running: list[Any] = []
-    out = []
-    ts = time.time()
-    for i in range(n):
-        own = array("H", rng.randbytes(2 * BS * rng.randint(3, 5) + 6)).tolist()
-        req = m.new_request(i, rng.choice(prefixes) + own)
-        while not m.admit(req) and running:
-            m.free(running.pop(0))
-        if req.running:
-            running.append(req)
-        while len(running) > 8:
-            m.free(running.pop(0))
-        ts += 0.0005
-        out.append(encode_batch(KVEventBatch(ts, m.take_events())))
-    return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _workloads import BS, allocator_batches  # noqa: E402
 
 
 # -- the engine child ---------------------------------------------------------------------
@@ -531,7 +505,7 @@ async def main(quick: bool) -> None:
     with tempfile.TemporaryDirectory() as td:
         d = Path(td)
         t0 = time.perf_counter()
-        payloads = workload(5_000 if quick else 20_000)
+        payloads = allocator_batches(5_000 if quick else 20_000)
         pf = d / "payloads.pkl"
         pf.write_bytes(pickle.dumps(payloads))
         print(f"workload: {len(payloads)} allocator batches, {sum(map(len, payloads)) / len(payloads):.0f} B avg, "
