@@ -68,7 +68,7 @@ from kvstream.routing._core import (
     _Source,
 )
 from kvstream.routing.keying import EngineHashes, TokenKeys
-from kvstream.routing.table import _EMPTY, _M64, _MIX, TABLES, ArrayBlockTable, BlockTable, DictBlockTable, dict_floor
+from kvstream.routing.table import _EMPTY, _M64, _MAX_PROBE, _MIX, TABLES, ArrayBlockTable, BlockTable, DictBlockTable, dict_floor
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvstream.routing.keys import (
     KEY_MASK,
@@ -449,7 +449,7 @@ class KVIndex(_IndexCore):
                 if (len(hs) == 1 and not ev.group_idx and (medium == "GPU" or medium is None)
                         and not (copies and (hs[0], slot, 0) in copies)):
                     eh = hs[0]
-                    rk = nursery.get(eh)
+                    rk = nursery.get(eh) if nursery else None
                     j = -2  # in the nursery (a dict): no array slot
                     if rk is None and type(eh) is int:  # any int: one outside the u64 columns is not found
                         h = ((eh * MIX) & M64) >> ysh
@@ -480,10 +480,18 @@ class KVIndex(_IndexCore):
                                 yks[j] = 0
                                 dead.append(j)
                                 killed += 1
-                                if yidx[(h + 1) & ymask] == EMPTY:
-                                    yidx[h] = EMPTY  # the end of its cluster: nothing moves back
-                                else:
-                                    young._close(h)
+                                k = (h + 1) & ymask
+                                e = yidx[k]
+                                # young._close(h), inline: later entries of the cluster that
+                                # may not sit beyond the hole move back (no tombstones).
+                                while e >= 0:
+                                    home = ((yks[e] * MIX) & M64) >> ysh
+                                    if (home <= h or home > k) if h <= k else (home <= h and home > k):
+                                        yidx[h] = e
+                                        h = k
+                                    k = (k + 1) & ymask
+                                    e = yidx[k]
+                                yidx[h] = EMPTY
                             continue
             if killed:
                 young.n -= killed
@@ -507,6 +515,7 @@ class KVIndex(_IndexCore):
         if killed:
             young.n -= killed
             young.used -= killed
+        young.tune()
         if fast_removed:
             s.count[0] -= fast_removed
             self.stats.removed_blocks += fast_removed
@@ -755,7 +764,57 @@ class KVIndex(_IndexCore):
                 fast = type(hashes[0]) is int and min(hashes) > 0 and max(hashes) <= _M64  # type: ignore[operator]
             except TypeError:  # bytes among ints
                 fast = False
-        if fast and kind == _COMPACT and young.cap:
+        if fast and kind == _COMPACT and (young.direct or not young.cap):
+            # The same, with new blocks going straight to the columns (the nursery is off:
+            # see ArrayBlockTable.tune): the probe that finds a hash absent ends at the
+            # empty slot it is stored in.
+            young.reserve(n)  # room for the whole run: no rebuild inside the loop
+            nursery = young.young
+            idx, ks, vs, mask, sh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
+            other = young.other
+            MIX, M64, MAXP, EMPTY = _MIX, _M64, _MAX_PROBE, _EMPTY
+            for eh, v in zip(hashes, keys):
+                if nursery and eh in nursery:
+                    break  # known already
+                h = ((eh * MIX) & M64) >> sh  # type: ignore[operator]
+                j = idx[h]
+                if j != EMPTY:
+                    h0 = h
+                    while j >= 0:
+                        if ks[j] == eh:
+                            break
+                        h = (h + 1) & mask
+                        j = idx[h]
+                    if j != EMPTY or (h - h0) & mask > MAXP:
+                        break  # known already, or a crowded slot: the general loop below
+                if other and eh in other:
+                    break
+                m = held.get(v, 0)
+                if m & fam:
+                    break
+                if others:
+                    anym = 0
+                    for oh in others:
+                        anym |= oh.get(v, 0)
+                    if anym & fam:
+                        break
+                if (unl and eh in unl) or (waiting and eh in waiting):
+                    break
+                if dead:
+                    j = dead.pop()
+                    ks[j] = eh
+                    vs[j] = v
+                else:
+                    j = len(ks)
+                    ks.append(eh)
+                    vs.append(v)
+                idx[h] = j
+                held[v] = m | bit if m else bit
+                start += 1
+            young.n += start
+            young.used += start
+            added = start
+        elif fast and kind == _COMPACT and young.cap:
             # The common case (one key per block, group 0, int hashes): new blocks whose
             # keys no other hash of the family holds are installed here, probing the block
             # table's columns inline; the general loop below takes over at the first block
