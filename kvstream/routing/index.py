@@ -199,7 +199,8 @@ class KVIndex(_IndexCore):
             (:mod:`kvstream.routing.table`): ``"dict"`` (default; a plain dict, ~150 bytes
             per (block, source) entry at 10**6 entries, the fastest ingest), ``"compact"``
             (arrays, <= 100 bytes per entry, for memory-bound deployments; ingest is slower
-            once more than ~8,192 blocks are live, see ``docs/router.md``), or an empty
+            once more than ~8,192 blocks are live: ~0.75x the dict's with 65,536, see
+            ``docs/router.md``), or an empty
             :class:`~kvstream.routing.table.BlockTable` instance (any backend; driven
             through the protocol's methods only). Engine keying stores no block table
             and takes no ``table``.

@@ -29,10 +29,13 @@ else (key 0, bytes keys, tuple values) goes to a plain dict beside it, so the ta
 whatever a dict would.
 
 New entries first go to a *nursery*, a plain dict of at most ``nursery`` entries (default
-:data:`NURSERY`); when it is full its oldest 256 entries move into the arrays. A block that is
-removed while in the nursery (most blocks of a pool smaller than the nursery) never
-touches the arrays, so it costs what a dict costs; the nursery adds ~50 bytes per entry it
-holds (~0.5 bytes per entry of a 10**6-entry table).
+:data:`NURSERY`); when it is full its oldest 256 entries move into the arrays (in bulk: home
+slots in one comprehension, columns extended in one call). A block that is removed while in
+the nursery (most blocks of a pool smaller than the nursery) never touches the arrays, so it
+costs what a dict costs; the nursery adds ~50 bytes per entry it holds (~0.5 bytes per entry
+of a 10**6-entry table). Once the arrays hold more than twice the nursery's entries, most
+blocks outlive it, and new entries go straight to the arrays instead (:meth:`ArrayBlockTable.tune`):
+the probe that finds a hash absent ends at the slot it is then stored in.
 
 The price of the arrays is Python-level probing: a method call costs ~0.2-0.4 us instead of ~0.05 us
 for a dict, so the index's compact ingest loop probes the columns inline (the layout is part of
@@ -119,6 +122,7 @@ class ArrayBlockTable:
         elif self.cap and self.n > 2 * self.cap:
             self.direct = True
             self.settle(len(self.young))
+            self.young.clear()  # empty now, but a dict keeps its table until cleared
 
     def _build(self, ks: array, vs: array, bits: int, check: bool = False) -> None:
         """Index ``ks`` (all live, in order) in a table of ``2**bits`` slots; ``check``:
