@@ -1060,7 +1060,14 @@ class RequestBlockHasher:
     Call :meth:`extend` with the whole prompt first, then with each batch of output tokens.
     Each call hashes only the blocks it completes; a call that completes no block costs a
     list append (O(1) amortised per decode token). Only the partial tail block's tokens
-    are kept (at most ``block_size - 1``).
+    are kept (at most ``block_size - 1`` after any call that hashes).
+
+    ``append(token_id)`` adds one output token without hashing: it is the held-back list's
+    own ``append`` (a C call, no Python frame), the cheapest way to feed a decode step. The
+    blocks it completes are hashed, and its token ids checked, by the next :meth:`extend`
+    (which then returns them too) or the next read of :attr:`block_hashes` or
+    :attr:`wire_extra_keys`. A bad id appended this way raises :class:`HashingError` (or
+    the serializer's error) from that read and stays held back.
 
     Multimodal requests follow vLLM's call-dependent rule exactly: a call that starts past
     block 0 considers only the *last* item (vLLM's ``start_mm_idx=-1``), and under 0.11
@@ -1073,8 +1080,9 @@ class RequestBlockHasher:
         lora, mm_items, cache_salt, prompt_embeds_digest: see :class:`RequestExtraKeys`.
     """
 
-    __slots__ = ("hasher", "keys", "_bs", "_few", "_pending", "_hashes", "_wire")
+    __slots__ = ("hasher", "keys", "append", "_bs", "_few", "_pending", "_hashes", "_wire")
     _few: Callable[[bytes | None, Sequence[int], int], list[bytes]] | None
+    append: Callable[[int], None]
 
     def __init__(
         self,
@@ -1085,8 +1093,10 @@ class RequestBlockHasher:
         prompt_embeds_digest: PromptEmbedsDigest | None = None,
     ) -> None:
         # Creating a request hasher is on every request's path: a plain request (the usual
-        # one) sets six fields and builds nothing else.
-        self._pending: list[int] = []
+        # one) sets seven fields and builds nothing else.
+        pending: list[int] = []
+        self._pending = pending
+        self.append = pending.append
         self._hashes: list[bytes] = []
         if (
             lora is None and cache_salt is None and prompt_embeds_digest is None and not mm_items
@@ -1111,6 +1121,8 @@ class RequestBlockHasher:
     @property
     def block_hashes(self) -> list[bytes]:
         """Hashes of every full block so far, in order (the live list: do not mutate)."""
+        if len(self._pending) >= self._bs:  # blocks completed by append(): hash them now
+            self._flush()
         return self._hashes
 
     @property
@@ -1121,12 +1133,38 @@ class RequestBlockHasher:
     @property
     def wire_extra_keys(self) -> list[list[Any] | None]:
         """Per full block, its ``BlockStored.extra_keys`` entry (None or untagged list)."""
+        if len(self._pending) >= self._bs:
+            self._flush()
         return [None] * len(self._hashes) if self._few is not None else self._wire
+
+    def _flush(self) -> None:
+        """Hash the full blocks that :attr:`append` calls completed."""
+        pending = self._pending
+        bs = self._bs
+        full = len(pending) - len(pending) % bs
+        few = self._few
+        if few is not None:
+            hashes = self._hashes
+            hashes += few(hashes[-1] if hashes else None, pending, full)
+            del pending[:full]
+            return
+        # Extra keys: one pass per block, exactly as one extend() per token hashes them
+        # (vLLM's multimodal cursor depends on where each hashing call starts).
+        for _ in range(full // bs):
+            self._hash_full(pending[:bs], bs)
+            del pending[:bs]
 
     def extend(self, new_token_ids: Iterable[int]) -> list[bytes]:
         """Append token ids; return the hashes of the blocks this call completed (maybe [])."""
         pending = self._pending
         if pending:
+            bs = self._bs
+            if len(pending) >= bs:
+                # Blocks that append() completed: hashed first, in passes of their own
+                # (as one call per token would), and returned with this call's.
+                done = len(self._hashes)
+                self._flush()
+                return self._hashes[done:] + self.extend(new_token_ids)
             # A decode step (tokens held back): append; hash only when a block fills.
             try:
                 pending += new_token_ids
@@ -1136,7 +1174,6 @@ class RequestBlockHasher:
                     f"{new_token_ids!r:.40}; wrap a single token as [token]"
                 ) from None
             after = len(pending)
-            bs = self._bs
             if after < bs:  # the usual decode step: no block completed
                 return []
             few = self._few
