@@ -16,7 +16,7 @@ For every vLLM algorithm it prints microseconds per prompt for
 * kvstream's ``RequestBlockHasher.extend`` (the prompt in one call), and the ratio.
 
 and the same with 256 output tokens appended one call each (the incremental hasher:
-``RequestBlockHasher.append`` for kvstream, ``append_output_token`` for vLLM), and
+``RequestBlockHasher.appender()`` for kvstream, ``append_output_token`` for vLLM), and
 a floor: the digest calls alone on the naive loop's own serialized inputs (same lengths),
 which no hasher of that algorithm can beat.
 Digests are checked equal. Every prompt is timed alone, contenders alternate prompt by
@@ -157,8 +157,9 @@ def main() -> None:
         def ours_decode(p: list[int]) -> list[bytes]:
             r = RequestBlockHasher(hasher)
             r.extend(p)
+            append = r.appender()  # the request's decode-token sink: a C-level list append
             for t in DECODE:
-                r.append(t)  # one call a token, like the others; blocks hashed when read
+                append(t)  # one call a token, like the others; blocks hashed when read
             return r.block_hashes
 
         contenders["kvstream"] = (ours_prompt, ours_decode)
@@ -223,8 +224,8 @@ def short_section(algorithms: list[str], samples_per: int) -> None:
 
     For each prompt length: a new request per prompt (``RequestBlockHasher(h).extend(p)``)
     against ``naive_blocks``; and the same prompt followed by the 256 output tokens of
-    ``DECODE``, one ``append(t)`` call each (and, for reference, one ``extend((t,))`` call
-    each), against the naive loop's inline append.
+    ``DECODE``, one call each of the request's ``appender()`` (and, for reference, one
+    ``extend((t,))`` call each), against the naive loop's inline append.
     Each sample times a batch of fresh uniform prompts (short prompts are too quick to time
     one by one); the contenders alternate batch by batch; the median sample counts.
     """
@@ -256,8 +257,9 @@ def short_section(algorithms: list[str], samples_per: int) -> None:
         def ours_decode(p: list[int]) -> list[bytes]:
             r = RequestBlockHasher(hasher)
             r.extend(p)
+            append = r.appender()
             for t in DECODE:
-                r.append(t)
+                append(t)
             return r.block_hashes
 
         def extend_decode(p: list[int]) -> list[bytes]:
@@ -311,7 +313,7 @@ def short_section(algorithms: list[str], samples_per: int) -> None:
                 cells.append((n, mode, med["ours"], med["oneshot"], med["naive"], med.get("extend", 0.0)))
         print(f"\n{algorithm}: RequestBlockHasher (request) and hash_blocks/hash_block (one-shot) against the naive loop")
         print(f"  {'tokens':>6s}  {'prompt us: request / one-shot / naive':>37s} {'x req':>6s} {'x one':>6s}"
-              f"   {'+256 decode us: append / one-shot / naive':>42s} {'x app':>6s} {'x one':>6s}"
+              f"   {'+256 decode us: appender / one-shot / naive':>42s} {'x app':>6s} {'x one':>6s}"
               f"   {'extend((t,)) us':>15s} {'x ext':>6s}")
         for n in SHORT_LENGTHS:
             (_, _, o1, s1, v1, _), (_, _, o2, s2, v2, e2) = [c for c in cells if c[0] == n]

@@ -1062,12 +1062,8 @@ class RequestBlockHasher:
     list append (O(1) amortised per decode token). Only the partial tail block's tokens
     are kept (at most ``block_size - 1`` after any call that hashes).
 
-    ``append(token_id)`` adds one output token without hashing: it is the held-back list's
-    own ``append`` (a C call, no Python frame), the cheapest way to feed a decode step. The
-    blocks it completes are hashed, and its token ids checked, by the next :meth:`extend`
-    (which then returns them too) or the next read of :attr:`block_hashes` or
-    :attr:`wire_extra_keys`. A bad id appended this way raises :class:`HashingError` (or
-    the serializer's error) from that read and stays held back.
+    For one output token at a time, :meth:`appender` gives a callable that appends a token
+    id without hashing (a C call, no Python frame): the cheapest way to feed decode steps.
 
     Multimodal requests follow vLLM's call-dependent rule exactly: a call that starts past
     block 0 considers only the *last* item (vLLM's ``start_mm_idx=-1``), and under 0.11
@@ -1080,9 +1076,8 @@ class RequestBlockHasher:
         lora, mm_items, cache_salt, prompt_embeds_digest: see :class:`RequestExtraKeys`.
     """
 
-    __slots__ = ("hasher", "keys", "append", "_bs", "_few", "_pending", "_hashes", "_wire")
+    __slots__ = ("hasher", "_keys", "_bs", "_few", "_pending", "_hashes", "_wire")
     _few: Callable[[bytes | None, Sequence[int], int], list[bytes]] | None
-    append: Callable[[int], None]
 
     def __init__(
         self,
@@ -1092,26 +1087,24 @@ class RequestBlockHasher:
         cache_salt: str | None = None,
         prompt_embeds_digest: PromptEmbedsDigest | None = None,
     ) -> None:
-        # Creating a request hasher is on every request's path: a plain request (the usual
-        # one) sets seven fields and builds nothing else.
-        pending: list[int] = []
-        self._pending = pending
-        self.append = pending.append
+        # Creating a request hasher is on every request's path, and on a short prompt it is
+        # most of the cost: a plain request (the usual one) sets five fields and builds
+        # nothing else (``keys`` is then the shared empty description, see the property).
+        self._pending: list[int] = []  # the same list for the request's lifetime (appender())
         self._hashes: list[bytes] = []
-        if (
-            lora is None and cache_salt is None and prompt_embeds_digest is None and not mm_items
-            and type(hasher) is BlockHasher
-        ):
+        if lora is None and cache_salt is None and prompt_embeds_digest is None and not mm_items:
+            try:
+                self._few = hasher._few  # set: no extra keys (_wire unset: every entry None)
+            except AttributeError:
+                raise HashingError(f"hasher must be a BlockHasher, got {type(hasher).__name__}") from None
             self.hasher = hasher
             self._bs = hasher.block_size
-            self.keys = _NO_EXTRA_KEYS  # skip building and checking keys
-            self._few = hasher._few  # set: no extra keys (_wire unset: every entry None)
             return
         if not isinstance(hasher, BlockHasher):
             raise HashingError(f"hasher must be a BlockHasher, got {type(hasher).__name__}")
         self.hasher = hasher
         self._bs = hasher.block_size
-        self.keys = keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
+        self._keys = keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
         if keys.empty:
             self._few = hasher._few
         else:
@@ -1119,9 +1112,17 @@ class RequestBlockHasher:
             self._wire: list[list[Any] | None] = []
 
     @property
+    def keys(self) -> RequestExtraKeys:
+        """The request's extra keys (LoRA, mm items, cache salt, prompt-embeds digests)."""
+        try:
+            return self._keys
+        except AttributeError:  # a plain request: nothing was built
+            return _NO_EXTRA_KEYS
+
+    @property
     def block_hashes(self) -> list[bytes]:
         """Hashes of every full block so far, in order (the live list: do not mutate)."""
-        if len(self._pending) >= self._bs:  # blocks completed by append(): hash them now
+        if len(self._pending) >= self._bs:  # blocks completed by appender(): hash them now
             self._flush()
         return self._hashes
 
@@ -1137,8 +1138,23 @@ class RequestBlockHasher:
             self._flush()
         return [None] * len(self._hashes) if self._few is not None else self._wire
 
+    def appender(self) -> Callable[[int], None]:
+        """A callable that appends one token id to the request without hashing it.
+
+        It is the held-back token list's own ``append`` (a C call, no Python frame: cheaper
+        than the naive loop's inline append and block-boundary test), valid for the
+        request's lifetime. Get it once per request and call it per decode token. The
+        blocks it completes are hashed, and their token ids checked, by the next
+        :meth:`extend` (which returns them with its own) or the next read of
+        :attr:`block_hashes` or :attr:`wire_extra_keys`, all in one call; with extra keys
+        one pass per block, as one ``extend([t])`` per token would. A bad id appended this
+        way is refused by that read (:class:`HashingError`, or the serializer's error) and
+        stays held back.
+        """
+        return self._pending.append
+
     def _flush(self) -> None:
-        """Hash the full blocks that :attr:`append` calls completed."""
+        """Hash the full blocks that :meth:`appender` calls completed."""
         pending = self._pending
         bs = self._bs
         full = len(pending) - len(pending) % bs
@@ -1160,7 +1176,7 @@ class RequestBlockHasher:
         if pending:
             bs = self._bs
             if len(pending) >= bs:
-                # Blocks that append() completed: hashed first, in passes of their own
+                # Blocks that appender() calls completed: hashed first, in passes of their own
                 # (as one call per token would), and returned with this call's.
                 done = len(self._hashes)
                 self._flush()
@@ -1256,7 +1272,7 @@ class RequestBlockHasher:
         else:
             wire_out = self._wire
             start = len(hashes) * bs
-            keys = self.keys
+            keys = self._keys
             style = self.hasher.extra_key_style
             cursor = 0 if start == 0 else -1
             extras: list[tuple[Any, ...] | None] = []
