@@ -352,6 +352,32 @@ class KVIndex(_IndexCore):
         if self._max_bytes is not None and self.estimated_bytes() > self._max_bytes:
             self._evict(int(self._max_bytes * 0.9))
 
+    def apply_batches(self, source: str, batches: Sequence[KVEventBatch], now: float | None = None) -> None:
+        """Apply several decoded batches from ``source``, in order: the same as
+        :meth:`apply_batch` on each, with the per-call work (source lookup, TTL tick,
+        dispatch) done once for all of their events. A consumer that reads batches by the
+        hundred (the JetStream consumer's router) spends less per batch this way. With a
+        memory bound, or a TTL and no ``now``, it is :meth:`apply_batch` per batch (the
+        bound is checked and the clock read after each batch)."""
+        if self._max_bytes is not None or (now is None and self._ttl is not None) or len(batches) < 2:
+            for b in batches:
+                self.apply_batch(source, b, now)
+            return
+        slot = self._slot_of.get(source)
+        s = self._source(source) if slot is None else self._src[slot]
+        self.stats.batches += len(batches)
+        if self._ttl is not None:
+            self._tick(now)  # type: ignore[arg-type]
+        events = [ev for b in batches for ev in b.events]
+        if self._by_engine:
+            self._apply_engine(s, events)  # type: ignore[arg-type]
+        elif self._kind == _DICT:
+            self._apply_tokens_dict(s, events)  # type: ignore[arg-type]
+        elif self._kind == _COMPACT:
+            self._apply_tokens_compact(s, events)  # type: ignore[arg-type]
+        else:
+            self._apply_events(s, events)  # type: ignore[arg-type]
+
     def _apply_events(self, s: _Source, events: Sequence[Any]) -> None:
         """Token keying's generic ingest loop: any :class:`BlockTable`, through its methods."""
         for ev in events:

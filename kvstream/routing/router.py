@@ -172,12 +172,52 @@ class Router:
         drain = getattr(sub, "get_nowait", None)
         async for item in sub:
             now = time.time()
-            self._apply(item, now)
-            if drain is not None:
-                for more in drain():
-                    self._apply(more, now)
+            if drain is None:
+                self._apply(item, now)
+            else:
+                more = drain()
+                if more:
+                    more.insert(0, item)
+                    self._apply_many(more, now)
+                else:
+                    self._apply(item, now)
             ev, self._changed = self._changed, anyio.Event()
             ev.set()
+
+    def _apply_many(self, items: list[Any], now: float) -> None:
+        # Consecutive batches of one source go to the index in one call
+        # (KVIndex.apply_batches): per batch, the call and its set-up cost as much as
+        # applying a small batch.
+        bulk = getattr(self.index, "apply_batches", None)
+        n = len(items)
+        i = 0
+        while i < n:
+            item = items[i]
+            if type(item) is not SourceBatch or bulk is None:
+                self._apply(item, now)
+                i += 1
+                continue
+            src = item.source
+            j = i + 1
+            while j < n:
+                nxt = items[j]
+                if type(nxt) is not SourceBatch or nxt.source != src:
+                    break
+                j += 1
+            if j - i == 1:
+                self._apply(item, now)
+                i = j
+                continue
+            run = items[i:j]
+            try:
+                bulk(src, [b.batch for b in run], now)
+            except Exception:  # noqa: BLE001 - bad items must not stop routing
+                log.exception("router: could not apply %d batches of %s", j - i, src)
+                i = j
+                continue
+            self.items_applied += j - i
+            self._applied[src] = items[j - 1].seq
+            i = j
 
     def _apply(self, item: Any, now: float) -> None:
         try:
