@@ -50,7 +50,8 @@ import sys
 from collections import Counter, deque
 from dataclasses import dataclass
 from array import array
-from itertools import compress, islice
+from itertools import chain, compress, islice
+from operator import attrgetter
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import xxhash
@@ -82,6 +83,7 @@ from kvstream.routing.keys import (
 __all__ = ["KVIndex", "IndexStats", "SourceInfo", "IndexUsageError", "EngineHashes", "TokenKeys"]
 
 _log = logging.getLogger("kvstream.routing.index")
+_events_of = attrgetter("events")
 
 _BYTES_PER_UNLINKED = 640  # the record, its holds dict, one holder's group dict and key, the hash
 _BYTES_PER_HOLDER = 320  # each further (source, medium) holding an unlinked block
@@ -368,7 +370,7 @@ class KVIndex(_IndexCore):
         self.stats.batches += len(batches)
         if self._ttl is not None:
             self._tick(now)  # type: ignore[arg-type]
-        events = [ev for b in batches for ev in b.events]
+        events = list(chain.from_iterable(map(_events_of, batches)))
         if self._by_engine:
             self._apply_engine(s, events)  # type: ignore[arg-type]
         elif self._kind == _DICT:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import attrgetter
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import anyio
@@ -34,6 +35,8 @@ AnyIndex = KVIndex | EngineKeyIndex
 """The router index classes: same API, keyed by router token keys or by engine hashes."""
 
 log = logging.getLogger(__name__)
+_source_of = attrgetter("source")
+_batch_of = attrgetter("batch")
 
 
 class RouterUsageError(LocalProtocolError, ValueError):
@@ -190,6 +193,17 @@ class Router:
         # applying a small batch.
         bulk = getattr(self.index, "apply_batches", None)
         n = len(items)
+        if bulk is not None and list(map(type, items)).count(SourceBatch) == n:
+            sources = list(map(_source_of, items))
+            if sources.count(sources[0]) == n:  # the common case: one source's batches only
+                try:
+                    bulk(sources[0], list(map(_batch_of, items)), now)
+                except Exception:  # noqa: BLE001 - bad items must not stop routing
+                    log.exception("router: could not apply %d batches of %s", n, sources[0])
+                    return
+                self.items_applied += n
+                self._applied[sources[0]] = items[-1].seq
+                return
         i = 0
         while i < n:
             item = items[i]

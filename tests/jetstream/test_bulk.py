@@ -147,6 +147,8 @@ def test_the_router_applies_runs_of_batches_into_an_index_equal_to_one_by_one() 
             items.append(SourceStale("b", "test", 14, 20))
         if i == 60:
             items.append(SourceReset("a", "restart", 0))
+    more = _payloads(120, 5)[80:]  # then a stretch of one source only (one index call per wake-up)
+    items += [SourceBatch("a", 80 + i, b"kv@a", p, decode_batch(p), False) for i, p in enumerate(more)]
 
     def hasher() -> BlockHasher:
         return BlockHasher("xxhash", BS, seed="0")
@@ -166,4 +168,4 @@ def test_the_router_applies_runs_of_batches_into_an_index_equal_to_one_by_one() 
                     applied.pop(item.source, None)
             assert {s: r.applied_seq(s) for s in applied} == applied
         assert r.index.state() == one.state() and r.index.stats == one.stats
-        assert r.items_applied == len(items) and r.applied_seq("a") == 79 and r.applied_seq("b") == 26
+        assert r.items_applied == len(items) and r.applied_seq("a") == 119 and r.applied_seq("b") == 26
