@@ -50,7 +50,8 @@ import sys
 from collections import Counter, deque
 from dataclasses import dataclass
 from array import array
-from itertools import compress, islice
+from itertools import chain, compress, islice
+from operator import attrgetter
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import xxhash
@@ -82,6 +83,7 @@ from kvstream.routing.keys import (
 __all__ = ["KVIndex", "IndexStats", "SourceInfo", "IndexUsageError", "EngineHashes", "TokenKeys"]
 
 _log = logging.getLogger("kvstream.routing.index")
+_events_of = attrgetter("events")
 
 _BYTES_PER_UNLINKED = 640  # the record, its holds dict, one holder's group dict and key, the hash
 _BYTES_PER_HOLDER = 320  # each further (source, medium) holding an unlinked block
@@ -351,6 +353,32 @@ class KVIndex(_IndexCore):
             self._apply_events(s, batch.events)  # type: ignore[arg-type]
         if self._max_bytes is not None and self.estimated_bytes() > self._max_bytes:
             self._evict(int(self._max_bytes * 0.9))
+
+    def apply_batches(self, source: str, batches: Sequence[KVEventBatch], now: float | None = None) -> None:
+        """Apply several decoded batches from ``source``, in order: the same as
+        :meth:`apply_batch` on each, with the per-call work (source lookup, TTL tick,
+        dispatch) done once for all of their events. A consumer that reads batches by the
+        hundred (the JetStream consumer's router) spends less per batch this way. With a
+        memory bound, or a TTL and no ``now``, it is :meth:`apply_batch` per batch (the
+        bound is checked and the clock read after each batch)."""
+        if self._max_bytes is not None or (now is None and self._ttl is not None) or len(batches) < 2:
+            for b in batches:
+                self.apply_batch(source, b, now)
+            return
+        slot = self._slot_of.get(source)
+        s = self._source(source) if slot is None else self._src[slot]
+        self.stats.batches += len(batches)
+        if self._ttl is not None:
+            self._tick(now)  # type: ignore[arg-type]
+        events = list(chain.from_iterable(map(_events_of, batches)))
+        if self._by_engine:
+            self._apply_engine(s, events)  # type: ignore[arg-type]
+        elif self._kind == _DICT:
+            self._apply_tokens_dict(s, events)  # type: ignore[arg-type]
+        elif self._kind == _COMPACT:
+            self._apply_tokens_compact(s, events)  # type: ignore[arg-type]
+        else:
+            self._apply_events(s, events)  # type: ignore[arg-type]
 
     def _apply_events(self, s: _Source, events: Sequence[Any]) -> None:
         """Token keying's generic ingest loop: any :class:`BlockTable`, through its methods."""
