@@ -378,6 +378,13 @@ def stages(args: argparse.Namespace) -> None:
         ("metrics (counter, 2 histograms)", timed(lambda i: core.metrics.routed("query", 2e-4, 4096))),
     ]
     total = timed(lambda i: mc.query(bodies[i]))
+    if os.environ.get("KVSTREAM_STAGES_AB"):
+        import kvstream.service.mooncake as mcmod
+        keep = mcmod.decode_with_tokens
+        mcmod.decode_with_tokens = lambda body, t: None  # type: ignore[assignment]
+        print("handler with msgspec route", timed(lambda i: mc.query(bodies[i])))
+        mcmod.decode_with_tokens = keep
+        print("handler with simdjson route", timed(lambda i: mc.query(bodies[i])))
     print(f"\none /query ({args.prompt_tokens}-token prompt, {args.engines} engines), each stage alone, one core:")
     for name, us in rows:
         print(f"  {name:<36} {us:7.1f} us  {us / total * 100:5.1f} %")

@@ -3,8 +3,9 @@
 A ``/query`` or ``/v1/route`` body is mostly its ``token_ids`` (4,096 ids, ~30 KB). msgspec
 decodes them as 4,096 Python ints and ``array('I', ...)`` packs them again: ~90 us of a
 ~200 us handler on this project's machine. simdjson (``pysimdjson``) parses the body and
-hands the array over as one buffer of uint64s (~39 us), which two strided copies turn into
-the uint32s the router keys hash (~20 us), without a Python int per token.
+hands the array over as one buffer of uint64s (~39 us), which numpy narrows to the uint32s
+the router keys hash (~3 us; without numpy, two strided memoryview copies, ~20 us), with no
+Python int per token.
 
 :func:`split_token_ids` only takes bodies it can read exactly as msgspec would: one flat
 JSON object (no ``{`` or ``[`` besides its own and ``token_ids``'), unique keys, scalar
@@ -30,6 +31,19 @@ T = TypeVar("T")
 
 _LITTLE = sys.byteorder == "little" and array("I").itemsize == 4
 _local = threading.local()
+
+
+def _numpy() -> Any:
+    """numpy if installed (optional, ``kvstream[fast]``): it narrows 4,096 ids ~20 us faster
+    than the memoryview route."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return numpy
+
+
+_np: Any = _numpy()
 
 
 def _parser() -> Any:
@@ -59,7 +73,7 @@ def split_token_ids(body: bytes) -> tuple[dict[str, Any], array] | None:
             return None
         fields = {k: doc[k] for k in keys if k != "token_ids"}
         arr = doc["token_ids"]
-        words = memoryview(arr.as_buffer(of_type="u")).cast("B").cast("I")
+        buf = arr.as_buffer(of_type="u")
     except RuntimeError:
         _local.parser = None  # a parse result outlived its call: start a fresh parser
         return None
@@ -67,12 +81,28 @@ def split_token_ids(body: bytes) -> tuple[dict[str, Any], array] | None:
         return None
     finally:
         doc = arr = None
-    high = words[1::2].tobytes()
-    if high != bytes(len(high)):
+    packed = _narrow(buf)
+    if packed is None:
         return None  # an id over 2**32 - 1: msgspec's path names which one
-    packed = array("I")
-    packed.frombytes(words[::2].tobytes())
     return fields, packed
+
+
+def _narrow(buf: Any) -> array | None:
+    """uint64s (native order, little-endian host) as an ``array('I')``; None if any is over
+    2**32 - 1."""
+    packed = array("I")
+    if _np is not None:
+        a = _np.frombuffer(buf, dtype=_np.uint64)
+        if a.size and int(a.max()) > 0xFFFFFFFF:
+            return None
+        packed.frombytes(a.astype(_np.uint32).tobytes())
+        return packed
+    words = memoryview(buf).cast("B").cast("I")
+    high = words[1::2].tobytes()  # the high half of each uint64
+    if high != bytes(len(high)):
+        return None
+    packed.frombytes(words[::2].tobytes())
+    return packed
 
 
 def decode_with_tokens(body: bytes, type: type[T]) -> tuple[T, array] | None:

@@ -70,7 +70,7 @@ def test_taken_bodies_decode_as_msgspec_decodes_them(ids: list, extra: dict) -> 
     try:
         ref = msgspec.json.decode(body, type=QueryRequest)
         packed = array("I", ref.token_ids)
-    except (msgspec.ValidationError, OverflowError):
+    except (msgspec.DecodeError, OverflowError):  # ValidationError is a DecodeError
         assert got is None
         return
     if got is not None:
@@ -78,3 +78,19 @@ def test_taken_bodies_decode_as_msgspec_decodes_them(ids: list, extra: dict) -> 
         assert fast == packed
         ref.token_ids = []
         assert q == ref
+
+
+@pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "memoryview"])
+def test_both_narrowing_routes_pack_and_refuse_alike(numpy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstream.service import tokenjson
+
+    if numpy:
+        pytest.importorskip("numpy")
+    else:
+        monkeypatch.setattr(tokenjson, "_np", None)
+    ids = [0, 7, 0xFFFFFFFF, 120_000]
+    got = split_token_ids(json.dumps({"token_ids": ids}).encode())
+    assert got is not None and got[1] == array("I", ids)
+    assert split_token_ids(b'{"token_ids":[1,4294967296]}') is None
+    assert split_token_ids(b'{"token_ids":[18446744073709551615]}') is None
+    assert split_token_ids(b'{"token_ids":[]}') == ({}, array("I"))
