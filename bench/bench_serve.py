@@ -378,6 +378,9 @@ def stages(args: argparse.Namespace) -> None:
         ("metrics (counter, 2 histograms)", timed(lambda i: core.metrics.routed("query", 2e-4, 4096))),
     ]
     total = timed(lambda i: mc.query(bodies[i]))
+    if os.environ.get("KVSTREAM_STAGES_WALK"):
+        from kvstream.routing._core import _gpu_prefix_ends
+        print("gpu prefix ends only", timed(lambda i: _gpu_prefix_ends(ix._held[0], keys[i], ix._live, {})))
     if os.environ.get("KVSTREAM_STAGES_AB"):
         import kvstream.service.mooncake as mcmod
         keep = mcmod.decode_with_tokens

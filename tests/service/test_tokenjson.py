@@ -94,3 +94,10 @@ def test_both_narrowing_routes_pack_and_refuse_alike(numpy: bool, monkeypatch: p
     assert split_token_ids(b'{"token_ids":[1,4294967296]}') is None
     assert split_token_ids(b'{"token_ids":[18446744073709551615]}') is None
     assert split_token_ids(b'{"token_ids":[]}') == ({}, array("I"))
+
+
+def test_without_simdjson_every_body_takes_msgspecs_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstream.service import tokenjson
+
+    monkeypatch.setattr(tokenjson, "_simdjson", None)
+    assert split_token_ids(b'{"token_ids":[1,2]}') is None
