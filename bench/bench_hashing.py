@@ -15,7 +15,8 @@ For every vLLM algorithm it prints microseconds per prompt for
   ``kv_cache_utils.py``) when the peer cache holds it (``bench/vllm_peer/fetch.py``);
 * kvstream's ``RequestBlockHasher.extend`` (the prompt in one call), and the ratio.
 
-and the same with 256 output tokens appended one call each (the incremental hasher), and
+and the same with 256 output tokens appended one call each (the incremental hasher:
+``RequestBlockHasher.appender()`` for kvstream, ``append_output_token`` for vLLM), and
 a floor: the digest calls alone on the naive loop's own serialized inputs (same lengths),
 which no hasher of that algorithm can beat.
 Digests are checked equal. Every prompt is timed alone, contenders alternate prompt by
@@ -156,8 +157,9 @@ def main() -> None:
         def ours_decode(p: list[int]) -> list[bytes]:
             r = RequestBlockHasher(hasher)
             r.extend(p)
+            append = r.appender()  # the request's decode-token sink: a C-level list append
             for t in DECODE:
-                r.extend((t,))
+                append(t)  # one call a token, like the others; blocks hashed when read
             return r.block_hashes
 
         contenders["kvstream"] = (ours_prompt, ours_decode)
@@ -222,7 +224,8 @@ def short_section(algorithms: list[str], samples_per: int) -> None:
 
     For each prompt length: a new request per prompt (``RequestBlockHasher(h).extend(p)``)
     against ``naive_blocks``; and the same prompt followed by the 256 output tokens of
-    ``DECODE``, one ``extend((t,))`` call each, against the naive loop's inline append.
+    ``DECODE``, one call each of the request's ``appender()`` (and, for reference, one
+    ``extend((t,))`` call each), against the naive loop's inline append.
     Each sample times a batch of fresh uniform prompts (short prompts are too quick to time
     one by one); the contenders alternate batch by batch; the median sample counts.
     """
@@ -254,6 +257,15 @@ def short_section(algorithms: list[str], samples_per: int) -> None:
         def ours_decode(p: list[int]) -> list[bytes]:
             r = RequestBlockHasher(hasher)
             r.extend(p)
+            append = r.appender()
+            for t in DECODE:
+                append(t)
+            return r.block_hashes
+
+        def extend_decode(p: list[int]) -> list[bytes]:
+            # The same through extend((t,)): a Python method call a token (shown for reference).
+            r = RequestBlockHasher(hasher)
+            r.extend(p)
             for t in DECODE:
                 r.extend((t,))
             return r.block_hashes
@@ -272,23 +284,24 @@ def short_section(algorithms: list[str], samples_per: int) -> None:
                     hs.append(hasher.hash_block(hs[-1] if hs else None, toks[-BS:]))
             return hs
 
-        pairs = {"prompt": (naive_prompt, ours_prompt, oneshot_prompt),
-                 "+decode": (naive_decode, ours_decode, oneshot_decode)}
+        pairs = {"prompt": (naive_prompt, ours_prompt, oneshot_prompt, None),
+                 "+decode": (naive_decode, ours_decode, oneshot_decode, extend_decode)}
         cells = []
         for n in SHORT_LENGTHS:
             batch = 100 if n < 64 else 20
-            for mode, (nf, of, sf) in pairs.items():
+            for mode, (nf, of, sf, ef) in pairs.items():
                 check = [rng.randrange(workloads.VOCAB) for _ in range(n)]
                 want = nf(check)
-                assert of(check) == want and sf(check) == want, \
+                assert of(check) == want and sf(check) == want and (ef is None or ef(check) == want), \
                     f"kvstream differs from the naive loop ({algorithm}, {n}, {mode})"
-                times: dict[str, list[float]] = {"naive": [], "ours": [], "oneshot": []}
+                times: dict[str, list[float]] = {"naive": [], "ours": [], "oneshot": [], "extend": []}
                 gc.collect()
                 gc.disable()
-                contenders = [("naive", nf), ("ours", of), ("oneshot", sf)]
+                contenders = [("naive", nf), ("ours", of), ("oneshot", sf)] + ([("extend", ef)] if ef else [])
                 for i in range(samples_per):
                     # Contenders alternate batch by batch (order rotated every batch).
-                    order = contenders[i % 3 :] + contenders[: i % 3]
+                    k = i % len(contenders)
+                    order = contenders[k:] + contenders[:k]
                     for name, f in order:
                         ps = [[rng.randrange(workloads.VOCAB) for _ in range(n)] for _ in range(batch)]
                         t0 = time.perf_counter()
@@ -296,15 +309,17 @@ def short_section(algorithms: list[str], samples_per: int) -> None:
                             f(p)
                         times[name].append((time.perf_counter() - t0) / batch * 1e6)
                 gc.enable()
-                med = {k: statistics.median(v) for k, v in times.items()}
-                cells.append((n, mode, med["ours"], med["oneshot"], med["naive"]))
+                med = {k: statistics.median(v) for k, v in times.items() if v}
+                cells.append((n, mode, med["ours"], med["oneshot"], med["naive"], med.get("extend", 0.0)))
         print(f"\n{algorithm}: RequestBlockHasher (request) and hash_blocks/hash_block (one-shot) against the naive loop")
         print(f"  {'tokens':>6s}  {'prompt us: request / one-shot / naive':>37s} {'x req':>6s} {'x one':>6s}"
-              f"   {'+256 decode us: request / one-shot / naive':>43s} {'x req':>6s} {'x one':>6s}")
+              f"   {'+256 decode us: appender / one-shot / naive':>42s} {'x app':>6s} {'x one':>6s}"
+              f"   {'extend((t,)) us':>15s} {'x ext':>6s}")
         for n in SHORT_LENGTHS:
-            (_, _, o1, s1, v1), (_, _, o2, s2, v2) = [c for c in cells if c[0] == n]
+            (_, _, o1, s1, v1, _), (_, _, o2, s2, v2, e2) = [c for c in cells if c[0] == n]
             print(f"  {n:6d}  {o1:13.2f} / {s1:8.2f} / {v1:8.2f} {v1 / o1:5.2f}x {v1 / s1:5.2f}x"
-                  f"   {o2:21.1f} / {s2:7.1f} / {v2:7.1f} {v2 / o2:5.2f}x {v2 / s2:5.2f}x")
+                  f"   {o2:20.1f} / {s2:7.1f} / {v2:7.1f} {v2 / o2:5.2f}x {v2 / s2:5.2f}x"
+                  f"   {e2:15.1f} {v2 / e2:5.2f}x")
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

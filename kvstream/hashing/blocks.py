@@ -1060,7 +1060,10 @@ class RequestBlockHasher:
     Call :meth:`extend` with the whole prompt first, then with each batch of output tokens.
     Each call hashes only the blocks it completes; a call that completes no block costs a
     list append (O(1) amortised per decode token). Only the partial tail block's tokens
-    are kept (at most ``block_size - 1``).
+    are kept (at most ``block_size - 1`` after any call that hashes).
+
+    For one output token at a time, :meth:`appender` gives a callable that appends a token
+    id without hashing (a C call, no Python frame): the cheapest way to feed decode steps.
 
     Multimodal requests follow vLLM's call-dependent rule exactly: a call that starts past
     block 0 considers only the *last* item (vLLM's ``start_mm_idx=-1``), and under 0.11
@@ -1073,7 +1076,7 @@ class RequestBlockHasher:
         lora, mm_items, cache_salt, prompt_embeds_digest: see :class:`RequestExtraKeys`.
     """
 
-    __slots__ = ("hasher", "keys", "_bs", "_few", "_pending", "_hashes", "_wire")
+    __slots__ = ("hasher", "_keys", "_bs", "_few", "_pending", "_hashes", "_wire")
     _few: Callable[[bytes | None, Sequence[int], int], list[bytes]] | None
 
     def __init__(
@@ -1084,24 +1087,24 @@ class RequestBlockHasher:
         cache_salt: str | None = None,
         prompt_embeds_digest: PromptEmbedsDigest | None = None,
     ) -> None:
-        # Creating a request hasher is on every request's path: a plain request (the usual
-        # one) sets six fields and builds nothing else.
-        self._pending: list[int] = []
+        # Creating a request hasher is on every request's path, and on a short prompt it is
+        # most of the cost: a plain request (the usual one) sets five fields and builds
+        # nothing else (``keys`` is then the shared empty description, see the property).
+        self._pending: list[int] = []  # the same list for the request's lifetime (appender())
         self._hashes: list[bytes] = []
-        if (
-            lora is None and cache_salt is None and prompt_embeds_digest is None and not mm_items
-            and type(hasher) is BlockHasher
-        ):
+        if lora is None and cache_salt is None and prompt_embeds_digest is None and not mm_items:
+            try:
+                self._few = hasher._few  # set: no extra keys (_wire unset: every entry None)
+            except AttributeError:
+                raise HashingError(f"hasher must be a BlockHasher, got {type(hasher).__name__}") from None
             self.hasher = hasher
             self._bs = hasher.block_size
-            self.keys = _NO_EXTRA_KEYS  # skip building and checking keys
-            self._few = hasher._few  # set: no extra keys (_wire unset: every entry None)
             return
         if not isinstance(hasher, BlockHasher):
             raise HashingError(f"hasher must be a BlockHasher, got {type(hasher).__name__}")
         self.hasher = hasher
         self._bs = hasher.block_size
-        self.keys = keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
+        self._keys = keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
         if keys.empty:
             self._few = hasher._few
         else:
@@ -1109,8 +1112,18 @@ class RequestBlockHasher:
             self._wire: list[list[Any] | None] = []
 
     @property
+    def keys(self) -> RequestExtraKeys:
+        """The request's extra keys (LoRA, mm items, cache salt, prompt-embeds digests)."""
+        try:
+            return self._keys
+        except AttributeError:  # a plain request: nothing was built
+            return _NO_EXTRA_KEYS
+
+    @property
     def block_hashes(self) -> list[bytes]:
         """Hashes of every full block so far, in order (the live list: do not mutate)."""
+        if len(self._pending) >= self._bs:  # blocks completed by appender(): hash them now
+            self._flush()
         return self._hashes
 
     @property
@@ -1121,12 +1134,53 @@ class RequestBlockHasher:
     @property
     def wire_extra_keys(self) -> list[list[Any] | None]:
         """Per full block, its ``BlockStored.extra_keys`` entry (None or untagged list)."""
+        if len(self._pending) >= self._bs:
+            self._flush()
         return [None] * len(self._hashes) if self._few is not None else self._wire
+
+    def appender(self) -> Callable[[int], None]:
+        """A callable that appends one token id to the request without hashing it.
+
+        It is the held-back token list's own ``append`` (a C call, no Python frame: cheaper
+        than the naive loop's inline append and block-boundary test), valid for the
+        request's lifetime. Get it once per request and call it per decode token. The
+        blocks it completes are hashed, and their token ids checked, by the next
+        :meth:`extend` (which returns them with its own) or the next read of
+        :attr:`block_hashes` or :attr:`wire_extra_keys`, all in one call; with extra keys
+        one pass per block, as one ``extend([t])`` per token would. A bad id appended this
+        way is refused by that read (:class:`HashingError`, or the serializer's error) and
+        stays held back.
+        """
+        return self._pending.append
+
+    def _flush(self) -> None:
+        """Hash the full blocks that :meth:`appender` calls completed."""
+        pending = self._pending
+        bs = self._bs
+        full = len(pending) - len(pending) % bs
+        few = self._few
+        if few is not None:
+            hashes = self._hashes
+            hashes += few(hashes[-1] if hashes else None, pending, full)
+            del pending[:full]
+            return
+        # Extra keys: one pass per block, exactly as one extend() per token hashes them
+        # (vLLM's multimodal cursor depends on where each hashing call starts).
+        for _ in range(full // bs):
+            self._hash_full(pending[:bs], bs)
+            del pending[:bs]
 
     def extend(self, new_token_ids: Iterable[int]) -> list[bytes]:
         """Append token ids; return the hashes of the blocks this call completed (maybe [])."""
         pending = self._pending
         if pending:
+            bs = self._bs
+            if len(pending) >= bs:
+                # Blocks that appender() calls completed: hashed first, in passes of their own
+                # (as one call per token would), and returned with this call's.
+                done = len(self._hashes)
+                self._flush()
+                return self._hashes[done:] + self.extend(new_token_ids)
             # A decode step (tokens held back): append; hash only when a block fills.
             try:
                 pending += new_token_ids
@@ -1136,7 +1190,6 @@ class RequestBlockHasher:
                     f"{new_token_ids!r:.40}; wrap a single token as [token]"
                 ) from None
             after = len(pending)
-            bs = self._bs
             if after < bs:  # the usual decode step: no block completed
                 return []
             few = self._few
@@ -1219,7 +1272,7 @@ class RequestBlockHasher:
         else:
             wire_out = self._wire
             start = len(hashes) * bs
-            keys = self.keys
+            keys = self._keys
             style = self.hasher.extra_key_style
             cursor = 0 if start == 0 else -1
             extras: list[tuple[Any, ...] | None] = []

@@ -652,6 +652,73 @@ def test_decode_tokens_extend_without_rehashing():
     assert rbh.extend([]) == []
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@settings(max_examples=25, deadline=None)
+@given(block_size=st.integers(min_value=1, max_value=16), data=st.data())
+def test_appended_tokens_hash_like_one_extend_per_token(algorithm, block_size, data):
+    # appender() only holds a token back; the next extend() (which returns them) or read of
+    # block_hashes hashes the blocks it completed: the same digests as one extend([t]) per
+    # token and as hash_blocks, whatever mix of appends, extends and reads feeds them.
+    ids = st.integers(min_value=0, max_value=2**32 - 1) if algorithm == "native" else pickle_ints
+    tokens = data.draw(st.lists(ids, min_size=2 * block_size, max_size=6 * block_size))
+    prompt_len = data.draw(st.integers(min_value=0, max_value=len(tokens)))
+    h = BlockHasher(algorithm, block_size, seed="0")
+    want = h.hash_blocks(tokens)
+    r = RequestBlockHasher(h)
+    r.extend(tokens[:prompt_len])
+    append = r.appender()
+    seen = len(r.block_hashes)
+    for t in tokens[prompt_len:]:
+        step = data.draw(st.sampled_from(["append", "append", "append", "extend", "read"]))
+        if step == "extend":
+            new = r.extend([t])
+            assert new == r.block_hashes[seen:]
+            seen = len(r.block_hashes)
+        else:
+            append(t)
+            if step == "read":
+                assert r.block_hashes == want[: len(r.block_hashes)]
+                seen = len(r.block_hashes)
+        assert r.num_tokens <= len(tokens)
+    assert r.num_tokens == len(tokens)
+    assert r.block_hashes == want and r.wire_extra_keys == [None] * len(want)
+
+
+def test_a_bad_id_appended_is_refused_when_its_block_is_hashed():
+    h = BlockHasher("native", 4, seed="0")
+    r = RequestBlockHasher(h)
+    first = r.extend([1, 2, 3, 4, 5])
+    append = r.appender()
+    append(6)
+    append(2**40)  # not checked yet: a plain list append
+    assert r.block_hashes == first and r.num_tokens == 7
+    append(8)  # completes block 1: hashing it now refuses the id, loses nothing
+    with pytest.raises(HashingError, match="uint32"):
+        r.block_hashes
+    with pytest.raises(HashingError, match="uint32"):
+        r.extend([9])
+    assert r.num_tokens == 8  # the refused call's token was taken back out
+
+
+@pytest.mark.parametrize("style", ["0.33", "0.11"])
+def test_appended_decode_tokens_follow_vllms_multimodal_rule(style):
+    # Blocks completed by appender() are hashed one pass per block, as one extend([t]) per
+    # token hashes them (vLLM's per-call multimodal cursor), even when one read hashes several.
+    items = [MMItem("a", 2, 3), MMItem("img", 20, 12)]
+    h = BlockHasher("sha256_cbor", 16, seed="0", extra_key_style=style)
+    ref = RequestBlockHasher(h, mm_items=items, cache_salt="s")
+    r = RequestBlockHasher(h, mm_items=items, cache_salt="s")
+    ref.extend(range(20))
+    r.extend(range(20))
+    append = r.appender()
+    for t in range(20, 70):
+        ref.extend([t])
+        append(t)
+    assert r.block_hashes == ref.block_hashes and len(r.block_hashes) == 4
+    assert r.wire_extra_keys == ref.wire_extra_keys
+    assert r.num_tokens == ref.num_tokens == 70
+
+
 def test_mm_request_prompt_then_decode_matches_one_shot_for_one_item():
     h = BlockHasher("sha256_cbor", 16, seed="0")
     item = MMItem(MM_ID, 4, 30)  # blocks 0, 1 and 2 (tokens 32..33)
