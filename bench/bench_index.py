@@ -15,7 +15,8 @@ source) entry (issue #13's memory goal), >= 1 M block events/s ingested (decode 
    KVIndex, on one core. Reports block events per second (stored + removed blocks), with
    4,096 blocks live (a small pool: under ``table="compact"`` blocks are removed while
    still in the block table's dict nursery) and with 65,536 (a pool larger than the
-   nursery: the compact table's array path; the dict table is one dict either way).
+   nursery: the compact table's array path; the dict table is one dict either way); the
+   interleaved run adds 262,144 (a larger pool: every table's lookups leave the CPU cache).
 2. Score: a 4,096-token prompt (256 router blocks of 16) against 64 sources that hold
    prefixes of it of different lengths; key computation included. Reports p50/p99 of
    ``match`` (prefixes only) and ``score`` (prefixes + default policy ranking).
@@ -233,7 +234,7 @@ def bench_interleaved(n_blocks: int, n_small: int, rounds: int = 3) -> None:
     each), so machine load drifts hit all alike: decode + apply rates and their ratios."""
     dec = EventDecoder()
     cases = [(f"ingest decode+apply, {live:,} blocks live", _payloads(n_blocks, run=16, live_blocks=live), None)
-             for live in (4096, 65_536)]
+             for live in (4096, 65_536, 262_144)]
     small = allocator_batches(n_small, algorithm="native")
     cases.append(("small allocator batches, decode+apply", small, None))
     for label, payloads, _ in cases:

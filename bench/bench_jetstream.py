@@ -296,13 +296,12 @@ def stage_offline(payloads: list[bytes], n: int, make_index: Any) -> dict[str, f
     """The consumer's CPU floor, no server, no event loop: ``n`` deliveries exactly as
     nats-server sends them (relay headers, ``$JS.ACK`` replies) as bytes, fed to a
     ``JetStreamSource``'s protocol reader in the slices it uses, items taken after each
-    slice and applied into ``make_index()`` (None: not applied). us/batch: parse + track
+    slice and applied into ``make_index()`` the way the ``Router`` applies what it takes
+    per wake-up. us/batch: parse + track
     (decoding stubbed out), + decode, + apply; best of 5."""
     from kvstream.jetstream import tracking, wire
     from kvstream.jetstream._proto import ProtocolReader
     from kvstream.jetstream.source import _BATCH_DELIVERY, _SLICE
-    from kvstream.routing.router import apply_item
-
     w = len(payloads)
     parts = []
     for i in range(n):
@@ -317,8 +316,8 @@ def stage_offline(payloads: list[bytes], n: int, make_index: Any) -> dict[str, f
 
     def once(apply: bool) -> float:
         sub = JetStreamSource("nats://127.0.0.1:4222")
-        reader = ProtocolReader(sub._on_raw, (_BATCH_DELIVERY, sub._on_fast))
-        index = make_index() if apply else None
+        reader = ProtocolReader(sub._on_raw, (_BATCH_DELIVERY, sub._on_fast_run))
+        router = Router(index=make_index(), subscriber=sub) if apply else None
         got = 0
         t0 = time.perf_counter()
         for chunk in slices:
@@ -326,9 +325,8 @@ def stage_offline(payloads: list[bytes], n: int, make_index: Any) -> dict[str, f
             sub._flush()
             items = sub.get_nowait()
             got += len(items)
-            if index is not None:
-                for item in items:
-                    apply_item(index, item, 0.0)
+            if router is not None and items:
+                router._apply_many(items, 0.0)  # what the router's task does per wake-up
         dt = time.perf_counter() - t0
         assert got == n and reader.fast_hits == n
         return dt / n * 1e6

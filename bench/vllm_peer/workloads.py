@@ -183,10 +183,34 @@ def run_vllm(vl: Any, release: str, trace: list[TraceRequest], events: bool, has
 # kvstream's side.
 
 
-def run_kvstream_pool(trace: list[TraceRequest], events: bool, free_order: str) -> tuple[float, dict[str, Any]]:
+def _taker(pool: Any, wire: bool) -> Callable[[], Any]:
+    """One step's events as structs (``take_events``), and with ``wire`` also encoded as
+    ``Publisher.publish`` encodes them (``EventEncoder``, map format, ``time.time()``)."""
+    if not wire:
+        return pool.take_events
+    from kvstream.wire.events import EventEncoder, KVEventBatch
+
+    encode = EventEncoder().encode
+    take_events = pool.take_events
+    now = time.time
+
+    def take() -> Any:
+        events = take_events()
+        if events:
+            encode(KVEventBatch(now(), events, None))
+        return events
+    return take
+
+
+def run_kvstream_pool(trace: list[TraceRequest], events: bool, free_order: str,
+                      wire: bool = False) -> tuple[float, dict[str, Any]]:
     """The same call sequence as :func:`run_vllm` on kvstream's ``BlockPool`` (hashes
     precomputed); the cached prefix is found with ``cached_prefix`` (one call per request,
-    kvstream's API for what vLLM's manager asks ``get_cached_block`` block by block)."""
+    kvstream's API for what vLLM's manager asks ``get_cached_block`` block by block).
+
+    With events on, each step's events are taken as event structs (``take_events``), as
+    vLLM's pool hands them out; ``wire=True`` also encodes them as ``Publisher.publish``
+    does (vLLM encodes in its publisher's thread: the reference does not)."""
     from kvstream.allocator.pool import BlockPool
 
     pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, enable_kv_cache_events=events, free_order=free_order)
@@ -197,7 +221,7 @@ def run_kvstream_pool(trace: list[TraceRequest], events: bool, free_order: str) 
     free = pool.free_blocks
     touch = pool.touch
     num_free = pool.get_num_free_blocks
-    take = pool.take_events
+    take = _taker(pool, wire)
     running: list[list[Any]] = []  # [tokens, hashes, blocks, num_cached, outputs, i]
     nxt = 0
     n = len(trace)
@@ -247,11 +271,12 @@ def run_kvstream_pool(trace: list[TraceRequest], events: bool, free_order: str) 
 
 
 def run_kvstream_manager(trace: list[TraceRequest], events: bool, free_order: str,
-                         hashing: bool) -> tuple[float, dict[str, Any]]:
+                         hashing: bool, wire: bool = False) -> tuple[float, dict[str, Any]]:
     """Replay through kvstream's ``KVCacheManager`` (admit / decode / free).
 
     ``hashing``: the manager hashes prompts and outputs with sha256_cbor; otherwise the
-    trace's precomputed digests are passed as ``block_hashes=``.
+    trace's precomputed digests are passed as ``block_hashes=``. Events are taken as in
+    :func:`run_kvstream_pool`.
     """
     from kvstream.allocator.manager import KVCacheManager
     from kvstream.allocator.pool import BlockPool
@@ -265,7 +290,7 @@ def run_kvstream_manager(trace: list[TraceRequest], events: bool, free_order: st
     n = len(trace)
     num_events = 0
     admit, decode, free, new_request = mgr.admit, mgr.decode, mgr.free, mgr.new_request
-    take = pool.take_events
+    take = _taker(pool, wire)
     t0 = time.perf_counter()
     while nxt < n or running:
         while nxt < n and len(running) < RUNNING:

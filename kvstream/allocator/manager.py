@@ -31,6 +31,7 @@ two counters.
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from typing import Any, Iterable, Sequence
 
 from kvstream.compat import VllmVersion, version
@@ -154,7 +155,7 @@ class KVCacheManager:
     """
 
     __slots__ = ("pool", "hasher", "kv_cache_group_id", "reserve_full_prompt", "requests",
-                 "stats", "metrics", "_bs", "_queue", "_step_stats")
+                 "stats", "_metrics", "_recent", "_bs", "_queue", "_step_stats")
 
     def __init__(
         self,
@@ -188,7 +189,12 @@ class KVCacheManager:
         self.reserve_full_prompt = reserve_full_prompt
         self.requests: dict[Any, KVRequest] = {}
         self.stats = PrefixCacheStats()
-        self.metrics = PrefixCachingMetrics(max_recent_requests)
+        self._metrics = PrefixCachingMetrics(max_recent_requests)
+        # Admission attempts not yet folded into the window, as (queries, hits), the newest
+        # max_recent_requests at most: an append per admission, and the window is brought up
+        # to date when someone reads it (vLLM keeps its window in its stats logger, off the
+        # engine loop).
+        self._recent: deque[tuple[int, int]] = deque(maxlen=max_recent_requests)
         self._step_stats = PrefixCacheStats()
         self._bs = pool.block_size
         self._queue = pool.free_block_queue
@@ -311,7 +317,7 @@ class KVCacheManager:
         stats.requests += 1
         stats.queries += num_tokens
         stats.hits += computed
-        self.metrics.add(1, num_tokens, computed)
+        self._recent.append((num_tokens, computed))
         reserve = num_tokens if self.reserve_full_prompt else total
         need = -(-reserve // bs) - nh
         free = self._queue.num_free_blocks
@@ -482,9 +488,25 @@ class KVCacheManager:
         success the hit-rate window restarts too."""
         ok = self.pool.reset_prefix_cache()
         if ok:
-            self.metrics.reset()
+            self._recent.clear()
+            self._metrics.reset()
             self._step_stats.reset = True
         return ok
+
+    @property
+    def metrics(self) -> PrefixCachingMetrics:
+        """The prefix-cache hit rate over the most recent ``max_recent_requests`` admission
+        attempts (failed ones included, as in vLLM), up to date when read."""
+        m = self._metrics
+        recent = self._recent
+        if recent:
+            # The deque keeps the newest attempts only; any it dropped would have been
+            # pushed out of the window by these anyway.
+            add = m.add
+            for queries, hits in recent:
+                add(1, queries, hits)
+            recent.clear()
+        return m
 
     def take_events(self) -> list[Any]:
         """The pool's events since the last call (see :meth:`BlockPool.take_events`)."""

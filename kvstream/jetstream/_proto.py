@@ -26,7 +26,7 @@ MAX_CONTROL_LINE = 4096
 """Bytes of a control line (``HMSG subject sid reply hlen len``) before it is an error."""
 
 Handler = Callable[[str, str, bytes | None, bytes], None]
-FastHandler = Callable[["re.Match[bytes]", bytes], None]
+FastHandler = Callable[[list["re.Match[bytes]"], list[bytes]], None]
 
 
 class NatsProtocolError(RemoteProtocolError):
@@ -88,10 +88,13 @@ class ProtocolReader:
     ``fast``: an optional ``(pattern, handler)`` for the one message shape a hot path
     receives by the thousand. ``pattern`` must match a whole ``HMSG`` control line and
     header block and capture the header length and the total length as groups 4 and 5 (as
-    ``HMSG subject sid reply (hlen) (total)``); a message it matches goes to
-    ``handler(match, payload)`` instead of ``on_msg``, parsed in one regular-expression
-    call. Anything it does not match (or a match whose header length disagrees) takes the
-    general path, in order. :attr:`fast_hits` counts the messages that took the fast path."""
+    ``HMSG subject sid reply (hlen) (total)``); each message it matches is parsed in one
+    regular-expression call, and every run of such messages in a :meth:`feed` goes to
+    ``handler(matches, payloads)`` in one call (two lists, in order) instead of ``on_msg``,
+    so that the handler can work on the run in bulk. Anything the pattern does not match
+    (or a match whose header length disagrees) takes the general path, in order: the run
+    before it is handed over first. :attr:`fast_hits` counts the messages that took the
+    fast path."""
 
     __slots__ = ("_buf", "on_msg", "outgoing", "info", "pongs", "_fast", "_on_fast", "fast_hits")
 
@@ -115,19 +118,27 @@ class ProtocolReader:
         fast = self._fast
         on_fast = self._on_fast
         hits = 0
+        run: list[re.Match[bytes]] = []
+        pays: list[bytes] = []
         try:
             while pos < end:
                 c = buf[pos]
                 if c == 72 and fast is not None:
                     m = fast(buf, pos)
                     if m is not None:
+                        e = m.end()
                         hstart = m.end(5) + 2
                         stop = hstart + int(m[5])
-                        if m.end() - hstart == int(m[4]) and stop + 2 <= end:
-                            on_fast(m, buf[m.end():stop])  # type: ignore[misc]
-                            hits += 1
+                        if e - hstart == int(m[4]) and stop + 2 <= end:
+                            run.append(m)
+                            pays.append(buf[e:stop])
                             pos = stop + 2
                             continue
+                if run:  # hand the run over before anything that follows it
+                    hits += len(run)
+                    on_fast(run, pays)  # type: ignore[misc]
+                    run = []
+                    pays = []
                 eol = find(b"\r\n", pos)
                 if eol < 0:
                     if end - pos > MAX_CONTROL_LINE:
@@ -174,6 +185,9 @@ class ProtocolReader:
                     raise NatsProtocolError(f"server error: {line[5:].decode('utf-8', 'replace').strip()}")
                 else:
                     raise NatsProtocolError(f"unexpected line from the server: {line[:200]!r}")
+            if run:
+                hits += len(run)
+                on_fast(run, pays)  # type: ignore[misc]
         finally:
             self.fast_hits += hits
         self._buf = buf[pos:] if pos < end else b""

@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, Callable, Mapping
 
 import msgspec
@@ -35,6 +37,7 @@ __all__ = ["RelaySource", "StreamSource", "SourceState"]
 Message = tuple[bytes, dict[str, str]]
 
 _decode_map = msgspec.msgpack.Decoder(KVEventBatch).decode
+_events_of = attrgetter("events")
 
 
 class RelaySource:
@@ -215,6 +218,43 @@ class StreamSource:
         c.events += len(batch.events)
         st.expected = seq + 1
         c.lag_s = now - batch.ts
+
+    def on_batch_run(self, sseqs: list[int], instance: int, seqs: list[int], topic_header: bytes,
+                     payloads: list[bytes], now: float) -> None:
+        """Consecutive plain batch messages of one engine instance and topic, as
+        :meth:`on_batch` takes them one by one (``sseqs`` increasing; ``seqs`` the engine
+        seqs): the same items and counters. When they are the next seqs of the current
+        instance and every payload decodes in vLLM's map shape, the run is tracked, decoded
+        and handed over in a few calls for all of it; otherwise (a gap, a restart, an old
+        message, a payload that needs the general decoder or is damaged) it goes through
+        :meth:`on_batch` message by message."""
+        st = self.state
+        k = len(seqs)
+        e = st.expected
+        if (sseqs[0] <= st.sseq or instance != st.instance or seqs[0] != e or seqs[-1] != e + k - 1
+                or seqs != list(range(e, e + k)) or max(map(len, payloads)) > self.max_payload_bytes):
+            batches = None
+        else:
+            try:
+                batches = list(map(_decode_map, payloads))
+            except msgspec.MsgspecError:
+                batches = None
+        if batches is None:
+            for sseq, seq, payload in zip(sseqs, seqs, payloads):
+                self.on_batch(sseq, instance, seq, topic_header, payload, now)
+            return
+        topic = self._btopics.get(topic_header)
+        if topic is None:
+            if len(self._btopics) > 64:
+                self._btopics.clear()
+            topic = self._btopics[topic_header] = wire.decode_topic(topic_header.decode("utf-8", "replace"))
+        self.out.extend(map(SourceBatch, repeat(self.name), seqs, repeat(topic), payloads, batches, repeat(False)))
+        st.sseq = sseqs[-1]
+        st.expected = e + k
+        c = self.counters
+        c.batches += k
+        c.events += sum(map(len, map(_events_of, batches)))
+        c.lag_s = now - batches[-1].ts
 
     def on_message(self, sseq: int, headers: Mapping[str, str] | None, payload: bytes, now: float) -> None:
         """One message of this source's subject, stream sequence ``sseq``."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import attrgetter
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import anyio
@@ -34,6 +35,8 @@ AnyIndex = KVIndex | EngineKeyIndex
 """The router index classes: same API, keyed by router token keys or by engine hashes."""
 
 log = logging.getLogger(__name__)
+_source_of = attrgetter("source")
+_batch_of = attrgetter("batch")
 
 
 class RouterUsageError(LocalProtocolError, ValueError):
@@ -172,12 +175,63 @@ class Router:
         drain = getattr(sub, "get_nowait", None)
         async for item in sub:
             now = time.time()
-            self._apply(item, now)
-            if drain is not None:
-                for more in drain():
-                    self._apply(more, now)
+            if drain is None:
+                self._apply(item, now)
+            else:
+                more = drain()
+                if more:
+                    more.insert(0, item)
+                    self._apply_many(more, now)
+                else:
+                    self._apply(item, now)
             ev, self._changed = self._changed, anyio.Event()
             ev.set()
+
+    def _apply_many(self, items: list[Any], now: float) -> None:
+        # Consecutive batches of one source go to the index in one call
+        # (KVIndex.apply_batches): per batch, the call and its set-up cost as much as
+        # applying a small batch.
+        bulk = getattr(self.index, "apply_batches", None)
+        n = len(items)
+        if bulk is not None and list(map(type, items)).count(SourceBatch) == n:
+            sources = list(map(_source_of, items))
+            if sources.count(sources[0]) == n:  # the common case: one source's batches only
+                try:
+                    bulk(sources[0], list(map(_batch_of, items)), now)
+                except Exception:  # noqa: BLE001 - bad items must not stop routing
+                    log.exception("router: could not apply %d batches of %s", n, sources[0])
+                    return
+                self.items_applied += n
+                self._applied[sources[0]] = items[-1].seq
+                return
+        i = 0
+        while i < n:
+            item = items[i]
+            if type(item) is not SourceBatch or bulk is None:
+                self._apply(item, now)
+                i += 1
+                continue
+            src = item.source
+            j = i + 1
+            while j < n:
+                nxt = items[j]
+                if type(nxt) is not SourceBatch or nxt.source != src:
+                    break
+                j += 1
+            if j - i == 1:
+                self._apply(item, now)
+                i = j
+                continue
+            run = items[i:j]
+            try:
+                bulk(src, [b.batch for b in run], now)
+            except Exception:  # noqa: BLE001 - bad items must not stop routing
+                log.exception("router: could not apply %d batches of %s", j - i, src)
+                i = j
+                continue
+            self.items_applied += j - i
+            self._applied[src] = items[j - 1].seq
+            i = j
 
     def _apply(self, item: Any, now: float) -> None:
         try:

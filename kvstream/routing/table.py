@@ -29,10 +29,13 @@ else (key 0, bytes keys, tuple values) goes to a plain dict beside it, so the ta
 whatever a dict would.
 
 New entries first go to a *nursery*, a plain dict of at most ``nursery`` entries (default
-:data:`NURSERY`); when it is full its oldest 256 entries move into the arrays. A block that is
-removed while in the nursery (most blocks of a pool smaller than the nursery) never
-touches the arrays, so it costs what a dict costs; the nursery adds ~50 bytes per entry it
-holds (~0.5 bytes per entry of a 10**6-entry table).
+:data:`NURSERY`); when it is full its oldest 256 entries move into the arrays (in bulk: home
+slots in one comprehension, columns extended in one call). A block that is removed while in
+the nursery (most blocks of a pool smaller than the nursery) never touches the arrays, so it
+costs what a dict costs; the nursery adds ~50 bytes per entry it holds (~0.5 bytes per entry
+of a 10**6-entry table). Once the arrays hold more than twice the nursery's entries, most
+blocks outlive it, and new entries go straight to the arrays instead (:meth:`ArrayBlockTable.tune`):
+the probe that finds a hash absent ends at the slot it is then stored in.
 
 The price of the arrays is Python-level probing: a method call costs ~0.2-0.4 us instead of ~0.05 us
 for a dict, so the index's compact ingest loop probes the columns inline (the layout is part of
@@ -95,14 +98,31 @@ class BlockTable(Protocol):
 class ArrayBlockTable:
     """The in-memory :class:`BlockTable` over arrays; see the module docstring."""
 
-    __slots__ = ("idx", "ks", "vs", "shift", "mask", "n", "used", "free", "other", "young", "cap")
+    __slots__ = ("idx", "ks", "vs", "shift", "mask", "n", "used", "free", "other", "young", "cap", "direct")
 
     def __init__(self, nursery: int = NURSERY) -> None:
         self.other: dict[Any, Any] = {}
         self.young: dict[Any, Any] = {}  # the nursery: newest entries, oldest first
         self.cap = nursery
+        self.direct = False  # new entries skip the nursery (see :meth:`tune`)
         self.n = 0  # live array entries
         self._build(array("Q"), array("Q"), 3)
+
+    def tune(self) -> None:
+        """Choose where new entries go. The nursery pays off while entries die young; once
+        the arrays hold more than twice the nursery's entries, most entries outlive it (a
+        pool of more blocks than the nursery holds evicts a block only after that many
+        newer stores), so new entries go straight to the arrays (:attr:`direct`), saving
+        the nursery's dict round trip; back to the nursery when fewer than ``cap`` entries
+        are left in the arrays. Switching to direct settles the nursery (the arrays then
+        stay in insertion order). Cheap: callers run it once per batch."""
+        if self.direct:
+            if self.n < self.cap:
+                self.direct = False
+        elif self.cap and self.n > 2 * self.cap:
+            self.direct = True
+            self.settle(len(self.young))
+            self.young.clear()  # empty now, but a dict keeps its table until cleared
 
     def _build(self, ks: array, vs: array, bits: int, check: bool = False) -> None:
         """Index ``ks`` (all live, in order) in a table of ``2**bits`` slots; ``check``:
@@ -255,7 +275,8 @@ class ArrayBlockTable:
         if key in young:
             young[key] = value
             return
-        if self.cap and type(key) is int and type(value) is int and self.get(key, _MISSING) is _MISSING:
+        if (self.cap and not self.direct and type(key) is int and type(value) is int
+                and self.get(key, _MISSING) is _MISSING):
             young[key] = value
             if len(young) > self.cap:
                 self.settle(len(young) - self.cap + 256)  # in small steps: short pauses
@@ -266,16 +287,67 @@ class ArrayBlockTable:
         """Move the ``k`` oldest nursery entries into the arrays (a nursery key is in
         neither the arrays nor the fallback dict, so each only needs a free slot)."""
         young = self.young
-        items = list(islice(young.items(), k))
-        if not items:
+        keys = list(islice(young, k))
+        if not keys:
             return
-        self.reserve(len(items))
+        values = list(map(young.pop, keys))
+        try:
+            ka, va = array("Q", keys), array("Q", values)
+            bulk = 0 not in ka
+        except (OverflowError, TypeError):
+            bulk = False
+        if not bulk:
+            self._settle_each(keys, values)
+        else:
+            self._settle_bulk(keys, values, ka, va)
+        self.tune()
+
+    def _settle_bulk(self, keys: list[int], values: list[int], ka: array, va: array) -> None:
+        """:meth:`settle` of entries that all fit the columns: home slots in one
+        comprehension, new column positions appended in bulk, one short probing loop."""
+        k = len(keys)
+        self.reserve(k)
+        idx, ks, vs, m, sh, free = self.idx, self.ks, self.vs, self.mask, self.shift, self.free
+        MIX, M64, MAXP = _MIX, _M64, _MAX_PROBE
+        homes = [((x * MIX) & M64) >> sh for x in keys]
+        take = min(len(free), k)
+        js = free[len(free) - take:]
+        del free[len(free) - take:]
+        for j, x, v in zip(js, keys, values):  # dead positions first (no rebuild under churn)
+            ks[j] = x
+            vs[j] = v
+        if take < k:
+            base = len(ks)
+            ks.extend(ka[take:])
+            vs.extend(va[take:])
+            js.extend(range(base, base + k - take))
+        crowded = []
+        for j, h in zip(js, homes):
+            if idx[h] >= 0:
+                h0 = h
+                h = (h + 1) & m
+                while idx[h] >= 0:
+                    h = (h + 1) & m
+                if (h - h0) & m > MAXP:
+                    crowded.append(j)  # a crowded slot (crafted hashes): the dict beside
+                    continue
+            idx[h] = j
+        for j in crowded:
+            self.other[ks[j]] = vs[j]
+            ks[j] = 0
+            free.append(j)
+        placed = k - len(crowded)
+        self.n += placed
+        self.used += placed
+
+    def _settle_each(self, keys: list[Any], values: list[Any]) -> None:
+        """:meth:`settle`, entry by entry (some key or value does not fit the columns)."""
+        self.reserve(len(keys))
         idx, ks, vs, m, sh, free = self.idx, self.ks, self.vs, self.mask, self.shift, self.free
         other = self.other
         MIX, M64, MAXP = _MIX, _M64, _MAX_PROBE
         placed = 0
-        for key, value in items:
-            del young[key]
+        for key, value in zip(keys, values):
             if type(key) is not int or not 0 < key <= M64 or type(value) is not int or not 0 <= value <= M64:
                 other[key] = value
                 continue
@@ -328,6 +400,8 @@ class ArrayBlockTable:
         self.n -= 1
         self.used -= 1
         self._close(h)
+        if self.direct and self.n < self.cap:
+            self.direct = False
 
     def _close(self, h: int) -> None:
         """Empty index slot ``h`` (its entry is gone), moving later entries of its cluster
@@ -464,6 +538,7 @@ class ArrayBlockTable:
             if k in self:
                 raise ValueError(f"duplicate key {k!r:.40}")
             self[k] = v
+        self.tune()
 
     def walk(self, keys: Any, active: int) -> list[int]:
         """Values of ``keys`` (0 if absent) in order, stopping after the first whose

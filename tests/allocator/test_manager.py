@@ -341,3 +341,30 @@ def test_a_duplicate_running_request_id_is_refused_and_the_first_keeps_its_block
     assert pool_state(mgr) == before and mgr.requests["same"] is first and not twin.blocks
     mgr.free(first)
     assert mgr.pool.get_num_free_blocks() == 15  # nothing leaked
+
+
+@pytest.mark.parametrize("window", [1, 3, 50])
+def test_hit_rate_window_read_at_any_moment_equals_one_fed_every_admission(window: int) -> None:
+    """The window is brought up to date when read: whenever it is read, it equals a window
+    fed each admission attempt (failed ones too) as it happened."""
+    import random
+
+    rng = random.Random(window)
+    mgr = make(max_recent_requests=window)
+    eager = PrefixCachingMetrics(window)
+    running = []
+    for i in range(300):
+        q0, h0 = mgr.stats.queries, mgr.stats.hits
+        req = mgr.new_request(i, list(range(rng.randrange(3))) + [rng.randrange(40) for _ in range(rng.randrange(1, 12))])
+        if mgr.admit(req):
+            running.append(req)
+        eager.add(1, mgr.stats.queries - q0, mgr.stats.hits - h0)
+        while running and (rng.random() < 0.4 or mgr.pool.get_num_free_blocks() < 3):
+            mgr.free(running.pop(rng.randrange(len(running))))
+        if rng.random() < 0.05 and not running and mgr.reset_prefix_cache():
+            eager.reset()
+        if rng.random() < 0.2:
+            m = mgr.metrics
+            assert (m.aggregated_requests, m.aggregated_query_total, m.aggregated_query_hit) == (
+                eager.aggregated_requests, eager.aggregated_query_total, eager.aggregated_query_hit)
+            assert m.hit_rate == eager.hit_rate

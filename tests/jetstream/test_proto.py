@@ -66,7 +66,8 @@ def test_the_relays_batch_layout_takes_the_fast_path_in_order_at_every_split() -
     def run(chunks: list[bytes]) -> tuple[list, ProtocolReader]:
         got: list = []
         r = ProtocolReader(lambda s, rep, h, p: got.append(("general", s, bytes(p))),
-                           (_BATCH_DELIVERY, lambda m, p: got.append(("fast", m.groups(), bytes(p)))))
+                           (_BATCH_DELIVERY, lambda ms, ps: got.extend(("fast", m.groups(), bytes(p))
+                                                                       for m, p in zip(ms, ps))))
         for c in chunks:
             r.feed(c)
         return got, r

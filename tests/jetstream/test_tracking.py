@@ -110,19 +110,42 @@ def test_the_one_call_batch_path_yields_what_the_general_path_yields() -> None:
     msgs += r.on_item(_b("e0", 7, 6.0))  # a gap
     msgs += RelaySource("e0", wire.StreamPosition(0, 7, 6.0)).on_item(_b("e0", 0, 9.0))[1:]  # a restart
 
-    def run(fast: bool) -> tuple[list, dict]:
+    def run(fast: bool, runs: bool = False) -> tuple[list, dict]:
         out: list = []
         s = StreamSource("e0", lambda p: decode_batch(p) if len(p) <= 200 else decode_batch(b""), out,
                          max_payload_bytes=200)
+        plain = []  # the run of plain batch messages not handed over yet (runs=True)
+
+        def hand_over() -> None:
+            if plain:
+                h = plain[0][2]
+                s.on_batch_run([q for q, _, _ in plain], int(h[wire.H_INSTANCE]),
+                               [int(h[wire.H_SEQ]) for _, _, h in plain], h[wire.H_TOPIC].encode(),
+                               [p for _, p, _ in plain], 0.0)
+                plain.clear()
+
         for sseq, (payload, h) in enumerate(msgs, 1):
             if fast and wire.H_KIND not in h and wire.H_REPLAYED not in h:
+                if runs:
+                    if plain and plain[0][2][wire.H_INSTANCE] != h[wire.H_INSTANCE]:
+                        hand_over()
+                    plain.append((sseq, payload, h))
+                    continue
                 s.on_batch(sseq, int(h[wire.H_INSTANCE]), int(h[wire.H_SEQ]), h[wire.H_TOPIC].encode(), payload, 0.0)
             else:
+                hand_over()
                 s.on_message(sseq, h, payload, 0.0)
+        hand_over()
         return out, s.counters.as_dict()
 
     general, fast = run(False), run(True)
     assert fast == general
+    # In runs (what the consumer hands over per read), with a gap, a duplicate, damaged
+    # and oversized payloads and a restart inside them: the same items and counters.
+    assert run(True, runs=True) == general
+    clean = run(True, runs=True)
+    msgs[:] = [m for m in msgs if m[0][:1] != b"\xc1" and len(m[0]) < 200]
+    assert run(True, runs=True) == run(False) != clean
     items, counters = fast
     assert [(type(i).__name__, getattr(i, "seq", None)) for i in items] == [
         ("SourceBatch", 0), ("SourceBatch", 1), ("SourceBatch", 2), ("SourceStale", None), ("SourceBatch", 7),

@@ -17,7 +17,7 @@ from kvstream.hashing import BlockHasher, RequestBlockHasher, to_external_list
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.routing.index import KVIndex
 from kvstream.routing.keying import EngineHashes, TokenKeys
-from kvstream.routing.table import BlockTable
+from kvstream.routing.table import ArrayBlockTable, BlockTable
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 16
@@ -117,6 +117,8 @@ class Keying:
             return KVIndex(**kw)
         if self.name == "tokens, compact table":
             return KVIndex(table="compact", **kw)
+        if self.name == "tokens, compact table, no nursery":
+            return KVIndex(table=ArrayBlockTable(nursery=0), **kw)  # every store probes the arrays
         if self.name == "tokens, BytesStoreTable":
             return KVIndex(table=BytesStoreTable(), **kw)
         if self.name == "engine":
@@ -129,7 +131,8 @@ class Keying:
         return to_external_list(rh.block_hashes)
 
 
-KEYINGS = ["tokens", "tokens, compact table", "tokens, BytesStoreTable", "engine", "engine-keyed KVIndex"]
+KEYINGS = ["tokens", "tokens, compact table", "tokens, compact table, no nursery", "tokens, BytesStoreTable",
+           "engine", "engine-keyed KVIndex"]
 
 
 @pytest.fixture(params=KEYINGS)
@@ -251,13 +254,17 @@ def test_a_snapshot_round_trip_keeps_the_state(keying) -> None:
     assert again.state() == idx.state() and again.match(p)["a"].tier_blocks == {"GPU": 1, "CPU": 1}  # group 1 stays
 
 
-@pytest.mark.parametrize("table", ["dict", "compact", "BytesStoreTable"])
+@pytest.mark.parametrize("table", ["dict", "compact", "compact, small nursery", "BytesStoreTable"])
 def test_every_table_holds_the_same_state_through_churn(table) -> None:
     """A pool larger than the compact table's nursery, with copies, a second source and a
-    clear: each table ends exactly where the default one does, and so do the scores."""
+    clear: each table ends exactly where the default one does, and so do the scores. With
+    a small nursery the compact table stores straight into its arrays (they soon hold more
+    than twice the nursery), the path of a pool of many more blocks than 8,192."""
     import random
 
     def new() -> KVIndex:
+        if table == "compact, small nursery":
+            return KVIndex(table=ArrayBlockTable(nursery=256))
         return KVIndex(table=BytesStoreTable() if table == "BytesStoreTable" else table)
 
     rnd = random.Random(7)
@@ -288,3 +295,5 @@ def test_every_table_holds_the_same_state_through_churn(table) -> None:
     for p in prompts:
         assert idx.match(p) == ref.match(p)
     assert idx.stats == ref.stats
+    if table == "compact, small nursery":
+        assert idx.table.direct and not idx.table.young  # type: ignore[attr-defined]

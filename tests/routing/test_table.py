@@ -94,6 +94,37 @@ def test_the_nursery_moves_its_oldest_entries_to_the_arrays_and_bulk_export_sees
     assert len(again) == 20
 
 
+def test_new_entries_skip_the_nursery_while_the_arrays_hold_many_and_use_it_again_after() -> None:
+    m, d = ArrayBlockTable(nursery=8), {}
+    for k in range(1, 41):
+        m[k * 0x9E37] = d[k * 0x9E37] = k
+        m.tune()
+    assert m.direct and not m.young and m.n == 40  # straight to the arrays
+    assert list(m) == list(d)  # the nursery settled first: still oldest first
+    for k in range(1, 36):
+        assert m.pop(k * 0x9E37) == d.pop(k * 0x9E37)
+    assert not m.direct  # fewer than 8 left in the arrays
+    m[99] = d[99] = 7
+    assert m.young == {99: 7} and dict(m.items()) == d
+    _consistent(m)
+
+
+def test_settling_in_bulk_sends_crowded_and_out_of_range_entries_to_the_dict_beside() -> None:
+    m = ArrayBlockTable(nursery=0)
+    m.young.update({k << 40: k for k in range(1, 200)})  # entries as the nursery holds them
+    m.young[2**64 + 5] = 1  # not a u64 key: the entry-by-entry settle
+    m.settle(len(m.young))
+    assert not m.young and dict(m.items()) == {**{k << 40: k for k in range(1, 200)}, 2**64 + 5: 1}
+    crowd = ArrayBlockTable(nursery=0)
+    crowd.reserve(64)
+    h = lambda k: ((k * 0x9E3779B97F4A7C15) & (2**64 - 1)) >> crowd.shift  # noqa: E731
+    same = [k for k in range(1, 200_000) if h(k) == h(1)][:40]  # one home slot, 40 keys
+    crowd.young.update({k: k for k in same})
+    crowd.settle(40)
+    assert dict(crowd.items()) == {k: k for k in same} and crowd.other  # past 24 slots: the dict
+    _consistent(crowd)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(_keys, _values), max_size=60), st.lists(st.tuples(_keys, _values), max_size=20))
 def test_the_dict_table_exports_and_loads_in_bulk_like_the_compact_one(items, more) -> None:
