@@ -306,8 +306,9 @@ def stages(args: argparse.Namespace) -> None:
     from kvstream.routing.keys import prompt_keys
     from kvstream.service.config import build_config
     from kvstream.service.core import DEFAULT_INDEX, ServiceCore
-    from kvstream.service.mooncake import _QUERY, MooncakeAPI
+    from kvstream.service.mooncake import _QUERY, MooncakeAPI, QueryRequest
     from kvstream.service.schema import ENCODER
+    from kvstream.service.tokenjson import decode_with_tokens
     from kvstream.wire.events import BlockStored, EventDecoder, EventEncoder, KVEventBatch
 
     documents, held = workload(args.engines, args.docs, args.prompt_tokens)
@@ -365,9 +366,11 @@ def stages(args: argparse.Namespace) -> None:
             f(i % 64)
         return (time.perf_counter() - t) / n * 1e6
 
+    # What the handler does: the simdjson route (kvstream/service/tokenjson.py) decodes and
+    # packs in one stage; msgspec's decode and the array pack it replaces are printed below.
+    old_route = (timed(lambda i: _QUERY.decode(bodies[i])), timed(lambda i: array("I", reqs[i].token_ids)))
     rows = [
-        ("JSON decode (msgspec, 4,096 ints)", timed(lambda i: _QUERY.decode(bodies[i]))),
-        ("uint32 check and pack (array)", timed(lambda i: array("I", reqs[i].token_ids))),
+        ("JSON decode and uint32 pack (simdjson)", timed(lambda i: decode_with_tokens(bodies[i], QueryRequest))),
         ("router keys (256 x xxh3)", timed(lambda i: prompt_keys(packed[i], BS))),
         ("index walk (64 engines)", timed(lambda i: ix.match((), keys=keys[i]))),
         ("per-instance answer (merge)", timed(lambda i: mc._merge({}, matches[i], BS, None))),
@@ -375,12 +378,32 @@ def stages(args: argparse.Namespace) -> None:
         ("metrics (counter, 2 histograms)", timed(lambda i: core.metrics.routed("query", 2e-4, 4096))),
     ]
     total = timed(lambda i: mc.query(bodies[i]))
+    # The handler again with every body on msgspec's route (what the simdjson one replaced),
+    # and the walk's share that only finds where each engine's prefix ends.
+    import kvstream.service.mooncake as mooncake_module
+
+    setattr(mooncake_module, "decode_with_tokens", lambda body, t: None)
+    total_msgspec = timed(lambda i: mc.query(bodies[i]))
+    setattr(mooncake_module, "decode_with_tokens", decode_with_tokens)
+    try:  # the index's internals (kvstream/routing/_core.py): skipped if they move
+        from kvstream.routing._core import _gpu_prefix_ends
+
+        prefix_ends: float | None = timed(lambda i: _gpu_prefix_ends(ix._held[0], keys[i], ix._live, {}))
+    except (ImportError, AttributeError):
+        prefix_ends = None
     print(f"\none /query ({args.prompt_tokens}-token prompt, {args.engines} engines), each stage alone, one core:")
     for name, us in rows:
         print(f"  {name:<36} {us:7.1f} us  {us / total * 100:5.1f} %")
     print(f"  {'sum of the stages':<36} {sum(us for _, us in rows):7.1f} us")
+    print(f"  (msgspec decode {old_route[0]:.1f} us + array pack {old_route[1]:.1f} us = {sum(old_route):.1f} us: "
+          "the route the simdjson one replaces)")
+    if prefix_ends is not None:
+        print(f"  (of the walk, {prefix_ends:.1f} us find where each engine's prefix ends; the rest builds "
+              "a SourceMatch per engine)")
     print(f"  {'the whole handler (MooncakeAPI.query)':<36} {total:7.1f} us  = {1e6 / total:,.0f} requests/s per core "
           "before HTTP")
+    print(f"  {'the handler, msgspec route':<36} {total_msgspec:7.1f} us  = {1e6 / total_msgspec:,.0f} requests/s "
+          "per core before HTTP")
 
 
 # -- one run ----------------------------------------------------------------------------

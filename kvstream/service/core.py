@@ -32,6 +32,7 @@ from kvstream.service.config import EngineSpec, ServeConfig
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.service.load import LoadBoard
 from kvstream.service.schema import ENCODER, EngineScore, LoadIn, RouteRequest, RouteResponse
+from kvstream.service.tokenjson import decode_with_tokens
 from kvstream.transport.items import SourceBatch, SourceReset
 from kvstream.transport.subscriber import SourceHealth, SourceSpec, Subscriber
 from kvstream.observe.metrics import EngineSnapshot, IndexSnapshot, ServiceMetrics
@@ -331,10 +332,10 @@ class ServiceCore:
 
     # -- POST /v1/route ----------------------------------------------------------------
 
-    def tokens_of(self, token_ids: list[int] | None, prompt: str | None) -> Sequence[int]:
+    def tokens_of(self, token_ids: list[int] | array | None, prompt: str | None) -> Sequence[int]:
         """The request's tokens: ``token_ids`` as an ``array('I')`` (the check that every id
-        is a uint32 is the packing the router keys need, done once), or ``prompt`` through
-        the tokenizer; checks the size limit."""
+        is a uint32 is the packing the router keys need, done once; an ``array('I')`` is
+        taken as it is), or ``prompt`` through the tokenizer; checks the size limit."""
         if (token_ids is None) == (prompt is None):
             raise ApiError(422, "bad_field", "give exactly one of token_ids and prompt", "$")
         if prompt is not None:
@@ -345,6 +346,8 @@ class ServiceCore:
                 raise ApiError(413, "too_large", f"prompt is {len(prompt)} characters; the limit is "
                                f"{16 * self.config.max_prompt_tokens} (16 per max-prompt-tokens)", "$.prompt")
             token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+        elif type(token_ids) is array and token_ids.typecode == "I":
+            packed = token_ids  # packed by the request's decoder (kvstream.service.tokenjson)
         else:
             assert token_ids is not None
             try:
@@ -384,11 +387,17 @@ class ServiceCore:
         """``POST /v1/route``: score the prompt against every engine of the default index and
         choose one (see :class:`~kvstream.service.schema.RouteRequest`)."""
         t0 = time.perf_counter()
-        try:
-            req = _ROUTE.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise from_msgspec(exc) from None
-        tokens = self.tokens_of(req.token_ids, req.prompt)
+        fast = decode_with_tokens(body, RouteRequest)
+        ids: list[int] | array | None
+        if fast is not None:
+            req, ids = fast
+        else:
+            try:
+                req = _ROUTE.decode(body)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise from_msgspec(exc) from None
+            ids = req.token_ids
+        tokens = self.tokens_of(ids, req.prompt)
         if req.lora_name is not None and req.lora_id is not None:
             raise ApiError(422, "bad_field", "give lora_name (vLLM >= 0.26) or lora_id (vLLM 0.11), not both",
                            "$.lora_id")

@@ -100,6 +100,7 @@ class FastPathProtocol(asyncio.Protocol):
         self._buf = bytearray()
         self._transport: Any = None
         self._idle: Any = None
+        self._idle_at = 0.0  # loop time after which an idle connection is closed
         self._write_paused = False
 
     def connection_made(self, transport: Any) -> None:
@@ -108,9 +109,6 @@ class FastPathProtocol(asyncio.Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
         self._buf += data
         self._serve()
 
@@ -136,6 +134,9 @@ class FastPathProtocol(asyncio.Protocol):
             self._arm_idle()
 
     def _handoff(self) -> None:
+        if self._idle is not None:  # the connection's idle time is uvicorn's from here
+            self._idle.cancel()
+            self._idle = None
         proto = self.fallback(*self._args)
         self._connections.discard(self)
         data, self._buf = bytes(self._buf), bytearray()
@@ -146,8 +147,22 @@ class FastPathProtocol(asyncio.Protocol):
             proto.data_received(data)
 
     def _arm_idle(self) -> None:
+        # One timer per connection, moved lazily: each request only notes the time (a
+        # timer made and cancelled per request cost more than the note).
         if self._idle_s > 0 and self._transport is not None:
-            self._idle = self._loop.call_later(self._idle_s, self._close)
+            self._idle_at = self._loop.time() + self._idle_s
+            if self._idle is None:
+                self._idle = self._loop.call_later(self._idle_s, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._idle = None
+        if self._buf or self._transport is None:
+            return  # mid-request (re-armed once it is answered) or gone
+        left = self._idle_at - self._loop.time()
+        if left > 0:
+            self._idle = self._loop.call_later(left, self._idle_check)
+        else:
+            self._close()
 
     def _close(self) -> None:
         self._idle = None

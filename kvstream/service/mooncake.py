@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from array import array
 from typing import Annotated, Any, Callable
 
 import msgspec
@@ -40,6 +41,7 @@ from kvstream.service.core import DEFAULT_INDEX, ServiceCore
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.hashing.mooncake import MooncakeHasher
 from kvstream.service.schema import ENCODER
+from kvstream.service.tokenjson import decode_with_tokens
 from kvstream.transport.subscriber import SourceSpec
 
 __all__ = ["MooncakeAPI", "RegisterRequest", "UnregisterRequest", "QueryRequest", "QueryByHashRequest",
@@ -278,10 +280,16 @@ class MooncakeAPI:
     def query(self, body: bytes) -> bytes:
         """``POST /query``: prefix hits of ``token_ids`` per instance, in tokens."""
         t0 = time.perf_counter()
-        q: QueryRequest = _decode(_QUERY, body)
+        fast = decode_with_tokens(body, QueryRequest)
+        ids: list[int] | array
+        if fast is not None:
+            q, ids = fast
+        else:
+            q = _decode(_QUERY, body)
+            ids = q.token_ids
         self._check_lora(q.lora_name, q.lora_id)
         core = self.core
-        tokens = core.tokens_of(q.token_ids, None)
+        tokens = core.tokens_of(ids, None)
         self._instances(q.tenant_id, q.instance_id)
         lora, salt = q.lora_name or "", q.cache_salt or ""
         result: dict[str, dict[str, Any]] = {}

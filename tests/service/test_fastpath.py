@@ -116,3 +116,37 @@ def test_a_connection_close_request_is_answered_then_closed(engines, serve) -> N
         sock.sendall(_req(body, extra=b"Connection: close\r\n"))
         [(status, _)] = _responses(sock, 1)
         assert status == 200 and sock.recv(1) == b""
+
+
+def test_an_idle_connection_is_closed_after_the_keep_alive_time_and_a_busy_one_is_not() -> None:
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from kvstream.service.fastpath import fast_protocol
+
+    proto = fast_protocol(lambda path, body: (200, b"{}"), [b"/query"], 1000)
+    cfg = SimpleNamespace(timeout_keep_alive=0.5)
+    state = SimpleNamespace(connections=set())
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: proto(cfg, state, None, loop), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            # busy for twice the keep-alive time: every request answered, never closed
+            t_end = time.monotonic() + 0.8
+            while time.monotonic() < t_end:
+                w.write(_req())
+                head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+                assert head.startswith(b"HTTP/1.1 200") and await r.readexactly(2) == b"{}"
+                await asyncio.sleep(0.05)
+            # then idle: the server closes it (EOF well before the deadline)
+            t0 = time.monotonic()
+            assert await asyncio.wait_for(r.read(1), 5) == b""
+            assert 0.3 < time.monotonic() - t0 < 5
+            w.close()
+            assert not state.connections
+
+    asyncio.run(main())
