@@ -12,6 +12,9 @@ Each repeat is a fresh process (so "cold" is cold: no token or hash memo survive
 repeat it prints the cold end-to-end time of the first policy, then one warm run of every
 policy (preparation shared with the cold run). With ``--repeat`` > 1 it ends with the
 range (min-max) of every row: the machine is shared, so single numbers mislead.
+
+Reference, in the same process after the runs: the floor of any cold run, reading the
+trace and parsing each line with ``json.loads`` and nothing else.
 """
 
 from __future__ import annotations
@@ -48,10 +51,18 @@ def _child(a: argparse.Namespace) -> None:
         r = SimRun(reqs, p, cfg, hasher=hasher, prepared=prepared).run()
         rows.append({"row": f"{p} warm", "wall": r.wall_seconds, "rps": r.requests_per_wall_s,
                      "eps": r.events_per_wall_s, "hit": r.hit_rate})
+    t0 = time.perf_counter()
+    with open(a.trace, "rb") as f:
+        parsed = [json.loads(line) for k, line in enumerate(f) if a.limit is None or k < a.limit]
+    floor = time.perf_counter() - t0
+    rows.append({"row": "reference: json.loads of the trace", "wall": floor, "rps": len(parsed) / floor,
+                 "eps": 0.0, "hit": 0.0})
     print(json.dumps({"requests": len(reqs), "rows": rows}))
 
 
 def _show(row: dict) -> str:
+    if row["row"].startswith("reference"):
+        return f"{row['row']:34} {row['wall']:6.2f}s wall {row['rps']:8,.0f} req/s"
     return (f"{row['row']:34} {row['wall']:6.2f}s wall {row['rps']:8,.0f} req/s "
             f"{row['eps']:9,.0f} events/s  hit {100 * row['hit']:.1f}%")
 

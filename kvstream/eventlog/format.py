@@ -496,13 +496,18 @@ class SegmentCursor:
     def _scan(self, buf: Any, pos: int, end: int, *, outer: bool, base: int, final: bool) -> Iterator[LogRecord]:
         # Hot loop: locals only, struct.unpack_from on the big buffer, one checksum call
         # over a memoryview slice (no copy) per record.
+        if type(buf) is not bytes:
+            buf = bytes(buf)  # one copy of the window, so each record's slice is one copy too
         mv = memoryview(buf)
+        valid = -1  # end of the last message record yielded (relative to base), if any
+        count = 0
         try:
             unpack_rec = _REC.unpack_from
             unpack_msg = _MSG_BODY.unpack_from
             xxh3 = _xxh3
             sources = self.sources
             topics = self.topics
+            msg_min = _MIN_BODY[KIND_MESSAGE]
             rec: LogRecord
             while True:
                 if outer and self._dmg_start is not None:
@@ -564,23 +569,23 @@ class SegmentCursor:
                     continue
                 kind = buf[body]
                 bad: str | None = None
-                if n < _MIN_BODY.get(kind, 1):
-                    bad = f"record of kind {kind} is too short ({n} bytes)"
-                elif kind == KIND_MESSAGE:
+                if kind == KIND_MESSAGE and n >= msg_min:
+                    # The usual record first. valid_end and records are kept in locals
+                    # here and stored when the scan returns or is closed (see finally).
                     flags, sid, tid, ts, seq = unpack_msg(buf, body + 1)
                     if flags & FLAG_NEGATIVE_SEQ:
                         seq -= _TWO64
                     src = sources.get(sid)
                     top = topics.get(tid)
                     if src is not None and top is not None:
-                        rec = LogMessage(ts, src, top, seq, bytes(buf[body + 22:stop]), flags & FLAG_REPLAYED != 0)
                         pos = stop
-                        if outer:
-                            self.valid_end = base + pos
-                        self.records += 1
-                        yield rec
+                        valid = pos
+                        count += 1
+                        yield LogMessage(ts, src, top, seq, buf[body + 22:stop], flags & FLAG_REPLAYED != 0)
                         continue
                     bad = f"message uses undefined source {sid} or topic {tid} (its name record is lost)"
+                elif n < _MIN_BODY.get(kind, 1):
+                    bad = f"record of kind {kind} is too short ({n} bytes)"
                 elif kind == KIND_NAME:
                     table, ident = _NAME_BODY.unpack_from(buf, body + 1)
                     raw = bytes(buf[body + 4:stop])
@@ -619,6 +624,9 @@ class SegmentCursor:
                 if outer:
                     self.valid_end = base + pos
         finally:
+            self.records += count
+            if outer and valid >= 0 and base + valid > self.valid_end:
+                self.valid_end = base + valid
             mv.release()
 
     def _chunk(self, buf: Any, body: int, stop: int, at: int) -> Iterator[LogRecord]:
