@@ -436,19 +436,7 @@ class KVIndex(_IndexCore):
                             else:
                                 del table[eh]
                             continue
-            try:
-                if type(ev) is BlockStored:
-                    self._stored(s, ev)
-                elif type(ev) is BlockRemoved:
-                    self._removed(s, ev)
-                elif type(ev) is AllBlocksCleared:
-                    self.stats.clears += 1
-                    self._drop_source(s, (0,))
-                else:
-                    self.stats.rejected_events += 1
-            except RouterKeyError as exc:
-                self.stats.rejected_events += 1
-                _log.debug("source %s: skipped a malformed event: %s", s.name, exc)
+            self._apply_event(s, ev)
         if fast_removed:
             s.count[0] -= fast_removed
             self.stats.removed_blocks += fast_removed
@@ -526,19 +514,7 @@ class KVIndex(_IndexCore):
                 young.n -= killed
                 young.used -= killed
                 killed = 0
-            try:
-                if cls is BlockStored:
-                    self._stored(s, ev)
-                elif cls is BlockRemoved:
-                    self._removed(s, ev)
-                elif cls is AllBlocksCleared:
-                    self.stats.clears += 1
-                    self._drop_source(s, (0,))
-                else:
-                    self.stats.rejected_events += 1
-            except RouterKeyError as exc:
-                self.stats.rejected_events += 1
-                _log.debug("source %s: skipped a malformed event: %s", s.name, exc)
+            self._apply_event(s, ev)
             # The slow paths may have grown (rebuilt) the block table's columns.
             yidx, yks, yvs, ymask, ysh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
         if killed:
