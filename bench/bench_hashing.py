@@ -92,6 +92,27 @@ def naive_blocks(fn: Callable[[Any], bytes], tokens: list[int], parent: bytes) -
     return out
 
 
+def naive_contenders(
+    naive: Callable[[Any], bytes], root: bytes
+) -> tuple[Callable[[list[int]], list[bytes]], Callable[[list[int]], list[bytes]]]:
+    """The naive loop's two contenders: a prompt, and a prompt followed by the ``DECODE``
+    tokens appended one at a time (a block hashed inline whenever one fills)."""
+
+    def naive_prompt(p: list[int]) -> list[bytes]:
+        return naive_blocks(naive, p, root)
+
+    def naive_decode(p: list[int]) -> list[bytes]:
+        toks = list(p)
+        hs = naive_blocks(naive, toks, root)
+        for t in DECODE:
+            toks.append(t)
+            if len(toks) % BS == 0:
+                hs.append(naive((hs[-1] if hs else root, tuple(toks[-BS:]), None)))
+        return hs
+
+    return naive_prompt, naive_decode
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=30, help="prompts per input kind and round")
@@ -119,17 +140,7 @@ def main() -> None:
         naive = naive_hasher(algorithm)
         contenders: dict[str, tuple[Callable[[list[int]], list[bytes]], Callable[[list[int]], list[bytes]]]] = {}
 
-        def naive_prompt(p: list[int]) -> list[bytes]:
-            return naive_blocks(naive, p, root)
-
-        def naive_decode(p: list[int]) -> list[bytes]:
-            toks = list(p)
-            hs = naive_blocks(naive, toks, root)
-            for t in DECODE:
-                toks.append(t)
-                if len(toks) % BS == 0:
-                    hs.append(naive((hs[-1], tuple(toks[-BS:]), None)))
-            return hs
+        naive_prompt, naive_decode = naive_contenders(naive, root)
 
         contenders["naive loop"] = (naive_prompt, naive_decode)
         if vl is not None:
@@ -239,17 +250,7 @@ def short_section(algorithms: list[str], samples_per: int) -> None:
         root = hasher.root
         naive = naive_hasher(algorithm)
 
-        def naive_prompt(p: list[int]) -> list[bytes]:
-            return naive_blocks(naive, p, root)
-
-        def naive_decode(p: list[int]) -> list[bytes]:
-            toks = list(p)
-            hs = naive_blocks(naive, toks, root)
-            for t in DECODE:
-                toks.append(t)
-                if len(toks) % BS == 0:
-                    hs.append(naive((hs[-1] if hs else root, tuple(toks[-BS:]), None)))
-            return hs
+        naive_prompt, naive_decode = naive_contenders(naive, root)
 
         def ours_prompt(p: list[int]) -> list[bytes]:
             return RequestBlockHasher(hasher).extend(p)
