@@ -8,6 +8,7 @@ exit, before any work starts.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ __all__ = [
     "port_number",
     "exception_leaves",
     "quiet_stdout",
+    "os_error_line",
 ]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -172,3 +174,12 @@ def quiet_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an :class:`OSError` a command cannot recover from: the path (if any),
+    what the system said, and for stdout a hint that the output went nowhere."""
+    what = exc.strerror or str(exc)
+    if exc.filename is not None:
+        return f"{exc.filename}: {what}"
+    return f"cannot write the output: {what}" if exc.errno in (errno.ENOSPC, errno.EIO, errno.EFBIG) else what
