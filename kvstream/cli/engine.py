@@ -148,8 +148,12 @@ def _run(args: argparse.Namespace) -> int:
         tok = load_tokenizer(args.tokenizer, chat_template=_chat_template(args.chat_template))
         if args.chat_template is not None:
             # Compiled and tried once now, so a broken template fails here and not on every chat request.
-            render_chat_template(args.chat_template if "{" in args.chat_template else tok.chat_template,
-                                 [{"role": "user", "content": "hello"}])
+            text = args.chat_template
+            if "{" not in text:
+                from pathlib import Path
+
+                text = Path(text).read_text(encoding="utf-8")
+            render_chat_template(text, [{"role": "user", "content": "hello"}])
     except (ValueError, KVCachePlanningError, TokenizerError, OSError) as exc:
         print(f"kvstream engine: {exc}", file=sys.stderr)
         return 2
