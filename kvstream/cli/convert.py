@@ -35,14 +35,21 @@ def _run(args: argparse.Namespace) -> int:
     for c in args.captures:
         if os.path.isdir(c):
             raise CLIError(f"{c!r} is a directory; give KVSTRM01 capture files")
+    existed = os.path.lexists(args.output)
     try:
         n = convert_captures(args.captures, args.output, sources=args.source,
                              compression="zstd" if args.zstd else None)
     except (CaptureFormatError, FrameError, FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"kvstream convert: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        print(f"kvstream convert: {os_error_line(exc)}", file=sys.stderr)
+    except (OSError, KeyboardInterrupt) as exc:
+        # A log cut short by a full disk or Ctrl-C is not the conversion: do not leave it
+        # under the name of the finished one (a rerun would find it "already exists").
+        if not existed and os.path.isfile(args.output):
+            os.remove(args.output)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        print(f"kvstream convert: {os_error_line(exc)}; nothing was kept", file=sys.stderr)
         return 1
     print(f"wrote {n} records to {args.output}")
     return 0

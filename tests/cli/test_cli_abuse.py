@@ -186,3 +186,13 @@ def test_record_that_hits_the_file_size_limit_keeps_a_clean_log(files, tmp_path)
     assert reader.damage == []
     assert out.stat().st_size <= 600
     assert any(getattr(rec, "payload", None) == PAYLOAD for rec in recs)  # what fitted is kept
+
+
+def test_convert_that_runs_out_of_space_keeps_no_half_log(golden_dir, tmp_path):
+    out = tmp_path / "golden.kvlog"
+    r = subprocess.run([*KV, "convert", str(golden_dir / "vllm-0.33.0" / "stream.bin"), "-o", str(out)],
+                       capture_output=True, text=True, timeout=30, preexec_fn=_fsize_limit(400))
+    _one_clear_line(r, "File too large", "nothing was kept", code=1)
+    assert not out.exists()  # a rerun is not told the log "already exists"
+    r = _run("convert", str(golden_dir / "vllm-0.33.0" / "stream.bin"), "-o", str(out))
+    assert r.returncode == 0 and "wrote 19 records" in r.stdout
