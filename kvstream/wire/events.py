@@ -79,6 +79,8 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
     concatenation of their tokens (``block_size`` tokens per block for GPU events; CPU
     offload events carry no tokens and ``block_size`` 0). ``parent_block_hash`` is the
     hash of the block before the run, or None when the run starts at block 0.
+    ``lookahead_token_ids`` (vLLM 0.33, lookahead hashing on) holds one token list per
+    entry of ``block_hashes``: the tokens beyond each block that went into its hash.
     """
 
     block_hashes: list[ExternalBlockHash]
@@ -95,7 +97,7 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
     locality: Any = None
     ownership: Any = None
     session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent, tag="BlockRemoved"):

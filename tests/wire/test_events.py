@@ -276,7 +276,8 @@ def test_array_shape_follows_the_struct(cls) -> None:
     """The 0.11 array shape is derived from the struct: a full-length array of every field
     decodes to the same event as the map shape, and a one-slot array decodes too."""
     fields = msgspec.structs.fields(cls)
-    values = {f.name: ([7, 8] if f.name == "block_hashes" else [1, 2] if f.name.endswith("token_ids")
+    values = {f.name: ([7, 8] if f.name == "block_hashes" else [1, 2] if f.name == "token_ids"
+                       else [[1], [2]] if f.name == "lookahead_token_ids"
                        else 16 if f.name == "block_size" else None) for f in fields}
     ev = cls(**values)
     tag = cls.__struct_config__.tag
