@@ -371,14 +371,15 @@ def check_framing(kv: Any, rel: str, rep: Report, seed: int) -> None:
         sub.connect(f"ipc://{d}/f.pub")
         try:
             # Slow joiner: wait until a probe batch arrives live, then publish for real.
-            probe_payloads: list[bytes] = []
+            probe_payloads: dict[int, bytes] = {}
             while True:
                 pub.publish(kv.KVEventBatch(ts=0.0, events=[kv.AllBlocksCleared()]))
                 if sub.poll(50):
                     break
             _wait_drained(pub)
             while sub.poll(0):
-                probe_payloads.append(sub.recv_multipart()[2])
+                fr = sub.recv_multipart()
+                probe_payloads[int.from_bytes(fr[1], "big")] = fr[2]
             base = len(pub._buffer)  # noqa: SLF001 - seqs 0..base-1 are the probes
             n = 40
             live = []
@@ -393,8 +394,9 @@ def check_framing(kv: Any, rel: str, rep: Report, seed: int) -> None:
                 rep.ok(len(fr) == 3 and fr[0] == TOPIC.encode() and fr[1] == (base + i).to_bytes(8, "big"),
                        f"framing: live message {i} frames {[len(f) for f in fr]}")
             payload_of = {base + i: fr[2] for i, fr in enumerate(live)}
-            for j, p in enumerate(probe_payloads):
-                payload_of[j] = p
+            # Probes sent before the SUB joined were dropped live; they are all the same bytes.
+            for j in range(base):
+                payload_of[j] = probe_payloads.get(j, next(iter(probe_payloads.values())))
             total = base + n
             for start in (0, base + 7, total - 1, total, total + 5, 2**63, "SNAPSHOT"):
                 sb = b"SNAPSHOT" if start == "SNAPSHOT" else int(start).to_bytes(8, "big")
