@@ -83,7 +83,7 @@ class Request:
     """
 
     __slots__ = ("kind", "purpose", "start", "check", "checked", "first", "below", "replies",
-                 "sent", "delay_s", "e0", "snap", "snap_tag", "snap_bytes")
+                 "sent", "delay_s", "e0", "snap", "snap_tag", "snap_bytes", "unattributed")
 
     def __init__(self, kind: str, purpose: str, start: int, check: int | None = None,
                  delay_s: float = 0.0, e0: int = 0) -> None:
@@ -101,6 +101,7 @@ class Request:
         self.snap: list[tuple[bytes, bytes, KVEventBatch]] = []
         self.snap_tag: int | None = None
         self.snap_bytes = 0
+        self.unattributed = 0  # replies without a topic frame from a publisher of unknown topic
 
     def frame(self) -> int | None:
         """The start seq to put on the wire, None for a snapshot request."""
@@ -115,7 +116,7 @@ class SourceCounters:
 
     __slots__ = ("batches", "events", "gaps", "replays", "snapshots", "restarts", "stale_marks",
                  "duplicates", "decode_errors", "frame_errors", "held_dropped", "timeouts",
-                 "retries", "probes", "filtered", "overflows", "lag_s")
+                 "retries", "probes", "filtered", "unattributed", "overflows", "lag_s")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -149,6 +150,9 @@ class SourceCounters:
         """Idle probes sent (a replay from the anchor after a quiet period)."""
         self.filtered = 0
         """Replayed batches of another topic than the subscriber's filter (skipped)."""
+        self.unattributed = 0
+        """Replies without a topic frame (vLLM 0.11) ignored under a topic filter because the
+        publisher's topic was not known yet (no live message, no ``SourceSpec.topic``)."""
         self.overflows = 0
         """Requests given up because an answer exceeded its bound (snapshot bytes, replies)."""
         self.lag_s = 0.0
@@ -517,6 +521,14 @@ class SourceTracker:
         req = self.inflight
         if req is None or not req.sent:
             return
+        if topic is None and self.topic is None and self.topic_filter:
+            # vLLM 0.11 replies carry no topic frame and its ROUTER answers whatever the
+            # requester filters: until a live message (or SourceSpec.topic) names this
+            # publisher's topic, nothing here can be checked against the filter. Not
+            # yielded, not counted as an answer; a live message of our topic re-asks.
+            req.unattributed += 1
+            self.counters.unattributed += 1
+            return
         if not self.connected:
             self._connect()
         req.replies += 1
@@ -581,6 +593,14 @@ class SourceTracker:
         """The end marker of the outstanding request arrived."""
         req = self.inflight
         if req is None or not req.sent:
+            return
+        if req.unattributed and self.topic is None and req.first is None and not req.snap:
+            # Every reply was of unknown topic (see on_reply): the publisher has batches,
+            # maybe not of our topic. Claim nothing: "connecting" (no probes) until a live
+            # message shows its topic, which then finds the gap from E.
+            self.inflight = None
+            self.connected = False
+            self._probe_armed = False
             return
         if not self.connected:
             self._connect()

@@ -1,0 +1,114 @@
+"""Regressions found by ``bench/vllm_peer/diff_wire.py`` (kvstream's stream against vLLM's
+own ``ZmqEventPublisher``).
+
+vLLM 0.11.0's replay replies carry no topic frame: its ROUTER sends ``[b"", seq, payload]``
+for every buffered batch whatever the requester's topic filter (``_service_replay`` in
+``vllm/distributed/kv_events.py``). Run against the real 0.11 publisher with
+``topic="other"``, a ``Subscriber(topic="kv@")`` used to yield all of its batches through
+the join replay and the idle probes (labelled with topic ``b""``); vLLM 0.33 (topic frame
+in replies) was filtered correctly. kvstream's ``Publisher(replay_topic_frame=False)``
+puts 0.11's exact reply frames on the wire (``test_stream_golden.py``), so it stands in for
+the 0.11 engine here.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvstream.transport import (
+    KVEventsConfig,
+    Publisher,
+    SourceBatch,
+    SourceLive,
+    SourceSpec,
+    SourceTracker,
+    Subscriber,
+)
+from kvstream.wire.events import BlockStored, KVEventBatch, encode_batch
+
+from tests.transport.zmq_helpers import batches_of, collect, ipc
+
+pytestmark = pytest.mark.anyio
+
+
+def _batch(h: int) -> KVEventBatch:
+    return KVEventBatch(1.0, [BlockStored([h], None, list(range(16)), 16, None, "GPU", None)], 0)
+
+
+def _reply_011(t: SourceTracker, seq: int) -> None:
+    b = _batch(seq)
+    t.on_reply(seq, None, encode_batch(b, "array"), b)  # no topic frame
+
+
+def _sent(t: SourceTracker):
+    req = t.inflight
+    assert req is not None
+    req.sent = True
+    return req
+
+
+def test_topicless_replies_are_not_yielded_under_a_filter_until_a_live_message_shows_the_topic():
+    t = SourceTracker("v", has_replay=True, topic=b"kv@")
+    t.start()
+    _sent(t)
+    for s in range(3):
+        _reply_011(t, s)
+    t.on_reply_end()
+    # Whose topic? Unknown: nothing yielded, and the source does not claim to be live.
+    assert not [i for i in t.out if isinstance(i, SourceBatch)]
+    assert t.state == "connecting" and t.inflight is None and t.probe_at() is None
+    assert t.counters.unattributed == 3
+    # A live message of a matching topic names the publisher's topic: the gap before it is
+    # fetched again and labelled with it.
+    b = _batch(3)
+    t.on_live(3, b"kv@peer@model", encode_batch(b, "array"), b, 1.0)
+    req = _sent(t)
+    assert (req.kind, req.start) == ("replay", 0)
+    for s in range(4):
+        _reply_011(t, s)
+    t.on_reply_end()
+    got = [i for i in t.out if isinstance(i, SourceBatch)]
+    assert [(i.seq, i.topic) for i in got] == [(s, b"kv@peer@model") for s in range(4)]
+    assert t.state == "live"
+
+
+def test_topicless_replies_are_yielded_when_the_source_topic_is_configured_or_there_is_no_filter():
+    for kw in ({"topic": b"kv@", "source_topic": b"kv@peer@model"}, {}):
+        t = SourceTracker("v", has_replay=True, **kw)
+        t.start()
+        _sent(t)
+        for s in range(3):
+            _reply_011(t, s)
+        t.on_reply_end()
+        assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 1, 2]
+        assert t.state == "live" and t.counters.unattributed == 0
+
+
+async def test_a_vllm_011_publisher_of_another_topic_yields_nothing_through_replays(tmp_path):
+    other = KVEventsConfig(endpoint=ipc(tmp_path, "o"), replay_endpoint=ipc(tmp_path, "or"), topic="other",
+                           encoding="array", replay_topic_frame=False)
+    mine = KVEventsConfig(endpoint=ipc(tmp_path, "m"), replay_endpoint=ipc(tmp_path, "mr"), topic="kv@m",
+                          encoding="array", replay_topic_frame=False)
+    with anyio.fail_after(15):
+        async with Publisher(other) as o, Publisher(mine) as m:
+            for h in range(3):  # buffered before the subscriber joins
+                o.publish(_batch(10 + h))
+                m.publish(_batch(20 + h))
+            specs = [SourceSpec(o.endpoint, o.replay_endpoint, name="o"),
+                     SourceSpec(m.endpoint, m.replay_endpoint, name="m")]
+            async with Subscriber(specs, topic="kv@", probe_after_s=0.05, probe_max_s=0.05) as sub:
+                # "m" shows its topic only on the live socket: publish until it is live.
+                while sub.state("m") != "live":
+                    m.publish(_batch(99))
+                    o.publish(_batch(98))
+                    with anyio.move_on_after(0.05):
+                        await sub.wait_state("m", "live")
+                items = await collect(sub, lambda it: isinstance(it[-1], SourceLive) and it[-1].source == "m")
+                # Idle probes on "o" run meanwhile; it never shows a topic we want.
+                assert sub.state("o") == "connecting"
+                items += sub.get_nowait()
+    got = batches_of(items)
+    assert {b.source for b in got} == {"m"}
+    assert all(b.topic == b"kv@m" for b in got)
+    assert [b.seq for b in got] == list(range(len(got)))
