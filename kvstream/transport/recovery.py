@@ -39,6 +39,10 @@ Rules (``E`` is the next seq to yield, ``H`` the highest seq seen on the live so
   request every ``probe_max_s`` seconds. A
   reconnect of the live socket (:meth:`SourceTracker.on_reconnect`: the publisher may have
   restarted and published nothing we received) probes at once.
+* **Topics.** vLLM 0.11 replies carry no topic frame. Under a topic filter, while the
+  publisher's topic is unknown (no live message, no ``source_topic``), they are ignored
+  (counted ``unattributed``) and the source stays ``connecting``: nothing proves they pass
+  the filter. A live message names the topic; the gap before it is then replayed.
 * **States.** ``connecting`` until the first live message or replay answer; ``recovering``
   while a (non-probe) request is outstanding; ``stale`` after unrecoverable loss until a
   reset; else ``live``.
