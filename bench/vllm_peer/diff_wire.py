@@ -18,6 +18,10 @@ is checked in four parts:
     kvstream must decode every field to what vLLM's own decoder returns for the same bytes
     (values and container types), and re-encode them byte-identically (map shape for 0.33,
     array shape for 0.11).
+``endpoints``
+    data-parallel endpoint offsets (``offset_endpoint`` against vLLM's
+    ``offset_endpoint_port``) and the bind-or-connect rule (``should_bind`` against 0.33's
+    ``_is_bind_endpoint``) over a list of tcp/ipc/inproc endpoints and ranks 0..3.
 ``framing``
     vLLM's real ``ZmqEventPublisher`` on ipc sockets: a raw DEALER asks its replay socket
     for several starts (inside, at the end, past the end, kvstream's ``SNAPSHOT``) and
@@ -59,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository (kv
 from vllm_peer import fetch  # noqa: E402
 
 RELEASES = ("0.11", "0.33")
-PARTS = ("codec", "framing", "stream", "reverse")
+PARTS = ("codec", "endpoints", "framing", "stream", "reverse")
 TOPIC = "kv@peer@model"
 
 
@@ -318,6 +322,42 @@ def check_codec(kv: Any, rel: str, rep: Report, cases: int, seed: int) -> None:
     n = len(rep.diffs) - n_diff_before
     print(f"  codec: {cases} random batches, {events} events, fields {sorted(all_fields)}: "
           f"{n} differences", flush=True)
+
+
+_ENDPOINTS = ["tcp://*:5557", "tcp://*:0", "tcp://127.0.0.1:5557", "tcp://[::1]:5557", "tcp://[::]:7000",
+              "tcp://host.example:65534", "tcp://*:*", "tcp://host", "tcp://*:x", "ipc:///tmp/kv.sock",
+              "ipc:///tmp/tcp.sock", "inproc://cache", "inproc://tcp:1", "udp://*:5557", "", "tcp://::1:5557"]
+
+
+def check_endpoints(kv: Any, rel: str, rep: Report) -> None:
+    from kvstream.transport.config import offset_endpoint, should_bind
+
+    vpub = kv.ZmqEventPublisher
+    known = 0
+    for ep in _ENDPOINTS:
+        for rank in range(4):
+            try:
+                want: Any = vpub.offset_endpoint_port(ep, rank)
+            except ValueError as exc:
+                want = ValueError(str(exc))
+            try:
+                got: Any = offset_endpoint(ep, rank, rel)
+            except ValueError as exc:
+                got = ValueError(str(exc))
+            if isinstance(want, ValueError) and isinstance(got, ValueError):
+                continue
+            if ep.endswith(":*") and rank and isinstance(want, ValueError) and got == ep:
+                known += 1  # kvstream keeps a wildcard port (documented); vLLM cannot parse it
+                continue
+            rep.ok(want == got, f"endpoints: {ep!r} rank {rank}: vLLM {want!r}, kvstream {got!r}")
+        if hasattr(vpub, "_is_bind_endpoint") and ep:
+            rep.ok(vpub._is_bind_endpoint(ep) == should_bind(ep),  # noqa: SLF001
+                   f"endpoints: bind rule for {ep!r}: vLLM {vpub._is_bind_endpoint(ep)}, kvstream {should_bind(ep)}")
+    if known:
+        k = "wildcard port tcp://...:* at rank > 0: vLLM raises, kvstream keeps it"
+        rep.known[k] = rep.known.get(k, 0) + known
+    print(f"  endpoints: {len(_ENDPOINTS)} endpoints x ranks 0..3 against offset_endpoint_port"
+          f"{' and _is_bind_endpoint' if hasattr(vpub, '_is_bind_endpoint') else ''}", flush=True)
 
 
 def _publisher(kv: Any, d: str, name: str, **kw: Any) -> Any:
@@ -678,6 +718,8 @@ def worker(release: str, parts: list[str], cases: int, seed: int) -> int:
     print(f"vLLM {release} ({fetch.source_root(release)})", flush=True)
     if "codec" in parts:
         check_codec(kv, release, rep, cases, seed)
+    if "endpoints" in parts:
+        check_endpoints(kv, release, rep)
     if "framing" in parts:
         check_framing(kv, release, rep, seed)
     if "stream" in parts:
