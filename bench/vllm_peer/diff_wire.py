@@ -565,47 +565,90 @@ async def check_stream(kv: Any, rel: str, rep: Report, seed: int) -> None:
                       f"{c.replays}, batches replayed {replayed}, retries {c.retries}, stale marks "
                       f"{c.stale_marks}", flush=True)
 
-                # 3. Restart: a new vLLM publisher on the same endpoints, seq from 0, other bytes.
-                await anyio.to_thread.run_sync(pub.shutdown)
-                for f in ("g.pub", "g.replay"):
-                    try:
-                        os.unlink(os.path.join(d, f))
-                    except FileNotFoundError:
-                        pass
-                pub = await anyio.to_thread.run_sync(lambda: _publisher(kv, d, "g", hwm=8))
-                m = n + 40  # more than the old instance published: seq numbers alone cannot tell
-                want2 = []
-                items = []
-                # Publish while the subscriber reconnects: early batches are lost live, so
-                # only the replay socket can tell the subscriber who is talking now.
-                for i in range(m):
+                # 3. Restart: a new vLLM publisher on the same endpoints, seq from 0, other
+                # bytes; first with more batches than the old one published (seq numbers
+                # alone cannot tell), then with fewer.
+                for m, label in ((n + 40, "more"), (10, "fewer")):
+                    await anyio.to_thread.run_sync(pub.shutdown)
+                    for f in ("g.pub", "g.replay"):
+                        try:
+                            os.unlink(os.path.join(d, f))
+                        except FileNotFoundError:
+                            pass
+                    pub = await anyio.to_thread.run_sync(lambda: _publisher(kv, d, "g", hwm=8))
+                    want2 = []
+                    items = []
+                    # Publish while the subscriber reconnects: early batches are lost live, so
+                    # only the replay socket can tell the subscriber who is talking now.
+                    for i in range(m):
+                        b = _batch(kv, g, fields_of, rank_none_ok=False)
+                        b.ts = 2e9 + m + i  # never an old instance's bytes
+                        pub.publish(b)
+                        want2.append(venc.encode(b))
+                        if i % 100 == 0:
+                            await anyio.sleep(0)
+                    await anyio.to_thread.run_sync(_wait_drained, pub)
+                    await _collect(sub, m, 60, items)
+                    summary = _summarise(items)
+                    first_reset = next((i for i, s in enumerate(summary) if s == ("SourceReset", "restart")), None)
+                    before = [s for s in summary[: first_reset if first_reset is not None else len(summary)]
+                              if s[0] == "batch"]
+                    rep.ok(first_reset is not None and not before,
+                           f"stream/restart ({label}): batches of the new publisher yielded before a restart reset: "
+                           f"{before[:5]}, items {summary[:6]}")
+                    after = [it for it in items[(first_reset or 0):] if type(it) is SourceBatch]
+                    # Everything after the last reset must be the new instance from 0, in order.
+                    last_reset = max((i for i, it in enumerate(items) if type(it) is SourceReset), default=None)
+                    tail = [it for it in items[(last_reset or 0):] if type(it) is SourceBatch]
+                    rep.ok([it.seq for it in tail] == list(range(m)) and all(it.payload == want2[it.seq] for it in tail),
+                           f"stream/restart ({label}): after the reset: seqs {[it.seq for it in tail][:8]}... "
+                           f"(expected 0..{m - 1} with the new publisher's bytes)")
+                    c = sub.counters("vllm")
+                    print(f"  stream/restart ({label} batches than before): reset at item {first_reset}, then {len(after)} batches of the new "
+                          f"publisher (seq {tail[0].seq if tail else '-'}..{tail[-1].seq if tail else '-'}); "
+                          f"restarts {c.restarts}, stale marks {c.stale_marks}", flush=True)
+            # 4. Loss beyond vLLM's replay buffer: the missed batches rotated out
+            # (buffer_steps=50). vLLM answers no snapshots, so the subscriber must say
+            # SourceStale for exactly the batches it never yielded, and nothing else.
+            await anyio.to_thread.run_sync(pub.shutdown)
+            pub = await anyio.to_thread.run_sync(lambda: _publisher(kv, d, "r", hwm=8, buffer_steps=50))
+            rspec = SourceSpec(f"ipc://{d}/r.pub", f"ipc://{d}/r.replay", name="vllm", topic=TOPIC)
+            async with Subscriber([rspec], topic=TOPIC, rcvhwm=8, max_buffered_items=8,
+                                  probe_after_s=0.2) as sub:
+                await sub.wait_connected("vllm", timeout_s=10)
+                n = 1000
+                want = []
+                for _ in range(n):
                     b = _batch(kv, g, fields_of, rank_none_ok=False)
-                    b.ts = 2e9 + i  # never the old instance's bytes
                     pub.publish(b)
-                    want2.append(venc.encode(b))
-                    if i % 100 == 0:
-                        await anyio.sleep(0)
+                    want.append(venc.encode(b))
                 await anyio.to_thread.run_sync(_wait_drained, pub)
-                await _collect(sub, m, 60, items)
-                summary = _summarise(items)
-                first_reset = next((i for i, s in enumerate(summary) if s == ("SourceReset", "restart")), None)
-                before = [s for s in summary[: first_reset if first_reset is not None else len(summary)]
-                          if s[0] == "batch"]
-                rep.ok(first_reset is not None and not before,
-                       f"stream/restart: batches of the new publisher yielded before a restart reset: "
-                       f"{before[:5]}, items {summary[:6]}")
-                after = [it for it in items[(first_reset or 0):] if type(it) is SourceBatch]
-                # Everything after the last reset must be the new instance from 0, in order.
-                last_reset = max((i for i, it in enumerate(items) if type(it) is SourceReset), default=None)
-                tail = [it for it in items[(last_reset or 0):] if type(it) is SourceBatch]
-                rep.ok(bool(tail) and [it.seq for it in tail] == list(range(tail[0].seq, tail[0].seq + len(tail)))
-                       and all(it.payload == want2[it.seq] for it in tail),
-                       f"stream/restart: after the reset: seqs {[it.seq for it in tail][:8]}...")
-                rep.ok(bool(tail) and tail[-1].seq == m - 1, "stream/restart: the new publisher's last batch missing")
+                items = []
+                await _collect(sub, n, 15, items)  # fewer arrive: wait for the last one
+                if not any(type(it) is SourceBatch and it.seq == n - 1 for it in items):
+                    await _collect(sub, 10**9, 3, items)
+                accounted: list[int] = []
+                wrong = []
+                from kvstream.transport import SourceStale
+
+                for it in items:
+                    if type(it) is SourceBatch:
+                        accounted.append(it.seq)
+                        if it.payload != want[it.seq]:
+                            wrong.append(it.seq)
+                    elif type(it) is SourceStale:
+                        accounted.extend(range(it.first_missing_seq, it.resume_seq))
+                rep.ok(not wrong, f"stream/rotated: batches with other bytes than vLLM's: {wrong[:5]}")
+                rep.ok(accounted == list(range(n)),
+                       f"stream/rotated: every seq must be yielded or declared lost once, in order "
+                       f"(first wrong at {next((i for i, s in enumerate(accounted) if s != i), None)})")
+                bad = [s for s in _summarise(items) if s[0] not in ("batch", "SourceStale")]
+                rep.ok(not bad, f"stream/rotated: unexpected items {bad[:5]}")
                 c = sub.counters("vllm")
-                print(f"  stream/restart: reset at item {first_reset}, then {len(after)} batches of the new "
-                      f"publisher (seq {tail[0].seq if tail else '-'}..{tail[-1].seq if tail else '-'}); "
-                      f"restarts {c.restarts}, stale marks {c.stale_marks}", flush=True)
+                n_b = sum(1 for it in items if type(it) is SourceBatch)
+                print(f"  stream/rotated: {n_b} batches yielded, {n - n_b} declared lost in "
+                      f"{c.stale_marks} SourceStale item(s), snapshot requests {c.snapshots} "
+                      f"(vLLM answers none), state {sub.state('vllm')}", flush=True)
         finally:
             await anyio.to_thread.run_sync(pub.shutdown)
 
