@@ -469,8 +469,8 @@ def check_framing(kv: Any, rel: str, rep: Report, seed: int) -> None:
                            f"framing: replayed seq {r.seq} topic {r.topic!r}")
                     if r.seq >= base:
                         msgspec.msgpack.Decoder(kv.KVEventBatch).decode(r.payload)
-            print(f"  framing: {n + base} live batches, 7 replay requests (0.{rel[2:]} reply shape "
-                  f"{3 if rel == '0.11' else 4} frames) parsed by kvstream.wire.framing", flush=True)
+            print(f"  framing: {n + base} live batches, 7 replay requests ({3 if rel == '0.11' else 4}-frame "
+                  f"replies) parsed by kvstream.wire.framing", flush=True)
         finally:
             sub.close(0)
             pub.shutdown()
@@ -778,17 +778,20 @@ def worker(release: str, parts: list[str], cases: int, seed: int) -> int:
 
 
 def main() -> int:
+    global TOPIC
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--releases", default=",".join(RELEASES))
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     ap.add_argument("--cases", type=int, default=5000, help="random batches per release (codec)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--topic", default=TOPIC, help="publisher topic and subscriber filter (vLLM's default is '')")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     parts = [p for p in a.only.split(",") if p]
     bad = [p for p in parts if p not in PARTS]
     if bad:
         ap.error(f"unknown part(s) {bad}; parts are {', '.join(PARTS)}")
+    TOPIC = a.topic
     if a.worker:
         return worker(a.worker, parts, a.cases, a.seed)
     rc = 0
@@ -797,7 +800,7 @@ def main() -> int:
             ap.error(f"unknown release {rel!r}; known: {', '.join(RELEASES)}")
         fetch.ensure(rel)
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", rel, "--only", a.only,
-                               "--cases", str(a.cases), "--seed", str(a.seed)])
+                               "--cases", str(a.cases), "--seed", str(a.seed), "--topic", a.topic])
         rc |= proc.returncode != 0
     print("differences found" if rc else "no differences", flush=True)
     return int(rc)
