@@ -371,7 +371,9 @@ class SourceTracker:
     def _yield(self, seq: int, topic: bytes, payload: bytes, batch: KVEventBatch, replayed: bool) -> None:
         self._remember(seq, hash(payload))
         self.expected = seq + 1
-        if replayed and topic and self.topic_filter and not topic.startswith(self.topic_filter):
+        # An empty topic is a topic (vLLM's default): it passes only an empty filter. A reply
+        # whose topic is unknown never gets here under a filter (see on_reply).
+        if replayed and self.topic_filter and not topic.startswith(self.topic_filter):
             self.counters.filtered += 1
             return
         self.out.append(SourceBatch(self.name, seq, topic, payload, batch, replayed))
@@ -683,7 +685,11 @@ class SourceTracker:
             return
         self.out.append(SourceReset(self.name, "snapshot", r))
         c = self.counters
+        flt = self.topic_filter
         for topic, payload, batch in req.snap:
+            if flt and not topic.startswith(flt):
+                c.filtered += 1  # the same filter as replayed batches
+                continue
             self.out.append(SourceBatch(self.name, r - 1, topic, payload, batch, True))
             c.batches += 1
             c.events += len(batch.events)

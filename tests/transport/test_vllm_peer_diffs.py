@@ -9,6 +9,11 @@ the join replay and the idle probes (labelled with topic ``b""``); vLLM 0.33 (to
 in replies) was filtered correctly. kvstream's ``Publisher(replay_topic_frame=False)``
 puts 0.11's exact reply frames on the wire (``test_stream_golden.py``), so it stands in for
 the 0.11 engine here.
+
+vLLM 0.33.0's default topic is the empty string, and its replies then carry an empty topic
+frame: ``[b"", b"", seq, payload]`` at a DEALER (``_service_replay`` sends
+``self._topic_bytes``). A ``Subscriber(topic="kv@")`` used to take that empty frame for "no
+topic" and yield the batches of such a publisher through replays.
 """
 
 from __future__ import annotations
@@ -112,3 +117,51 @@ async def test_a_vllm_011_publisher_of_another_topic_yields_nothing_through_repl
     assert {b.source for b in got} == {"m"}
     assert all(b.topic == b"kv@m" for b in got)
     assert [b.seq for b in got] == list(range(len(got)))
+
+
+def test_an_empty_topic_frame_is_a_topic_that_the_filter_rejects():
+    # vLLM 0.33.0, topic="": every reply is [b"", b"", seq, payload] (topic frame b"").
+    t = SourceTracker("v", has_replay=True, topic=b"kv@")
+    t.start()
+    _sent(t)
+    for s in range(3):
+        b = _batch(s)
+        t.on_reply(s, b"", encode_batch(b), b)
+    t.on_reply_end()
+    assert not [i for i in t.out if isinstance(i, SourceBatch)]
+    assert t.counters.filtered == 3 and t.expected == 3 and t.state == "live"
+
+
+async def test_a_vllm_033_publisher_with_the_default_empty_topic_yields_nothing_under_a_filter(tmp_path):
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "e"), replay_endpoint=ipc(tmp_path, "er"))  # topic ""
+    with anyio.fail_after(15):
+        async with Publisher(cfg) as pub:
+            for h in range(3):  # buffered before the subscriber joins: only a replay brings them
+                pub.publish(_batch(h))
+            async with Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, name="e")], topic="kv@",
+                                  probe_after_s=0.05, probe_max_s=0.05) as sub:
+                await sub.wait_state("e", "live")
+                for h in range(3):  # filtered by the SUB socket; the probes fetch them
+                    pub.publish(_batch(10 + h))
+                with anyio.fail_after(5):
+                    while sub.counters("e").filtered < 6:
+                        await anyio.sleep(0.02)
+                items = sub.get_nowait()
+    assert batches_of(items) == []
+
+
+def test_snapshot_batches_of_another_topic_are_filtered_like_replayed_ones():
+    # Not a vLLM behaviour (vLLM answers no snapshots): kvstream's own publisher answers
+    # with its topic frame, and the filter must hold for those batches too.
+    t = SourceTracker("v", has_replay=True, topic=b"kv@")
+    t.start()
+    _sent(t)
+    b = _batch(5)
+    t.on_reply(5, b"other", encode_batch(b), b)  # the join reply starts late: seq 0..4 rotated out
+    t.on_reply_end()
+    req = _sent(t)
+    assert req.kind == "snapshot"
+    t.on_reply(7, b"other", encode_batch(b), b)
+    t.on_reply_end()
+    assert [type(i).__name__ for i in t.out] == ["SourceReset"]
+    assert t.counters.filtered == 1
