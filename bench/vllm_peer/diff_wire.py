@@ -649,17 +649,18 @@ async def check_stream(kv: Any, rel: str, rep: Report, seed: int) -> None:
                 print(f"  stream/rotated: {n_b} batches yielded, {n - n_b} declared lost in "
                       f"{c.stale_marks} SourceStale item(s), snapshot requests {c.snapshots} "
                       f"(vLLM answers none), state {sub.state('vllm')}", flush=True)
-            # 5. A publisher of another topic: its batches reach the subscriber only through
-            # replays (0.11's carry no topic frame); none may be yielded.
+            # 5. A publisher of another topic ("zz-other", then vLLM's default ""): its
+            # batches reach the subscriber only through replays (0.11's carry no topic
+            # frame, 0.33's an empty one for ""); none may be yielded.
             await anyio.to_thread.run_sync(pub.shutdown)
-            if TOPIC:
+            for k, other in enumerate(("zz-other", "") if TOPIC else ()):
                 pub = await anyio.to_thread.run_sync(
-                    lambda: kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"ipc://{d}/t.pub",
-                                                 replay_endpoint=f"ipc://{d}/t.replay", topic="zz-other"))
+                    lambda: kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"ipc://{d}/t{k}.pub",
+                                                 replay_endpoint=f"ipc://{d}/t{k}.replay", topic=other))
                 for _ in range(5):
                     pub.publish(_batch(kv, g, fields_of, rank_none_ok=False))
                 await anyio.to_thread.run_sync(_wait_drained, pub)
-                tspec = SourceSpec(f"ipc://{d}/t.pub", f"ipc://{d}/t.replay", name="vllm")
+                tspec = SourceSpec(f"ipc://{d}/t{k}.pub", f"ipc://{d}/t{k}.replay", name="vllm")
                 async with Subscriber([tspec], topic=TOPIC, probe_after_s=0.05, probe_max_s=0.05) as sub:
                     with anyio.move_on_after(0.5):
                         await sub.wait_state("vllm", "live", "recovering", "stale")
@@ -669,10 +670,12 @@ async def check_stream(kv: Any, rel: str, rep: Report, seed: int) -> None:
                     await _collect(sub, 1, 1.0, items)
                     got = [it for it in items if type(it) is SourceBatch]
                     c = sub.counters("vllm")
-                    rep.ok(not got, f"stream/topic: {len(got)} batches of topic 'zz-other' yielded under "
+                    rep.ok(not got, f"stream/topic: {len(got)} batches of topic {other!r} yielded under "
                                     f"filter {TOPIC!r}")
-                    print(f"  stream/topic: publisher of another topic: {len(got)} batches yielded, state "
-                          f"{sub.state('vllm')}, filtered {c.filtered}, unattributed {getattr(c, 'unattributed', '-')}", flush=True)
+                    print(f"  stream/topic: publisher of topic {other!r}: {len(got)} batches yielded, state "
+                          f"{sub.state('vllm')}, filtered {c.filtered}, "
+                          f"unattributed {getattr(c, 'unattributed', '-')}", flush=True)
+                await anyio.to_thread.run_sync(pub.shutdown)
         finally:
             await anyio.to_thread.run_sync(pub.shutdown)
 
