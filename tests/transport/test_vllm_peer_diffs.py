@@ -165,3 +165,28 @@ def test_snapshot_batches_of_another_topic_are_filtered_like_replayed_ones():
     t.on_reply_end()
     assert [type(i).__name__ for i in t.out] == ["SourceReset"]
     assert t.counters.filtered == 1
+
+
+async def test_a_source_can_bind_for_an_engine_publishing_in_connect_mode(tmp_path):
+    # vLLM (0.11.0 and 0.33.0, ZmqEventPublisher._socket_setup) *connects* its PUB when the
+    # endpoint has no wildcard ("tcp://router:5557": "bind stable, connect volatile"), so
+    # the stable side, the subscriber, must bind. kvstream's Publisher(bind=False) connects
+    # the same way (over ipc here; vLLM itself binds ipc).
+    spec = SourceSpec(ipc(tmp_path, "sub"), ipc(tmp_path, "rep"), name="e", bind=True)
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "sub"), replay_endpoint=ipc(tmp_path, "rep"), topic="kv@e")
+    with anyio.fail_after(15):
+        async with Subscriber([spec], topic="kv@") as sub:
+            assert sub.health()["e"].endpoint == ipc(tmp_path, "sub")
+            async with Publisher(cfg, bind=False) as pub:
+                pub.publish(_batch(1))  # before the connection exists: fetched by replay
+                await sub.wait_state("e", "live")
+                pub.publish(_batch(2))
+                items = await collect(sub, lambda it: len(batches_of(it)) == 2)
+    got = batches_of(items)
+    assert [(b.seq, b.topic, b.batch.events[0].block_hashes) for b in got] == [(0, b"kv@e", [1]), (1, b"kv@e", [2])]
+
+
+async def test_a_bound_source_reports_the_port_it_got(tmp_path):
+    async with Subscriber([SourceSpec("tcp://127.0.0.1:0", name="e", bind=True)]) as sub:
+        ep = sub.health()["e"].endpoint
+    assert ep.startswith("tcp://127.0.0.1:") and not ep.endswith(":0")
