@@ -31,9 +31,13 @@ is checked in four parts:
     the same publisher feeding kvstream's ``Subscriber``: every batch arrives once, in
     order, with its seq and vLLM's bytes; then a consumer that stalls while the publisher
     runs on (small HWMs: ZMQ drops, the subscriber must replay exactly the missed batches
-    from vLLM's replay socket); then a publisher restart (a new vLLM publisher on the same
-    endpoints, seq from 0, other bytes), which must come out as ``SourceReset("restart")``
-    before any batch of the new publisher, never as a silent continuation.
+    from vLLM's replay socket); then publisher restarts (a new vLLM publisher on the same
+    endpoints, seq from 0, other bytes, with more and with fewer batches than the old one),
+    which must come out as ``SourceReset("restart")`` before any batch of the new
+    publisher, never as a silent continuation; a loss beyond vLLM's replay buffer (every
+    seq yielded or declared lost by ``SourceStale``, nothing wrong); publishers of another
+    topic and of vLLM's default empty topic under a filter (nothing yielded); and vLLM in
+    connect mode (its PUB connects, ``SourceSpec(bind=True)``).
 ``reverse``
     kvstream's ``Publisher`` (configured like the release) feeding a client written
     against vLLM's documented protocol: a SUB decoding with vLLM's own classes, and
@@ -676,6 +680,27 @@ async def check_stream(kv: Any, rel: str, rep: Report, seed: int) -> None:
                           f"{sub.state('vllm')}, filtered {c.filtered}, "
                           f"unattributed {getattr(c, 'unattributed', '-')}", flush=True)
                 await anyio.to_thread.run_sync(pub.shutdown)
+            # 6. vLLM in connect mode (its PUB connects to tcp://127.0.0.1:PORT): the
+            # subscriber binds (SourceSpec(bind=True)); replay over ipc (vLLM binds it).
+            cspec = SourceSpec("tcp://127.0.0.1:0", f"ipc://{d}/c.replay", name="vllm", topic=TOPIC, bind=True)
+            async with Subscriber([cspec], topic=TOPIC, probe_after_s=0.2) as sub:
+                bound = sub.health()["vllm"].endpoint
+                pub = await anyio.to_thread.run_sync(
+                    lambda: kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=bound,
+                                                 replay_endpoint=f"ipc://{d}/c.replay", topic=TOPIC))
+                n = 50
+                want = []
+                for _ in range(n):
+                    b = _batch(kv, g, fields_of, rank_none_ok=False)
+                    pub.publish(b)  # the first ones go out before the connection: replayed
+                    want.append(venc.encode(b))
+                items = []
+                await _collect(sub, n, 20, items)
+                got = [it for it in items if type(it) is SourceBatch]
+                rep.ok([it.seq for it in got] == list(range(n)) and all(it.payload == w for it, w in zip(got, want)),
+                       f"stream/connect-mode: seqs {[it.seq for it in got][:8]}... (expected 0..{n - 1})")
+                print(f"  stream/connect-mode: vLLM's PUB connects to the subscriber's bound {bound}: "
+                      f"{len(got)}/{n} batches in order, {sum(it.replayed for it in got)} by replay", flush=True)
         finally:
             await anyio.to_thread.run_sync(pub.shutdown)
 
