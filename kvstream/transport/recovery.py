@@ -527,11 +527,12 @@ class SourceTracker:
         req = self.inflight
         if req is None or not req.sent:
             return
-        if topic is None and self.topic is None and self.topic_filter:
+        if topic is None and (req.unattributed or (self.topic is None and self.topic_filter)):
             # vLLM 0.11 replies carry no topic frame and its ROUTER answers whatever the
             # requester filters: until a live message (or SourceSpec.topic) names this
             # publisher's topic, nothing here can be checked against the filter. Not
-            # yielded, not counted as an answer; a live message of our topic re-asks.
+            # yielded, not counted as an answer; the rest of the same answer neither (a
+            # partial answer would look like a buffer that starts late). See on_reply_end.
             req.unattributed += 1
             self.counters.unattributed += 1
             return
@@ -600,13 +601,19 @@ class SourceTracker:
         req = self.inflight
         if req is None or not req.sent:
             return
-        if req.unattributed and self.topic is None and req.first is None and not req.snap:
-            # Every reply was of unknown topic (see on_reply): the publisher has batches,
-            # maybe not of our topic. Claim nothing: "connecting" (no probes) until a live
-            # message shows its topic, which then finds the gap from E.
+        if req.unattributed:
             self.inflight = None
-            self.connected = False
-            self._probe_armed = False
+            if self.topic is None:
+                # Every reply was of unknown topic (see on_reply): the publisher has
+                # batches, maybe not of our topic. Claim nothing: "connecting" (no probes)
+                # until a live message shows its topic, which then finds the gap from E.
+                self.connected = False
+                self._probe_armed = False
+                return
+            # A live message named the topic while this answer came in: ask again, now
+            # that every reply can be checked against the filter.
+            self._recover()
+            self._live_again()
             return
         if not self.connected:
             self._connect()

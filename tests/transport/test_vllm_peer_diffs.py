@@ -190,3 +190,24 @@ async def test_a_bound_source_reports_the_port_it_got(tmp_path):
     async with Subscriber([SourceSpec("tcp://127.0.0.1:0", name="e", bind=True)]) as sub:
         ep = sub.health()["e"].endpoint
     assert ep.startswith("tcp://127.0.0.1:") and not ep.endswith(":0")
+
+
+def test_a_topic_learned_while_topicless_replies_arrive_asks_again_rather_than_guess():
+    t = SourceTracker("v", has_replay=True, topic=b"kv@")
+    t.start()
+    _sent(t)
+    _reply_011(t, 0)
+    _reply_011(t, 1)  # topic unknown: ignored
+    b = _batch(3)
+    t.on_live(3, b"kv@x", encode_batch(b, "array"), b, 1.0)  # now known; held (request out)
+    _reply_011(t, 2)  # the rest of the same answer
+    t.on_reply_end()
+    # Not "the buffer starts at 2" (that would ask for a snapshot and mark the source
+    # stale against vLLM): the whole answer is asked for again.
+    req = _sent(t)
+    assert (req.kind, req.start) == ("replay", 0)
+    for s in range(4):
+        _reply_011(t, s)
+    t.on_reply_end()
+    assert [(i.seq, i.topic) for i in t.out if isinstance(i, SourceBatch)] == [(s, b"kv@x") for s in range(4)]
+    assert t.state == "live" and t.counters.stale_marks == 0 and t.counters.snapshots == 0
