@@ -777,6 +777,11 @@ async def check_reverse(kv: Any, rel: str, rep: Report, seed: int) -> None:
                 rep.ok(all(fr[-1] == by_seq.get(s) for s, fr in zip(seqs, body)), "reverse/replay: payloads differ")
                 if rel == "0.33":
                     rep.ok(all(fr[1] == TOPIC.encode() for fr in body), "reverse/replay: topic frame differs")
+                # Past the end, and kvstream's SNAPSHOT (no provider here): vLLM answers both
+                # with the end marker alone.
+                for sb in ((sent[-1][0] + 5).to_bytes(8, "big"), b"SNAPSHOT"):
+                    only = await anyio.to_thread.run_sync(lambda: _dealer_replay(ctx, cfg.replay_endpoint, sb))
+                    rep.ok(only == [want_end], f"reverse/replay: start {sb!r}: {only!r:.120}, vLLM sends {[want_end]!r}")
                 # vLLM's example client uses REQ: one request, it reads the first reply.
 
                 def replay_req() -> list[bytes]:
