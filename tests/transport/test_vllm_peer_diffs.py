@@ -211,3 +211,14 @@ def test_a_topic_learned_while_topicless_replies_arrive_asks_again_rather_than_g
     t.on_reply_end()
     assert [(i.seq, i.topic) for i in t.out if isinstance(i, SourceBatch)] == [(s, b"kv@x") for s in range(4)]
     assert t.state == "live" and t.counters.stale_marks == 0 and t.counters.snapshots == 0
+
+
+def test_the_publisher_default_follows_the_release():
+    # vLLM 0.11.0 vllm/config/kv_events.py: publisher: str = "null" and no __post_init__,
+    # so KVEventsConfig(enable_kv_cache_events=True).publisher == "null" (the factory then
+    # makes a NullEventPublisher). vLLM 0.33.0 adds __post_init__: None -> "zmq" when enabled.
+    assert KVEventsConfig(enable_kv_cache_events=True, vllm_version="0.11").publisher == "null"
+    assert KVEventsConfig(enable_kv_cache_events=True, vllm_version="0.33").publisher == "zmq"
+    assert KVEventsConfig(enable_kv_cache_events=True).publisher == "zmq"
+    assert KVEventsConfig(vllm_version="0.33").publisher == "null"
+    assert KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", vllm_version="0.11").publisher == "zmq"
