@@ -157,6 +157,9 @@ def _field_value(g: Gen, name: str, n_blocks: int) -> Any:
         "session_id": lambda: g.maybe(g.text),
         "lookahead_token_ids": lambda: g.maybe(lambda: [g.tokens(r.choice([0, 1, 3])) for _ in range(n_blocks)]),
     }
+    if name not in table:
+        raise SystemExit(f"vLLM declares an event field {name!r} that diff_wire cannot generate yet: "
+                         "add it to _field_value (and to kvstream.wire.events if kvstream lacks it)")
     return table[name]()
 
 
