@@ -1,0 +1,781 @@
+"""Differential check: vLLM's real BlockPool and block hashing against kvstream's, step by step.
+
+Usage (from the repository root, with kvstream's venv)::
+
+    .venv/bin/python bench/vllm_peer/diff_pool.py                 # both releases, default cases
+    .venv/bin/python bench/vllm_peer/diff_pool.py --cases 5000    # more seeded cases per part
+    .venv/bin/python bench/vllm_peer/diff_pool.py --release 0.33 --part pool --seed 17 -v
+
+For each release (0.11, 0.33) one worker process imports vLLM's own ``block_pool.py``,
+``kv_cache_utils.py``, ``kv_events.py`` (and 0.33's ``utils/hashing.py``) unmodified through
+``shims.py`` and runs seeded random cases through vLLM and kvstream side by side:
+
+* **pool**: traces of admissions (prefix lookup by ``get_cached_block`` and by kvstream's
+  ``cached_prefix``, ``touch``, ``get_new_blocks``, ``cache_full_blocks`` whole or in
+  chunks with ``num_cached_blocks > 0``), decode steps that complete blocks, frees in
+  vLLM's order (reverse) and in other orders, preemption, ``reset_prefix_cache`` with and
+  without blocks in use, over-asking ``get_new_blocks``, 0.33's ``emit_cached_block_events``
+  vs kvstream's ``announce_cached_prefix``; pools of 2-4 blocks up to 256, hit-heavy and
+  miss-heavy vocabularies, events and caching on/off, int and bytes hash forms, LoRA,
+  cache salt, multimodal items and session ids. After every step it compares the returned
+  block ids, errors, the free queue's order, the cached map (hash, group) -> block ids in
+  lookup order, every block's hash and ref count, free count, usage and the events taken
+  (type, order and every field the release's pool fills).
+* **hash**: every algorithm the release has (0.11: sha256, sha256_cbor; 0.33: also
+  xxhash, xxhash_cbor), NONE_HASH under PYTHONHASHSEED set (random strings, "" included)
+  and unset (0.33's fixed seed for sha256*, a random root otherwise: compared by length
+  and by being fresh), block sizes 1..64, empty and partial prompts, token ids across the
+  CBOR size classes, LoRA, cache salt, multimodal items spanning block boundaries, prompt
+  embeddings (0.33), and the request hasher fed as vLLM's ``Request`` is (prompt, then
+  outputs one token or a few per step) against ``RequestBlockHasher.extend`` / ``appender``.
+
+Fields vLLM's pool does not fill but a layer above it does (0.33's ``kv_cache_spec_kind``
+and ``kv_cache_spec_sliding_window``) are not compared here; the golden replays cover them.
+Known, documented differences are counted apart from failures (see ``KNOWN``): they are
+places where vLLM itself is the odd one or where kvstream refuses a call on purpose.
+
+Exit status 1 if anything differed outside ``KNOWN``. Needs the cache ``fetch.py`` fills
+(the first run downloads the wheels; later runs need no network). Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import bisect
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+import zipfile
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # bench/
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository (kvstream)
+
+from vllm_peer import fetch  # noqa: E402
+
+RELEASES = ("0.11", "0.33")
+DEFAULT_CASES = {"pool": 600, "hash": 1500}
+
+# Differences that are understood and documented (docs/allocator.md, docs/hashing.md):
+# counted and shown, but not failures.
+KNOWN = {
+    # kvstream refuses the null block in free_blocks/touch (a LocalProtocolError, nothing
+    # changes); vLLM 0.33 skips it and 0.11 counts it (its ref_cnt goes negative).
+    "null-block-refused",
+}
+
+
+class Diff(Exception):
+    """One difference between vLLM and kvstream (a category and what was seen)."""
+
+    def __init__(self, category: str, detail: str) -> None:
+        super().__init__(f"{category}: {detail}")
+        self.category = category
+        self.detail = detail
+
+
+def _expect(category: str, ours: Any, theirs: Any, what: str = "") -> None:
+    if ours != theirs:
+        raise Diff(category, f"{what} kvstream={_short(ours)} vllm={_short(theirs)}")
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) < 600 else s[:600] + "..."
+
+
+# --------------------------------------------------------------------------------------
+# What vLLM's pool and hasher read of a request (vllm.v1.request.Request's fields).
+
+
+class PeerLoRA:
+    """vLLM's ``LoRARequest`` fields the pool and hasher read (0.11's pool reads ``.id``,
+    which 0.11's LoRARequest lacks: with events on and a LoRA request it raises
+    AttributeError; the stand-in answers with ``lora_int_id``, what kvstream emits)."""
+
+    def __init__(self, name: str, int_id: int, path: str) -> None:
+        self.lora_name = name
+        self.lora_int_id = int_id
+        self.lora_path = path
+
+    adapter_id = property(lambda self: self.lora_int_id)
+    id = property(lambda self: self.lora_int_id)
+    name = property(lambda self: self.lora_name)
+    path = property(lambda self: self.lora_path)
+
+
+class PeerPos:
+    def __init__(self, offset: int, length: int) -> None:
+        self.offset = offset
+        self.length = length
+
+
+class PeerMM:
+    def __init__(self, identifier: str, offset: int, length: int) -> None:
+        self.identifier = identifier
+        self.mm_position = PeerPos(offset, length)
+
+
+class PeerEmbeds:
+    """Prompt embeddings: one bytes row per token; slicing gives rows (``tensor_data`` joins)."""
+
+    def __init__(self, rows: list[bytes]) -> None:
+        self.rows = rows
+
+    def __getitem__(self, s: slice) -> list[bytes]:
+        return self.rows[s]
+
+
+class PeerRequest:
+    def __init__(self, rid: Any, tokens: list[int], hasher: Callable[[Any], list[bytes]] | None, *,
+                 lora: PeerLoRA | None = None, mm: list[PeerMM] | None = None, salt: str | None = None,
+                 embeds: PeerEmbeds | None = None, session: str | None = None) -> None:
+        self.request_id = rid
+        self.all_token_ids = list(tokens)
+        self.lora_request = lora
+        self.mm_features = mm or []
+        self.cache_salt = salt
+        self.prompt_embeds = embeds
+        self._prompt_embeds_per_block_hashes: dict[Any, bytes] = {}
+        self.session_id = session
+        self._hasher = hasher
+        self.block_hashes: list[bytes] = []
+        if hasher is not None:
+            self.block_hashes.extend(hasher(self))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_output_token_ids(self, tokens: list[int]) -> None:
+        # vLLM's Request.append_output_token_ids: append, then hash what they completed.
+        self.all_token_ids.extend(tokens)
+        if self._hasher is not None:
+            self.block_hashes.extend(self._hasher(self))
+
+
+def _install_mm_window(vl: Any, release: str) -> bool:
+    """vLLM 0.33's hasher calls ``vllm.multimodal.utils.get_mm_features_in_window``, a module
+    the peer does not import (it needs numpy and PIL). Execute that one real function, read
+    from the release's wheel, into the stand-in module. False if the wheel is not cached."""
+    if release != "0.33":
+        return True
+    wheels = sorted((fetch.cache_dir() / "wheels" / release).glob("*.whl"))
+    if not wheels:
+        return False
+    with zipfile.ZipFile(wheels[-1]) as whl:
+        src = whl.read("vllm/multimodal/utils.py").decode()
+    fn = next(n for n in ast.parse(src).body
+              if isinstance(n, ast.FunctionDef) and n.name == "get_mm_features_in_window")
+    fn.returns = None
+    for a in fn.args.args:
+        a.annotation = None
+    ns: dict[str, Any] = {"bisect": bisect}
+    exec(compile(ast.Module([fn], []), "vllm/multimodal/utils.py", "exec"), ns)
+    real = ns["get_mm_features_in_window"]
+    for mod in (vl.kv_cache_utils, vl.block_pool):
+        if hasattr(mod, "get_mm_features_in_window"):
+            mod.get_mm_features_in_window = real
+    return True
+
+
+def _install_tensor_data(vl: Any) -> None:
+    # 0.33 hashes prompt embeddings as sha256(tensor_data(embeds[start:end])).
+    if hasattr(vl.kv_cache_utils, "tensor_data"):
+        vl.kv_cache_utils.tensor_data = lambda rows: b"".join(rows)
+
+
+# --------------------------------------------------------------------------------------
+# Random inputs.
+
+_SPECIAL_IDS = [0, 1, 23, 24, 255, 256, 65535, 65536, (1 << 24) - 1, 1 << 24, (1 << 31) - 1]
+
+
+def _tokens(rng: random.Random, n: int, vocab: int, odd: bool = False) -> list[int]:
+    if odd:
+        extra = [(1 << 31), (1 << 32) + 5, (1 << 64) + 1, -1, -(1 << 40)]
+        return [rng.choice(_SPECIAL_IDS + extra) if rng.random() < 0.3 else rng.randrange(vocab)
+                for _ in range(n)]
+    return [rng.choice(_SPECIAL_IDS) if rng.random() < 0.05 else rng.randrange(vocab) for _ in range(n)]
+
+
+def _mm_items(rng: random.Random, prompt_len: int) -> list[tuple[str, int, int]]:
+    """Sorted, non-overlapping (identifier, offset, length) placeholders within the prompt."""
+    items = []
+    pos = rng.randrange(0, max(1, prompt_len // 3) + 1)
+    while pos < prompt_len and len(items) < 4:
+        length = rng.randrange(1, max(2, min(prompt_len - pos, 40)) + 1)
+        if pos + length > prompt_len:
+            break
+        items.append((f"mm-{rng.randrange(6)}", pos, length))
+        pos += length + rng.choice([0, 0, 1, rng.randrange(0, 20)])
+    return items
+
+
+# --------------------------------------------------------------------------------------
+# The hashing part.
+
+
+def _kv_request_hasher(release: str, alg: str, bs: int, lora: Any, mm: list[tuple[str, int, int]],
+                       salt: str | None, embeds: PeerEmbeds | None) -> Any:
+    from kvstream.hashing import LoRA, MMItem, RequestBlockHasher
+    from kvstream.compat import version
+
+    hasher = version(release).hasher(alg, bs)
+    ped = None
+    if embeds is not None:
+        rows = embeds.rows
+
+        def ped(start: int, end: int) -> bytes:
+            return hashlib.sha256(b"".join(rows[start:end])).digest()
+
+    return RequestBlockHasher(
+        hasher,
+        lora=LoRA(lora.lora_name, lora.lora_path, lora.lora_int_id) if lora else None,
+        mm_items=[MMItem(i, o, n) for i, o, n in mm],
+        cache_salt=salt,
+        prompt_embeds_digest=ped,
+    )
+
+
+def hash_case(vl: Any, release: str, seed: int, algorithms: list[str]) -> None:
+    """One random request hashed by both sides, token batch by token batch."""
+    from kvstream.hashing import none_hash
+
+    rng = random.Random(seed)
+    kcu = vl.kv_cache_utils
+    alg = algorithms[seed % len(algorithms)]
+    fn = getattr(vl.hashing, alg)
+    # NONE_HASH: set to a random string ("" included) or unset.
+    env_mode = rng.random()
+    if env_mode < 0.75:
+        os.environ["PYTHONHASHSEED"] = rng.choice(["", "0", "42", "vllm-none-hash", "ünï", str(rng.random())])
+    else:
+        os.environ.pop("PYTHONHASHSEED", None)
+    kcu.init_none_hash(fn)
+    theirs_root = kcu.NONE_HASH
+    ours_root = none_hash(alg, rules=release)
+    random_root = "PYTHONHASHSEED" not in os.environ and (release == "0.11" or alg.startswith("xxhash"))
+    if random_root:
+        kcu.init_none_hash(fn)
+        _expect("none-hash-random", len(ours_root), len(theirs_root), f"{alg} random root length (bytes)")
+        _expect("none-hash-random", none_hash(alg, rules=release) != ours_root, kcu.NONE_HASH != theirs_root,
+                f"{alg} random root is fresh per call")
+        # Hash the rest with vLLM's root (the seed is random: nothing to reproduce).
+        os.environ["PYTHONHASHSEED"] = "diff"
+        kcu.init_none_hash(fn)
+    else:
+        _expect("none-hash", ours_root, theirs_root, f"{alg} PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED')!r}")
+    bs = rng.choice([1, 2, 3, 16, 16, 16, 64, rng.randrange(1, 40)])
+    shape = rng.random()
+    if shape < 0.1:
+        plen = 0
+    elif shape < 0.35:
+        plen = bs * rng.randrange(1, 6)
+    else:
+        plen = rng.randrange(0, bs * 6 + 2)
+    prompt = _tokens(rng, plen, rng.choice([50, 32_000, 1 << 20]), odd=rng.random() < 0.1)
+    lora = PeerLoRA(f"adapter-{rng.randrange(3)}", rng.randrange(1, 9), f"/loras/{rng.randrange(3)}") \
+        if rng.random() < 0.3 else None
+    salt = rng.choice([None, None, "", "tenant-a", "t-" + str(rng.randrange(99))]) if rng.random() < 0.4 else None
+    mm = _mm_items(rng, plen) if rng.random() < 0.35 and plen else []
+    embeds = None
+    if release == "0.33" and rng.random() < 0.15 and plen:
+        embeds = PeerEmbeds([rng.randbytes(8) for _ in range(plen)])
+    outputs = _tokens(rng, rng.randrange(0, bs * 5 + 3), 32_000)
+    # vLLM's request, with the release's own hasher.
+    vhasher = kcu.get_request_block_hasher(bs, fn)
+    try:
+        vreq = PeerRequest("r", prompt, vhasher, lora=lora, salt=salt, embeds=embeds,
+                           mm=[PeerMM(i, o, n) for i, o, n in mm])
+        v_err = None
+    except Exception as exc:  # vLLM cannot hash it (an odd token id with cbor/pickle)
+        v_err = type(exc).__name__
+    ours = _kv_request_hasher(release, alg, bs, lora, mm, salt, embeds)
+    # kvstream's hasher was built with the environment as it is now, like vLLM's root.
+    _expect("none-hash", ours.hasher.root, kcu.NONE_HASH, "request hasher root")
+    try:
+        ours.extend(prompt)
+        o_err = None
+    except Exception as exc:
+        o_err = type(exc).__name__
+    if v_err or o_err:
+        _expect("hash-error", o_err is not None, v_err is not None, f"{alg} prompt {prompt[:8]}... raises")
+        return
+    where = f"{alg} bs={bs} prompt={plen} lora={bool(lora)} salt={salt!r} mm={mm} embeds={bool(embeds)}"
+    _expect("hash-prompt", ours.block_hashes, vreq.block_hashes, where)
+    i = 0
+    feed = rng.random()
+    append = ours.appender() if feed < 0.3 else None
+    while i < len(outputs):
+        k = 1 if feed < 0.6 else rng.randrange(1, bs + 3)
+        chunk = outputs[i:i + k]
+        i += k
+        vreq.append_output_token_ids(chunk)
+        if append is not None:
+            for t in chunk:
+                append(t)
+        else:
+            ours.extend(chunk)
+        if rng.random() < 0.5 or i >= len(outputs):
+            _expect("hash-decode", ours.block_hashes, vreq.block_hashes,
+                    f"{where} after {i} outputs ({'appender' if append else 'extend'})")
+    _expect("hash-num-tokens", ours.num_tokens, vreq.num_tokens)
+
+
+# --------------------------------------------------------------------------------------
+# The pool part.
+
+
+def _norm(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_norm(x) for x in v)
+    return v
+
+
+def _events_vllm(events: list[Any], release: str) -> list[tuple[Any, ...]]:
+    out = []
+    for e in events:
+        name = type(e).__name__
+        if name == "BlockStored":
+            row: tuple[Any, ...] = ("S", _norm(e.block_hashes), e.parent_block_hash, _norm(e.token_ids),
+                                    e.block_size, e.lora_id, e.medium)
+            if release == "0.33":
+                row += (e.lora_name, _norm(e.extra_keys), e.group_idx, e.session_id)
+            out.append(row)
+        elif name == "BlockRemoved":
+            row = ("R", _norm(e.block_hashes), e.medium)
+            if release == "0.33":
+                row += (e.group_idx,)
+            out.append(row)
+        else:
+            out.append(("C",))
+    return out
+
+
+def _events_ours(events: list[Any], release: str) -> list[tuple[Any, ...]]:
+    out = []
+    for e in events:
+        name = type(e).__name__
+        if name == "BlockStored":
+            row: tuple[Any, ...] = ("S", _norm(e.block_hashes), e.parent_block_hash, _norm(e.token_ids),
+                                    e.block_size, e.lora_id, e.medium)
+            if release == "0.33":
+                row += (e.lora_name, _norm(e.extra_keys), e.group_idx, e.session_id)
+            else:
+                _expect("event-0.11-fields", (e.lora_name, e.extra_keys, e.group_idx, e.session_id),
+                        (None, None, None, None), "0.11-style BlockStored carries 0.33 fields")
+            out.append(row)
+        elif name == "BlockRemoved":
+            row = ("R", _norm(e.block_hashes), e.medium)
+            if release == "0.33":
+                row += (e.group_idx,)
+            else:
+                _expect("event-0.11-fields", e.group_idx, None, "0.11-style BlockRemoved group_idx")
+            out.append(row)
+        else:
+            out.append(("C",))
+    return out
+
+
+class PoolPair:
+    """vLLM's pool and kvstream's, driven with the same calls; compared after each."""
+
+    def __init__(self, vl: Any, release: str, num_blocks: int, bs: int, caching: bool, events: bool,
+                 int_hashes: bool) -> None:
+        from kvstream.allocator import BlockPool
+
+        self.release = release
+        self.bs = bs
+        self.events = events
+        sys.modules["vllm.envs"].VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES = int_hashes  # type: ignore[attr-defined]
+        if release == "0.11":
+            self.v = vl.block_pool.BlockPool(num_blocks, caching, events)
+        else:
+            self.v = vl.block_pool.BlockPool(num_blocks, caching, bs, events)
+        self.o = BlockPool(num_blocks, bs, enable_caching=caching, enable_kv_cache_events=events,
+                           hash_form="int" if int_hashes else "bytes", release=release)
+
+    def touch(self, vblocks: list[Any], oblocks: list[Any]) -> None:
+        if self.release == "0.11":
+            self.v.touch((vblocks,))
+        else:
+            self.v.touch(vblocks)
+        self.o.touch(oblocks)
+
+    def compare(self, where: str) -> None:
+        v, o = self.v, self.o
+        _expect("free-queue", o.free_block_ids(), [b.block_id for b in v.free_block_queue.get_all_free_blocks()],
+                where)
+        _expect("num-free", o.get_num_free_blocks(), v.get_num_free_blocks(), where)
+        _expect("usage", o.get_usage(), v.get_usage(), where)
+        _expect("ref-cnt", [b.ref_cnt for b in o.blocks[1:]], [b.ref_cnt for b in v.blocks[1:]], where)
+        vh = [None if b.block_hash is None else bytes(b.block_hash[:-4]) for b in v.blocks]
+        _expect("block-hash", [b.block_hash for b in o.blocks], vh, where)
+        cached: dict[tuple[bytes, int], list[int]] = {}
+        for key, val in v.cached_block_hash_to_block._cache.items():
+            ids = [val.block_id] if not isinstance(val, dict) else list(val)
+            cached[(bytes(key[:-4]), int.from_bytes(key[-4:], "big"))] = ids
+        _expect("cached-map", o.cached_blocks(), cached, where)
+        o.check_invariants()
+        ev_v = _events_vllm(v.take_events(), self.release)
+        ev_o = _events_ours(o.take_events(), self.release)
+        _expect("events", ev_o, ev_v, where)
+
+
+class Req:
+    """One request on both sides: vLLM's request object and kvstream's hashes and blocks."""
+
+    def __init__(self, vreq: PeerRequest, ours: Any, src: Any) -> None:
+        self.v = vreq
+        self.ours = ours  # kvstream RequestBlockHasher
+        self.tokens = list(vreq.all_token_ids)
+        self.vblocks: list[Any] = []
+        self.oblocks: list[Any] = []
+        self.num_cached = 0
+        self.src = src  # lora/salt/session for kvstream's pool calls
+
+
+class _Src:
+    """What kvstream's pool reads of a request (``cache_blocks_of``/``announce_cached_prefix``)."""
+
+    def __init__(self, req: Req, lora: PeerLoRA | None, session: str | None) -> None:
+        self.req = req
+        self.lora_id = lora.lora_int_id if lora else None
+        self.lora_name = lora.lora_name if lora else None
+        self.session_id = session
+
+    @property
+    def blocks(self) -> list[Any]:
+        return self.req.oblocks
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return self.req.ours.block_hashes
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.req.tokens
+
+    @property
+    def extra_keys(self) -> Any:
+        return self.req.ours.wire_extra_keys
+
+
+def pool_case(vl: Any, release: str, seed: int) -> int:
+    """One random trace; returns the number of steps compared."""
+    rng = random.Random(seed)
+    kcu = vl.kv_cache_utils
+    os.environ["PYTHONHASHSEED"] = "diff"
+    alg = "sha256_cbor" if rng.random() < 0.7 else "sha256"
+    fn = getattr(vl.hashing, alg)
+    kcu.init_none_hash(fn)
+    num_blocks = rng.choice([2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 256])
+    bs = rng.choice([1, 2, 4, 4, 16])
+    caching = rng.random() < 0.9
+    events = rng.random() < 0.85
+    int_hashes = rng.random() < 0.8
+    pair = PoolPair(vl, release, num_blocks, bs, caching, events, int_hashes)
+    vhasher = kcu.get_request_block_hasher(bs, fn)
+    hit_heavy = rng.random() < 0.6
+    vocab = 4 if hit_heavy else 5000
+    families = [_tokens(rng, rng.randrange(0, bs * 4 + 1), vocab) for _ in range(rng.randrange(1, 4))]
+    fancy = rng.random() < 0.4
+    waiting: list[Req] = []
+    running: list[Req] = []
+    steps = rng.randrange(15, 70)
+    rid = 0
+
+    def new_request() -> Req:
+        nonlocal rid
+        rid += 1
+        fam = rng.choice(families)
+        shape = rng.random()
+        if shape < 0.3:
+            tail: list[int] = []
+        elif shape < 0.5:
+            tail = _tokens(rng, bs * rng.randrange(1, 3) - len(fam) % bs, vocab)
+        else:
+            tail = _tokens(rng, rng.randrange(0, bs * 3), vocab)
+        prompt = fam + tail
+        if not prompt:
+            prompt = _tokens(rng, 1, vocab)
+        lora = salt = session = None
+        mm: list[tuple[str, int, int]] = []
+        if fancy:
+            if rng.random() < 0.4:
+                lora = PeerLoRA(f"lora-{rng.randrange(2)}", rng.randrange(1, 3), "/p")
+            if rng.random() < 0.3:
+                salt = rng.choice(["", "s1", "s2"])
+            if rng.random() < 0.3:
+                mm = _mm_items(rng, len(prompt))
+            if rng.random() < 0.5:
+                session = f"sess-{rng.randrange(3)}"
+        vreq = PeerRequest(rid, prompt, vhasher, lora=lora, salt=salt, session=session,
+                           mm=[PeerMM(i, o, n) for i, o, n in mm])
+        ours = _kv_request_hasher(release, alg, bs, lora, mm, salt, None)
+        ours.extend(prompt)
+        _expect("hash-prompt", ours.block_hashes, vreq.block_hashes, f"request {rid}")
+        req = Req(vreq, ours, None)
+        req.src = _Src(req, lora, session)
+        return req
+
+    def cache(req: Req, nc: int, nf: int, where: str) -> None:
+        if not caching:
+            return  # vLLM's KVCacheManager.cache_blocks does not call the pool then
+        pair.v.cache_full_blocks(req.v, req.vblocks, nc, nf, bs, 0)
+        if rng.random() < 0.5:
+            pair.o.cache_blocks_of(req.src, nc, nf, 0)
+        else:
+            s = req.src
+            pair.o.cache_full_blocks(req.oblocks, req.ours.block_hashes, nc, nf, req.tokens, 0,
+                                     lora_id=s.lora_id, lora_name=s.lora_name,
+                                     extra_keys=req.ours.wire_extra_keys, session_id=s.session_id)
+        req.num_cached = nf
+
+    def free(req: Req, how: str) -> None:
+        order = list(range(len(req.vblocks)))
+        if how == "reverse":
+            order.reverse()
+        elif how == "shuffle":
+            rng.shuffle(order)
+        pair.v.free_blocks([req.vblocks[i] for i in order])
+        pair.o.free_blocks([req.oblocks[i] for i in order])
+        req.vblocks, req.oblocks = [], []
+        req.num_cached = 0
+
+    def admit(req: Req, where: str) -> bool:
+        ntok = len(req.tokens)
+        max_hit = (ntok - 1) // bs if caching else 0  # vLLM's manager skips the lookup then
+        vh: list[Any] = []
+        for h in req.v.block_hashes[:max_hit]:
+            got = pair.v.get_cached_block(h, [0])
+            if not got:
+                break
+            vh.append(got[0])
+        oh = pair.o.cached_prefix(req.ours.block_hashes, max_hit)
+        _expect("prefix-hit", [b.block_id for b in oh], [b.block_id for b in vh], where)
+        for h, b in zip(req.ours.block_hashes, oh):
+            got = pair.o.get_cached_block(h, [0])
+            _expect("get-cached-block", got and got[0].block_id, b.block_id, where)
+        need = -(-ntok // bs) - len(vh)
+        if need + sum(1 for b in vh if b.ref_cnt == 0) > pair.v.get_num_free_blocks():
+            if rng.random() < 0.5:
+                n = pair.v.get_num_free_blocks() + rng.randrange(1, 3)
+                errs = []
+                for p in (pair.v, pair.o):
+                    try:
+                        p.get_new_blocks(n)
+                        errs.append(None)
+                    except ValueError:
+                        errs.append("ValueError")
+                _expect("no-free-blocks", errs[1], errs[0], where)
+            return False
+        if vh:
+            pair.touch(vh, oh)
+        vn = pair.v.get_new_blocks(need)
+        on = pair.o.get_new_blocks(need)
+        _expect("new-blocks", [b.block_id for b in on], [b.block_id for b in vn], where)
+        req.vblocks, req.oblocks = vh + vn, oh + on
+        nf = ntok // bs
+        nc = len(vh)
+        if release == "0.33" and vh and rng.random() < 0.3:
+            pair.v.emit_cached_block_events(req.v, nc, bs, 0)
+            pair.o.announce_cached_prefix(req.src, nc, 0)
+        if nf - nc >= 2 and rng.random() < 0.3:
+            mid = rng.randrange(nc + 1, nf)
+            cache(req, nc, mid, where)
+            pair.compare(where + " (first chunk)")
+            cache(req, mid, nf, where)
+        else:
+            cache(req, nc, nf, where)
+        req.num_cached = nf
+        return True
+
+    pair.compare("start")
+    done = 0
+    for step in range(steps):
+        op = rng.random()
+        where = f"step {step}"
+        if op < 0.35 or not running:
+            req = waiting.pop(0) if waiting and rng.random() < 0.5 else new_request()
+            if admit(req, where + " admit"):
+                running.append(req)
+            else:
+                waiting.append(req)
+                if running and rng.random() < 0.5:  # preempt the newest: free it, requeue
+                    victim = running.pop()
+                    free(victim, "reverse")
+                    victim.vblocks, victim.oblocks = [], []
+                    waiting.append(victim)
+        elif op < 0.75:
+            req = rng.choice(running)
+            k = 1 if rng.random() < 0.7 else rng.randrange(1, bs + 2)
+            toks = _tokens(rng, k, vocab)
+            total = len(req.tokens) + k
+            need = -(-total // bs) - len(req.vblocks)
+            if need > pair.v.get_num_free_blocks():
+                running.remove(req)
+                free(req, "reverse")
+                waiting.append(req)
+            else:
+                req.v.append_output_token_ids(toks)
+                req.ours.extend(toks)
+                req.tokens += toks
+                _expect("hash-decode", req.ours.block_hashes, req.v.block_hashes, where)
+                if need > 0:
+                    vn = pair.v.get_new_blocks(need)
+                    on = pair.o.get_new_blocks(need)
+                    _expect("new-blocks", [b.block_id for b in on], [b.block_id for b in vn], where + " decode")
+                    req.vblocks += vn
+                    req.oblocks += on
+                nf = total // bs
+                if nf > req.num_cached:
+                    cache(req, req.num_cached, nf, where + " decode")
+        elif op < 0.93:
+            req = running.pop(rng.randrange(len(running)))
+            free(req, rng.choice(["reverse", "reverse", "reverse", "forward", "shuffle"]))
+            # A finished request is gone; a later one may share its prefix.
+        elif op < 0.97:
+            ok_v = pair.v.reset_prefix_cache()
+            ok_o = pair.o.reset_prefix_cache()
+            _expect("reset", ok_o, ok_v, where)
+        else:
+            # Over-asking must fail on both sides and change nothing.
+            n = pair.v.get_num_free_blocks() + 1
+            errs = []
+            for p in (pair.v, pair.o):
+                try:
+                    p.get_new_blocks(n)
+                    errs.append(None)
+                except ValueError:
+                    errs.append("ValueError")
+            _expect("no-free-blocks", errs[1], errs[0], where)
+        pair.compare(where)
+        done += 1
+    # Everyone finishes: the pool must be back to all free.
+    for req in running:
+        free(req, "reverse")
+    pair.compare("drain")
+    _expect("reset", pair.o.reset_prefix_cache(), pair.v.reset_prefix_cache(), "drain")
+    pair.compare("after reset")
+    return done + 1
+
+
+def null_block_probe(vl: Any, release: str) -> list[str]:
+    """Hand the null block to free_blocks and touch, as vLLM's sliding-window managers do."""
+    notes = []
+    pair = PoolPair(vl, release, 4, 4, True, True, True)
+    for name in ("free_blocks", "touch"):
+        vnull, onull = pair.v.null_block, pair.o.null_block
+        try:
+            if name == "touch":
+                pair.touch([vnull], [onull])
+            else:
+                pair.v.free_blocks([vnull])
+                pair.o.free_blocks([onull])
+        except Exception as exc:
+            notes.append(f"{name}([null block]): vLLM {release} accepts it (null ref_cnt {vnull.ref_cnt}); "
+                         f"kvstream raises {type(exc).__name__}")
+    return notes
+
+
+# --------------------------------------------------------------------------------------
+# Driver.
+
+
+def worker(release: str, parts: list[str], cases: dict[str, int], seed0: int, verbose: bool,
+           one: int | None) -> dict[str, Any]:
+    from vllm_peer import shims
+
+    vl = shims.load(fetch.source_root(release))
+    mm_ok = _install_mm_window(vl, release)
+    _install_tensor_data(vl)
+    algorithms = ["sha256", "sha256_cbor"] + (["xxhash", "xxhash_cbor"] if release == "0.33" else [])
+    out: dict[str, Any] = {"release": release, "mm_window": mm_ok, "parts": {}}
+    saved_env = os.environ.get("PYTHONHASHSEED")
+    for part in parts:
+        seeds = [one] if one is not None else [seed0 + i for i in range(cases[part])]
+        diffs: dict[str, list[str]] = {}
+        steps = 0
+        t0 = time.perf_counter()
+        for s in seeds:
+            try:
+                if part == "hash":
+                    hash_case(vl, release, s, algorithms)
+                    steps += 1
+                else:
+                    steps += pool_case(vl, release, s)
+            except Diff as d:
+                diffs.setdefault(d.category, []).append(f"seed {s}: {d.detail}")
+            except Exception as exc:  # a crash on either side is a difference too
+                tb = traceback.format_exc(limit=4) if verbose else ""
+                diffs.setdefault("crash", []).append(f"seed {s}: {type(exc).__name__}: {exc} {tb}")
+        out["parts"][part] = {"cases": len(seeds), "steps": steps, "seconds": time.perf_counter() - t0,
+                              "diffs": {k: (len(v), v[:3]) for k, v in diffs.items()}}
+    if "pool" in parts:
+        notes = null_block_probe(vl, release)
+        if notes:
+            out["parts"]["pool"]["diffs"]["null-block-refused"] = (len(notes), notes)
+    if saved_env is None:
+        os.environ.pop("PYTHONHASHSEED", None)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--release", default=",".join(RELEASES), help="comma-separated: 0.11, 0.33")
+    ap.add_argument("--part", default="pool,hash", help="comma-separated: pool, hash")
+    ap.add_argument("--cases", type=int, help="seeded cases per part (default: pool 600, hash 1500)")
+    ap.add_argument("--seed", type=int, default=0, help="first case seed (cases use seed, seed+1, ...)")
+    ap.add_argument("--one", type=int, help="run only the case with this seed (reproduce a difference)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks for crashes")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    parts = args.part.split(",")
+    cases = {p: args.cases if args.cases else DEFAULT_CASES[p] for p in ("pool", "hash")}
+    if args.worker:
+        print(json.dumps(worker(args.worker, parts, cases, args.seed, args.verbose, args.one)))
+        return
+    failed = False
+    t0 = time.perf_counter()
+    for release in args.release.split(","):
+        fetch.ensure(release)
+        cmd = [sys.executable, __file__, "--worker", release, "--part", args.part, "--seed", str(args.seed)]
+        if args.cases:
+            cmd += ["--cases", str(args.cases)]
+        if args.one is not None:
+            cmd += ["--one", str(args.one)]
+        if args.verbose:
+            cmd += ["-v"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            print(res.stderr, file=sys.stderr)
+            raise SystemExit(f"worker for vLLM {release} failed")
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        print(f"vLLM {release} vs kvstream (release={release!r}):")
+        if not got["mm_window"]:
+            print("  note: no cached wheel: 0.33's multimodal window search unavailable")
+        for part, r in got["parts"].items():
+            print(f"  {part:4s}: {r['cases']} cases, {r['steps']} steps compared, {r['seconds']:.1f} s")
+            for cat, (n, examples) in sorted(r["diffs"].items()):
+                known = cat in KNOWN
+                failed |= not known
+                print(f"    {'KNOWN ' if known else 'DIFF  '}{cat}: {n}")
+                for e in examples:
+                    print(f"      {e}")
+            if not r["diffs"]:
+                print("    no differences")
+    print(f"total {time.perf_counter() - t0:.1f} s; {'DIFFERENCES FOUND' if failed else 'all equal (or known)'}")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
