@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository (kv
 from vllm_peer import fetch  # noqa: E402
 
 RELEASES = ("0.11", "0.33")
-DEFAULT_CASES = {"pool": 3000, "hash": 10000}
+DEFAULT_CASES = {"pool": 3000, "manager": 1500, "hash": 10000}
 
 # Differences that are understood and documented (docs/allocator.md, docs/hashing.md):
 # counted and shown, but not failures.
@@ -200,7 +200,7 @@ _SPECIAL_IDS = [0, 1, 23, 24, 255, 256, 65535, 65536, (1 << 24) - 1, 1 << 24, (1
 
 def _tokens(rng: random.Random, n: int, vocab: int, odd: bool = False) -> list[int]:
     if odd:
-        extra = [(1 << 31), (1 << 32) + 5, (1 << 64) + 1, -1, -(1 << 40)]
+        extra = [(1 << 31), (1 << 32) + 5, (1 << 64) + 1, -1, -(1 << 40), True, False]
         return [rng.choice(_SPECIAL_IDS + extra) if rng.random() < 0.3 else rng.randrange(vocab)
                 for _ in range(n)]
     return [rng.choice(_SPECIAL_IDS) if rng.random() < 0.05 else rng.randrange(vocab) for _ in range(n)]
@@ -301,8 +301,20 @@ def hash_case(vl: Any, release: str, seed: int, algorithms: list[str]) -> None:
     ours = _kv_request_hasher(release, alg, bs, lora, mm, salt, embeds)
     # kvstream's hasher was built with the environment as it is now, like vLLM's root.
     _expect("none-hash", ours.hasher.root, kcu.NONE_HASH, "request hasher root")
+    # The prompt as a list, or in another container kvstream accepts (same ids, same hashes).
+    shape_in = rng.random()
+    if shape_in < 0.1:
+        given: Any = tuple(prompt)
+    elif shape_in < 0.2:
+        given = iter(prompt)
+    elif shape_in < 0.3 and all(type(t) is int and 0 <= t < 1 << 32 for t in prompt):
+        from array import array
+
+        given = array("I", prompt)
+    else:
+        given = prompt
     try:
-        ours.extend(prompt)
+        ours.extend(given)
         o_err = None
     except Exception as exc:
         o_err = type(exc).__name__
@@ -750,6 +762,173 @@ def pool_case(vl: Any, release: str, seed: int, seen: dict[str, int]) -> int:
     return done + 1
 
 
+def manager_case(vl: Any, release: str, seed: int, seen: dict[str, int]) -> int:
+    """One random trace through kvstream's ``KVCacheManager`` against vLLM's pool driven with
+    the calls vLLM's ``KVCacheManager`` makes (as ``workloads.py`` models them): admission
+    with the prefix lookup capped one token short of the prompt, the release's reservation
+    rule (0.33: the whole prompt must fit; 0.11: the scheduled chunk), chunked prefill,
+    decode token by token (a block cached as its last token is scheduled), preemption when
+    a decode finds no free block, frees in reverse."""
+    from kvstream.allocator import KVCacheManager
+    from kvstream.compat import version
+    from kvstream.hashing import LoRA, MMItem
+
+    rng = random.Random(seed)
+    kcu = vl.kv_cache_utils
+    os.environ["PYTHONHASHSEED"] = "diff"
+    alg = "sha256_cbor" if rng.random() < 0.7 else "sha256"
+    fn = getattr(vl.hashing, alg)
+    kcu.init_none_hash(fn)
+    num_blocks = rng.choice([2, 3, 4, 6, 8, 16, 64])
+    bs = rng.choice([1, 2, 4, 16])
+    caching = rng.random() < 0.9
+    pair = PoolPair(vl, release, num_blocks, bs, caching, True, True)
+    rel = version(release)
+    mgr = KVCacheManager(pair.o, rel.hasher(alg, bs), release=rel)
+    reserve_full = mgr.reserve_full_prompt
+    vhasher = kcu.get_request_block_hasher(bs, fn)
+    vocab = rng.choice([3, 5000])
+    families = [_tokens(rng, rng.randrange(0, bs * 4 + 1), vocab) for _ in range(rng.randrange(1, 4))]
+    running: list[list[Any]] = []  # [vLLM request, vLLM blocks, num_cached, computed, kvstream request]
+    waiting: list[list[Any]] = []
+    rid = 0
+
+    def v_cache(st: list[Any], total: int) -> None:
+        nf = total // bs
+        if caching and nf > st[2]:
+            pair.v.cache_full_blocks(st[0], st[1], st[2], nf, bs, 0)
+            st[2] = nf
+
+    def v_admit(st: list[Any], chunk: int | None) -> bool:
+        vreq = st[0]
+        ntok = vreq.num_tokens
+        hits: list[Any] = []
+        if caching:
+            for h in vreq.block_hashes[:(ntok - 1) // bs]:
+                got = pair.v.get_cached_block(h, [0])
+                if not got:
+                    break
+                hits.append(got[0])
+        computed = len(hits) * bs
+        total = ntok if chunk is None else computed + min(chunk, ntok - computed)
+        reserve = ntok if reserve_full else total
+        need = -(-reserve // bs) - len(hits)
+        if need + sum(1 for b in hits if b.ref_cnt == 0) > pair.v.get_num_free_blocks():
+            return False
+        if hits:
+            pair.touch([hits], [[]])  # kvstream's side touches inside admit()
+        st[1] = hits + pair.v.get_new_blocks(-(-total // bs) - len(hits))
+        st[2] = len(hits)
+        st[3] = total
+        v_cache(st, total)
+        return True
+
+    def v_free(st: list[Any]) -> None:
+        pair.v.free_blocks(list(reversed(st[1])))
+        st[1], st[2], st[3] = [], 0, 0
+
+    def new() -> list[Any]:
+        nonlocal rid
+        rid += 1
+        prompt = rng.choice(families) + _tokens(rng, rng.choice([0, bs, rng.randrange(1, bs * 3)]), vocab)
+        if not prompt:
+            prompt = [1]
+        lora = salt = None
+        mm: list[tuple[str, int, int]] = []
+        if rng.random() < 0.3:
+            lora = PeerLoRA("ad", 1, "/ad")
+        if rng.random() < 0.3:
+            salt = rng.choice(["", "s"])
+        if rng.random() < 0.2:
+            mm = _mm_items(rng, len(prompt))
+        session = "sess" if release == "0.33" and rng.random() < 0.3 else None
+        vreq = PeerRequest(rid, prompt, vhasher, lora=lora, salt=salt, session=session,
+                           mm=[PeerMM(i, o, n) for i, o, n in mm])
+        kreq = mgr.new_request(rid, prompt, lora=LoRA(lora.lora_name, lora.lora_path, lora.lora_int_id) if lora else None,
+                               mm_items=[MMItem(i, o, n) for i, o, n in mm], cache_salt=salt, session_id=session)
+        _expect("hash-prompt", kreq.block_hashes, vreq.block_hashes, f"request {rid}")
+        return [vreq, [], 0, 0, kreq]
+
+    def same_tables(st: list[Any], where: str) -> None:
+        _expect("block-table", st[4].block_ids, [b.block_id for b in st[1]], where)
+        _expect("computed-tokens", st[4].num_computed_tokens, st[3], where)
+
+    pair.compare("start")
+    steps = rng.randrange(20, 80)
+    for step in range(steps):
+        where = f"step {step}"
+        op = rng.random()
+        if op < 0.3 or not running:
+            st = waiting.pop(0) if waiting and rng.random() < 0.5 else new()
+            chunk = rng.randrange(1, bs * 2 + 1) if rng.random() < 0.3 else None
+            # kvstream's admit checks num_new_tokens against what is left after its hits.
+            ok_v = v_admit(st, chunk)
+            left = st[4].num_tokens - len(mgr.get_computed_blocks(st[4])) * bs
+            ok_o = mgr.admit(st[4], None if chunk is None else min(chunk, left))
+            _expect("admit", ok_o, ok_v, where)
+            pair.saw("admissions " + ("done" if ok_v else "refused"))
+            if ok_v and st[4].num_prefix_hit_tokens:
+                pair.saw("admissions with prefix hits")
+            if ok_v and chunk is not None:
+                pair.saw("chunked admissions")
+            (running if ok_v else waiting).append(st)
+            if ok_v:
+                same_tables(st, where)
+        elif op < 0.75:
+            st = rng.choice(running)
+            vreq, kreq = st[0], st[4]
+            if st[3] < vreq.num_tokens:  # prefill left: the next chunk
+                n = min(rng.randrange(1, bs * 2 + 1), vreq.num_tokens - st[3])
+                total = st[3] + n
+                need = -(-total // bs) - len(st[1])
+                ok_v = need <= pair.v.get_num_free_blocks()
+                if ok_v:
+                    if need > 0:
+                        st[1] += pair.v.get_new_blocks(need)
+                    st[3] = total
+                    v_cache(st, total)
+                _expect("allocate", mgr.allocate(kreq, n), ok_v, where)
+            else:
+                tok = _tokens(rng, 1, vocab)[0]
+                total = st[3] + 1
+                need = -(-total // bs) - len(st[1])
+                ok_v = need <= pair.v.get_num_free_blocks()
+                if ok_v:
+                    vreq.append_output_token_ids([tok])
+                    if need > 0:
+                        st[1] += pair.v.get_new_blocks(need)
+                    st[3] = total
+                    v_cache(st, total)
+                _expect("decode", mgr.decode(kreq, tok), ok_v, where)
+                if not ok_v:  # preempted for good (its next token is not kept by kvstream)
+                    running.remove(st)
+                    v_free(st)
+                    mgr.free(kreq)
+                    pair.saw("decodes refused (preempted)")
+                else:
+                    _expect("hash-decode", kreq.block_hashes, vreq.block_hashes, where)
+            same_tables(st, where)
+        elif op < 0.95:
+            st = running.pop(rng.randrange(len(running)))
+            v_free(st)
+            mgr.free(st[4])
+        else:
+            if rng.random() < 0.5:
+                for st in running:
+                    v_free(st)
+                    mgr.free(st[4])
+                running = []
+            _expect("reset", mgr.reset_prefix_cache(), pair.v.reset_prefix_cache(), where)
+        pair.compare(where)
+    for st in running:
+        v_free(st)
+        mgr.free(st[4])
+    pair.compare("drain")
+    for k, n in pair.seen.items():
+        seen[k] = seen.get(k, 0) + n
+    return steps + 1
+
+
 def null_block_probe(vl: Any, release: str) -> list[str]:
     """Hand the null block to free_blocks and touch, as vLLM's sliding-window managers do."""
     notes = []
@@ -807,6 +986,8 @@ def worker(release: str, parts: list[str], cases: dict[str, int], seed0: int, ve
                 if part == "hash":
                     hash_case(vl, release, s, algorithms)
                     steps += 1
+                elif part == "manager":
+                    steps += manager_case(vl, release, s, seen)
                 else:
                     steps += pool_case(vl, release, s, seen)
             except Diff as d:
@@ -828,15 +1009,15 @@ def worker(release: str, parts: list[str], cases: dict[str, int], seed0: int, ve
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--release", default=",".join(RELEASES), help="comma-separated: 0.11, 0.33")
-    ap.add_argument("--part", default="pool,hash", help="comma-separated: pool, hash")
-    ap.add_argument("--cases", type=int, help="seeded cases per part (default: pool 3000, hash 10000)")
+    ap.add_argument("--part", default="pool,manager,hash", help="comma-separated: pool, manager, hash")
+    ap.add_argument("--cases", type=int, help="seeded cases per part (default: pool 3000, manager 1500, hash 10000)")
     ap.add_argument("--seed", type=int, default=0, help="first case seed (cases use seed, seed+1, ...)")
     ap.add_argument("--one", type=int, help="run only the case with this seed (reproduce a difference)")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks for crashes")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     parts = args.part.split(",")
-    cases = {p: args.cases if args.cases else DEFAULT_CASES[p] for p in ("pool", "hash")}
+    cases = {p: args.cases if args.cases else DEFAULT_CASES[p] for p in DEFAULT_CASES}
     if args.worker:
         print(json.dumps(worker(args.worker, parts, cases, args.seed, args.verbose, args.one)))
         return
