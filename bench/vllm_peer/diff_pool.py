@@ -4,8 +4,9 @@ Usage (from the repository root, with kvstream's venv)::
 
     .venv/bin/python bench/vllm_peer/diff_pool.py                 # both releases, default cases
     .venv/bin/python bench/vllm_peer/diff_pool.py --cases 5000    # more seeded cases per part
-    .venv/bin/python bench/vllm_peer/diff_pool.py --release 0.33 --part pool --seed 17 -v
+    .venv/bin/python bench/vllm_peer/diff_pool.py --release 0.33 --part pool --one 17 -v
 
+Each difference is printed with the seed of its case; ``--one SEED`` replays just that case.
 For each release (0.11, 0.33) one worker process imports vLLM's own ``block_pool.py``,
 ``kv_cache_utils.py``, ``kv_events.py`` (and 0.33's ``utils/hashing.py``) unmodified through
 ``shims.py`` and runs seeded random cases through vLLM and kvstream side by side:
@@ -15,19 +16,32 @@ For each release (0.11, 0.33) one worker process imports vLLM's own ``block_pool
   chunks with ``num_cached_blocks > 0``), decode steps that complete blocks, frees in
   vLLM's order (reverse) and in other orders, preemption, ``reset_prefix_cache`` with and
   without blocks in use, over-asking ``get_new_blocks``, 0.33's ``emit_cached_block_events``
-  vs kvstream's ``announce_cached_prefix``; pools of 2-4 blocks up to 256, hit-heavy and
-  miss-heavy vocabularies, events and caching on/off, int and bytes hash forms, LoRA,
-  cache salt, multimodal items and session ids. After every step it compares the returned
+  vs kvstream's ``announce_cached_prefix``; pools of 2-4 blocks up to 256, one or two KV
+  cache groups, hit-heavy and miss-heavy vocabularies, events and caching on/off, int and
+  bytes hash forms, a ``medium`` other than GPU (0.33), LoRA, cache salt, multimodal items
+  and session ids. A probe hands the null block to ``free_blocks``, ``touch`` and (0.33)
+  ``cache_full_blocks``. After every step it compares the returned
   block ids, errors, the free queue's order, the cached map (hash, group) -> block ids in
   lookup order, every block's hash and ref count, free count, usage and the events taken
   (type, order and every field the release's pool fills).
+* **manager**: kvstream's ``KVCacheManager`` (``admit`` whole or chunked, ``allocate``,
+  ``decode``, ``free``, ``reset_prefix_cache``) against vLLM's pool driven with the calls
+  vLLM's ``KVCacheManager`` makes (as ``workloads.py`` models them: lookup capped one token
+  short of the prompt, the release's reservation rule, blocks cached as their last token
+  is scheduled, frees in reverse); the same comparisons, plus block tables, computed tokens
+  and admission/decode outcomes.
 * **hash**: every algorithm the release has (0.11: sha256, sha256_cbor; 0.33: also
   xxhash, xxhash_cbor), NONE_HASH under PYTHONHASHSEED set (random strings, "" included)
   and unset (0.33's fixed seed for sha256*, a random root otherwise: compared by length
   and by being fresh), block sizes 1..64, empty and partial prompts, token ids across the
   CBOR size classes, LoRA, cache salt, multimodal items spanning block boundaries, prompt
   embeddings (0.33), and the request hasher fed as vLLM's ``Request`` is (prompt, then
-  outputs one token or a few per step) against ``RequestBlockHasher.extend`` / ``appender``.
+  outputs one token or a few per step) against ``RequestBlockHasher.extend`` / ``appender``
+  (the prompt as a list, tuple, iterator or ``array``); per block, ``for_block`` against
+  ``generate_block_hash_extra_keys`` (and 0.33's ``to_event_extra_keys``); ``hash_block``
+  and ``hash_blocks`` with arbitrary extra keys against ``hash_block_tokens``;
+  ``hash_function`` and ``to_external`` against vLLM's hash functions and
+  ``maybe_convert_block_hash``.
 
 Fields vLLM's pool does not fill but a layer above it does (0.33's ``kv_cache_spec_kind``
 and ``kv_cache_spec_sliding_window``) are not compared here; the golden replays cover them.
@@ -61,7 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository (kv
 from vllm_peer import fetch  # noqa: E402
 
 RELEASES = ("0.11", "0.33")
-DEFAULT_CASES = {"pool": 3000, "manager": 1500, "hash": 10000}
+DEFAULT_CASES = {"pool": 2000, "manager": 1000, "hash": 10000}
 
 # Differences that are understood and documented (docs/allocator.md, docs/hashing.md):
 # counted and shown, but not failures.
@@ -1010,7 +1024,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--release", default=",".join(RELEASES), help="comma-separated: 0.11, 0.33")
     ap.add_argument("--part", default="pool,manager,hash", help="comma-separated: pool, manager, hash")
-    ap.add_argument("--cases", type=int, help="seeded cases per part (default: pool 3000, manager 1500, hash 10000)")
+    ap.add_argument("--cases", type=int, help="seeded cases per part (default: pool 2000, manager 1000, hash 10000)")
     ap.add_argument("--seed", type=int, default=0, help="first case seed (cases use seed, seed+1, ...)")
     ap.add_argument("--one", type=int, help="run only the case with this seed (reproduce a difference)")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks for crashes")
