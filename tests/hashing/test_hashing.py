@@ -551,6 +551,32 @@ def test_incremental_request_hasher_equals_one_shot(algorithm, style, tokens, cu
     assert rbh.wire_extra_keys == [f.wire for f in forms]
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(small_ints, max_size=70),
+    cuts=st.lists(st.integers(min_value=0, max_value=70), max_size=8),
+    spans=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), max_size=5),
+)
+def test_v033_mm_requests_hash_the_same_however_the_tokens_are_split(tokens, cuts, spans):
+    # vLLM 0.33 starts every hashing pass at the first item still overlapping the block, so
+    # a multimodal request's hashes do not depend on how its tokens arrived (0.11's do).
+    items, pos = [], 0
+    for i, (gap, length) in enumerate(spans):
+        pos += gap
+        items.append(MMItem(f"m{i % 2}", pos, length))
+        pos += length
+    h = BlockHasher("sha256_cbor", 4, seed="0", extra_key_style="0.33")
+    keys = RequestExtraKeys(mm_items=tuple(items))
+    n = len(tokens) // 4
+    forms = [keys.for_block(i * 4, i * 4 + 4) for i in range(n)]
+    rbh = RequestBlockHasher(h, mm_items=items)
+    bounds = sorted({0, len(tokens), *(c for c in cuts if c <= len(tokens))})
+    for a, b in zip(bounds, bounds[1:]):
+        rbh.extend(tokens[a:b])
+    assert rbh.block_hashes == h.hash_blocks(tokens, None, [f.hash_input for f in forms])
+    assert rbh.wire_extra_keys == [f.wire for f in forms]
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
