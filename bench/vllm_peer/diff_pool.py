@@ -29,7 +29,8 @@ For each release (0.11, 0.33) one worker process imports vLLM's own ``block_pool
   vLLM's ``KVCacheManager`` makes (as ``workloads.py`` models them: lookup capped one token
   short of the prompt, the release's reservation rule, blocks cached as their last token
   is scheduled, frees in reverse); the same comparisons, plus block tables, computed tokens
-  and admission/decode outcomes.
+  and admission/decode outcomes; in 0.11 also ``PrefixCachingMetrics`` (the hit-rate window)
+  against vLLM's, fed the same random stats.
 * **hash**: every algorithm the release has (0.11: sha256, sha256_cbor; 0.33: also
   xxhash, xxhash_cbor), NONE_HASH under PYTHONHASHSEED set (random strings, "" included)
   and unset (0.33's fixed seed for sha256*, a random root otherwise: compared by length
@@ -938,6 +939,22 @@ def manager_case(vl: Any, release: str, seed: int, seen: dict[str, int]) -> int:
         v_free(st)
         mgr.free(st[4])
     pair.compare("drain")
+    if hasattr(kcu, "PrefixCachingMetrics"):
+        # vLLM 0.11 keeps its hit-rate window here (0.33 moved it out of the files we load).
+        from kvstream.allocator.prefix_stats import PrefixCacheStats, PrefixCachingMetrics
+
+        window = rng.choice([1, 2, 5, 1000])
+        theirs, ours = kcu.PrefixCachingMetrics(window), PrefixCachingMetrics(window)
+        for i in range(rng.randrange(1, 40)):
+            st = PrefixCacheStats(rng.choice([0, 1, 1, 3]), rng.randrange(0, 500), 0, rng.random() < 0.05)
+            st.hits = rng.randrange(0, st.queries + 1)
+            theirs.observe(st)
+            ours.observe(st)
+            _expect("prefix-metrics", (ours.aggregated_requests, ours.aggregated_query_total,
+                                       ours.aggregated_query_hit, ours.hit_rate),
+                    (theirs.aggregated_requests, theirs.aggregated_query_total,
+                     theirs.aggregated_query_hit, theirs.hit_rate), f"window {window} observation {i}")
+        pair.saw("hit-rate windows compared")
     for k, n in pair.seen.items():
         seen[k] = seen.get(k, 0) + n
     return steps + 1
