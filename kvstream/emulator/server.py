@@ -230,9 +230,15 @@ class EngineServer:
         from starlette.responses import Response
 
         cfg = self.config
+        # vLLM's ModelCard: owned_by "vllm" (clients tell vLLM backends apart by it) and one
+        # default ModelPermission.
         body = {"object": "list", "data": [{
-            "id": cfg.model, "object": "model", "created": self._created, "owned_by": "kvstream",
-            "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len}]}
+            "id": cfg.model, "object": "model", "created": self._created, "owned_by": "vllm",
+            "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len,
+            "permission": [{"id": f"modelperm-{cfg.model}", "object": "model_permission", "created": self._created,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}]}]}
         return Response(_enc.encode(body), media_type="application/json")
 
     async def _metrics(self, request: Any) -> Any:

@@ -126,3 +126,16 @@ def test_continuous_usage_stats_put_the_counts_so_far_on_every_chunk(engine: Pro
     with httpx.Client(base_url=engine.url) as c:
         r = c.post(f"/v1/{'chat/' if kind == 'chat' else ''}completions", json=body)
     assert [("usage" in ch) for ch in _sse(r.text)][-2:] == [False, True]
+
+
+def test_models_lists_a_vllm_model_card(engine: Proc) -> None:
+    # vLLM's ModelCard (protocol.py): owned_by "vllm", max_model_len, one ModelPermission.
+    with httpx.Client(base_url=engine.url) as c:
+        body = c.get("/v1/models").json()
+    assert body["object"] == "list" and len(body["data"]) == 1
+    card = body["data"][0]
+    assert set(card) == {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+    assert card["object"] == "model" and card["owned_by"] == "vllm" and card["max_model_len"] == 512
+    assert card["root"] == card["id"] and card["parent"] is None
+    (perm,) = card["permission"]
+    assert perm["object"] == "model_permission" and perm["allow_sampling"] is True and perm["organization"] == "*"
