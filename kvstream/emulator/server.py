@@ -264,7 +264,6 @@ class EngineServer:
             ("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.", eng.preemptions),
             ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", c["prompt_tokens"]),
             ("vllm:generation_tokens", "counter", "Number of generation tokens processed.", c["generation_tokens"]),
-            ("vllm:request_success", "counter", "Count of successfully processed requests.", c["finished"]),
         ]
         pub = self.publisher
         lines.append(("kvstream:kv_event_batches_published", "counter",
@@ -272,9 +271,16 @@ class EngineServer:
                       pub.next_seq if pub is not None else 0))
         out = []
         for name, kind, help_, value in lines:
-            out.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n")
-            suffix = "_total" if kind == "counter" else ""
-            out.append(f"{name}{suffix}{labels} {float(value)!r}\n")
+            # prometheus_client (vLLM's exporter) names a counter's family with its _total suffix.
+            full = f"{name}_total" if kind == "counter" else name
+            out.append(f"# HELP {full} {help_}\n# TYPE {full} {kind}\n")
+            out.append(f"{full}{labels} {float(value)!r}\n")
+        # vLLM (v1 metrics): one series per finish reason, each present from the start. The
+        # emulator never stops early, so every finished request ends on "length".
+        out.append("# HELP vllm:request_success_total Count of successfully processed requests.\n"
+                   "# TYPE vllm:request_success_total counter\n")
+        for reason, n in (("stop", 0), ("length", c["finished"]), ("abort", c["aborted"])):
+            out.append(f'vllm:request_success_total{labels[:-1]},finished_reason="{reason}"}} {float(n)!r}\n')
         return "".join(out).encode()
 
     async def _completions(self, request: Any) -> Any:

@@ -139,3 +139,21 @@ def test_models_lists_a_vllm_model_card(engine: Proc) -> None:
     assert card["root"] == card["id"] and card["parent"] is None
     (perm,) = card["permission"]
     assert perm["object"] == "model_permission" and perm["allow_sampling"] is True and perm["organization"] == "*"
+
+
+def test_metrics_read_like_vllms_exporter(engine: Proc) -> None:
+    """vLLM's v1 loggers: ``vllm:request_success`` has a ``finished_reason`` label with one
+    series per reason from the start; prometheus_client names a counter family with its
+    ``_total`` suffix in HELP and TYPE."""
+    with httpx.Client(base_url=engine.url) as c:
+        assert c.post("/v1/completions", json={"prompt": [9, 9, 9], "max_tokens": 2}).status_code == 200
+        text = c.get("/metrics").text
+    lines = text.splitlines()
+    success = {ln.split("finished_reason=")[1].split('"')[1]: float(ln.rsplit(" ", 1)[1])
+               for ln in lines if ln.startswith("vllm:request_success_total{")}
+    assert set(success) == {"stop", "length", "abort"} and success["length"] >= 1 and success["stop"] == 0
+    assert all('model_name="kvstream-emulated"' in ln and 'engine="0"' in ln
+               for ln in lines if ln.startswith("vllm:request_success_total{"))
+    for family in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_hits_total"):
+        assert f"# TYPE {family} counter" in lines and f"# HELP {family} " in text
+    assert "# TYPE vllm:num_requests_running gauge" in lines
