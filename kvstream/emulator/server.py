@@ -24,19 +24,19 @@ from kvstream.emulator.core import EmulatedEngine, EmulatorConfig, Generation
 from kvstream.wire.events import KVEventBatch
 from kvstream.proxy.openai import (OpenAIError, error_body, parse_json_body, prompt_token_ids, read_body,
                                     requested_model)
-from kvstream.proxy.tokenize import ByteTokenizer, PromptTokenizer
+from kvstream.proxy.tokenize import PromptTokenizer
 from kvstream.transport.config import KVEventsConfig
 from kvstream.transport.publisher import Publisher
 
-__all__ = ["EngineReady", "EngineServer", "MAX_BODY_BYTES", "NO_TOKENIZER_VOCAB", "check_sampling",
+__all__ = ["EngineReady", "EngineServer", "MAX_BODY_BYTES", "MAX_TOKEN_ID", "check_sampling",
            "check_token_ids"]
 
 MAX_BODY_BYTES = 16 << 20
 """Largest request body accepted (bytes); larger ones get a 413 JSON error."""
 
-NO_TOKENIZER_VOCAB = 1 << 32
-"""Token ids a prompt may use when the engine has no model tokenizer: below 2**32, more than
-any model's vocabulary (larger ids are refused with vLLM's 400, never a 500)."""
+MAX_TOKEN_ID = (1 << 32) - 1
+"""Largest prompt token id accepted: more than any model's vocabulary; larger ids are
+refused with vLLM's 400 "Token id X is out of vocabulary" (they were a 500)."""
 
 _enc = msgspec.json.Encoder()
 
@@ -143,9 +143,10 @@ class EngineServer:
                  events: KVEventsConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        # Prompt token ids must be below this (vLLM: "Token id X is out of vocabulary"); without
-        # a model tokenizer (UTF-8 bytes) any id of a real vocabulary is accepted.
-        self._vocab_size = NO_TOKENIZER_VOCAB if isinstance(tokenizer, ByteTokenizer) else tokenizer.vocab_size
+        # Prompt token ids must be below this (vLLM: "Token id X is out of vocabulary"). Not the
+        # tokenizer's own vocabulary: token-id prompts from a bigger model's tokenizer stay
+        # usable with a small one (the emulator never decodes prompt ids).
+        self._vocab_size = MAX_TOKEN_ID + 1
         self.engine = EmulatedEngine(config)
         self.events_config = events if events is not None and events.publisher == "zmq" else None
         self.publisher: Publisher | None = None

@@ -7,7 +7,8 @@ Expected behaviour is vLLM's (checked against its sources, vLLM 0.11-0.33):
 * the request models refuse ``stream_options`` without ``stream: true``
   ("Stream options can only be defined when `stream=True`.", param ``stream_options``);
 * the input processor refuses a prompt token id outside the vocabulary with 400
-  ("Token id X is out of vocabulary"); the emulator answered 500 for ids >= 2**64;
+  ("Token id X is out of vocabulary"); the emulator answered 500 for ids >= 2**64 (it now
+  refuses ids >= 2**32, above any real vocabulary);
 * its HTTPException handler answers an unknown path or method in the error shape
   ``{"error": {"message": "Not Found", "type": "Not Found", "param": null, "code": 404}}``
   (``type`` is the HTTP reason phrase);
