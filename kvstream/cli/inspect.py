@@ -71,11 +71,11 @@ def _run(args: argparse.Namespace) -> int:
             if first_ns is None:
                 first_ns = rec.recv_ns
             rel = (rec.recv_ns - first_ns) / 1e9
+            seen.add(rec.source)
             if args.since is not None and rel < args.since:
                 continue
             if args.until is not None and rel > args.until:
                 continue
-            seen.add(rec.source)
             if sources is not None and rec.source not in sources:
                 continue
             if not args.events:
