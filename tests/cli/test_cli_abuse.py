@@ -86,6 +86,7 @@ BAD = {
                                     "--kv-memory-gib", "3"], ["not both"]),
     "simulate-utilization-without-gpu-memory": (["simulate", "--model-config", "{d}/cfg.json",
                                                  "--gpu-memory-utilization", "0.5"], ["--gpu-memory too"]),
+    "simulate-a-million-engines": (["simulate", "--engines", "8,1000000"], ["1000000 engines", "GiB", "fewer engines"]),
     "simulate-engines-empty-entry": (["simulate", "--engines", "1,,2"], ["empty entry"]),
     "simulate-policies-empty-entry": (["simulate", "--policies", "kv-aware,,random"], ["empty entry"]),
     "simulate-model-config-list": (["simulate", "--model-config", "{d}/list.json"], ["JSON object"]),
