@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from kvstream.cli._common import fraction, port_number, positive_float, positive_int
+from kvstream.cli._common import CLIError, check_block_memory, fraction, port_number, positive_float, positive_int
 from kvstream.cli.plan import parse_memory
 
 
@@ -144,6 +144,8 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         config = build_config(args)
+        check_block_memory(config.num_gpu_blocks, f"{config.num_gpu_blocks:,} KV blocks",
+                           "lower --num-gpu-blocks (or --gpu-memory with --model-config)")
         ev = events_config(args.kv_events_config, args.wire_version)
         tok = load_tokenizer(args.tokenizer, chat_template=_chat_template(args.chat_template))
         if args.chat_template is not None:
@@ -154,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
 
                 text = Path(text).read_text(encoding="utf-8")
             render_chat_template(text, [{"role": "user", "content": "hello"}])
-    except (ValueError, KVCachePlanningError, TokenizerError, OSError) as exc:
+    except (ValueError, KVCachePlanningError, TokenizerError, OSError, CLIError) as exc:
         print(f"kvstream engine: {exc}", file=sys.stderr)
         return 2
     if args.tokenizer is not None:

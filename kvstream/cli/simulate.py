@@ -25,6 +25,7 @@ from typing import Any
 from kvstream.cli._common import (
     CLIError,
     add_log_level,
+    check_block_memory,
     check_output_path,
     fraction,
     non_negative_float,
@@ -269,28 +270,6 @@ def check_flag_combinations(args: argparse.Namespace) -> None:
             raise CLIError(f"--gpu-memory must be more than 0 bytes, got {args.gpu_memory}")
 
 
-BYTES_PER_SIMULATED_BLOCK = 160
-"""Memory one simulated KV block takes (bytes; measured: 2,000 engines x 2,048 blocks
-peak at 0.66 GB RSS)."""
-
-
-def check_memory(engines: int, blocks: int) -> None:
-    """Refuse a grid whose largest run cannot fit in this machine's memory (it would
-    swap the machine to a halt or be killed, after minutes): ``engines`` x ``blocks``
-    simulated blocks at :data:`BYTES_PER_SIMULATED_BLOCK` each."""
-    import os
-
-    need = engines * blocks * BYTES_PER_SIMULATED_BLOCK
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return  # not knowable here (not POSIX): let it run
-    if need > total:
-        raise CLIError(f"{engines} engines x {blocks:,} blocks would need about {need / 2**30:.0f} GiB to "
-                       f"simulate, more than this machine's {total / 2**30:.0f} GiB; use fewer engines or "
-                       "blocks (--num-gpu-blocks-override)")
-
-
 def _engine_counts(text: str) -> list[int]:
     counts = []
     for part in str(text).split(","):
@@ -339,7 +318,8 @@ def _run(args: argparse.Namespace) -> int:
         if scoring is not None and "kv-aware" not in policies:
             raise CLIError("routing weights apply to the kv-aware policy, which --policies leaves out")
         ec = engine_config(args)
-        check_memory(max(counts), ec.num_blocks)
+        check_block_memory(max(counts) * ec.num_blocks, f"{max(counts)} engines x {ec.num_blocks:,} blocks",
+                           "use fewer engines or blocks (--num-gpu-blocks-override)")
         reqs, meta = load_workload(args)
         cfg = SimConfig(engines=counts[0], engine=ec, router_lag_s=args.router_lag, seed=args.seed,
                         wire=args.wire, router_index=args.router_index, kv_scoring=scoring)

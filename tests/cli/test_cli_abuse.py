@@ -86,7 +86,7 @@ BAD = {
                                     "--kv-memory-gib", "3"], ["not both"]),
     "simulate-utilization-without-gpu-memory": (["simulate", "--model-config", "{d}/cfg.json",
                                                  "--gpu-memory-utilization", "0.5"], ["--gpu-memory too"]),
-    "simulate-a-million-engines": (["simulate", "--engines", "8,1000000"], ["1000000 engines", "GiB", "fewer engines"]),
+    "simulate-a-million-engines": (["simulate", "--engines", "8,1000000"], ["1000000 engines", "GiB of memory", "fewer engines"]),
     "simulate-engines-empty-entry": (["simulate", "--engines", "1,,2"], ["empty entry"]),
     "simulate-policies-empty-entry": (["simulate", "--policies", "kv-aware,,random"], ["empty entry"]),
     "simulate-model-config-list": (["simulate", "--model-config", "{d}/list.json"], ["JSON object"]),
@@ -106,6 +106,8 @@ BAD = {
     "engine-chat-template-syntax": (["engine", "--port", "0", "--chat-template", "{{% bogus %}}"],
                                     ["does not compile"]),
     "engine-gpu-memory-without-model": (["engine", "--port", "0", "--gpu-memory", "80"], ["--model-config"]),
+    "engine-ten-billion-blocks": (["engine", "--port", "0", "--num-gpu-blocks", "10000000000"],
+                                  ["10,000,000,000 KV blocks", "GiB of memory", "--num-gpu-blocks"]),
     "engine-gpu-utilization-2": (["engine", "--port", "0", "--gpu-memory-utilization", "2"], ["(0, 1]"]),
     # demo: a fleet of processes this machine cannot hold
     "demo-thousand-engines": (["demo", "--engines", "1000"], ["at most 64"]),
