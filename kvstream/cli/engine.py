@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from kvstream.emulator.server import EngineReady, EngineServer
     from kvstream.planning import KVCachePlanningError
-    from kvstream.proxy.tokenize import TokenizerError, load_tokenizer, render_chat_template
+    from kvstream.proxy.tokenize import TokenizerError, load_tokenizer
 
     try:
         config = build_config(args)
@@ -149,13 +149,9 @@ def _run(args: argparse.Namespace) -> int:
         ev = events_config(args.kv_events_config, args.wire_version)
         tok = load_tokenizer(args.tokenizer, chat_template=_chat_template(args.chat_template))
         if args.chat_template is not None:
-            # Compiled and tried once now, so a broken template fails here and not on every chat request.
-            text = args.chat_template
-            if "{" not in text:
-                from pathlib import Path
-
-                text = Path(text).read_text(encoding="utf-8")
-            render_chat_template(text, [{"role": "user", "content": "hello"}])
+            # Tried once now (with the tokenizer's special tokens), so a broken template fails
+            # here and not on every chat request.
+            tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
     except (ValueError, KVCachePlanningError, TokenizerError, OSError, CLIError) as exc:
         print(f"kvstream engine: {exc}", file=sys.stderr)
         return 2
