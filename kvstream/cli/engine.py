@@ -128,9 +128,14 @@ def events_config(text: str | None, wire_version: str) -> Any:
     if wire_version == "0.11":
         d.setdefault("encoding", "array")
         d.setdefault("replay_topic_frame", False)
+        d.setdefault("vllm_version", "0.11")  # 0.11's endpoint rules and publisher default
     cfg = KVEventsConfig.from_dict(d)
     if not cfg.enable_kv_cache_events and "publisher" not in d:
         return None
+    if cfg.enable_kv_cache_events and cfg.publisher == "null" and "publisher" not in d:
+        # vLLM 0.11 publishes nothing then, silently; say so once.
+        print('kvstream engine: note: under vLLM 0.11 rules events are published only with "publisher": "zmq" '
+              "in --kv-events-config; none will be sent", file=sys.stderr)
     return cfg
 
 

@@ -153,6 +153,9 @@ class KVEventsConfig:
             # with events enabled (it publishes only with publisher="zmq").
             enabled = self.enable_kv_cache_events and _version(self.vllm_version).name != "0.11"
             self.publisher = "zmq" if enabled else "null"
+        if self.publisher not in ("null", "zmq"):
+            # vLLM's publisher factory refuses an unknown name at start-up too.
+            raise ValueError(f"unknown event publisher {self.publisher!r}; use 'zmq' or 'null'")
         if self.buffer_steps < 0:
             raise ValueError(f"buffer_steps must be >= 0, got {self.buffer_steps}")
         if self.max_queue_size < 1:

@@ -53,3 +53,17 @@ def test_requests_become_events_in_the_chosen_wire_version(tmp_path: Path, wire:
         engine.stop()
     assert blocks == 3
     assert isinstance(event, event_shape)
+
+
+def test_wire_version_011_takes_vllm_011_rules_for_the_publisher(capsys) -> None:
+    from kvstream.cli.engine import events_config
+
+    # vLLM 0.11: events enabled without a publisher name publish nothing ("null").
+    cfg = events_config('{"enable_kv_cache_events": true}', "0.11")
+    assert (cfg.vllm_version, cfg.publisher, cfg.encoding) == ("0.11", "null", "array")
+    assert "none will be sent" in capsys.readouterr().err
+    cfg = events_config('{"enable_kv_cache_events": true, "publisher": "zmq"}', "0.11")
+    assert (cfg.vllm_version, cfg.publisher) == ("0.11", "zmq")
+    assert capsys.readouterr().err == ""
+    # The default wire (0.26+ maps) keeps 0.33's rule: enabled means zmq.
+    assert events_config('{"enable_kv_cache_events": true}', "0.26").publisher == "zmq"

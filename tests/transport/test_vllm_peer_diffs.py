@@ -222,3 +222,9 @@ def test_the_publisher_default_follows_the_release():
     assert KVEventsConfig(enable_kv_cache_events=True).publisher == "zmq"
     assert KVEventsConfig(vllm_version="0.33").publisher == "null"
     assert KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", vllm_version="0.11").publisher == "zmq"
+
+
+def test_an_unknown_publisher_name_is_refused():
+    # vLLM's EventPublisherFactory raises on a name it has no publisher for ("kafka").
+    with pytest.raises(ValueError, match="unknown event publisher 'kafka'"):
+        KVEventsConfig(enable_kv_cache_events=True, publisher="kafka")  # type: ignore[arg-type]
