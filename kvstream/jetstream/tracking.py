@@ -47,11 +47,13 @@ class RelaySource:
     :meth:`on_item` returns ``(payload, headers)`` pairs to publish in order.
     """
 
-    __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped")
+    __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped", "max_message_bytes",
+                 "too_large")
 
-    def __init__(self, source: str, known: StreamPosition | None = None) -> None:
+    def __init__(self, source: str, known: StreamPosition | None = None, *, first_instance: int = 0,
+                 max_message_bytes: int = 1 << 62) -> None:
         self.source = source
-        self.instance = known.instance if known is not None else 0
+        self.instance = known.instance if known is not None else first_instance
         self.pos = known.pos if known is not None else -1
         self.last_ts = known.ts if known is not None else 0.0
         self.synced = known is None
@@ -59,6 +61,11 @@ class RelaySource:
         self._snap: list[int] | None = None  # [R, next index] while a snapshot's batches flow
         self.skipped = 0
         """Items not published because the stream already held them."""
+        self.max_message_bytes = max_message_bytes
+        """The server's ``max_payload`` (bytes, headers included): a batch that does not
+        fit is published as a gap (a ``stale`` notice) instead."""
+        self.too_large = 0
+        """Batches not published because they exceed ``max_message_bytes``."""
 
     def _topic(self, topic: bytes) -> str:
         h = self._topics.get(topic)
@@ -132,8 +139,17 @@ class RelaySource:
             return out  # an older batch of this instance (the subscriber never yields one)
         self.pos = q
         self.last_ts = b.batch.ts
-        out.append((b.payload, wire.batch_headers(self.source, self.instance, q, self._topic(b.topic),
-                                                  replayed=b.replayed)))
+        headers = wire.batch_headers(self.source, self.instance, q, self._topic(b.topic), replayed=b.replayed)
+        if len(b.payload) > self.max_message_bytes - 1024 and wire.message_size(b.payload, headers) > \
+                self.max_message_bytes:
+            # The server would refuse it (and close the connection) on every try: the
+            # consumers get a gap they can see instead of a relay stuck on one message.
+            self.too_large += 1
+            out.append(self._control(SourceStale(
+                self.source, f"a batch of {len(b.payload)} bytes is over the NATS server's max_payload of "
+                f"{self.max_message_bytes} bytes (raise max_payload in the server's configuration)", q, q + 1)))
+            return out
+        out.append((b.payload, headers))
         return out
 
 

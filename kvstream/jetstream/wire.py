@@ -31,7 +31,7 @@ from kvstream.transport.items import SourceLive, SourceReset, SourceStale
 
 __all__ = [
     "H_SEQ", "H_INSTANCE", "H_TOPIC", "H_KIND", "H_POS", "H_MSG_ID", "H_REPLAYED", "H_TS",
-    "subject_token", "source_from_token", "batch_headers", "control_message", "decode_control",
+    "subject_token", "source_from_token", "batch_headers", "message_size", "control_message", "decode_control",
     "StreamPosition", "position_from_headers", "WireError",
 ]
 
@@ -93,6 +93,12 @@ def batch_headers(source: str, instance: int, seq: int, topic_header: str, *, re
         h[H_KIND] = KIND_SNAPSHOT
         h[H_MSG_ID] = f"{source}:{instance}:snapshot:{snapshot[0]}:{snapshot[1]}"
     return h
+
+
+def message_size(payload: bytes, headers: Mapping[str, str]) -> int:
+    """Bytes a message with ``headers`` and ``payload`` counts against the server's
+    ``max_payload`` (the NATS/1.0 header block plus the payload)."""
+    return 12 + sum(len(k) + len(v) + 4 for k, v in headers.items()) + len(payload)
 
 
 def control_msg_id(source: str, instance: int, item: SourceReset | SourceStale | SourceLive) -> str:

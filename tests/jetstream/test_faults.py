@@ -1,0 +1,219 @@
+"""Faults around the stream, against a real nats-server, real engines and real relays:
+the stream purged, deleted or trimmed under running relays and consumers, the consumer
+deleted from outside, a batch over the server's max_payload, snapshots that do not belong
+to the stream. The rule in every case: nothing lost or applied twice without the consumer
+saying so (a source is ``live`` only while its index is right; otherwise a reset rebuilds
+it or it is ``stale``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from kvstream.jetstream import JetStreamSource, Relay, StreamSettings
+from kvstream.jetstream.snapshots import SnapshotWriter, load_snapshots
+from kvstream.routing.index import KVIndex
+from kvstream.routing.router import Router
+from kvstream.transport import SourceReset, SourceStale
+from kvstream.wire.events import BlockStored, KVEventBatch, encode_batch
+
+from .engines import Engine
+from .helpers import batches, collect
+
+
+async def _until(cond: Any, timeout: float = 15.0) -> None:
+    """Poll ``cond()`` (a state) until true; fails after ``timeout`` seconds."""
+    with anyio.fail_after(timeout):
+        while not cond():
+            await anyio.sleep(0.005)
+
+
+async def _js(url: str) -> Any:
+    import nats
+
+    return await nats.connect(url)
+
+
+async def test_a_batch_over_the_servers_max_payload_becomes_a_visible_gap_and_the_relay_goes_on(
+        tmp_path, nats_server) -> None:
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], nats_server.url) as relay, \
+            JetStreamSource(nats_server.url) as sub, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(5)
+        # One real batch of ~1.7 MB (20,000 stored blocks): over nats-server's default
+        # max_payload of 1 MiB, far under the relay's own payload limit (64 MiB).
+        big = encode_batch(KVEventBatch(eng.ts + 1.0, [BlockStored(
+            [10_000_000 + i for i in range(20_000)], None, list(range(20_000 * 16)), 16, None, None, None)]))
+        assert len(big) > 1 << 20
+        eng.payloads.append(big)
+        assert eng.pub is not None
+        eng.pub.publish_raw(big, 5)
+        eng.steps(5)
+        items = await collect(sub, lambda it: len(batches(it)) == 10)
+        await _until(lambda: relay.sources["e0"].pos == 10 and not relay.stats.inflight)
+        tg.cancel_scope.cancel()
+    got = batches(items)
+    assert [b.seq for b in got] == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+    assert [b.payload for b in got] == eng.payloads[:5] + eng.payloads[6:]
+    stale = [i for i in items if type(i) is SourceStale]
+    assert [(s.first_missing_seq, s.resume_seq) for s in stale] == [(5, 6)]
+    assert "max_payload" in stale[0].reason
+    assert relay.stats.too_large == 1
+    assert sub.health()["e0"].state == "stale"  # the index lacks batch 5: not live
+
+
+async def test_a_consumer_deleted_from_outside_is_made_again_without_loss_or_repeats(tmp_path, nats_server) -> None:
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], nats_server.url) as relay, \
+            JetStreamSource(nats_server.url, heartbeat_s=0.2) as sub, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(50)
+        first = await collect(sub, lambda it: len(batches(it)) == 50)
+        nc = await _js(nats_server.url)
+        try:
+            name = sub._consumer
+            assert name is not None
+            await nc.jetstream().delete_consumer("KV_EVENTS", name)
+        finally:
+            await nc.close()
+        eng.steps(50)
+        rest = await collect(sub, lambda it: len(batches(first + it)) == 100)
+        tg.cancel_scope.cancel()
+    got = batches(first + rest)
+    assert [b.seq for b in got] == list(range(100)) and [b.payload for b in got] == eng.payloads
+    assert sub.consumer_health().resets >= 1 and sub.counters("e0").duplicates == 0
+    assert sub.health()["e0"].state == "live"
+
+
+async def _restarted_engine_on_the_stream(tmp_path: Any, url: str) -> Engine:
+    """Engine instance 1 of source e0 on the stream (an engine that restarted while no
+    relay ran), returned open; its first incarnation published 40 batches."""
+    async with Engine(tmp_path, "e0", seed=1) as old:
+        old.steps(40)
+        async with Relay([old.spec], url) as relay, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            await _until(lambda: relay.sources["e0"].pos == 39 and not relay.stats.inflight)
+            tg.cancel_scope.cancel()
+    new = Engine(tmp_path, "e0", seed=2)
+    await new.__aenter__()
+    return new
+
+
+async def test_a_relay_restarted_after_the_stream_forgot_its_source_is_not_taken_for_an_old_copy(
+        tmp_path, nats_server) -> None:
+    # The stream is purged (or retention dropped every message of the source) and the
+    # relay restarts: it finds no position for its source. Consumers hold a higher engine
+    # instance than a relay counting from 0 would use, and must not drop what it sends.
+    url = nats_server.url
+    new = await _restarted_engine_on_the_stream(tmp_path, url)
+    try:
+        async with Router(subscriber=JetStreamSource(url)) as via_js:
+            new.steps(10)
+            async with Relay([new.spec], url) as relay, anyio.create_task_group() as tg:
+                tg.start_soon(relay.run)
+                await _until(lambda: via_js.subscriber.states().get("e0", None) is not None
+                             and via_js.subscriber.states()["e0"].instance == 1)
+                await via_js.wait_applied("e0", 9)
+                tg.cancel_scope.cancel()
+            nc = await _js(url)
+            try:
+                await nc.jetstream().purge_stream("KV_EVENTS")
+            finally:
+                await nc.close()
+            new.steps(10)
+            async with Relay([new.spec], url) as relay, anyio.create_task_group() as tg:
+                tg.start_soon(relay.run)
+                new.steps(10)
+                await via_js.wait_applied("e0", 29)
+                tg.cancel_scope.cancel()
+            async with Router([new.spec]) as direct:  # the engine itself, over ZMQ
+                await direct.wait_applied("e0", 29)
+                assert via_js.index.state() == direct.index.state()
+            assert via_js.subscriber.health()["e0"].state == "live"
+    finally:
+        await new.__aexit__(None, None, None)
+
+
+async def test_a_snapshot_of_a_deleted_and_recreated_stream_is_not_used(tmp_path, nats_server) -> None:
+    url = nats_server.url + "/KV_EVENTS"
+    async with Engine(tmp_path, "e0", seed=5) as e0, Engine(tmp_path, "e1", seed=6) as e1:
+        async with Relay([e0.spec], nats_server.url) as relay, Router(subscriber=JetStreamSource(url)) as first, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            e0.steps(200)
+            await first.wait_applied("e0", 199)
+            async with SnapshotWriter(first.index, first.subscriber, interval_s=3600) as writer:
+                assert await writer.write_now() == 1  # at stream seq ~200
+            tg.cancel_scope.cancel()
+        nc = await _js(nats_server.url)
+        try:
+            await nc.jetstream().delete_stream("KV_EVENTS")  # the bucket stays
+        finally:
+            await nc.close()
+        async with Relay([e1.spec], nats_server.url) as relay, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            e1.steps(30)  # stream seqs 1..30 of the new stream
+            await _until(lambda: relay.sources["e1"].pos == 29 and not relay.stats.inflight)
+            tg.cancel_scope.cancel()
+        index = KVIndex()
+        states = await load_snapshots(url, index)
+        assert states == {} and index.sources == []  # its positions mean nothing on this stream
+        async with Router(index=index, subscriber=JetStreamSource(url, state=states)) as replica, \
+                Router([e1.spec]) as direct:
+            await replica.wait_applied("e1", 29)
+            await direct.wait_applied("e1", 29)
+            assert replica.index.state() == direct.index.state()
+
+
+async def test_the_stream_deleted_under_a_running_relay_and_consumer_is_made_again_and_nothing_is_lost(
+        tmp_path, nats_server) -> None:
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], nats_server.url, ack_timeout_s=0.5) as relay, \
+            JetStreamSource(nats_server.url, heartbeat_s=0.2) as sub, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(50)
+        first = await collect(sub, lambda it: len(batches(it)) == 50)
+        nc = await _js(nats_server.url)
+        try:
+            await nc.jetstream().delete_stream("KV_EVENTS")
+        finally:
+            await nc.close()
+        eng.steps(50)
+        rest = await collect(sub, lambda it: len(batches(first + it)) >= 100, timeout=20)
+        tg.cancel_scope.cancel()
+    got = batches(first + rest)
+    assert [b.seq for b in got] == list(range(100)) and [b.payload for b in got] == eng.payloads
+    assert not [i for i in first + rest if type(i) in (SourceStale, SourceReset)]
+    assert sub.health()["e0"].state == "live"
+    assert relay.stats.streams_created == 1 and sub.consumer_health().new_streams == 1
+
+
+@pytest.mark.parametrize("limit", ["max_bytes", "max_age"])
+async def test_retention_dropping_what_a_late_consumer_needed_is_a_gap_not_silence(
+        tmp_path, nats_server, limit) -> None:
+    settings = StreamSettings(max_bytes=20_000) if limit == "max_bytes" else StreamSettings(max_age_s=0.5, duplicate_window_s=0.25)
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], nats_server.url, settings) as relay, \
+            anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(100)
+        await _until(lambda: relay.sources["e0"].pos == 99 and not relay.stats.inflight)
+        nc = await _js(nats_server.url)
+        try:
+            js = nc.jetstream()
+            if limit == "max_age":  # wait for the server to age the first ones out
+                with anyio.fail_after(10):
+                    while (await js.stream_info("KV_EVENTS")).state.first_seq == 1:
+                        await anyio.sleep(0.05)
+                eng.steps(5)
+                await _until(lambda: relay.sources["e0"].pos == 104 and not relay.stats.inflight)
+            first = (await js.stream_info("KV_EVENTS")).state.first_seq
+        finally:
+            await nc.close()
+        assert first > 1
+        last = relay.sources["e0"].pos
+        async with JetStreamSource(nats_server.url) as sub:
+            items = await collect(sub, lambda it: batches(it) and batches(it)[-1].seq == last)
+            stale = [i for i in items if type(i) is SourceStale]
+            assert stale and stale[0].first_missing_seq == 0 and items[0] is stale[0]
+            assert sub.health()["e0"].state == "stale"
+        tg.cancel_scope.cancel()
