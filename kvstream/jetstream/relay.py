@@ -298,7 +298,7 @@ class Relay:
                 ts = float(h.get(wire.H_TS, 0.0))
         except Exception:  # noqa: BLE001 - an unreadable last message: trust seqs only
             log.warning("%s: cannot read the timestamp of the stream's last message", source)
-        return wire.position_from_headers(h, ts)
+        return wire.position_from_headers(h, ts, m.data)
 
     # -- publishing ----------------------------------------------------------------------
 

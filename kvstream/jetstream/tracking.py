@@ -8,7 +8,12 @@
 
   - a batch with ``seq <= pos`` and a timestamp no newer than the stream's last batch is
     one the stream has: skipped; a *newer* one means the engine restarted meanwhile (its
-    seqs began again): instance + 1, a ``restart`` reset, then the batch;
+    seqs began again): instance + 1, a ``restart`` reset, then the batch. Timestamps are
+    the engine host's clock, so they are only a first guess: the batch at ``pos`` itself
+    is compared byte for byte with the stream's last one, and when they differ the
+    engine is new after all (a restarted engine whose clock runs behind): the batches
+    skipped on the guess (held meanwhile, up to ``max_held`` / ``max_held_bytes``) are
+    published after the reset, and any that did not fit are a ``stale`` gap;
   - ``seq == pos + 1``: the stream continues; ``seq > pos + 1``: the batches between left
     the engine's buffer before any relay got them: a ``stale`` notice, then the batch.
 
@@ -48,7 +53,8 @@ class RelaySource:
     """
 
     __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped", "max_message_bytes",
-                 "too_large")
+                 "too_large", "_digest", "_digest_pos", "_lb_seq", "_lb_payload", "_held", "_held_bytes", "max_held",
+                 "max_held_bytes")
 
     def __init__(self, source: str, known: StreamPosition | None = None, *, first_instance: int = 0,
                  max_message_bytes: int = 1 << 62) -> None:
@@ -57,6 +63,15 @@ class RelaySource:
         self.pos = known.pos if known is not None else -1
         self.last_ts = known.ts if known is not None else 0.0
         self.synced = known is None
+        self._digest = known.digest if known is not None else None  # of the batch at _digest_pos
+        self._digest_pos = self.pos
+        self._lb_seq = -1  # the last batch published (its digest is computed only when needed)
+        self._lb_payload: bytes | None = None
+        self._held: list[SourceBatch] = []  # skipped on the timestamp guess, until the guess is checked
+        self._held_bytes = 0
+        self.max_held = 10_000
+        """Batches (and ``max_held_bytes`` bytes) held while that check is pending."""
+        self.max_held_bytes = 64 << 20
         self._topics: dict[bytes, str] = {}
         self._snap: list[int] | None = None  # [R, next index] while a snapshot's batches flow
         self.skipped = 0
@@ -78,7 +93,18 @@ class RelaySource:
     def _control(self, item: SourceReset | SourceStale | SourceLive) -> Message:
         payload, headers = wire.control_message(self.source, self.instance, item, self.pos)
         headers[wire.H_TS] = repr(self.last_ts)
+        digest = self._last_digest()
+        if digest is not None:
+            headers[wire.H_LAST] = digest
         return payload, headers
+
+    def _last_digest(self) -> str | None:
+        """The digest of the batch at ``pos``, if known."""
+        if self._lb_payload is not None and self._lb_seq == self.pos:
+            self._digest = wire.payload_digest(self._lb_payload)
+            self._digest_pos = self.pos
+            self._lb_payload = None
+        return self._digest if self._digest_pos == self.pos else None
 
     def on_item(self, item: Any) -> list[Message]:
         """Messages to publish for one subscriber item (possibly none)."""
@@ -86,10 +112,13 @@ class RelaySource:
         if cls is SourceBatch:
             return self._batch(item)
         self._snap = None
+        self._drop_held()
         if cls is SourceReset:
             if item.reason == "removed":
                 return []
             self.synced = True
+            self._digest = None  # of the batch at a position this reset voids
+            self._lb_payload = None
             if item.reason == "restart":
                 self.instance += 1
                 self.pos = -1
@@ -122,14 +151,31 @@ class RelaySource:
         out: list[Message] = []
         if not self.synced:
             if q <= self.pos:
-                if b.batch.ts <= self.last_ts:
+                last = self._last_digest()
+                if q == self.pos and last is not None:
+                    new_engine = wire.payload_digest(b.payload) != last  # the one exact test there is
+                else:
+                    new_engine = b.batch.ts > self.last_ts
+                if not new_engine:
                     self.skipped += 1
+                    if q == self.pos and last is not None:
+                        self._drop_held()  # the same engine: the stream has them all
+                        self.synced = True
+                    elif last is not None:
+                        self._hold(b)
                     return out  # the stream has it
                 self.instance += 1  # a new engine: its seqs began again while no relay ran
                 self.pos = -1
+                self._digest = None
                 self.synced = True
-                out.append(self._control(SourceReset(self.source, "restart", q)))
+                held = self._held
+                self._drop_held()
+                self.skipped -= len(held)
+                out.append(self._control(SourceReset(self.source, "restart", held[0].seq if held else q)))
+                for hb in held:
+                    out += self._batch(hb)
             self.synced = True
+            self._drop_held()
         if q > self.pos + 1:
             out.append(self._control(SourceStale(
                 self.source, "batches left the engine's buffer before a relay read them",
@@ -149,8 +195,24 @@ class RelaySource:
                 self.source, f"a batch of {len(b.payload)} bytes is over the NATS server's max_payload of "
                 f"{self.max_message_bytes} bytes (raise max_payload in the server's configuration)", q, q + 1)))
             return out
+        self._lb_seq = q
+        self._lb_payload = b.payload
         out.append((b.payload, headers))
         return out
+
+
+    def _hold(self, b: SourceBatch) -> None:
+        if self._held and b.seq <= self._held[-1].seq:
+            self._drop_held()  # seqs went back: whatever was held is not this engine's run
+        self._held.append(b)
+        self._held_bytes += len(b.payload)
+        while len(self._held) > self.max_held or self._held_bytes > self.max_held_bytes:
+            self._held_bytes -= len(self._held.pop(0).payload)
+
+    def _drop_held(self) -> None:
+        if self._held:
+            self._held = []
+            self._held_bytes = 0
 
 
 class SourceState:

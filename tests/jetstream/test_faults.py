@@ -217,3 +217,43 @@ async def test_retention_dropping_what_a_late_consumer_needed_is_a_gap_not_silen
             assert stale and stale[0].first_missing_seq == 0 and items[0] is stale[0]
             assert sub.health()["e0"].state == "stale"
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("new_clock", [-3600.0, +3600.0])
+async def test_an_engine_restarted_while_no_relay_ran_is_told_apart_whatever_its_clock_says(
+        tmp_path, nats_server, new_clock) -> None:
+    # The relay decides whether the stream already holds what the engine replays. Engine
+    # timestamps are another host's wall clock: a restarted engine whose clock is an hour
+    # behind must still be seen as new (not skipped as "already on the stream" and then
+    # continued as the old engine), and the old engine's own replay is recognised whatever
+    # the relay's clock.
+    url = nats_server.url
+    async with Engine(tmp_path, "e0", seed=1) as old:
+        old.steps(40)
+        async with Relay([old.spec], url) as relay, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            await _until(lambda: relay.sources["e0"].pos == 39 and not relay.stats.inflight)
+            tg.cancel_scope.cancel()
+        if new_clock > 0:  # the same engine, on: its replay must be skipped, not taken for a restart
+            old.steps(10)
+            async with Relay([old.spec], url) as relay, Router(subscriber=JetStreamSource(url)) as via_js, \
+                    Router([old.spec]) as direct, anyio.create_task_group() as tg:
+                tg.start_soon(relay.run)
+                await via_js.wait_applied("e0", 49)
+                await direct.wait_applied("e0", 49)
+                assert relay.stats.skipped == 40 and relay.sources["e0"].instance == 0
+                assert via_js.index.state() == direct.index.state()
+                tg.cancel_scope.cancel()
+            return
+    async with Engine(tmp_path, "e0", seed=2, clock_offset_s=new_clock) as new:
+        new.steps(60)  # seqs 0..59 again, stamped an hour earlier than the old engine's
+        async with Relay([new.spec], url) as relay, Router(subscriber=JetStreamSource(url)) as via_js, \
+                Router([new.spec]) as direct, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            await _until(lambda: relay.sources["e0"].pos == 59 and not relay.stats.inflight)
+            await via_js.wait_applied("e0", 59)
+            await direct.wait_applied("e0", 59)
+            tg.cancel_scope.cancel()
+            assert relay.sources["e0"].instance == 1
+            assert via_js.index.state() == direct.index.state()
+            assert via_js.subscriber.health()["e0"].state == "live"
