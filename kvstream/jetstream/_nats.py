@@ -109,7 +109,8 @@ async def open_data_connection(url: str, name: str, reader: Any, subject: str) -
     """A plain TCP connection to the server of ``url`` for a hot data path, subscribed to
     ``subject`` (sid 1): INFO, CONNECT, PING/PONG, SUB, PING/PONG (so the server holds the
     subscription before anything is asked of it). ``reader`` is a
-    :class:`~kvstream.jetstream._proto.ProtocolReader`. Raises ``OSError``, ``TimeoutError``
+    :class:`~kvstream.jetstream._proto.ProtocolReader`. Raises ``OSError`` (a
+    ``ConnectionError`` when the connection closes during the handshake), ``TimeoutError``
     or :class:`~kvstream.jetstream._proto.NatsProtocolError`."""
     from urllib.parse import urlsplit
 
@@ -129,6 +130,11 @@ async def open_data_connection(url: str, name: str, reader: Any, subject: str) -
             await stream.send(sub_op(subject, 1) + b"PING\r\n")
             while reader.pongs < 2:
                 reader.feed(await stream.receive())
+    except (anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+        # Closed by the server (shutting down) or the network during the handshake: a
+        # connection error like any other, for the callers' reconnect loops.
+        await stream.aclose()
+        raise ConnectionError(f"{url}: the connection closed during the NATS handshake") from exc
     except BaseException:
         await stream.aclose()
         raise

@@ -247,7 +247,7 @@ class StreamSource:
     skipped.
     """
 
-    __slots__ = ("name", "state", "counters", "out", "_decode", "_topics", "_btopics", "max_payload_bytes")
+    __slots__ = ("name", "state", "counters", "out", "_decode", "_topics", "_btopics", "max_payload_bytes", "_snap")
 
     def __init__(self, name: str, decode: Callable[[bytes], KVEventBatch], out: list[Any],
                  state: SourceState | None = None, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
@@ -261,6 +261,7 @@ class StreamSource:
         self.max_payload_bytes = max_payload_bytes
         """Payloads up to this size (bytes) may take the one-call decode of :meth:`on_batch`
         (larger ones go to ``decode``, which rejects them)."""
+        self._snap = -1  # R of the snapshot reset whose batches may follow (-1: none)
 
     def on_batch(self, sseq: int, instance: int, seq: int, topic_header: bytes, payload: bytes, now: float) -> None:
         """A plain batch message (headers ``Kv-Seq`` ``seq``, ``Kv-Instance`` ``instance``,
@@ -353,6 +354,7 @@ class StreamSource:
             return
         name = self.name
         out = self.out
+        fresh = st.instance is None or inst > st.instance  # the first message of this instance
         if st.instance is None:
             st.instance = inst
         elif inst < st.instance:
@@ -401,10 +403,14 @@ class StreamSource:
             try:
                 seq = int(headers[wire.H_SEQ])
                 topic = wire.decode_topic(headers[wire.H_TOPIC])
-                batch = self._decode(payload)
             except (KeyError, ValueError):
                 c.frame_errors += 1
                 return
+            if seq != self._snap - 1 or st.expected != self._snap:  # not right after its reset: a late copy
+                c.duplicates += 1
+                return
+            try:
+                batch = self._decode(payload)
             except EventDecodeError:
                 c.decode_errors += 1
                 return
@@ -418,12 +424,24 @@ class StreamSource:
             c.frame_errors += 1
             return
         if type(item) is SourceReset:
+            # A reset is the first message of its instance, or a snapshot at or beyond where
+            # the consumer is; otherwise it is a late copy (a relay resending after the
+            # duplicate window) and must not undo what followed it.
             if item.reason == "restart":
+                if not fresh:
+                    c.duplicates += 1
+                    return
                 c.restarts += 1
                 st.expected = 0
+                self._snap = -1
             else:
+                r = item.seq if item.seq is not None else 0
+                if not fresh and r < st.expected:
+                    c.duplicates += 1
+                    return
                 c.snapshots += 1
-                st.expected = item.seq if item.seq is not None else 0
+                st.expected = r
+                self._snap = r
             st.stale = False
             out.append(item)
         elif type(item) is SourceStale:

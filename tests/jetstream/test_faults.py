@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from kvstream.jetstream import JetStreamSource, Relay, StreamSettings
@@ -257,3 +258,98 @@ async def test_an_engine_restarted_while_no_relay_ran_is_told_apart_whatever_its
             assert relay.sources["e0"].instance == 1
             assert via_js.index.state() == direct.index.state()
             assert via_js.subscriber.health()["e0"].state == "live"
+
+
+class _Link:
+    """A TCP forwarder to a port that can be cut and healed (a network partition between
+    one client and the NATS server): cutting closes every forwarded connection and
+    refuses new ones until healed."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.cut = False
+        self._scopes: set[anyio.CancelScope] = set()
+
+    async def serve(self, listener: Any) -> None:
+        async with listener:
+            await listener.serve(self._forward)
+
+    async def _forward(self, client: Any) -> None:
+        async with client:
+            if self.cut:
+                return
+            try:
+                server = await anyio.connect_tcp("127.0.0.1", self.port)
+            except OSError:
+                return
+            async with server, anyio.create_task_group() as tg:
+                self._scopes.add(tg.cancel_scope)
+
+                async def pipe(a: Any, b: Any) -> None:
+                    try:
+                        async for data in a:
+                            await b.send(data)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(pipe, client, server)
+                tg.start_soon(pipe, server, client)
+            self._scopes.discard(tg.cancel_scope)
+
+    def partition(self) -> None:
+        self.cut = True
+        for s in list(self._scopes):
+            s.cancel()
+
+
+async def _wait_duplicate_window_passed(url: str) -> None:
+    """Publish one probe message id until JetStream stores it a second time: the stream's
+    duplicate window has then passed for everything published before the first probe."""
+    nc = await _js(url)
+    try:
+        js = nc.jetstream()
+        await js.publish("kv.probe", b"", headers={"Nats-Msg-Id": "probe"})
+        with anyio.fail_after(20):
+            while (await js.publish("kv.probe", b"", headers={"Nats-Msg-Id": "probe"})).duplicate:
+                await anyio.sleep(0.05)
+    finally:
+        await nc.close()
+
+
+async def test_a_relay_partitioned_longer_than_the_duplicate_window_changes_nothing_when_it_is_back(
+        tmp_path, nats_server) -> None:
+    settings = StreamSettings(duplicate_window_s=0.5)
+    url = nats_server.url
+    async with Engine(tmp_path, "e0") as eng, anyio.create_task_group() as outer:
+        link = _Link(nats_server.port)
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        outer.start_soon(link.serve, listener)
+        via = f"nats://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        async with Relay([eng.spec], via, settings, ack_timeout_s=0.5) as cut_off, \
+                Relay([eng.spec], url, settings) as healthy, \
+                Router(subscriber=JetStreamSource(url + "/KV_EVENTS?source=e0")) as via_js, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(cut_off.run)
+            tg.start_soon(healthy.run)
+            eng.steps(20)
+            await via_js.wait_applied("e0", 19)
+            await _until(lambda: not cut_off.stats.inflight)
+            link.partition()
+            eng.steps(50)  # the cut-off relay holds these unacked; the other one publishes them
+            await via_js.wait_applied("e0", 69)
+            await _until(lambda: cut_off.sources["e0"].pos == 69)
+            await _wait_duplicate_window_passed(url)
+            link.cut = False  # healed: it sends all 50 again, and the stream takes them
+            await _until(lambda: not cut_off.stats.inflight)
+            eng.steps(10)
+            await via_js.wait_applied("e0", 79)
+            async with Router([eng.spec]) as direct:
+                await direct.wait_applied("e0", 79)
+                assert via_js.index.state() == direct.index.state()
+            sub = via_js.subscriber
+            assert sub.counters("e0").duplicates >= 1  # the copies are on the stream...
+            assert sub.counters("e0").batches == 80  # ...and none was applied twice
+            assert sub.health()["e0"].state == "live"
+            tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
