@@ -353,3 +353,103 @@ async def test_a_relay_partitioned_longer_than_the_duplicate_window_changes_noth
             assert sub.health()["e0"].state == "live"
             tg.cancel_scope.cancel()
         outer.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+async def test_a_damaged_snapshot_object_is_refused_and_leaves_the_index_as_it_was(
+        tmp_path, nats_server, damage) -> None:
+    from nats.js.api import ObjectMeta
+
+    from kvstream.jetstream.snapshots import OBJECT_NAME, bucket_name
+    from kvstream.routing.snapshot import SnapshotError
+
+    url = nats_server.url + "/KV_EVENTS"
+    async with Engine(tmp_path, "e0", seed=8) as e0, Relay([e0.spec], nats_server.url) as relay, \
+            Router(subscriber=JetStreamSource(url)) as first, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        e0.steps(50)
+        await first.wait_applied("e0", 49)
+        tg.cancel_scope.cancel()
+        data = first.index.dump(cursors={n: s.as_dict() for n, s in first.subscriber.states().items()})
+    # Written whole (its digest matches), but its bytes are no snapshot: a writer that
+    # died mid-dump, or someone else's object under the name.
+    bad = data[: len(data) // 2] if damage == "truncated" else b"\x93not a kvstream index"
+    nc = await _js(nats_server.url)
+    try:
+        js = nc.jetstream()
+        store = await js.create_object_store(bucket_name("KV_EVENTS"))
+        await store.put(OBJECT_NAME, bad, meta=ObjectMeta(name=OBJECT_NAME, headers={"Kv-Sseq": "1"}))
+    finally:
+        await nc.close()
+    index = KVIndex()
+    index.apply_batch("mine", KVEventBatch(1.0, [BlockStored([7], None, list(range(16)), 16, None, None, None)]))
+    before = index.state()
+    with pytest.raises(SnapshotError):
+        await load_snapshots(url, index)
+    assert index.state() == before
+
+
+async def test_a_replica_started_while_the_relay_is_down_reads_what_is_retained_then_follows(
+        tmp_path, nats_server) -> None:
+    url = nats_server.url
+    async with Engine(tmp_path, "e0") as eng:
+        async with Relay([eng.spec], url) as relay, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            eng.steps(40)
+            await _until(lambda: relay.sources["e0"].pos == 39 and not relay.stats.inflight)
+            tg.cancel_scope.cancel()
+        eng.steps(20)  # while no relay runs
+        async with Router(subscriber=JetStreamSource(url)) as replica:
+            await replica.wait_applied("e0", 39)
+            assert replica.subscriber.health()["e0"].state == "live"
+            async with Relay([eng.spec], url) as relay, Router([eng.spec]) as direct, \
+                    anyio.create_task_group() as tg:
+                tg.start_soon(relay.run)
+                eng.steps(10)
+                await replica.wait_applied("e0", 69)
+                await direct.wait_applied("e0", 69)
+                assert replica.index.state() == direct.index.state()
+                tg.cancel_scope.cancel()
+            assert replica.subscriber.counters("e0").stale_marks == 0
+            assert replica.subscriber.counters("e0").duplicates == 0
+
+
+async def test_the_stream_purged_under_a_running_relay_and_consumer_goes_on_without_a_false_gap(
+        tmp_path, nats_server) -> None:
+    url = nats_server.url
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], url) as relay, \
+            Router(subscriber=JetStreamSource(url, heartbeat_s=0.2)) as via_js, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(30)
+        await via_js.wait_applied("e0", 29)
+        nc = await _js(url)
+        try:
+            await nc.jetstream().purge_stream("KV_EVENTS")
+        finally:
+            await nc.close()
+        eng.steps(30)
+        await via_js.wait_applied("e0", 59)
+        async with Router([eng.spec]) as direct:
+            await direct.wait_applied("e0", 59)
+            assert via_js.index.state() == direct.index.state()
+        assert via_js.subscriber.health()["e0"].state == "live"
+        tg.cancel_scope.cancel()
+
+
+async def test_consumers_and_relays_resume_after_the_nats_server_is_killed(tmp_path, nats_server) -> None:
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], nats_server.url, ack_timeout_s=0.5) as relay, \
+            Router(subscriber=JetStreamSource(nats_server.url, heartbeat_s=0.2)) as via_js, \
+            anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(100)
+        await via_js.wait_applied("e0", 99)
+        nats_server.stop(kill=True)  # SIGKILL: no orderly shutdown of the file store
+        eng.steps(100)
+        nats_server.start()
+        eng.steps(100)
+        await via_js.wait_applied("e0", 299, timeout_s=30)
+        async with Router([eng.spec]) as direct:
+            await direct.wait_applied("e0", 299)
+            assert via_js.index.state() == direct.index.state()
+        assert via_js.subscriber.counters("e0").stale_marks == 0
+        tg.cancel_scope.cancel()
