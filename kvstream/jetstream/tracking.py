@@ -11,9 +11,11 @@
     seqs began again): instance + 1, a ``restart`` reset, then the batch. Timestamps are
     the engine host's clock, so they are only a first guess: the batch at ``pos`` itself
     is compared byte for byte with the stream's last one, and when they differ the
-    engine is new after all (a restarted engine whose clock runs behind): the batches
-    skipped on the guess (held meanwhile, up to ``max_held`` / ``max_held_bytes``) are
-    published after the reset, and any that did not fit are a ``stale`` gap;
+    engine is new after all (a restarted engine whose clock runs behind). So is an engine
+    whose newest batch (the subscriber's ``SourceLive``) is older than the stream's. Then
+    the batches skipped on the guess (held meanwhile, up to ``max_held`` /
+    ``max_held_bytes``) are published after the reset, and any that did not fit are a
+    ``stale`` gap;
   - ``seq == pos + 1``: the stream continues; ``seq > pos + 1``: the batches between left
     the engine's buffer before any relay got them: a ``stale`` notice, then the batch.
 
@@ -112,8 +114,8 @@ class RelaySource:
         if cls is SourceBatch:
             return self._batch(item)
         self._snap = None
-        self._drop_held()
         if cls is SourceReset:
+            self._drop_held()
             if item.reason == "removed":
                 return []
             self.synced = True
@@ -133,10 +135,19 @@ class RelaySource:
             self.pos = item.resume_seq - 1
             return [self._control(item)]
         if cls is SourceLive:
-            if not self.synced and item.seq > self.pos:
-                return []
+            out: list[Message] = []
+            if not self.synced:
+                if item.seq > self.pos:
+                    return out
+                if item.seq < self.pos:
+                    # The engine's newest batch is older than the stream's: it is not the
+                    # engine that wrote the stream (one engine's seqs only grow), whatever
+                    # the timestamps said of the batches skipped so far.
+                    out = self._new_engine(self._held[0].seq if self._held else item.seq + 1)
             self.synced = True
-            return [self._control(SourceLive(self.source, self.pos))]
+            self._drop_held()
+            out.append(self._control(SourceLive(self.source, self.pos)))
+            return out
         raise TypeError(f"not a subscriber item: {item!r:.80}")
 
     def _batch(self, b: SourceBatch) -> list[Message]:
@@ -161,19 +172,10 @@ class RelaySource:
                     if q == self.pos and last is not None:
                         self._drop_held()  # the same engine: the stream has them all
                         self.synced = True
-                    elif last is not None:
+                    else:
                         self._hold(b)
                     return out  # the stream has it
-                self.instance += 1  # a new engine: its seqs began again while no relay ran
-                self.pos = -1
-                self._digest = None
-                self.synced = True
-                held = self._held
-                self._drop_held()
-                self.skipped -= len(held)
-                out.append(self._control(SourceReset(self.source, "restart", held[0].seq if held else q)))
-                for hb in held:
-                    out += self._batch(hb)
+                out = self._new_engine(self._held[0].seq if self._held else q)
             self.synced = True
             self._drop_held()
         if q > self.pos + 1:
@@ -200,6 +202,20 @@ class RelaySource:
         out.append((b.payload, headers))
         return out
 
+    def _new_engine(self, first_seq: int) -> list[Message]:
+        """The engine restarted while no relay ran (its seqs began again): instance + 1, a
+        ``restart`` reset, then the batches skipped meanwhile."""
+        self.instance += 1
+        self.pos = -1
+        self._digest = None
+        self.synced = True
+        held = self._held
+        self._drop_held()
+        self.skipped -= len(held)
+        out = [self._control(SourceReset(self.source, "restart", first_seq))]
+        for hb in held:
+            out += self._batch(hb)
+        return out
 
     def _hold(self, b: SourceBatch) -> None:
         if self._held and b.seq <= self._held[-1].seq:

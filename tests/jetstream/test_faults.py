@@ -220,9 +220,9 @@ async def test_retention_dropping_what_a_late_consumer_needed_is_a_gap_not_silen
         tg.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("new_clock", [-3600.0, +3600.0])
+@pytest.mark.parametrize("new_clock,new_steps", [(-3600.0, 60), (-3600.0, 25), (+3600.0, 0)])
 async def test_an_engine_restarted_while_no_relay_ran_is_told_apart_whatever_its_clock_says(
-        tmp_path, nats_server, new_clock) -> None:
+        tmp_path, nats_server, new_clock, new_steps) -> None:
     # The relay decides whether the stream already holds what the engine replays. Engine
     # timestamps are another host's wall clock: a restarted engine whose clock is an hour
     # behind must still be seen as new (not skipped as "already on the stream" and then
@@ -247,13 +247,16 @@ async def test_an_engine_restarted_while_no_relay_ran_is_told_apart_whatever_its
                 tg.cancel_scope.cancel()
             return
     async with Engine(tmp_path, "e0", seed=2, clock_offset_s=new_clock) as new:
-        new.steps(60)  # seqs 0..59 again, stamped an hour earlier than the old engine's
+        # seqs from 0 again, stamped an hour earlier than the old engine's; past the old
+        # engine's last seq (39), or not yet
+        new.steps(new_steps)
+        last = new_steps - 1
         async with Relay([new.spec], url) as relay, Router(subscriber=JetStreamSource(url)) as via_js, \
                 Router([new.spec]) as direct, anyio.create_task_group() as tg:
             tg.start_soon(relay.run)
-            await _until(lambda: relay.sources["e0"].pos == 59 and not relay.stats.inflight)
-            await via_js.wait_applied("e0", 59)
-            await direct.wait_applied("e0", 59)
+            await _until(lambda: relay.sources["e0"].pos == last and not relay.stats.inflight)
+            await via_js.wait_applied("e0", last)
+            await direct.wait_applied("e0", last)
             tg.cancel_scope.cancel()
             assert relay.sources["e0"].instance == 1
             assert via_js.index.state() == direct.index.state()
