@@ -929,6 +929,8 @@ class KVIndex(_IndexCore):
         parent = ev.parent_block_hash
         step = 4 * self._R * per
         hashes = ev.block_hashes
+        if self._touched is not None:
+            self._touched.update(hashes)  # a store refreshes the TTL, whatever its parent
         for i, eh in enumerate(hashes):
             if eh in self._table:
                 # Known already (another source linked it): the rest of the run chains from it.

@@ -400,3 +400,18 @@ def test_a_child_waiting_for_an_expired_parent_links_when_the_parent_comes_back(
     idx.apply_batch("e0", KVEventBatch(0.0, [c.stored(0, 2, "GPU", 0)]), 1012.0)  # 0 and 1 expired; back
     assert idx.state()["unlinked"] == ()
     assert idx.match(c.prompt)["e0"].blocks == 3
+
+
+def test_a_known_block_stored_again_after_its_parent_expired_keeps_its_ttl() -> None:
+    c = CHAINS[0]
+    for idx in _all(ttl_s=5.0):
+        def at(now: float, *events: Any) -> None:
+            idx.apply_batch("e0", KVEventBatch(0.0, list(events)), now)
+
+        at(1000.0, c.stored(0, 3, "GPU", 0))
+        at(1005.0, BlockRemoved([1], "GPU", 0))  # rotates
+        at(1009.0, c.stored(3, 1, "GPU", 0))  # its parent is known: linked
+        at(1010.0, BlockRemoved([1], "GPU", 0))  # rotates: blocks 0-2 expire, 3 stays
+        at(1010.0, c.stored(3, 1, "GPU", 0))  # block 3 again; its parent is gone
+        at(1015.0, BlockRemoved([1], "GPU", 0))  # rotates
+        assert ("GPU", c.hashes[3]) in _rows(idx, "e0"), idx  # stored 5 s ago: this generation
