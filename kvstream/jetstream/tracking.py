@@ -55,7 +55,7 @@ class RelaySource:
     """
 
     __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped", "max_message_bytes",
-                 "too_large", "_digest", "_digest_pos", "_lb_seq", "_lb_payload", "_held", "_held_bytes", "max_held",
+                 "too_large", "_near_limit", "_digest", "_digest_pos", "_lb_payload", "_held", "_held_bytes", "max_held",
                  "max_held_bytes")
 
     def __init__(self, source: str, known: StreamPosition | None = None, *, first_instance: int = 0,
@@ -67,8 +67,7 @@ class RelaySource:
         self.synced = known is None
         self._digest = known.digest if known is not None else None  # of the batch at _digest_pos
         self._digest_pos = self.pos
-        self._lb_seq = -1  # the last batch published (its digest is computed only when needed)
-        self._lb_payload: bytes | None = None
+        self._lb_payload: bytes | None = None  # the batch at pos, published (digest computed when needed)
         self._held: list[SourceBatch] = []  # skipped on the timestamp guess, until the guess is checked
         self._held_bytes = 0
         self.max_held = 10_000
@@ -79,10 +78,11 @@ class RelaySource:
         self.skipped = 0
         """Items not published because the stream already held them."""
         self.max_message_bytes = max_message_bytes
-        """The server's ``max_payload`` (bytes, headers included): a batch that does not
-        fit is published as a gap (a ``stale`` notice) instead."""
+        """The server's ``max_payload`` (bytes, headers included; set at construction): a
+        batch that does not fit is published as a gap (a ``stale`` notice) instead."""
         self.too_large = 0
         """Batches not published because they exceed ``max_message_bytes``."""
+        self._near_limit = max_message_bytes - 1024  # payloads above it get their size computed
 
     def _topic(self, topic: bytes) -> str:
         h = self._topics.get(topic)
@@ -102,7 +102,7 @@ class RelaySource:
 
     def _last_digest(self) -> str | None:
         """The digest of the batch at ``pos``, if known."""
-        if self._lb_payload is not None and self._lb_seq == self.pos:
+        if self._lb_payload is not None:
             self._digest = wire.payload_digest(self._lb_payload)
             self._digest_pos = self.pos
             self._lb_payload = None
@@ -132,6 +132,7 @@ class RelaySource:
             if not self.synced:
                 self.skipped += 1
                 return []  # the next batch decides what the stream is missing
+            self._lb_payload = None
             self.pos = item.resume_seq - 1
             return [self._control(item)]
         if cls is SourceLive:
@@ -188,17 +189,16 @@ class RelaySource:
         self.pos = q
         self.last_ts = b.batch.ts
         headers = wire.batch_headers(self.source, self.instance, q, self._topic(b.topic), replayed=b.replayed)
-        if len(b.payload) > self.max_message_bytes - 1024 and wire.message_size(b.payload, headers) > \
-                self.max_message_bytes:
+        if len(b.payload) > self._near_limit and wire.message_size(b.payload, headers) > self.max_message_bytes:
             # The server would refuse it (and close the connection) on every try: the
             # consumers get a gap they can see instead of a relay stuck on one message.
             self.too_large += 1
             out.append(self._control(SourceStale(
                 self.source, f"a batch of {len(b.payload)} bytes is over the NATS server's max_payload of "
                 f"{self.max_message_bytes} bytes (raise max_payload in the server's configuration)", q, q + 1)))
+            self._lb_payload = None
             return out
-        self._lb_seq = q
-        self._lb_payload = b.payload
+        self._lb_payload = b.payload  # the batch at pos (any other change of pos clears it)
         out.append((b.payload, headers))
         return out
 
@@ -208,6 +208,7 @@ class RelaySource:
         self.instance += 1
         self.pos = -1
         self._digest = None
+        self._lb_payload = None
         self.synced = True
         held = self._held
         self._drop_held()
