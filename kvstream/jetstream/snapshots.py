@@ -138,6 +138,12 @@ class SnapshotWriter:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("snapshot round failed: %s", self.last_error)
 
+    def _chunk(self) -> int:
+        """Bytes per object-store chunk: 1 MiB, or less on a server whose ``max_payload``
+        is smaller (each chunk is one message)."""
+        limit = int(getattr(self._nc, "max_payload", 0) or _CHUNK)
+        return max(1024, min(_CHUNK, limit - 256))
+
     def _take(self) -> tuple[dict[str, int], bytes] | None:
         """Dump the whole index if any source moved, in one synchronous step (consistent
         with the consumer positions read at the same moment)."""
@@ -165,7 +171,7 @@ class SnapshotWriter:
         if self._created is not None:
             headers[H_STREAM_CREATED] = self._created
         meta = ObjectMeta(name=OBJECT_NAME, description=f"kvstream index of {len(moved)} source(s) at stream seq {sseq}",
-                          headers=headers, options=ObjectMetaOptions(max_chunk_size=_CHUNK))
+                          headers=headers, options=ObjectMetaOptions(max_chunk_size=self._chunk()))
         await self._os.put(OBJECT_NAME, data, meta=meta)
         self._done = moved
         self.written += 1

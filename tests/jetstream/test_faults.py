@@ -456,3 +456,32 @@ async def test_consumers_and_relays_resume_after_the_nats_server_is_killed(tmp_p
             assert via_js.index.state() == direct.index.state()
         assert via_js.subscriber.counters("e0").stale_marks == 0
         tg.cancel_scope.cancel()
+
+
+async def test_a_server_with_a_small_max_payload_gets_gaps_for_large_batches_and_snapshots_in_small_chunks(
+        tmp_path) -> None:
+    from kvstream.jetstream.server import NatsServer
+
+    with NatsServer(tmp_path / "small", config="max_payload: 16384\n") as srv:
+        url = srv.url + "/KV_EVENTS"
+        async with Engine(tmp_path, "e0", seed=9, blocks=8192) as eng, Relay([eng.spec], srv.url) as relay, \
+                Router(subscriber=JetStreamSource(url)) as first, anyio.create_task_group() as tg:
+            assert relay.sources["e0"].max_message_bytes == 16384
+            tg.start_soon(relay.run)
+            eng.steps(3)
+            big = encode_batch(KVEventBatch(eng.ts + 1.0, [BlockStored(
+                [20_000_000 + i for i in range(600)], None, list(range(600 * 16)), 16, None, None, None)]))
+            assert 16384 < len(big) < 1 << 20
+            eng.payloads.append(big)
+            assert eng.pub is not None
+            eng.pub.publish_raw(big, 3)
+            eng.steps(400)  # an index big enough for a snapshot of several 16 KiB chunks
+            await first.wait_applied("e0", 403)
+            assert relay.stats.too_large == 1 and first.subscriber.health()["e0"].state == "stale"
+            async with SnapshotWriter(first.index, first.subscriber, interval_s=3600) as writer:
+                assert await writer.write_now() == 1
+                assert writer.bytes_written > 16384  # more than one chunk
+            tg.cancel_scope.cancel()
+        index = KVIndex()
+        states = await load_snapshots(url, index)
+        assert states["e0"].expected == 404 and index.state() == first.index.state()
