@@ -10,7 +10,7 @@ from kvstream.jetstream.errors import JetStreamConfigError, StreamMismatchError
 
 log = logging.getLogger("kvstream.jetstream")
 
-__all__ = ["connect", "ensure_stream", "open_data_connection"]
+__all__ = ["connect", "ensure_stream", "open_data_connection", "current_url"]
 
 
 async def connect(servers: str | Sequence[str], *, name: str, pending_bytes: int = 64 << 20,
@@ -103,6 +103,21 @@ async def ensure_stream(js: Any, s: StreamSettings, *, update: bool = False) -> 
         log.warning("stream %s keeps %s=%s (asked for %s; pass update=True / --update-stream to change it)",
                     s.name, k, a, b)
     return info
+
+
+def current_url(nc: Any, configured: str) -> str:
+    """The URL of the server the nats-py client ``nc`` is connected to now (with the
+    credentials of ``configured``), else ``configured``. In a cluster nats-py reconnects
+    to servers it learned from the others, so a data connection made here follows it when
+    the configured node is lost."""
+    from urllib.parse import urlsplit
+
+    cur = getattr(nc, "connected_url", None)
+    if cur is None or not getattr(nc, "is_connected", False) or not cur.hostname:
+        return configured
+    netloc = urlsplit(configured).netloc.rsplit("@", 1)
+    auth = netloc[0] + "@" if len(netloc) == 2 else ""
+    return f"nats://{auth}{cur.hostname}:{cur.port or 4222}"
 
 
 async def open_data_connection(url: str, name: str, reader: Any, subject: str) -> Any:

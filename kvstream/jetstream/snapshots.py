@@ -33,7 +33,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import anyio
 
-from kvstream.jetstream._nats import connect, open_data_connection
+from kvstream.jetstream._nats import connect, current_url, open_data_connection
 from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, parse_headers, pub_op
 from kvstream.jetstream.config import NatsSource, parse_nats_url
 from kvstream.jetstream.errors import RemoteProtocolError
@@ -294,7 +294,7 @@ async def load_snapshots(url: str | NatsSource, index: SnapshotIndex, *, timeout
             log.warning("snapshot of stream %s not used (a cold start instead): %s", spec.stream, why)
             return {}
         t0 = time.monotonic()
-        data = await _fetch(nc, spec.url, bucket_name(spec.stream), info, timeout_s)
+        data = await _fetch(nc, current_url(nc, spec.url), bucket_name(spec.stream), info, timeout_s)
         t1 = time.monotonic()
         had = set(index.sources)
         states: dict[str, SourceState] = {}

@@ -33,7 +33,7 @@ import anyio.lowlevel
 
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder
 from kvstream.jetstream import wire
-from kvstream.jetstream._nats import connect, open_data_connection
+from kvstream.jetstream._nats import connect, current_url, open_data_connection
 from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, parse_headers, pub_op
 from kvstream.jetstream.config import NatsSource, parse_nats_url
 from kvstream.jetstream.errors import JetStreamConfigError
@@ -521,7 +521,8 @@ class JetStreamSource:
                     self._fast_done += self._reader.fast_hits
                 self._reader = reader = ProtocolReader(self._on_raw, (_BATCH_DELIVERY, self._on_fast_run))
                 self._inbox = self._nc.new_inbox()
-                async with await open_data_connection(self.spec.url, self.name + "-data", reader, self._inbox) as stream:
+                url = current_url(self._nc, self.spec.url)
+                async with await open_data_connection(url, self.name + "-data", reader, self._inbox) as stream:
                     self._wire_out = bytearray()
                     self._wire_wake = anyio.Event()
                     async with anyio.create_task_group() as tg:
