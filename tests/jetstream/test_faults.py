@@ -136,7 +136,14 @@ async def test_a_relay_restarted_after_the_stream_forgot_its_source_is_not_taken
         await new.__aexit__(None, None, None)
 
 
-async def test_a_snapshot_of_a_deleted_and_recreated_stream_is_not_used(tmp_path, nats_server) -> None:
+@pytest.mark.parametrize("writer", ["this one", "without the creation header"])
+async def test_a_snapshot_of_a_deleted_and_recreated_stream_is_not_used(tmp_path, nats_server, writer) -> None:
+    # "without the creation header": as a writer before the header existed left it; its
+    # stream sequence (beyond the new stream's end) gives it away.
+    from nats.js.api import ObjectMeta
+
+    from kvstream.jetstream.snapshots import H_SSEQ, OBJECT_NAME, bucket_name
+
     url = nats_server.url + "/KV_EVENTS"
     async with Engine(tmp_path, "e0", seed=5) as e0, Engine(tmp_path, "e1", seed=6) as e1:
         async with Relay([e0.spec], nats_server.url) as relay, Router(subscriber=JetStreamSource(url)) as first, \
@@ -149,7 +156,14 @@ async def test_a_snapshot_of_a_deleted_and_recreated_stream_is_not_used(tmp_path
             tg.cancel_scope.cancel()
         nc = await _js(nats_server.url)
         try:
-            await nc.jetstream().delete_stream("KV_EVENTS")  # the bucket stays
+            js = nc.jetstream()
+            await js.delete_stream("KV_EVENTS")  # the bucket stays
+            if writer != "this one":
+                store = await js.object_store(bucket_name("KV_EVENTS"))
+                info = await store.get_info(OBJECT_NAME)
+                data = (await store.get(OBJECT_NAME)).data
+                await store.put(OBJECT_NAME, data, meta=ObjectMeta(
+                    name=OBJECT_NAME, headers={H_SSEQ: info.headers[H_SSEQ]}))
         finally:
             await nc.close()
         async with Relay([e1.spec], nats_server.url) as relay, anyio.create_task_group() as tg:
