@@ -604,6 +604,8 @@ class KVIndex(_IndexCore):
                         and h.get(hs[0], 0) & bit
                         and self._holds_all(s, hs, t, g)):
                     st.reannounced_blocks += len(hs)
+                    if touched is not None:
+                        touched.update(hs)  # no copy, but the engine says it holds them now
                     continue
                 if touched is not None:
                     touched.update(hs)
@@ -699,6 +701,8 @@ class KVIndex(_IndexCore):
             if (ra and (ra == 1 or ev.session_id is not None) and hashes[0] in young
                     and self._holds_all(s, hashes, t, g)):
                 self.stats.reannounced_blocks += n
+                if self._touched is not None:
+                    self._touched.update(hashes)  # no copy, but the engine says it holds them now
                 return
         else:
             pv = young.get(parent) if kind != _COMPACT else young.young.get(parent)

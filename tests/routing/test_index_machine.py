@@ -60,6 +60,9 @@ class _Chain:
         self.extra = rh.wire_extra_keys
         self.lora_id = lora.int_id if lora is not None else None
 
+    def __repr__(self) -> str:
+        return f"<prompt {PROMPTS.index(self.prompt)} in namespace {self.ns}>"
+
     def stored(self, start: int, n: int, medium: str, group: int) -> BlockStored:
         hs = self.hashes[start:start + n]
         parent = self.hashes[start - 1] if start else None
@@ -133,6 +136,13 @@ class Model:
                     self.waiting.add(h)
             parent = h
 
+    def reannounced(self, src: str, ev: BlockStored) -> bool:
+        """A report-mode re-announcement (``session_id``, from block 0, every block held
+        already in that medium and group): no copy (the TTL is refreshed: it is a store)."""
+        g = ev.group_idx or 0
+        return (ev.session_id is not None and ev.parent_block_hash is None
+                and all(self.copies.get((src, ev.medium or "GPU", g, h)) for h in ev.block_hashes))
+
     def remove(self, src: str, ev: BlockRemoved) -> None:
         self.stale.setdefault(src, False)
         for h in ev.block_hashes:
@@ -194,12 +204,14 @@ def _seen(match: dict[str, Any]) -> dict[str, tuple]:
 
 class IndexMachine(RuleBasedStateMachine):
     TTL_S: float | None = None
+    STEP_S = 0.0  # seconds each batch advances the clock (beside the time_passes rule)
 
     KW: dict[str, Any] = {}
 
     def __init__(self) -> None:
         super().__init__()
         self.idx = self._new()
+        self.steps = 0  # batches since the last reload
         self.model = Model(self.TTL_S)
         self.now = 1000.0
         self.base_unknown = 0  # counters are not in a snapshot: the model's count at the last load
@@ -210,7 +222,17 @@ class IndexMachine(RuleBasedStateMachine):
                 "engine": EngineKeyIndex(HASHER, **kw)}
 
     def _apply(self, src: str, *events: Any) -> None:
+        self._advance()
+        self._to_indexes(src, *events)
+
+    def _advance(self) -> None:
+        """The clock moves for the next batch; the model's TTL rotates as the indexes'
+        will when they get it."""
+        self.steps += 1
+        self.now += self.STEP_S
         self.model.tick(self.now)
+
+    def _to_indexes(self, src: str, *events: Any) -> None:
         for idx in self.idx.values():
             idx.apply_batch(src, KVEventBatch(self.now, list(events)), self.now)
 
@@ -223,6 +245,22 @@ class IndexMachine(RuleBasedStateMachine):
         self._apply(src, *events)
         for e in events:
             self.model.store(src, e)
+
+    @rule(src=st.sampled_from(SOURCES), c=st.sampled_from(CHAINS), n=st.integers(1, NBLOCKS),
+          group=st.sampled_from([0, 0, 1]))
+    def report_mode_store(self, src: str, c: _Chain, n: int, group: int) -> None:
+        """vLLM's kv_cache_report_mode="full": a request's cached prefix announced again,
+        with its session id (a real store when the source does not hold it all)."""
+        ev = c.stored(0, n, "GPU", group)
+        ev.session_id = "session-1"
+        self._advance()  # what the source holds after the TTL's rotation decides
+        again = self.model.reannounced(src, ev)
+        self._to_indexes(src, ev)
+        if not again:
+            self.model.store(src, ev)
+        else:  # no copy; but it is a BlockStored: the TTL counts from it
+            self.model.stale.setdefault(src, False)
+            self.model.touched.update(ev.block_hashes)
 
     @rule(src=st.sampled_from(SOURCES), c=st.sampled_from(CHAINS), start=st.integers(0, NBLOCKS - 1),
           n=st.integers(1, NBLOCKS), medium=st.sampled_from(["GPU", "GPU", "CPU"]), group=st.sampled_from([0, 0, 1]))
@@ -273,26 +311,26 @@ class IndexMachine(RuleBasedStateMachine):
     def time_passes(self, dt: float) -> None:
         self.now += dt
 
-    @rule()
-    def dump_and_load(self) -> None:
-        self.idx = {
-            "dict": KVIndex.load(self.idx["dict"].dump()),
-            "compact": KVIndex.load(self.idx["compact"].dump(), table="compact"),
-            "engine": EngineKeyIndex.load(self.idx["engine"].dump()),
-        }
-        self.base_unknown = self.model.unknown_removed
-        if self.model.ttl_s is not None:  # loaded blocks start a fresh TTL generation
-            self.model.gen_start = None
-            self.model.touched = {k[3] for k in self.model.copies}
-
-    @rule()
-    def rebuild_from_per_source_dumps(self) -> None:
-        """A new index of each layout from one-source dumps (``load_source`` each)."""
-        fresh = self._new()
-        for name, idx in self.idx.items():
-            for src in idx.sources:
-                fresh[name].load_source(idx.dump(src))
-        self.idx = fresh
+    # A reload starts a fresh TTL generation: at most one per 10 steps, or the TTL would
+    # hardly ever see a generation end.
+    @precondition(lambda self: self.steps >= 10)
+    @rule(per_source=st.booleans())
+    def dump_and_load(self, per_source: bool) -> None:
+        """Each layout through a snapshot: ``load(dump())``, or a new index built from
+        one-source dumps (``load_source`` each)."""
+        self.steps = 0
+        if per_source:
+            fresh = self._new()
+            for name, idx in self.idx.items():
+                for src in idx.sources:
+                    fresh[name].load_source(idx.dump(src))
+            self.idx = fresh
+        else:
+            self.idx = {
+                "dict": KVIndex.load(self.idx["dict"].dump()),
+                "compact": KVIndex.load(self.idx["compact"].dump(), table="compact"),
+                "engine": EngineKeyIndex.load(self.idx["engine"].dump()),
+            }
         self.base_unknown = self.model.unknown_removed
         if self.model.ttl_s is not None:
             self.model.gen_start = None
@@ -325,6 +363,7 @@ class IndexMachine(RuleBasedStateMachine):
 
 class TTLIndexMachine(IndexMachine):
     TTL_S = 5.0
+    STEP_S = 1.0  # a generation ends every few batches
 
 
 # KVSTREAM_MACHINE_EXAMPLES=400 for a longer hunt (the suite runs 60 per machine).
@@ -418,3 +457,16 @@ def test_a_known_block_stored_again_after_its_parent_expired_keeps_its_ttl() -> 
         at(1010.0, c.stored(3, 1, "GPU", 0))  # block 3 again; its parent is gone
         at(1015.0, BlockRemoved([1], "GPU", 0))  # rotates
         assert ("GPU", c.hashes[3]) in _rows(idx, "e0"), idx  # stored 5 s ago: this generation
+
+
+def test_a_report_mode_reannouncement_refreshes_the_ttl_without_adding_a_copy() -> None:
+    c = CHAINS[0]
+    for idx in _all(ttl_s=5.0):
+        again = c.stored(0, 1, "GPU", 0)
+        again.session_id = "session-1"  # vLLM kv_cache_report_mode="full": the prefix is still cached
+        idx.apply_batch("e0", KVEventBatch(0.0, [c.stored(0, 1, "GPU", 0)]), 1000.0)
+        idx.apply_batch("e0", KVEventBatch(0.0, [BlockRemoved([1], "GPU", 0)]), 1005.0)  # rotates
+        idx.apply_batch("e0", KVEventBatch(0.0, [again]), 1009.0)
+        idx.apply_batch("e0", KVEventBatch(0.0, [BlockRemoved([1], "GPU", 0)]), 1010.0)  # rotates
+        assert idx.state()["sources"]["e0"]["blocks"] == (("GPU", 0, c.hashes[0], 1),), idx
+        assert idx.stats.reannounced_blocks == 1
