@@ -172,7 +172,19 @@ class SnapshotWriter:
             headers[H_STREAM_CREATED] = self._created
         meta = ObjectMeta(name=OBJECT_NAME, description=f"kvstream index of {len(moved)} source(s) at stream seq {sseq}",
                           headers=headers, options=ObjectMetaOptions(max_chunk_size=self._chunk()))
-        await self._os.put(OBJECT_NAME, data, meta=meta)
+        try:
+            await self._os.put(OBJECT_NAME, data, meta=meta)
+        except Exception as exc:  # noqa: BLE001 - the bucket may have been deleted: make it again, once
+            from nats.errors import NoRespondersError
+            from nats.js.errors import NoStreamResponseError, NotFoundError
+
+            if not isinstance(exc, (NoRespondersError, NoStreamResponseError, NotFoundError)):
+                raise
+            log.warning("snapshot bucket %s unavailable (%s); making it again", bucket_name(self.source.spec.stream),
+                        type(exc).__name__)
+            self._os = await _store(self._nc.jetstream(), self.source.spec.stream, create=True,
+                                    replicas=self.replicas)
+            await self._os.put(OBJECT_NAME, data, meta=meta)
         self._done = moved
         self.written += 1
         self.bytes_written += len(data)

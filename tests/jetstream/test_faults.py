@@ -499,3 +499,28 @@ async def test_a_server_with_a_small_max_payload_gets_gaps_for_large_batches_and
         index = KVIndex()
         states = await load_snapshots(url, index)
         assert states["e0"].expected == 404 and index.state() == first.index.state()
+
+
+async def test_the_snapshot_bucket_deleted_under_a_running_writer_is_made_again(tmp_path, nats_server) -> None:
+    from kvstream.jetstream.snapshots import bucket_name
+
+    url = nats_server.url + "/KV_EVENTS"
+    async with Engine(tmp_path, "e0", seed=10) as e0, Relay([e0.spec], nats_server.url) as relay, \
+            Router(subscriber=JetStreamSource(url)) as first, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        async with SnapshotWriter(first.index, first.subscriber, interval_s=3600) as writer:
+            e0.steps(20)
+            await first.wait_applied("e0", 19)
+            assert await writer.write_now() == 1
+            nc = await _js(nats_server.url)
+            try:
+                await nc.jetstream().delete_object_store(bucket_name("KV_EVENTS"))
+            finally:
+                await nc.close()
+            e0.steps(20)
+            await first.wait_applied("e0", 39)
+            assert await writer.write_now() == 1
+        tg.cancel_scope.cancel()
+        index = KVIndex()
+        states = await load_snapshots(url, index)
+        assert states["e0"].expected == 40 and index.state() == first.index.state()
