@@ -31,7 +31,7 @@ import msgspec
 
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecodeError, EventDecoder, KVEventBatch
 from kvstream.jetstream import wire
-from kvstream.jetstream._nats import connect, ensure_stream, open_data_connection
+from kvstream.jetstream._nats import connect, current_url, ensure_stream, open_data_connection
 from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, hpub_op
 from kvstream.transport._ratelog import RateLimitedLog
 from kvstream.jetstream.config import StreamSettings
@@ -212,13 +212,16 @@ class Relay:
 
     async def _connection(self) -> None:
         """Publish on a connection of our own (HPUB with a reply subject per message, acks
-        read by the sans-IO protocol reader); on any loss, connect again (to the next
-        server of the list) and resend every unacked message in order."""
+        read by the sans-IO protocol reader); on any loss, connect again (alternately to
+        the server nats-py is connected to and to the next server of the list) and resend
+        every unacked message in order."""
         urls = [self.servers] if isinstance(self.servers, str) else list(self.servers)
         i = 0
         backoff = 0.05
         while True:
-            url = urls[i % len(urls)]
+            # The server nats-py is on first (in a cluster it moves to nodes the others
+            # told it about when a configured one is lost), else the next configured one.
+            url = current_url(self._nc, urls[i % len(urls)]) if i % 2 == 0 else urls[i // 2 % len(urls)]
             i += 1
             reader = ProtocolReader(self._on_ack)
             try:
