@@ -524,3 +524,31 @@ async def test_the_snapshot_bucket_deleted_under_a_running_writer_is_made_again(
         index = KVIndex()
         states = await load_snapshots(url, index)
         assert states["e0"].expected == 40 and index.state() == first.index.state()
+
+
+async def test_retention_dropping_what_a_cut_off_consumer_had_not_read_yet_is_a_gap_not_silence(
+        tmp_path, nats_server) -> None:
+    # A consumer that falls behind (here: cut off from the server) while the stream's
+    # byte limit drops the oldest messages it still needed, then catches up.
+    url = nats_server.url
+    async with Engine(tmp_path, "e0") as eng, anyio.create_task_group() as outer:
+        link = _Link(nats_server.port)
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        outer.start_soon(link.serve, listener)
+        via = f"nats://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        async with Relay([eng.spec], url, StreamSettings(max_bytes=30_000)) as relay, \
+                Router(subscriber=JetStreamSource(via, heartbeat_s=0.2)) as behind, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            eng.steps(20)
+            await behind.wait_applied("e0", 19)
+            link.partition()
+            eng.steps(200)  # far more than 30 kB: the stream keeps only the newest
+            await _until(lambda: relay.sources["e0"].pos == 219 and not relay.stats.inflight)
+            await _until(lambda: behind.subscriber.health()["e0"].state == "recovering")  # it noticed
+            link.cut = False
+            await behind.wait_applied("e0", 219, timeout_s=20)
+            sub = behind.subscriber
+            assert sub.counters("e0").gaps == 1 and sub.health()["e0"].state == "stale"
+            assert behind.index.source_info("e0").stale
+            tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
