@@ -10,7 +10,7 @@ from kvstream.jetstream.errors import JetStreamConfigError, StreamMismatchError
 
 log = logging.getLogger("kvstream.jetstream")
 
-__all__ = ["connect", "ensure_stream", "open_data_connection"]
+__all__ = ["connect", "ensure_stream", "open_data_connection", "current_url"]
 
 
 async def connect(servers: str | Sequence[str], *, name: str, pending_bytes: int = 64 << 20,
@@ -105,11 +105,27 @@ async def ensure_stream(js: Any, s: StreamSettings, *, update: bool = False) -> 
     return info
 
 
+def current_url(nc: Any, configured: str) -> str:
+    """The URL of the server the nats-py client ``nc`` is connected to now (with the
+    credentials of ``configured``), else ``configured``. In a cluster nats-py reconnects
+    to servers it learned from the others, so a data connection made here follows it when
+    the configured node is lost."""
+    from urllib.parse import urlsplit
+
+    cur = getattr(nc, "connected_url", None)
+    if cur is None or not getattr(nc, "is_connected", False) or not cur.hostname:
+        return configured
+    netloc = urlsplit(configured).netloc.rsplit("@", 1)
+    auth = netloc[0] + "@" if len(netloc) == 2 else ""
+    return f"nats://{auth}{cur.hostname}:{cur.port or 4222}"
+
+
 async def open_data_connection(url: str, name: str, reader: Any, subject: str) -> Any:
     """A plain TCP connection to the server of ``url`` for a hot data path, subscribed to
     ``subject`` (sid 1): INFO, CONNECT, PING/PONG, SUB, PING/PONG (so the server holds the
     subscription before anything is asked of it). ``reader`` is a
-    :class:`~kvstream.jetstream._proto.ProtocolReader`. Raises ``OSError``, ``TimeoutError``
+    :class:`~kvstream.jetstream._proto.ProtocolReader`. Raises ``OSError`` (a
+    ``ConnectionError`` when the connection closes during the handshake), ``TimeoutError``
     or :class:`~kvstream.jetstream._proto.NatsProtocolError`."""
     from urllib.parse import urlsplit
 
@@ -129,6 +145,11 @@ async def open_data_connection(url: str, name: str, reader: Any, subject: str) -
             await stream.send(sub_op(subject, 1) + b"PING\r\n")
             while reader.pongs < 2:
                 reader.feed(await stream.receive())
+    except (anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+        # Closed by the server (shutting down) or the network during the handshake: a
+        # connection error like any other, for the callers' reconnect loops.
+        await stream.aclose()
+        raise ConnectionError(f"{url}: the connection closed during the NATS handshake") from exc
     except BaseException:
         await stream.aclose()
         raise

@@ -31,7 +31,7 @@ import msgspec
 
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecodeError, EventDecoder, KVEventBatch
 from kvstream.jetstream import wire
-from kvstream.jetstream._nats import connect, ensure_stream, open_data_connection
+from kvstream.jetstream._nats import connect, current_url, ensure_stream, open_data_connection
 from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, hpub_op
 from kvstream.transport._ratelog import RateLimitedLog
 from kvstream.jetstream.config import StreamSettings
@@ -62,6 +62,10 @@ class RelayStats:
     """Error acks (the message was sent again)."""
     retransmits: int = 0
     """Messages sent again after an error or an ack timeout."""
+    streams_created: int = 0
+    """Times the stream was found deleted (publishes refused) and made again."""
+    too_large: int = 0
+    """Batches over the server's ``max_payload``, published as a gap (a ``stale`` notice) instead."""
     inflight: int = 0
     by_source: dict[str, int] = field(default_factory=dict)
     """Batches published per source."""
@@ -70,7 +74,7 @@ class RelayStats:
         """A one-line summary."""
         return (f"items={self.items} published={self.published} acked={self.acked} dup={self.duplicates} "
                 f"skipped={self.skipped} inflight={self.inflight} errors={self.ack_errors} "
-                f"retransmits={self.retransmits}")
+                f"retransmits={self.retransmits} too_large={self.too_large}")
 
 
 class _Envelope(msgspec.Struct, array_like=True, gc=False):
@@ -166,6 +170,7 @@ class Relay:
         self._wbuf = bytearray()
         self._wake = anyio.Event()
         self._rlog = RateLimitedLog(log)
+        self._stream_checked = 0.0
         self.last_error: str | None = None
         """The last data-connection error (None: none yet)."""
         self._subjects = {s.source: f"{self.settings.subject_prefix}.{wire.subject_token(s.source)}"
@@ -183,9 +188,17 @@ class Relay:
             life.on_close(self._nc.close)
             js = self._nc.jetstream()
             await ensure_stream(js, self.settings, update=self.update_stream)
+            # The stream's last sequence, read before the sources' last messages: a source
+            # the stream holds nothing of (new, purged, aged out) starts at this instance
+            # number, above any it had before (an instance is always below the stream
+            # sequence of its first message), so consumers that still remember the
+            # source take what follows for a new engine, not for late copies of an old one.
+            last_sseq = int((await js.stream_info(self.settings.name)).state.last_seq or 0)
+            limit = int(self._nc.max_payload or (1 << 20))
             for spec in self.specs:
                 known = await self._position(js, spec.source)
-                self.sources[spec.source] = RelaySource(spec.source, known)
+                self.sources[spec.source] = RelaySource(spec.source, known, first_instance=last_sseq,
+                                                        max_message_bytes=limit)
             self._inbox = self._nc.new_inbox()
             await life.enter(self._sub)
             await life.start(self._connection, name="kvstream-relay-connection")
@@ -199,13 +212,16 @@ class Relay:
 
     async def _connection(self) -> None:
         """Publish on a connection of our own (HPUB with a reply subject per message, acks
-        read by the sans-IO protocol reader); on any loss, connect again (to the next
-        server of the list) and resend every unacked message in order."""
+        read by the sans-IO protocol reader); on any loss, connect again (alternately to
+        the server nats-py is connected to and to the next server of the list) and resend
+        every unacked message in order."""
         urls = [self.servers] if isinstance(self.servers, str) else list(self.servers)
         i = 0
         backoff = 0.05
         while True:
-            url = urls[i % len(urls)]
+            # The server nats-py is on first (in a cluster it moves to nodes the others
+            # told it about when a configured one is lost), else the next configured one.
+            url = current_url(self._nc, urls[i % len(urls)]) if i % 2 == 0 else urls[i // 2 % len(urls)]
             i += 1
             reader = ProtocolReader(self._on_ack)
             try:
@@ -285,7 +301,7 @@ class Relay:
                 ts = float(h.get(wire.H_TS, 0.0))
         except Exception:  # noqa: BLE001 - an unreadable last message: trust seqs only
             log.warning("%s: cannot read the timestamp of the stream's last message", source)
-        return wire.position_from_headers(h, ts)
+        return wire.position_from_headers(h, ts, m.data)
 
     # -- publishing ----------------------------------------------------------------------
 
@@ -303,6 +319,7 @@ class Relay:
             if rs is None:
                 continue
             skipped = rs.skipped
+            too_large = rs.too_large
             for payload, headers in rs.on_item(item):
                 if len(self._pending) >= self.max_inflight or self._bytes >= self.max_inflight_bytes:
                     await self._wait_space()
@@ -310,6 +327,7 @@ class Relay:
             if st.items & 255 == 0:
                 await anyio.lowlevel.checkpoint()  # let the writer stream while items keep coming
             st.skipped += rs.skipped - skipped
+            st.too_large += rs.too_large - too_large
             if max_items is not None and st.items >= max_items:
                 break
         return st
@@ -401,7 +419,32 @@ class Relay:
             self._resend = anyio.Event()
             if self._failed:
                 await anyio.sleep(0.05)  # the stream was unavailable: give it a moment
+                await self._check_stream()
             self._resend_all()
+
+    async def _check_stream(self) -> None:
+        """After refused publishes: make the stream again if it was deleted (what is
+        unacked then goes into the new one; consumers notice it is another stream), at
+        most once a second."""
+        now = time.monotonic()
+        if now - self._stream_checked < 1.0:
+            return
+        self._stream_checked = now
+        from nats.js.errors import NotFoundError
+
+        js = self._nc.jetstream()
+        try:
+            with anyio.fail_after(2):
+                try:
+                    await js.stream_info(self.settings.name)
+                    return
+                except NotFoundError:
+                    await ensure_stream(js, self.settings)
+        except Exception as exc:  # noqa: BLE001 - NATS away or the stream still unavailable: next round
+            self._rlog.warning("stream", "relay: stream %s unavailable: %s", self.settings.name, exc)
+            return
+        self.stats.streams_created += 1
+        log.warning("relay: stream %s was gone; made it again", self.settings.name)
 
     async def wait_acked(self, timeout_s: float = 10.0) -> None:
         """Wait until every message published so far is acknowledged; ``TimeoutError``

@@ -59,11 +59,13 @@ class NatsServer:
     port (None: ephemeral, fixed after the first start so clients reconnect to the same
     URL). ``name``, ``cluster_name``, ``cluster_port``, ``routes``: cluster membership
     (see :class:`NatsCluster`). ``start_timeout_s``: seconds to wait for readiness.
+    ``config``: text of a nats-server configuration file for settings the command line
+    lacks (e.g. ``"max_payload: 65536"``).
     """
 
     def __init__(self, store_dir: str | os.PathLike[str], *, port: int | None = None, name: str | None = None,
                  cluster_name: str | None = None, cluster_port: int | None = None,
-                 routes: Sequence[str] = (), start_timeout_s: float = 20.0) -> None:
+                 routes: Sequence[str] = (), start_timeout_s: float = 20.0, config: str | None = None) -> None:
         self.store_dir = Path(store_dir)
         self.port = port
         self.monitor_port: int | None = None
@@ -72,6 +74,7 @@ class NatsServer:
         self.cluster_port = cluster_port
         self.routes = list(routes)
         self.start_timeout_s = start_timeout_s
+        self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
         self._ports_dir = self.store_dir / "ports"
         self._log = self.store_dir / "nats-server.log"
@@ -87,6 +90,11 @@ class NatsServer:
         argv = [find_nats_server(), "-js", "-sd", str(self.store_dir / "js"), "-a", "127.0.0.1",
                 "-p", str(self.port if self.port is not None else -1), "-m", "-1",
                 "--ports_file_dir", str(self._ports_dir), "-l", str(self._log)]
+        if self.config is not None:
+            conf = self.store_dir / "nats-server.conf"
+            conf.parent.mkdir(parents=True, exist_ok=True)
+            conf.write_text(self.config)
+            argv += ["-c", str(conf)]  # the command line's options win over the file's
         if self.name:
             argv += ["-n", self.name]
         if self.cluster_name:

@@ -16,7 +16,8 @@ new replica calls :func:`load_snapshots` and reads only the tail::
         ...
 
 Its start-up time depends on the index size and the tail since the last snapshot, not on
-the stream's history. The object is read back on a connection of its own (an ephemeral
+the stream's history. A snapshot of another stream of the same name (deleted and made
+again since) or beyond the stream's last sequence is not used (a cold start, logged). The object is read back on a connection of its own (an ephemeral
 consumer of the bucket's chunk subject, chunks collected as they arrive, the SHA-256
 digest checked): nats-py's object store reader grows one ``bytes`` per chunk and reads at
 a fraction of the speed.
@@ -32,7 +33,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import anyio
 
-from kvstream.jetstream._nats import connect, open_data_connection
+from kvstream.jetstream._nats import connect, current_url, open_data_connection
 from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, parse_headers, pub_op
 from kvstream.jetstream.config import NatsSource, parse_nats_url
 from kvstream.jetstream.errors import RemoteProtocolError
@@ -45,6 +46,9 @@ log = logging.getLogger("kvstream.jetstream.snapshots")
 
 _CHUNK = 1 << 20  # bytes per object-store chunk (nats-server's default max payload: 1 MiB)
 H_SSEQ = "Kv-Sseq"
+H_STREAM_CREATED = "Kv-Stream-Created"
+"""When the stream the snapshot's positions refer to was created (a stream deleted and
+made again under the same name has another time)."""
 OBJECT_NAME = "kvstream.index"
 """The one object holding the latest whole-index snapshot (a subject token never holds a
 ``.``, so no source's name can collide with it)."""
@@ -107,6 +111,7 @@ class SnapshotWriter:
         """Bytes of snapshots written so far."""
         self.last_error: str | None = None
         self._done: dict[str, int] = {}
+        self._created: str | None = None
         self._nc: Any = None
         self._os: Any = None
         self._life = Lifetime()
@@ -133,6 +138,12 @@ class SnapshotWriter:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("snapshot round failed: %s", self.last_error)
 
+    def _chunk(self) -> int:
+        """Bytes per object-store chunk: 1 MiB, or less on a server whose ``max_payload``
+        is smaller (each chunk is one message)."""
+        limit = int(getattr(self._nc, "max_payload", 0) or _CHUNK)
+        return max(1024, min(_CHUNK, limit - 256))
+
     def _take(self) -> tuple[dict[str, int], bytes] | None:
         """Dump the whole index if any source moved, in one synchronous step (consistent
         with the consumer positions read at the same moment)."""
@@ -140,6 +151,7 @@ class SnapshotWriter:
         moved = {name: st.sseq for name, st in states.items()}
         if moved == self._done or not moved:
             return None
+        self._created = getattr(self.source, "stream_created", None)
         return moved, self.index.dump(cursors={name: st.as_dict() for name, st in states.items()})
 
     async def write_now(self, *, settle_s: float = 5.0) -> int:
@@ -155,9 +167,24 @@ class SnapshotWriter:
             return 0
         moved, data = taken
         sseq = max(moved.values())
+        headers = {H_SSEQ: str(sseq)}
+        if self._created is not None:
+            headers[H_STREAM_CREATED] = self._created
         meta = ObjectMeta(name=OBJECT_NAME, description=f"kvstream index of {len(moved)} source(s) at stream seq {sseq}",
-                          headers={H_SSEQ: str(sseq)}, options=ObjectMetaOptions(max_chunk_size=_CHUNK))
-        await self._os.put(OBJECT_NAME, data, meta=meta)
+                          headers=headers, options=ObjectMetaOptions(max_chunk_size=self._chunk()))
+        try:
+            await self._os.put(OBJECT_NAME, data, meta=meta)
+        except Exception as exc:  # noqa: BLE001 - the bucket may have been deleted: make it again, once
+            from nats.errors import NoRespondersError
+            from nats.js.errors import NoStreamResponseError, NotFoundError
+
+            if not isinstance(exc, (NoRespondersError, NoStreamResponseError, NotFoundError)):
+                raise
+            log.warning("snapshot bucket %s unavailable (%s); making it again", bucket_name(self.source.spec.stream),
+                        type(exc).__name__)
+            self._os = await _store(self._nc.jetstream(), self.source.spec.stream, create=True,
+                                    replicas=self.replicas)
+            await self._os.put(OBJECT_NAME, data, meta=meta)
         self._done = moved
         self.written += 1
         self.bytes_written += len(data)
@@ -230,6 +257,30 @@ async def _fetch(nc: Any, url: str, bucket: str, info: Any, timeout_s: float) ->
     return data
 
 
+async def _foreign(nc: Any, stream: str, info: Any) -> str | None:
+    """Why the snapshot ``info`` describes does not belong to ``stream`` as it is now
+    (None: it does): written for a stream of that name that was deleted since, or at a
+    stream sequence the stream has not reached (its positions would skip what is there)."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        si = await nc.jetstream().stream_info(stream)
+    except NotFoundError:
+        return "the stream does not exist"
+    h = info.headers or {}
+    created = si.created.isoformat() if si.created is not None else None
+    if h.get(H_STREAM_CREATED) and created is not None and h[H_STREAM_CREATED] != created:
+        return f"written for a stream created {h[H_STREAM_CREATED]}; this one was created {created}"
+    try:
+        sseq = int(h.get(H_SSEQ, 0))
+    except ValueError:
+        return f"a bad {H_SSEQ} header {h.get(H_SSEQ)!r}"
+    last = int(si.state.last_seq or 0)
+    if sseq > last:
+        return f"written at stream seq {sseq}, the stream ends at seq {last}"
+    return None
+
+
 async def load_snapshots(url: str | NatsSource, index: SnapshotIndex, *, timeout_s: float = 10.0) -> dict[str, SourceState]:
     """Load the latest whole-index snapshot of the stream ``url`` names into ``index``
     (:meth:`load_source`: the state of every source in it is replaced; sources outside the
@@ -250,8 +301,12 @@ async def load_snapshots(url: str | NatsSource, index: SnapshotIndex, *, timeout
             info = await os_.get_info(OBJECT_NAME)
         except NotFoundError:
             return {}
+        why = await _foreign(nc, spec.stream, info)
+        if why is not None:
+            log.warning("snapshot of stream %s not used (a cold start instead): %s", spec.stream, why)
+            return {}
         t0 = time.monotonic()
-        data = await _fetch(nc, spec.url, bucket_name(spec.stream), info, timeout_s)
+        data = await _fetch(nc, current_url(nc, spec.url), bucket_name(spec.stream), info, timeout_s)
         t1 = time.monotonic()
         had = set(index.sources)
         states: dict[str, SourceState] = {}

@@ -33,7 +33,7 @@ import anyio.lowlevel
 
 from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder
 from kvstream.jetstream import wire
-from kvstream.jetstream._nats import connect, open_data_connection
+from kvstream.jetstream._nats import connect, current_url, open_data_connection
 from kvstream.jetstream._proto import NatsProtocolError, ProtocolReader, parse_headers, pub_op
 from kvstream.jetstream.config import NatsSource, parse_nats_url
 from kvstream.jetstream.errors import JetStreamConfigError
@@ -84,6 +84,9 @@ class ConsumerHealth:
     last_error: str | None
     fast_deliveries: int = 0
     """Deliveries parsed on the fast path (a batch in the relay's exact layout)."""
+    new_streams: int = 0
+    """Times the stream turned out to be another one than the positions were read from
+    (deleted and made again, or older than a snapshot): the positions were dropped."""
 
 
 class JetStreamSource:
@@ -157,6 +160,8 @@ class JetStreamSource:
         self._resets = 0
         self._last_error: str | None = None
         self._gen = 0
+        self._stream_created: str | None = None
+        self._new_streams = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -218,7 +223,15 @@ class JetStreamSource:
         """The stream side: connection, consumer, last stream sequence."""
         r = self._reader
         return ConsumerHealth(self.spec.url, self.spec.stream, self._state, self._sseq, self._resets,
-                              self._last_error, self._fast_done + (r.fast_hits if r is not None else 0))
+                              self._last_error, self._fast_done + (r.fast_hits if r is not None else 0),
+                              self._new_streams)
+
+    @property
+    def stream_created(self) -> str | None:
+        """When the stream the positions (:meth:`states`) refer to was created (ISO 8601,
+        as the server reports it; None before the first consumer was made): a stream
+        deleted and made again under the same name has another one."""
+        return self._stream_created
 
     def counters(self, name: str) -> SourceCounters:
         """The live counters object of source ``name``."""
@@ -427,6 +440,13 @@ class JetStreamSource:
                 pass
         self._dseq = 0
         self._fc_held = None
+        info = await js.stream_info(self.spec.stream)
+        created = info.created.isoformat() if info.created is not None else None
+        last = int(info.state.last_seq or 0)
+        if (self._stream_created is not None and created != self._stream_created) or self._sseq > last:
+            self._forget_positions(f"stream {self.spec.stream} was made again (created {created}, last seq {last}; "
+                                   f"positions were at seq {self._sseq})")
+        self._stream_created = created
         subjects = [f"{self._prefix}.{wire.subject_token(n)}" for n in sorted(self._filter)]
         cfg = ConsumerConfig(
             deliver_subject=self._inbox, ack_policy=AckPolicy.NONE, flow_control=True,
@@ -444,6 +464,18 @@ class JetStreamSource:
         info = await self._nc.jsm().add_consumer(self.spec.stream, cfg)
         self._consumer = info.name
         self._last_activity = time.monotonic()
+
+    def _forget_positions(self, why: str) -> None:
+        """The stream is not the one our stream sequences and engine instances came from:
+        read it from the start, and let each source's next message say where its engine
+        is (its seqs decide between continuing, a gap and repeats, as ever)."""
+        log.warning("%s: reading it from the start", why)
+        self._last_error = why
+        self._new_streams += 1
+        self._sseq = 0
+        for s in self._src.values():
+            s.state.sseq = 0
+            s.state.instance = None
 
     async def _read_loop(self, stream: Any, reader: ProtocolReader) -> None:
         try:
@@ -489,7 +521,8 @@ class JetStreamSource:
                     self._fast_done += self._reader.fast_hits
                 self._reader = reader = ProtocolReader(self._on_raw, (_BATCH_DELIVERY, self._on_fast_run))
                 self._inbox = self._nc.new_inbox()
-                async with await open_data_connection(self.spec.url, self.name + "-data", reader, self._inbox) as stream:
+                url = current_url(self._nc, self.spec.url)
+                async with await open_data_connection(url, self.name + "-data", reader, self._inbox) as stream:
                     self._wire_out = bytearray()
                     self._wire_wake = anyio.Event()
                     async with anyio.create_task_group() as tg:

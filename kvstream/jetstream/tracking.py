@@ -8,7 +8,14 @@
 
   - a batch with ``seq <= pos`` and a timestamp no newer than the stream's last batch is
     one the stream has: skipped; a *newer* one means the engine restarted meanwhile (its
-    seqs began again): instance + 1, a ``restart`` reset, then the batch;
+    seqs began again): instance + 1, a ``restart`` reset, then the batch. Timestamps are
+    the engine host's clock, so they are only a first guess: the batch at ``pos`` itself
+    is compared byte for byte with the stream's last one, and when they differ the
+    engine is new after all (a restarted engine whose clock runs behind). So is an engine
+    whose newest batch (the subscriber's ``SourceLive``) is older than the stream's. Then
+    the batches skipped on the guess (held meanwhile, up to ``max_held`` /
+    ``max_held_bytes``) are published after the reset, and any that did not fit are a
+    ``stale`` gap;
   - ``seq == pos + 1``: the stream continues; ``seq > pos + 1``: the batches between left
     the engine's buffer before any relay got them: a ``stale`` notice, then the batch.
 
@@ -47,18 +54,35 @@ class RelaySource:
     :meth:`on_item` returns ``(payload, headers)`` pairs to publish in order.
     """
 
-    __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped")
+    __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped", "max_message_bytes",
+                 "too_large", "_near_limit", "_digest", "_digest_pos", "_lb_payload", "_held", "_held_bytes", "max_held",
+                 "max_held_bytes")
 
-    def __init__(self, source: str, known: StreamPosition | None = None) -> None:
+    def __init__(self, source: str, known: StreamPosition | None = None, *, first_instance: int = 0,
+                 max_message_bytes: int = 1 << 62) -> None:
         self.source = source
-        self.instance = known.instance if known is not None else 0
+        self.instance = known.instance if known is not None else first_instance
         self.pos = known.pos if known is not None else -1
         self.last_ts = known.ts if known is not None else 0.0
         self.synced = known is None
+        self._digest = known.digest if known is not None else None  # of the batch at _digest_pos
+        self._digest_pos = self.pos
+        self._lb_payload: bytes | None = None  # the batch at pos, published (digest computed when needed)
+        self._held: list[SourceBatch] = []  # skipped on the timestamp guess, until the guess is checked
+        self._held_bytes = 0
+        self.max_held = 10_000
+        """Batches (and ``max_held_bytes`` bytes) held while that check is pending."""
+        self.max_held_bytes = 64 << 20
         self._topics: dict[bytes, str] = {}
         self._snap: list[int] | None = None  # [R, next index] while a snapshot's batches flow
         self.skipped = 0
         """Items not published because the stream already held them."""
+        self.max_message_bytes = max_message_bytes
+        """The server's ``max_payload`` (bytes, headers included; set at construction): a
+        batch that does not fit is published as a gap (a ``stale`` notice) instead."""
+        self.too_large = 0
+        """Batches not published because they exceed ``max_message_bytes``."""
+        self._near_limit = max_message_bytes - 1024  # payloads above it get their size computed
 
     def _topic(self, topic: bytes) -> str:
         h = self._topics.get(topic)
@@ -71,7 +95,18 @@ class RelaySource:
     def _control(self, item: SourceReset | SourceStale | SourceLive) -> Message:
         payload, headers = wire.control_message(self.source, self.instance, item, self.pos)
         headers[wire.H_TS] = repr(self.last_ts)
+        digest = self._last_digest()
+        if digest is not None:
+            headers[wire.H_LAST] = digest
         return payload, headers
+
+    def _last_digest(self) -> str | None:
+        """The digest of the batch at ``pos``, if known."""
+        if self._lb_payload is not None:
+            self._digest = wire.payload_digest(self._lb_payload)
+            self._digest_pos = self.pos
+            self._lb_payload = None
+        return self._digest if self._digest_pos == self.pos else None
 
     def on_item(self, item: Any) -> list[Message]:
         """Messages to publish for one subscriber item (possibly none)."""
@@ -80,9 +115,12 @@ class RelaySource:
             return self._batch(item)
         self._snap = None
         if cls is SourceReset:
+            self._drop_held()
             if item.reason == "removed":
                 return []
             self.synced = True
+            self._digest = None  # of the batch at a position this reset voids
+            self._lb_payload = None
             if item.reason == "restart":
                 self.instance += 1
                 self.pos = -1
@@ -94,13 +132,23 @@ class RelaySource:
             if not self.synced:
                 self.skipped += 1
                 return []  # the next batch decides what the stream is missing
+            self._lb_payload = None
             self.pos = item.resume_seq - 1
             return [self._control(item)]
         if cls is SourceLive:
-            if not self.synced and item.seq > self.pos:
-                return []
+            out: list[Message] = []
+            if not self.synced:
+                if item.seq > self.pos:
+                    return out
+                if item.seq < self.pos:
+                    # The engine's newest batch is older than the stream's: it is not the
+                    # engine that wrote the stream (one engine's seqs only grow), whatever
+                    # the timestamps said of the batches skipped so far.
+                    out = self._new_engine(self._held[0].seq if self._held else item.seq + 1)
             self.synced = True
-            return [self._control(SourceLive(self.source, self.pos))]
+            self._drop_held()
+            out.append(self._control(SourceLive(self.source, self.pos)))
+            return out
         raise TypeError(f"not a subscriber item: {item!r:.80}")
 
     def _batch(self, b: SourceBatch) -> list[Message]:
@@ -115,14 +163,22 @@ class RelaySource:
         out: list[Message] = []
         if not self.synced:
             if q <= self.pos:
-                if b.batch.ts <= self.last_ts:
+                last = self._last_digest()
+                if q == self.pos and last is not None:
+                    new_engine = wire.payload_digest(b.payload) != last  # the one exact test there is
+                else:
+                    new_engine = b.batch.ts > self.last_ts
+                if not new_engine:
                     self.skipped += 1
+                    if q == self.pos and last is not None:
+                        self._drop_held()  # the same engine: the stream has them all
+                        self.synced = True
+                    else:
+                        self._hold(b)
                     return out  # the stream has it
-                self.instance += 1  # a new engine: its seqs began again while no relay ran
-                self.pos = -1
-                self.synced = True
-                out.append(self._control(SourceReset(self.source, "restart", q)))
+                out = self._new_engine(self._held[0].seq if self._held else q)
             self.synced = True
+            self._drop_held()
         if q > self.pos + 1:
             out.append(self._control(SourceStale(
                 self.source, "batches left the engine's buffer before a relay read them",
@@ -132,9 +188,48 @@ class RelaySource:
             return out  # an older batch of this instance (the subscriber never yields one)
         self.pos = q
         self.last_ts = b.batch.ts
-        out.append((b.payload, wire.batch_headers(self.source, self.instance, q, self._topic(b.topic),
-                                                  replayed=b.replayed)))
+        headers = wire.batch_headers(self.source, self.instance, q, self._topic(b.topic), replayed=b.replayed)
+        if len(b.payload) > self._near_limit and wire.message_size(b.payload, headers) > self.max_message_bytes:
+            # The server would refuse it (and close the connection) on every try: the
+            # consumers get a gap they can see instead of a relay stuck on one message.
+            self.too_large += 1
+            out.append(self._control(SourceStale(
+                self.source, f"a batch of {len(b.payload)} bytes is over the NATS server's max_payload of "
+                f"{self.max_message_bytes} bytes (raise max_payload in the server's configuration)", q, q + 1)))
+            self._lb_payload = None
+            return out
+        self._lb_payload = b.payload  # the batch at pos (any other change of pos clears it)
+        out.append((b.payload, headers))
         return out
+
+    def _new_engine(self, first_seq: int) -> list[Message]:
+        """The engine restarted while no relay ran (its seqs began again): instance + 1, a
+        ``restart`` reset, then the batches skipped meanwhile."""
+        self.instance += 1
+        self.pos = -1
+        self._digest = None
+        self._lb_payload = None
+        self.synced = True
+        held = self._held
+        self._drop_held()
+        self.skipped -= len(held)
+        out = [self._control(SourceReset(self.source, "restart", first_seq))]
+        for hb in held:
+            out += self._batch(hb)
+        return out
+
+    def _hold(self, b: SourceBatch) -> None:
+        if self._held and b.seq <= self._held[-1].seq:
+            self._drop_held()  # seqs went back: whatever was held is not this engine's run
+        self._held.append(b)
+        self._held_bytes += len(b.payload)
+        while len(self._held) > self.max_held or self._held_bytes > self.max_held_bytes:
+            self._held_bytes -= len(self._held.pop(0).payload)
+
+    def _drop_held(self) -> None:
+        if self._held:
+            self._held = []
+            self._held_bytes = 0
 
 
 class SourceState:
@@ -169,7 +264,7 @@ class StreamSource:
     skipped.
     """
 
-    __slots__ = ("name", "state", "counters", "out", "_decode", "_topics", "_btopics", "max_payload_bytes")
+    __slots__ = ("name", "state", "counters", "out", "_decode", "_topics", "_btopics", "max_payload_bytes", "_snap")
 
     def __init__(self, name: str, decode: Callable[[bytes], KVEventBatch], out: list[Any],
                  state: SourceState | None = None, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
@@ -183,6 +278,7 @@ class StreamSource:
         self.max_payload_bytes = max_payload_bytes
         """Payloads up to this size (bytes) may take the one-call decode of :meth:`on_batch`
         (larger ones go to ``decode``, which rejects them)."""
+        self._snap = -1  # R of the snapshot reset whose batches may follow (-1: none)
 
     def on_batch(self, sseq: int, instance: int, seq: int, topic_header: bytes, payload: bytes, now: float) -> None:
         """A plain batch message (headers ``Kv-Seq`` ``seq``, ``Kv-Instance`` ``instance``,
@@ -275,6 +371,7 @@ class StreamSource:
             return
         name = self.name
         out = self.out
+        fresh = st.instance is None or inst > st.instance  # the first message of this instance
         if st.instance is None:
             st.instance = inst
         elif inst < st.instance:
@@ -323,10 +420,14 @@ class StreamSource:
             try:
                 seq = int(headers[wire.H_SEQ])
                 topic = wire.decode_topic(headers[wire.H_TOPIC])
-                batch = self._decode(payload)
             except (KeyError, ValueError):
                 c.frame_errors += 1
                 return
+            if seq != self._snap - 1 or st.expected != self._snap:  # not right after its reset: a late copy
+                c.duplicates += 1
+                return
+            try:
+                batch = self._decode(payload)
             except EventDecodeError:
                 c.decode_errors += 1
                 return
@@ -340,12 +441,24 @@ class StreamSource:
             c.frame_errors += 1
             return
         if type(item) is SourceReset:
+            # A reset is the first message of its instance, or a snapshot at or beyond where
+            # the consumer is; otherwise it is a late copy (a relay resending after the
+            # duplicate window) and must not undo what followed it.
             if item.reason == "restart":
+                if not fresh:
+                    c.duplicates += 1
+                    return
                 c.restarts += 1
                 st.expected = 0
+                self._snap = -1
             else:
+                r = item.seq if item.seq is not None else 0
+                if not fresh and r < st.expected:
+                    c.duplicates += 1
+                    return
                 c.snapshots += 1
-                st.expected = item.seq if item.seq is not None else 0
+                st.expected = r
+                self._snap = r
             st.stale = False
             out.append(item)
         elif type(item) is SourceStale:

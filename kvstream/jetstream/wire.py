@@ -14,13 +14,15 @@ One NATS message per item, on subject ``<prefix>.<source token>``:
 
 Every control message carries ``Kv-Pos``: the last engine seq the consumer's state
 reflects after applying it (``-1``: none yet in this instance; for a batch it is its
-``Kv-Seq``) and ``Kv-Ts``, the engine timestamp of the instance's last batch. A relay reads the last message of a
+``Kv-Seq``), ``Kv-Ts``, the engine timestamp of the instance's last batch, and, when the
+batch at ``Kv-Pos`` is known, ``Kv-Last-Digest`` (:func:`payload_digest` of it). A relay reads the last message of a
 source's subject at start-up to learn where the stream stands (:class:`StreamPosition`).
 ``Kv-Instance`` starts at 0 and goes up by one at each engine restart the relays see.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -30,8 +32,8 @@ from kvstream.jetstream.errors import RemoteProtocolError
 from kvstream.transport.items import SourceLive, SourceReset, SourceStale
 
 __all__ = [
-    "H_SEQ", "H_INSTANCE", "H_TOPIC", "H_KIND", "H_POS", "H_MSG_ID", "H_REPLAYED", "H_TS",
-    "subject_token", "source_from_token", "batch_headers", "control_message", "decode_control",
+    "H_SEQ", "H_INSTANCE", "H_TOPIC", "H_KIND", "H_POS", "H_MSG_ID", "H_REPLAYED", "H_TS", "H_LAST", "payload_digest",
+    "subject_token", "source_from_token", "batch_headers", "message_size", "control_message", "decode_control",
     "StreamPosition", "position_from_headers", "WireError",
 ]
 
@@ -43,6 +45,7 @@ H_POS = "Kv-Pos"
 H_REPLAYED = "Kv-Replayed"
 H_TS = "Kv-Ts"
 H_MSG_ID = "Nats-Msg-Id"
+H_LAST = "Kv-Last-Digest"
 
 KIND_SNAPSHOT = "snapshot"
 CONTROL_KINDS = ("reset", "stale", "live")
@@ -95,6 +98,18 @@ def batch_headers(source: str, instance: int, seq: int, topic_header: str, *, re
     return h
 
 
+def payload_digest(payload: bytes) -> str:
+    """A short digest of a batch's payload (BLAKE2b, 16 bytes, hex): what a control
+    message's ``Kv-Last-Digest`` says of the batch at its ``Kv-Pos``."""
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
+def message_size(payload: bytes, headers: Mapping[str, str]) -> int:
+    """Bytes a message with ``headers`` and ``payload`` counts against the server's
+    ``max_payload`` (the NATS/1.0 header block plus the payload)."""
+    return 12 + sum(len(k) + len(v) + 4 for k, v in headers.items()) + len(payload)
+
+
 def control_msg_id(source: str, instance: int, item: SourceReset | SourceStale | SourceLive) -> str:
     """The de-duplication id of a control message: equal for the same notice from two
     relays following one engine."""
@@ -142,20 +157,28 @@ def decode_control(source: str, payload: bytes) -> SourceReset | SourceStale | S
 @dataclass(frozen=True, slots=True)
 class StreamPosition:
     """Where the stream stands for one source: its engine ``instance``, ``pos`` (the last
-    engine seq reflected, -1: none) and ``ts`` (seconds: the engine timestamp of the last
-    batch, 0.0 for a control message)."""
+    engine seq reflected, -1: none), ``ts`` (seconds: the engine timestamp of the last
+    batch, 0.0 for a control message) and ``digest``."""
 
     instance: int
     pos: int
     ts: float = 0.0
+    digest: str | None = None
+    """:func:`payload_digest` of the batch at ``pos`` (None: not known). A relay compares
+    the engine's replay of that batch with it: equal bytes, the same engine."""
 
 
-def position_from_headers(headers: Mapping[str, str] | None, ts: float = 0.0) -> StreamPosition:
+def position_from_headers(headers: Mapping[str, str] | None, ts: float = 0.0,
+                          payload: bytes | None = None) -> StreamPosition:
     """Read ``Kv-Instance`` / ``Kv-Pos`` (a batch: ``Kv-Seq``) (raises :class:`WireError` when absent or bad)."""
     if not headers:
         raise WireError("message has no headers; is this stream written by `kvstream relay`?")
     try:
         pos = headers.get(H_POS)
-        return StreamPosition(int(headers[H_INSTANCE]), int(pos if pos is not None else headers[H_SEQ]), ts)
+        if pos is None and H_KIND not in headers:
+            digest = payload_digest(payload) if payload is not None else None
+        else:
+            digest = headers.get(H_LAST)
+        return StreamPosition(int(headers[H_INSTANCE]), int(pos if pos is not None else headers[H_SEQ]), ts, digest)
     except (KeyError, ValueError) as exc:
         raise WireError(f"message lacks a valid {H_INSTANCE}/{H_POS} header ({exc})") from None

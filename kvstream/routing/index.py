@@ -604,6 +604,8 @@ class KVIndex(_IndexCore):
                         and h.get(hs[0], 0) & bit
                         and self._holds_all(s, hs, t, g)):
                     st.reannounced_blocks += len(hs)
+                    if touched is not None:
+                        touched.update(hs)  # no copy, but the engine says it holds them now
                     continue
                 if touched is not None:
                     touched.update(hs)
@@ -660,6 +662,8 @@ class KVIndex(_IndexCore):
         toks = ev.token_ids
         if not toks:
             # A tier-only event (CPU offload placeholder): locate known blocks.
+            if self._touched is not None:
+                self._touched.update(hashes)  # a store refreshes the TTL, in any tier
             for eh in hashes:
                 self._add_copy(s, eh, None, t, g)
             return
@@ -671,6 +675,8 @@ class KVIndex(_IndexCore):
             )
         if B % R:
             self.stats.unkeyable_blocks += n
+            if self._touched is not None:
+                self._touched.update(hashes)
             for eh in hashes:
                 self._add_copy(s, eh, None, t, g, keyable=False)
             return
@@ -695,6 +701,8 @@ class KVIndex(_IndexCore):
             if (ra and (ra == 1 or ev.session_id is not None) and hashes[0] in young
                     and self._holds_all(s, hashes, t, g)):
                 self.stats.reannounced_blocks += n
+                if self._touched is not None:
+                    self._touched.update(hashes)  # no copy, but the engine says it holds them now
                 return
         else:
             pv = young.get(parent) if kind != _COMPACT else young.young.get(parent)
@@ -925,6 +933,8 @@ class KVIndex(_IndexCore):
         parent = ev.parent_block_hash
         step = 4 * self._R * per
         hashes = ev.block_hashes
+        if self._touched is not None:
+            self._touched.update(hashes)  # a store refreshes the TTL, whatever its parent
         for i, eh in enumerate(hashes):
             if eh in self._table:
                 # Known already (another source linked it): the rest of the run chains from it.
@@ -940,6 +950,7 @@ class KVIndex(_IndexCore):
                     else:
                         self._unl_set(u, parent, raw[i * step : (i + 1) * step], ex, per)
                     self._waiting.setdefault(parent, []).append(eh)
+                u.gen = self._gen  # a store refreshes the TTL, linked or not
                 self._hold_unlinked(s, u, t, g)
                 if parent in self._table:
                     self._link(parent)
@@ -991,6 +1002,7 @@ class KVIndex(_IndexCore):
                     u = _Unlinked(None, None, None, 0, self._gen)
                     self._unl_put(eh, u)
                     self.stats.unlinked_blocks += 1
+                u.gen = self._gen  # a store refreshes the TTL, linked or not
                 self._hold_unlinked(s, u, t, g)
                 return
             young[eh] = v
@@ -1090,6 +1102,8 @@ class KVIndex(_IndexCore):
                 self._table[c] = v
                 if not self._install(c, v, u.holds):
                     del self._table[c]
+                elif self._touched is not None and u.gen == self._gen:
+                    self._touched.add(c)  # stored in this generation while unlinked: keep its TTL
                 self.stats.linked_blocks += 1
                 stack.append(c)
 
@@ -1356,8 +1370,9 @@ class KVIndex(_IndexCore):
             s = self._src[slot]
             if s is not None:
                 s.count[t] -= 1
+        # Its own children keep waiting for it (``_waiting[eh]``): they link when it is
+        # stored again, as children of a parent never seen do.
         self._unlink_drop(eh, u)
-        self._waiting.pop(eh, None)
 
     def _forget(self, eh: Any) -> None:
         """Drop ``eh`` from every source and tier."""

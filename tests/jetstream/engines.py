@@ -20,7 +20,7 @@ class Engine:
     """Publishes one batch per :meth:`step` (admit a request sharing a prefix, free old ones)."""
 
     def __init__(self, tmp_path: Any, name: str, *, seed: int = 0, blocks: int = 256,
-                 buffer_steps: int = 10_000) -> None:
+                 buffer_steps: int = 10_000, clock_offset_s: float = 0.0) -> None:
         self.name = name
         self.cfg = KVEventsConfig(publisher="zmq", endpoint=f"ipc://{tmp_path}/{name}.sock",
                                   replay_endpoint=f"ipc://{tmp_path}/{name}-replay.sock",
@@ -34,7 +34,9 @@ class Engine:
         """Every payload published, by seq (the bytes on the wire)."""
         self.n = 0
         self.pub: Publisher | None = None
-        self.ts = time.time()
+        self.clock_offset_s = clock_offset_s
+        """Seconds this engine's clock is ahead of (or, negative, behind) the machine's."""
+        self.ts = time.time() + clock_offset_s
 
     @property
     def spec(self) -> SourceSpec:
@@ -63,7 +65,7 @@ class Engine:
         while len(self.running) > 4:
             m.free(self.running.pop(0))
         events = m.take_events()
-        self.ts = max(self.ts + 1e-6, time.time())  # wall clock, as vLLM stamps batches
+        self.ts = max(self.ts + 1e-6, time.time() + self.clock_offset_s)  # wall clock, as vLLM stamps batches
         assert self.pub is not None
         payload = encode_batch(KVEventBatch(self.ts, events))
         seq = len(self.payloads)

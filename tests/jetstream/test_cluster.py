@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import pytest
 
 from kvstream.jetstream import JetStreamSource, Relay, StreamSettings
 
@@ -27,3 +28,26 @@ async def test_a_replicated_stream_survives_losing_a_node_and_consumers_elsewher
         tg.cancel_scope.cancel()
     got = batches(first + rest)
     assert [b.seq for b in got] == list(range(200)) and [b.payload for b in got] == eng.payloads
+
+
+@pytest.mark.parametrize("who", ["consumer", "relay"])
+async def test_a_client_whose_node_dies_goes_on_through_another_node_of_the_cluster(
+        tmp_path, nats_cluster, who) -> None:
+    # The consumer (or the relay) is given one node's URL; the cluster tells clients about
+    # the others. When that node is lost, it must carry on through another node, not stay
+    # "recovering" (or keep its batches unpublished) for good.
+    urls = nats_cluster.urls
+    relay_urls, consumer_url = (urls[:2], urls[2]) if who == "consumer" else ([urls[2]], urls[0])
+    async with Engine(tmp_path, "e0") as eng, \
+            Relay([eng.spec], relay_urls, StreamSettings(replicas=3), ack_timeout_s=1.0) as relay, \
+            JetStreamSource(consumer_url, heartbeat_s=0.25) as sub, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(100)
+        first = await collect(sub, lambda it: len(batches(it)) >= 100, timeout=20)
+        nats_cluster.servers[2].stop()
+        eng.steps(100)
+        rest = await collect(sub, lambda it: len(batches(first + it)) >= 200, timeout=30)
+        tg.cancel_scope.cancel()
+    got = batches(first + rest)
+    assert [b.seq for b in got] == list(range(200)) and [b.payload for b in got] == eng.payloads
+    assert sub.health()["e0"].state == "live"

@@ -166,3 +166,45 @@ def test_the_relays_envelope_check_reads_ts_and_counts_events_of_either_shape_an
     for bad in (b"", b"\xc1", b"\x92\xa1x\x90", encode_batch(KVEventBatch(1.0, [batch.events[0]] * 20))):
         with pytest.raises(EventDecodeError):
             dec.decode(bad)
+
+
+def test_late_copies_of_reset_and_snapshot_messages_are_duplicates_not_a_second_reset() -> None:
+    # A relay cut off from NATS for longer than the stream's duplicate window sends what
+    # it still holds unacked when it is back: JetStream stores those copies again. The
+    # consumer must take them for what they are (its engine seqs and instances say so).
+    out: list = []
+    s = StreamSource("e0", decode_batch, out)
+    sseq = iter(range(1, 1000))
+
+    def msg(headers: dict, payload: bytes) -> None:
+        s.on_message(next(sseq), headers, payload, 0.0)
+
+    def batch(inst: int, seq: int, snapshot: tuple[int, int] | None = None) -> None:
+        payload = _b("e0", seq, float(seq)).payload
+        if snapshot is None:  # a plain batch takes the consumer's fast path
+            s.on_batch(next(sseq), inst, seq, b"kv@e0", payload, 0.0)
+            return
+        msg(wire.batch_headers("e0", inst, seq, "kv@e0", replayed=True, snapshot=snapshot), payload)
+
+    restart = wire.control_message("e0", 1, SourceReset("e0", "restart", 0), -1)
+    snap = wire.control_message("e0", 1, SourceReset("e0", "snapshot", 7), 6)
+    for i in range(3):
+        batch(0, i)
+    msg(restart[1], restart[0])
+    for i in range(5):
+        batch(1, i)
+    msg(restart[1], restart[0])  # the late copy
+    batch(1, 5)
+    msg(snap[1], snap[0])
+    batch(1, 6, snapshot=(7, 0))
+    batch(1, 7)
+    batch(1, 8)
+    msg(snap[1], snap[0])  # late copies of the snapshot reset and its batches
+    batch(1, 6, snapshot=(7, 0))
+    batch(1, 9)
+    kinds = [(type(i).__name__, getattr(i, "seq", None)) for i in out]
+    assert kinds == [("SourceBatch", 0), ("SourceBatch", 1), ("SourceBatch", 2), ("SourceReset", 0),
+                     ("SourceBatch", 0), ("SourceBatch", 1), ("SourceBatch", 2), ("SourceBatch", 3),
+                     ("SourceBatch", 4), ("SourceBatch", 5), ("SourceReset", 7), ("SourceBatch", 6),
+                     ("SourceBatch", 7), ("SourceBatch", 8), ("SourceBatch", 9)]
+    assert s.counters.duplicates == 3 and not s.state.stale and s.state.expected == 10

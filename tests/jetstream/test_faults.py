@@ -1,0 +1,554 @@
+"""Faults around the stream, against a real nats-server, real engines and real relays:
+the stream purged, deleted or trimmed under running relays and consumers, the consumer
+deleted from outside, a batch over the server's max_payload, snapshots that do not belong
+to the stream. The rule in every case: nothing lost or applied twice without the consumer
+saying so (a source is ``live`` only while its index is right; otherwise a reset rebuilds
+it or it is ``stale``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+
+from kvstream.jetstream import JetStreamSource, Relay, StreamSettings
+from kvstream.jetstream.snapshots import SnapshotWriter, load_snapshots
+from kvstream.routing.index import KVIndex
+from kvstream.routing.router import Router
+from kvstream.transport import SourceReset, SourceStale
+from kvstream.wire.events import BlockStored, KVEventBatch, encode_batch
+
+from .engines import Engine
+from .helpers import batches, collect
+
+
+async def _until(cond: Any, timeout: float = 15.0) -> None:
+    """Poll ``cond()`` (a state) until true; fails after ``timeout`` seconds."""
+    with anyio.fail_after(timeout):
+        while not cond():
+            await anyio.sleep(0.005)
+
+
+async def _js(url: str) -> Any:
+    import nats
+
+    return await nats.connect(url)
+
+
+async def test_a_batch_over_the_servers_max_payload_becomes_a_visible_gap_and_the_relay_goes_on(
+        tmp_path, nats_server) -> None:
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], nats_server.url) as relay, \
+            JetStreamSource(nats_server.url) as sub, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(5)
+        # One real batch of ~1.7 MB (20,000 stored blocks): over nats-server's default
+        # max_payload of 1 MiB, far under the relay's own payload limit (64 MiB).
+        big = encode_batch(KVEventBatch(eng.ts + 1.0, [BlockStored(
+            [10_000_000 + i for i in range(20_000)], None, list(range(20_000 * 16)), 16, None, None, None)]))
+        assert len(big) > 1 << 20
+        eng.payloads.append(big)
+        assert eng.pub is not None
+        eng.pub.publish_raw(big, 5)
+        eng.steps(5)
+        items = await collect(sub, lambda it: len(batches(it)) == 10)
+        await _until(lambda: relay.sources["e0"].pos == 10 and not relay.stats.inflight)
+        tg.cancel_scope.cancel()
+    got = batches(items)
+    assert [b.seq for b in got] == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+    assert [b.payload for b in got] == eng.payloads[:5] + eng.payloads[6:]
+    stale = [i for i in items if type(i) is SourceStale]
+    assert [(s.first_missing_seq, s.resume_seq) for s in stale] == [(5, 6)]
+    assert "max_payload" in stale[0].reason
+    assert relay.stats.too_large == 1
+    assert sub.health()["e0"].state == "stale"  # the index lacks batch 5: not live
+
+
+async def test_a_consumer_deleted_from_outside_is_made_again_without_loss_or_repeats(tmp_path, nats_server) -> None:
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], nats_server.url) as relay, \
+            JetStreamSource(nats_server.url, heartbeat_s=0.2) as sub, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(50)
+        first = await collect(sub, lambda it: len(batches(it)) == 50)
+        nc = await _js(nats_server.url)
+        try:
+            name = sub._consumer
+            assert name is not None
+            await nc.jetstream().delete_consumer("KV_EVENTS", name)
+        finally:
+            await nc.close()
+        eng.steps(50)
+        rest = await collect(sub, lambda it: len(batches(first + it)) == 100)
+        tg.cancel_scope.cancel()
+    got = batches(first + rest)
+    assert [b.seq for b in got] == list(range(100)) and [b.payload for b in got] == eng.payloads
+    assert sub.consumer_health().resets >= 1 and sub.counters("e0").duplicates == 0
+    assert sub.health()["e0"].state == "live"
+
+
+async def _restarted_engine_on_the_stream(tmp_path: Any, url: str) -> Engine:
+    """Engine instance 1 of source e0 on the stream (an engine that restarted while no
+    relay ran), returned open; its first incarnation published 40 batches."""
+    async with Engine(tmp_path, "e0", seed=1) as old:
+        old.steps(40)
+        async with Relay([old.spec], url) as relay, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            await _until(lambda: relay.sources["e0"].pos == 39 and not relay.stats.inflight)
+            tg.cancel_scope.cancel()
+    new = Engine(tmp_path, "e0", seed=2)
+    await new.__aenter__()
+    return new
+
+
+async def test_a_relay_restarted_after_the_stream_forgot_its_source_is_not_taken_for_an_old_copy(
+        tmp_path, nats_server) -> None:
+    # The stream is purged (or retention dropped every message of the source) and the
+    # relay restarts: it finds no position for its source. Consumers hold a higher engine
+    # instance than a relay counting from 0 would use, and must not drop what it sends.
+    url = nats_server.url
+    new = await _restarted_engine_on_the_stream(tmp_path, url)
+    try:
+        async with Router(subscriber=JetStreamSource(url)) as via_js:
+            new.steps(10)
+            async with Relay([new.spec], url) as relay, anyio.create_task_group() as tg:
+                tg.start_soon(relay.run)
+                await _until(lambda: via_js.subscriber.states().get("e0", None) is not None
+                             and via_js.subscriber.states()["e0"].instance == 1)
+                await via_js.wait_applied("e0", 9)
+                tg.cancel_scope.cancel()
+            nc = await _js(url)
+            try:
+                await nc.jetstream().purge_stream("KV_EVENTS")
+            finally:
+                await nc.close()
+            new.steps(10)
+            async with Relay([new.spec], url) as relay, anyio.create_task_group() as tg:
+                tg.start_soon(relay.run)
+                new.steps(10)
+                await via_js.wait_applied("e0", 29)
+                tg.cancel_scope.cancel()
+            async with Router([new.spec]) as direct:  # the engine itself, over ZMQ
+                await direct.wait_applied("e0", 29)
+                assert via_js.index.state() == direct.index.state()
+            assert via_js.subscriber.health()["e0"].state == "live"
+    finally:
+        await new.__aexit__(None, None, None)
+
+
+@pytest.mark.parametrize("writer", ["this one", "without the creation header"])
+async def test_a_snapshot_of_a_deleted_and_recreated_stream_is_not_used(tmp_path, nats_server, writer) -> None:
+    # "without the creation header": as a writer before the header existed left it; its
+    # stream sequence (beyond the new stream's end) gives it away.
+    from nats.js.api import ObjectMeta
+
+    from kvstream.jetstream.snapshots import H_SSEQ, OBJECT_NAME, bucket_name
+
+    url = nats_server.url + "/KV_EVENTS"
+    async with Engine(tmp_path, "e0", seed=5) as e0, Engine(tmp_path, "e1", seed=6) as e1:
+        async with Relay([e0.spec], nats_server.url) as relay, Router(subscriber=JetStreamSource(url)) as first, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            e0.steps(200)
+            await first.wait_applied("e0", 199)
+            async with SnapshotWriter(first.index, first.subscriber, interval_s=3600) as writer:
+                assert await writer.write_now() == 1  # at stream seq ~200
+            tg.cancel_scope.cancel()
+        nc = await _js(nats_server.url)
+        try:
+            js = nc.jetstream()
+            await js.delete_stream("KV_EVENTS")  # the bucket stays
+            if writer != "this one":
+                store = await js.object_store(bucket_name("KV_EVENTS"))
+                info = await store.get_info(OBJECT_NAME)
+                data = (await store.get(OBJECT_NAME)).data
+                await store.put(OBJECT_NAME, data, meta=ObjectMeta(
+                    name=OBJECT_NAME, headers={H_SSEQ: info.headers[H_SSEQ]}))
+        finally:
+            await nc.close()
+        async with Relay([e1.spec], nats_server.url) as relay, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            e1.steps(30)  # stream seqs 1..30 of the new stream
+            await _until(lambda: relay.sources["e1"].pos == 29 and not relay.stats.inflight)
+            tg.cancel_scope.cancel()
+        index = KVIndex()
+        states = await load_snapshots(url, index)
+        assert states == {} and index.sources == []  # its positions mean nothing on this stream
+        async with Router(index=index, subscriber=JetStreamSource(url, state=states)) as replica, \
+                Router([e1.spec]) as direct:
+            await replica.wait_applied("e1", 29)
+            await direct.wait_applied("e1", 29)
+            assert replica.index.state() == direct.index.state()
+
+
+async def test_the_stream_deleted_under_a_running_relay_and_consumer_is_made_again_and_nothing_is_lost(
+        tmp_path, nats_server) -> None:
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], nats_server.url, ack_timeout_s=0.5) as relay, \
+            JetStreamSource(nats_server.url, heartbeat_s=0.2) as sub, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(50)
+        first = await collect(sub, lambda it: len(batches(it)) == 50)
+        nc = await _js(nats_server.url)
+        try:
+            await nc.jetstream().delete_stream("KV_EVENTS")
+        finally:
+            await nc.close()
+        eng.steps(50)
+        rest = await collect(sub, lambda it: len(batches(first + it)) >= 100, timeout=20)
+        tg.cancel_scope.cancel()
+    got = batches(first + rest)
+    assert [b.seq for b in got] == list(range(100)) and [b.payload for b in got] == eng.payloads
+    assert not [i for i in first + rest if type(i) in (SourceStale, SourceReset)]
+    assert sub.health()["e0"].state == "live"
+    assert relay.stats.streams_created == 1 and sub.consumer_health().new_streams == 1
+
+
+@pytest.mark.parametrize("limit", ["max_bytes", "max_age"])
+async def test_retention_dropping_what_a_late_consumer_needed_is_a_gap_not_silence(
+        tmp_path, nats_server, limit) -> None:
+    settings = StreamSettings(max_bytes=20_000) if limit == "max_bytes" else StreamSettings(max_age_s=0.5, duplicate_window_s=0.25)
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], nats_server.url, settings) as relay, \
+            anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(100)
+        await _until(lambda: relay.sources["e0"].pos == 99 and not relay.stats.inflight)
+        nc = await _js(nats_server.url)
+        try:
+            js = nc.jetstream()
+            if limit == "max_age":  # wait for the server to age the first ones out
+                with anyio.fail_after(10):
+                    while (await js.stream_info("KV_EVENTS")).state.first_seq == 1:
+                        await anyio.sleep(0.05)
+                eng.steps(5)
+                await _until(lambda: relay.sources["e0"].pos == 104 and not relay.stats.inflight)
+            first = (await js.stream_info("KV_EVENTS")).state.first_seq
+        finally:
+            await nc.close()
+        assert first > 1
+        last = relay.sources["e0"].pos
+        async with JetStreamSource(nats_server.url) as sub:
+            items = await collect(sub, lambda it: batches(it) and batches(it)[-1].seq == last)
+            stale = [i for i in items if type(i) is SourceStale]
+            assert stale and stale[0].first_missing_seq == 0 and items[0] is stale[0]
+            assert sub.health()["e0"].state == "stale"
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("new_clock,new_steps", [(-3600.0, 60), (-3600.0, 25), (+3600.0, 0)])
+async def test_an_engine_restarted_while_no_relay_ran_is_told_apart_whatever_its_clock_says(
+        tmp_path, nats_server, new_clock, new_steps) -> None:
+    # The relay decides whether the stream already holds what the engine replays. Engine
+    # timestamps are another host's wall clock: a restarted engine whose clock is an hour
+    # behind must still be seen as new (not skipped as "already on the stream" and then
+    # continued as the old engine), and the old engine's own replay is recognised whatever
+    # the relay's clock.
+    url = nats_server.url
+    async with Engine(tmp_path, "e0", seed=1) as old:
+        old.steps(40)
+        async with Relay([old.spec], url) as relay, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            await _until(lambda: relay.sources["e0"].pos == 39 and not relay.stats.inflight)
+            tg.cancel_scope.cancel()
+        if new_clock > 0:  # the same engine, on: its replay must be skipped, not taken for a restart
+            old.steps(10)
+            async with Relay([old.spec], url) as relay, Router(subscriber=JetStreamSource(url)) as via_js, \
+                    Router([old.spec]) as direct, anyio.create_task_group() as tg:
+                tg.start_soon(relay.run)
+                await via_js.wait_applied("e0", 49)
+                await direct.wait_applied("e0", 49)
+                assert relay.stats.skipped == 40 and relay.sources["e0"].instance == 0
+                assert via_js.index.state() == direct.index.state()
+                tg.cancel_scope.cancel()
+            return
+    async with Engine(tmp_path, "e0", seed=2, clock_offset_s=new_clock) as new:
+        # seqs from 0 again, stamped an hour earlier than the old engine's; past the old
+        # engine's last seq (39), or not yet
+        new.steps(new_steps)
+        last = new_steps - 1
+        async with Relay([new.spec], url) as relay, Router(subscriber=JetStreamSource(url)) as via_js, \
+                Router([new.spec]) as direct, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            await _until(lambda: relay.sources["e0"].pos == last and not relay.stats.inflight)
+            await via_js.wait_applied("e0", last)
+            await direct.wait_applied("e0", last)
+            tg.cancel_scope.cancel()
+            assert relay.sources["e0"].instance == 1
+            assert via_js.index.state() == direct.index.state()
+            assert via_js.subscriber.health()["e0"].state == "live"
+
+
+class _Link:
+    """A TCP forwarder to a port that can be cut and healed (a network partition between
+    one client and the NATS server): cutting closes every forwarded connection and
+    refuses new ones until healed."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.cut = False
+        self._scopes: set[anyio.CancelScope] = set()
+
+    async def serve(self, listener: Any) -> None:
+        async with listener:
+            await listener.serve(self._forward)
+
+    async def _forward(self, client: Any) -> None:
+        async with client:
+            if self.cut:
+                return
+            try:
+                server = await anyio.connect_tcp("127.0.0.1", self.port)
+            except OSError:
+                return
+            async with server, anyio.create_task_group() as tg:
+                self._scopes.add(tg.cancel_scope)
+
+                async def pipe(a: Any, b: Any) -> None:
+                    try:
+                        async for data in a:
+                            await b.send(data)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(pipe, client, server)
+                tg.start_soon(pipe, server, client)
+            self._scopes.discard(tg.cancel_scope)
+
+    def partition(self) -> None:
+        self.cut = True
+        for s in list(self._scopes):
+            s.cancel()
+
+
+async def _wait_duplicate_window_passed(url: str) -> None:
+    """Publish one probe message id until JetStream stores it a second time: the stream's
+    duplicate window has then passed for everything published before the first probe."""
+    nc = await _js(url)
+    try:
+        js = nc.jetstream()
+        await js.publish("kv.probe", b"", headers={"Nats-Msg-Id": "probe"})
+        with anyio.fail_after(20):
+            while (await js.publish("kv.probe", b"", headers={"Nats-Msg-Id": "probe"})).duplicate:
+                await anyio.sleep(0.05)
+    finally:
+        await nc.close()
+
+
+async def test_a_relay_partitioned_longer_than_the_duplicate_window_changes_nothing_when_it_is_back(
+        tmp_path, nats_server) -> None:
+    settings = StreamSettings(duplicate_window_s=0.5)
+    url = nats_server.url
+    async with Engine(tmp_path, "e0") as eng, anyio.create_task_group() as outer:
+        link = _Link(nats_server.port)
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        outer.start_soon(link.serve, listener)
+        via = f"nats://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        async with Relay([eng.spec], via, settings, ack_timeout_s=0.5) as cut_off, \
+                Relay([eng.spec], url, settings) as healthy, \
+                Router(subscriber=JetStreamSource(url + "/KV_EVENTS?source=e0")) as via_js, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(cut_off.run)
+            tg.start_soon(healthy.run)
+            eng.steps(20)
+            await via_js.wait_applied("e0", 19)
+            await _until(lambda: not cut_off.stats.inflight)
+            link.partition()
+            eng.steps(50)  # the cut-off relay holds these unacked; the other one publishes them
+            await via_js.wait_applied("e0", 69)
+            await _until(lambda: cut_off.sources["e0"].pos == 69)
+            await _wait_duplicate_window_passed(url)
+            link.cut = False  # healed: it sends all 50 again, and the stream takes them
+            await _until(lambda: not cut_off.stats.inflight)
+            eng.steps(10)
+            await via_js.wait_applied("e0", 79)
+            async with Router([eng.spec]) as direct:
+                await direct.wait_applied("e0", 79)
+                assert via_js.index.state() == direct.index.state()
+            sub = via_js.subscriber
+            assert sub.counters("e0").duplicates >= 1  # the copies are on the stream...
+            assert sub.counters("e0").batches == 80  # ...and none was applied twice
+            assert sub.health()["e0"].state == "live"
+            tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+async def test_a_damaged_snapshot_object_is_refused_and_leaves_the_index_as_it_was(
+        tmp_path, nats_server, damage) -> None:
+    from nats.js.api import ObjectMeta
+
+    from kvstream.jetstream.snapshots import OBJECT_NAME, bucket_name
+    from kvstream.routing.snapshot import SnapshotError
+
+    url = nats_server.url + "/KV_EVENTS"
+    async with Engine(tmp_path, "e0", seed=8) as e0, Relay([e0.spec], nats_server.url) as relay, \
+            Router(subscriber=JetStreamSource(url)) as first, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        e0.steps(50)
+        await first.wait_applied("e0", 49)
+        tg.cancel_scope.cancel()
+        data = first.index.dump(cursors={n: s.as_dict() for n, s in first.subscriber.states().items()})
+    # Written whole (its digest matches), but its bytes are no snapshot: a writer that
+    # died mid-dump, or someone else's object under the name.
+    bad = data[: len(data) // 2] if damage == "truncated" else b"\x93not a kvstream index"
+    nc = await _js(nats_server.url)
+    try:
+        js = nc.jetstream()
+        store = await js.create_object_store(bucket_name("KV_EVENTS"))
+        await store.put(OBJECT_NAME, bad, meta=ObjectMeta(name=OBJECT_NAME, headers={"Kv-Sseq": "1"}))
+    finally:
+        await nc.close()
+    index = KVIndex()
+    index.apply_batch("mine", KVEventBatch(1.0, [BlockStored([7], None, list(range(16)), 16, None, None, None)]))
+    before = index.state()
+    with pytest.raises(SnapshotError):
+        await load_snapshots(url, index)
+    assert index.state() == before
+
+
+async def test_a_replica_started_while_the_relay_is_down_reads_what_is_retained_then_follows(
+        tmp_path, nats_server) -> None:
+    url = nats_server.url
+    async with Engine(tmp_path, "e0") as eng:
+        async with Relay([eng.spec], url) as relay, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            eng.steps(40)
+            await _until(lambda: relay.sources["e0"].pos == 39 and not relay.stats.inflight)
+            tg.cancel_scope.cancel()
+        eng.steps(20)  # while no relay runs
+        async with Router(subscriber=JetStreamSource(url)) as replica:
+            await replica.wait_applied("e0", 39)
+            assert replica.subscriber.health()["e0"].state == "live"
+            async with Relay([eng.spec], url) as relay, Router([eng.spec]) as direct, \
+                    anyio.create_task_group() as tg:
+                tg.start_soon(relay.run)
+                eng.steps(10)
+                await replica.wait_applied("e0", 69)
+                await direct.wait_applied("e0", 69)
+                assert replica.index.state() == direct.index.state()
+                tg.cancel_scope.cancel()
+            assert replica.subscriber.counters("e0").stale_marks == 0
+            assert replica.subscriber.counters("e0").duplicates == 0
+
+
+async def test_the_stream_purged_under_a_running_relay_and_consumer_goes_on_without_a_false_gap(
+        tmp_path, nats_server) -> None:
+    url = nats_server.url
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], url) as relay, \
+            Router(subscriber=JetStreamSource(url, heartbeat_s=0.2)) as via_js, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(30)
+        await via_js.wait_applied("e0", 29)
+        nc = await _js(url)
+        try:
+            await nc.jetstream().purge_stream("KV_EVENTS")
+        finally:
+            await nc.close()
+        eng.steps(30)
+        await via_js.wait_applied("e0", 59)
+        async with Router([eng.spec]) as direct:
+            await direct.wait_applied("e0", 59)
+            assert via_js.index.state() == direct.index.state()
+        assert via_js.subscriber.health()["e0"].state == "live"
+        tg.cancel_scope.cancel()
+
+
+async def test_consumers_and_relays_resume_after_the_nats_server_is_killed(tmp_path, nats_server) -> None:
+    async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], nats_server.url, ack_timeout_s=0.5) as relay, \
+            Router(subscriber=JetStreamSource(nats_server.url, heartbeat_s=0.2)) as via_js, \
+            anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        eng.steps(100)
+        await via_js.wait_applied("e0", 99)
+        nats_server.stop(kill=True)  # SIGKILL: no orderly shutdown of the file store
+        eng.steps(100)
+        nats_server.start()
+        eng.steps(100)
+        await via_js.wait_applied("e0", 299, timeout_s=30)
+        async with Router([eng.spec]) as direct:
+            await direct.wait_applied("e0", 299)
+            assert via_js.index.state() == direct.index.state()
+        assert via_js.subscriber.counters("e0").stale_marks == 0
+        tg.cancel_scope.cancel()
+
+
+async def test_a_server_with_a_small_max_payload_gets_gaps_for_large_batches_and_snapshots_in_small_chunks(
+        tmp_path) -> None:
+    from kvstream.jetstream.server import NatsServer
+
+    with NatsServer(tmp_path / "small", config="max_payload: 16384\n") as srv:
+        url = srv.url + "/KV_EVENTS"
+        async with Engine(tmp_path, "e0", seed=9, blocks=8192) as eng, Relay([eng.spec], srv.url) as relay, \
+                Router(subscriber=JetStreamSource(url)) as first, anyio.create_task_group() as tg:
+            assert relay.sources["e0"].max_message_bytes == 16384
+            tg.start_soon(relay.run)
+            eng.steps(3)
+            big = encode_batch(KVEventBatch(eng.ts + 1.0, [BlockStored(
+                [20_000_000 + i for i in range(600)], None, list(range(600 * 16)), 16, None, None, None)]))
+            assert 16384 < len(big) < 1 << 20
+            eng.payloads.append(big)
+            assert eng.pub is not None
+            eng.pub.publish_raw(big, 3)
+            eng.steps(400)  # an index big enough for a snapshot of several 16 KiB chunks
+            await first.wait_applied("e0", 403)
+            assert relay.stats.too_large == 1 and first.subscriber.health()["e0"].state == "stale"
+            async with SnapshotWriter(first.index, first.subscriber, interval_s=3600) as writer:
+                assert await writer.write_now() == 1
+                assert writer.bytes_written > 16384  # more than one chunk
+            tg.cancel_scope.cancel()
+        index = KVIndex()
+        states = await load_snapshots(url, index)
+        assert states["e0"].expected == 404 and index.state() == first.index.state()
+
+
+async def test_the_snapshot_bucket_deleted_under_a_running_writer_is_made_again(tmp_path, nats_server) -> None:
+    from kvstream.jetstream.snapshots import bucket_name
+
+    url = nats_server.url + "/KV_EVENTS"
+    async with Engine(tmp_path, "e0", seed=10) as e0, Relay([e0.spec], nats_server.url) as relay, \
+            Router(subscriber=JetStreamSource(url)) as first, anyio.create_task_group() as tg:
+        tg.start_soon(relay.run)
+        async with SnapshotWriter(first.index, first.subscriber, interval_s=3600) as writer:
+            e0.steps(20)
+            await first.wait_applied("e0", 19)
+            assert await writer.write_now() == 1
+            nc = await _js(nats_server.url)
+            try:
+                await nc.jetstream().delete_object_store(bucket_name("KV_EVENTS"))
+            finally:
+                await nc.close()
+            e0.steps(20)
+            await first.wait_applied("e0", 39)
+            assert await writer.write_now() == 1
+        tg.cancel_scope.cancel()
+        index = KVIndex()
+        states = await load_snapshots(url, index)
+        assert states["e0"].expected == 40 and index.state() == first.index.state()
+
+
+async def test_retention_dropping_what_a_cut_off_consumer_had_not_read_yet_is_a_gap_not_silence(
+        tmp_path, nats_server) -> None:
+    # A consumer that falls behind (here: cut off from the server) while the stream's
+    # byte limit drops the oldest messages it still needed, then catches up.
+    url = nats_server.url
+    async with Engine(tmp_path, "e0") as eng, anyio.create_task_group() as outer:
+        link = _Link(nats_server.port)
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        outer.start_soon(link.serve, listener)
+        via = f"nats://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        async with Relay([eng.spec], url, StreamSettings(max_bytes=30_000)) as relay, \
+                Router(subscriber=JetStreamSource(via, heartbeat_s=0.2)) as behind, anyio.create_task_group() as tg:
+            tg.start_soon(relay.run)
+            eng.steps(20)
+            await behind.wait_applied("e0", 19)
+            link.partition()
+            eng.steps(200)  # far more than 30 kB: the stream keeps only the newest
+            await _until(lambda: relay.sources["e0"].pos == 219 and not relay.stats.inflight)
+            await _until(lambda: behind.subscriber.health()["e0"].state == "recovering")  # it noticed
+            link.cut = False
+            await behind.wait_applied("e0", 219, timeout_s=20)
+            sub = behind.subscriber
+            assert sub.counters("e0").gaps == 1 and sub.health()["e0"].state == "stale"
+            assert behind.index.source_info("e0").stale
+            tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
