@@ -349,11 +349,10 @@ def find_records_start(buf: Any, *, limit: int = 1 << 20) -> int | None:
     end = len(buf)
     mv = memoryview(buf)
     try:
+        # The earliest verifying offset, not the one the header's own metadata length points
+        # at: that length may be the damaged byte, and trusting it would skip the records
+        # (name records first of all) between the real and the claimed end of the header.
         lo = _HEAD_FIXED.size + 4
-        if end >= _HEAD_FIXED.size:
-            guess = _HEAD_FIXED.size + _HEAD_FIXED.unpack_from(buf, 0)[6] + 4
-            if guess < end and _plausible(buf, mv, guess, end) > 0:
-                return guess
         for p in range(lo, min(end, lo + limit)):
             if _plausible(buf, mv, p, end) > 0:
                 return p

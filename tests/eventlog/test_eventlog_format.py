@@ -292,3 +292,19 @@ def test_corruption_at_any_offset_costs_only_the_damaged_record(tmp_path_factory
     index = sum(1 for e in ends if e <= damaged_start)
     assert got == _RECS[:index] + _RECS[index + 1:]
     assert len(damage) == 1 and damage[0].lost_bytes == damaged_end - damaged_start
+
+
+@pytest.mark.parametrize("flip", [1, 45, 128, 255])
+def test_a_damaged_metadata_length_in_the_header_costs_no_record(tmp_path, intact_log, flip):
+    # The header's metadata length is the last field before the metadata; a damaged one
+    # pointed the salvage at a later record, and the skipped name records took every
+    # message with them (found by the property test above: XOR 45 at byte 32).
+    data, ends, header_size = intact_log
+    for at in range(header_size - 4 - 2 - 4, header_size - 4 - 2):  # the u32 length; metadata b"{}"
+        bad = bytearray(data)
+        bad[at] ^= flip
+        p = tmp_path / f"bad{at}.kvlog"
+        p.write_bytes(bytes(bad))
+        got, damage = read_log(p)
+        assert got == _RECS, at
+        assert len(damage) == 1 and damage[0].offset == 0 and "header" in damage[0].reason
