@@ -48,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         CLIError,
         configure_logging,
         exception_leaves,
+        exit_with_parent,
         os_error_line,
         quiet_stdout,
         version_lines,
@@ -63,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     configure_logging(getattr(args, "log_level", None), getattr(args, "log_format", None) or "text")
+    exit_with_parent()
     name = f"kvstream {args.command}"
     try:
         code = int(func(args) or 0)

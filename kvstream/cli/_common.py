@@ -206,3 +206,39 @@ def check_block_memory(blocks: int, what: str, fix: str) -> None:
     if need > total:
         raise CLIError(f"{what} would need about {need / 2**30:.0f} GiB of memory, more than this machine's "
                        f"{total / 2**30:.0f} GiB; {fix}")
+
+
+PARENT_FD_ENV = "KVSTREAM_PARENT_FD"
+"""Set by :mod:`kvstream.emulator.launch` in the processes it starts: the number of an
+inherited pipe's read end whose write end only the launching process holds."""
+
+
+def exit_with_parent() -> None:
+    """If this process was started by :mod:`kvstream.emulator.launch`, end it (SIGTERM to
+    itself, so it shuts down as on ``kill``) when the process that launched it is gone, even
+    if that one was SIGKILLed: the launcher holds the pipe's only write end, and its death
+    closes it. A no-op when the variable is absent or not an open pipe."""
+    import signal
+    import stat
+    import threading
+
+    value = os.environ.pop(PARENT_FD_ENV, None)  # not for the processes this one starts
+    if value is None:
+        return
+    try:
+        fd = int(value)
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+    except (ValueError, OSError):
+        return
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 64):  # the launcher never writes; EOF means it is gone
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    # A watchdog for the process's whole life (nothing to join: it ends with the process).
+    threading.Thread(target=watch, name="kvstream-parent-watch", daemon=True).start()

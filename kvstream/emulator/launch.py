@@ -33,10 +33,11 @@ class Proc:
     """A started process: ``name``, ``popen``, ``url`` (HTTP base), ``events`` and ``replay``
     (KV event endpoints, engines only), ``log`` (its stderr file)."""
 
-    def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path) -> None:
+    def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path, watch_fd: int | None = None) -> None:
         self.name = name
         self.popen = popen
         self.log = log
+        self._watch_fd = watch_fd
         self.url = ""
         self.events: str | None = None
         self.replay: str | None = None
@@ -74,6 +75,9 @@ class Proc:
     def _close(self) -> None:
         if self.popen.stdout is not None and not self.popen.stdout.closed:
             self.popen.stdout.close()
+        if self._watch_fd is not None:
+            os.close(self._watch_fd)
+            self._watch_fd = None
 
     def wait_ready(self, timeout_s: float = 30.0) -> "Proc":
         """Wait for the ready line (raises :class:`LaunchError`) and read the addresses."""
@@ -139,13 +143,21 @@ def _spawn(name: str, argv: Sequence[str], log_dir: str | None) -> Proc:
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / f"kvstream-{name}-{os.getpid()}-{time.monotonic_ns()}.log"
     err: IO[bytes] = open(log, "wb")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The child ends itself when this process is gone, however it went (SIGKILL included):
+    # it inherits only the read end of a pipe whose write end stays here (non-inheritable)
+    # until the child is stopped (kvstream.cli._common.exit_with_parent).
+    watch_r, watch_w = os.pipe()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KVSTREAM_PARENT_FD=str(watch_r))
     try:
         popen = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=err,
-                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True, pass_fds=(watch_r,))
+    except BaseException:
+        os.close(watch_w)
+        raise
     finally:
         err.close()
-    return Proc(name, popen, log)
+        os.close(watch_r)
+    return Proc(name, popen, log, watch_w)
 
 
 def start_engine(name: str, *, port: int = 0, events: str | None = "tcp://127.0.0.1:*",
