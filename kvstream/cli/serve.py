@@ -293,9 +293,12 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         proxy = KVProxy.for_service(core, **proxy_opts)
         core.engine_view_extras.append(proxy.engine_view)
         core.metrics_extras.append(proxy.metrics_text)
+    from kvstream.service.guard import guarded_protocol
+
     hot = create_app(core, extra_routes=proxy.openai_routes() if proxy is not None else ())
     app: Any = hot
-    http: Any = "auto"
+    # uvicorn's protocol with bounded heads and pipelining and JSON errors (service/guard.py)
+    http: Any = guarded_protocol(on_reject=lambda status, code: core.metrics.rejected(None, status, code))
     if proxy is not None:
         app = proxy.asgi(hot)  # its POST routes in raw ASGI, in front of the service's app
     else:
@@ -303,7 +306,7 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         # (kvstream/service/fastpath.py).
         from kvstream.service.fastpath import fast_protocol
 
-        http = fast_protocol(hot.answer, [p.encode() for p in hot.hot], hot.limit)
+        http = fast_protocol(hot.answer, [p.encode() for p in hot.hot], hot.limit, fallback=http)
     # proxy_headers off: no handler reads the client address, and the middleware costs per call.
     ucfg = uvicorn.Config(app, http=http, log_config=None, access_log=False, lifespan="on", server_header=False,
                           date_header=False, proxy_headers=False, timeout_graceful_shutdown=5)

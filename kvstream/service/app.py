@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
@@ -80,6 +80,8 @@ def _post(core: ServiceCore, handler: Callable[[bytes], bytes], api: str | None,
             return Response(handler(body), media_type=JSON)
         except ApiError as exc:
             return _error(core, exc, api)
+        except ClientDisconnect:  # gone mid-body: nobody to answer, nothing went wrong here
+            return Response(b"", 400)
 
     endpoint.__name__ = getattr(handler, "__name__", "endpoint")
     return endpoint

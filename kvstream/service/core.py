@@ -375,7 +375,7 @@ class ServiceCore:
                                f"$.loads.{name}")
             try:
                 li = _LOAD.decode(ld)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
                 err = from_msgspec(exc)
                 where = f"$.loads.{name}" + (err.where or "$")[1:]
                 raise ApiError(422, "bad_field", err.message.replace(f"(at {err.where})", f"(at {where})"),
@@ -394,7 +394,7 @@ class ServiceCore:
         else:
             try:
                 req = _ROUTE.decode(body)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
                 raise from_msgspec(exc) from None
             ids = req.token_ids
         tokens = self.tokens_of(ids, req.prompt)
