@@ -85,6 +85,8 @@ def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"JSON decode error: {exc}") from None
+    except RecursionError:  # msgspec's nesting limit (about 1,000 levels)
+        raise OpenAIError(400, "JSON decode error: the body nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
