@@ -153,9 +153,8 @@ def run(args: argparse.Namespace) -> int:
     import anyio
 
     with contextlib.closing(sock):
-        anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, proxy_opts, backend="asyncio",
-                  backend_options=_loop_options())
-    return 0
+        return anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, proxy_opts,
+                         backend="asyncio", backend_options=_loop_options())
 
 
 def _proxy_options(args: argparse.Namespace, cfg: Any) -> dict[str, Any] | None | str:
@@ -229,9 +228,8 @@ def _supervise(cfg: Any, tok: Any, holder: socket.socket, flags: dict[str, Any],
                 import anyio
 
                 with contextlib.closing(sock), contextlib.closing(sib):
-                    anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, proxy_opts, sib, backend="asyncio",
-                              backend_options=_loop_options())
-                code = 0
+                    code = anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, proxy_opts, sib,
+                                     backend="asyncio", backend_options=_loop_options())
             except BaseException:  # noqa: BLE001 - reported, then the worker exits
                 log.exception("worker %d failed", os.getpid())
             finally:
@@ -278,7 +276,9 @@ def _no_signal_capture() -> Iterator[None]:
 
 
 async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any], cli_engines: list[str],
-                 ready_fd: int | None, proxy_opts: dict[str, Any] | None = None, sibling: Any = None) -> None:
+                 ready_fd: int | None, proxy_opts: dict[str, Any] | None = None, sibling: Any = None) -> int:
+    """Serve until told to stop: 0, or 1 if the event stream runtime failed (the service
+    then stops rather than answer from an index that no longer follows the engines)."""
     import anyio
     import uvicorn
 
@@ -312,10 +312,19 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
                           date_header=False, proxy_headers=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(ucfg)
     server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
+
+    def stop_on_failure(why: str) -> None:
+        server.should_exit = True
+
+    core.on_failure.append(stop_on_failure)
     async with contextlib.AsyncExitStack() as stack:
         if proxy is not None:
             await stack.enter_async_context(proxy)  # closes its upstream connections at the end
         await _run_server(server, sock, core, flags, cli_engines, ready_fd, sibling)
+    if core.failure is not None:
+        log.critical("stopped: %s", core.failure)
+        return 1
+    return 0
 
 
 async def _run_server(server: Any, sock: socket.socket, core: Any, flags: dict[str, Any], cli_engines: list[str],

@@ -114,6 +114,12 @@ class ServiceCore:
         """Seam for layers on top (the proxy mode): more Prometheus text for ``/metrics``."""
         self.mooncake: Any = None
         """The :class:`~kvstream.service.mooncake.MooncakeAPI` over this core, once routes exist."""
+        self.failure: str | None = None
+        """Why the event stream runtime stopped (None while it runs): ``/healthz`` then
+        answers 503, and ``kvstream serve`` exits 1 rather than answer from a frozen index."""
+        self.on_failure: list[Callable[[str], None]] = []
+        """Called with :attr:`failure` when the runtime stops on an error (``kvstream serve``
+        stops the server)."""
         self.items_applied = 0
         self.items_skipped = 0
         """Batches not applied because a loaded replica dump already held them."""
@@ -321,6 +327,19 @@ class ServiceCore:
         """At least one engine is live."""
         health = self._health()
         return any(self.state_of(n, health.get(n)) == "live" for n in self.engines)
+
+    def fail(self, why: str) -> None:
+        """The runtime stopped on an error: record it and call :attr:`on_failure`."""
+        self.failure = why
+        for hook in list(self.on_failure):
+            hook(why)
+
+    def healthz(self) -> tuple[int, bytes]:
+        """``GET /healthz``: 200 while the service follows its engines; 503 (with the
+        reason) once its event stream runtime failed."""
+        if self.failure is None:
+            return 200, b'{"alive":true}'
+        return 503, ENCODER.encode({"alive": False, "error": self.failure})
 
     def readyz(self) -> tuple[int, bytes]:
         """``GET /readyz``: 200 when at least one engine is live, else 503."""

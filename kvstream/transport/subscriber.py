@@ -471,6 +471,8 @@ class Subscriber:
         src.sub = src.dealer = None
 
     async def _run_source(self, src: _Source) -> None:
+        if src.sub is None:
+            return  # removed (its sockets closed) before this task first ran
         try:
             with anyio.CancelScope() as scope:
                 src.scope = scope
