@@ -161,7 +161,8 @@ class ServiceCore:
             try:
                 self._sub.add_source(spec)
             except ValueError as exc:  # the subscriber could not connect (bad endpoint)
-                raise ApiError(422, "bad_endpoint", str(exc), "$.endpoint") from None
+                where = "$.replay_endpoint" if "replay endpoint" in str(exc) else "$.endpoint"
+                raise ApiError(422, "bad_endpoint", str(exc), where) from None
         self.engines[name] = e
         if name in self._leaving:
             pass  # its old items still drain into the old index; routing switches at the reset

@@ -113,6 +113,20 @@ def test_a_null_tenant_is_the_default_tenant(srv, path, body) -> None:
     assert r.status_code == 404 and "tenant 'default'" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("replay", ["tcp://*:5558", "tcp://h", "nats://h:1"])
+def test_a_replay_endpoint_that_cannot_be_connected_is_refused_not_fatal(srv, replay: str) -> None:
+    # Before: accepted, then the replay task's ZMQError ended the subscriber's task group:
+    # one /register stopped the service from following any engine.
+    body = {"endpoint": f"tcp://127.0.0.1:{_dead_port()}", "replay_endpoint": replay, "type": "vLLM",
+            "modelname": "m", "instance_id": "bad-replay", "block_size": 16, "dp_rank": 0}
+    r = srv.client.post("/register", json=body)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["code"] == "bad_endpoint" and err["where"] == "$.replay_endpoint" and replay in err["message"]
+    assert "bad-replay|default|0" not in {e["name"] for e in srv.client.get("/v1/engines").json()["engines"]}
+    assert srv.client.get("/healthz").status_code == 200
+
+
 def test_unknown_paths_and_methods_are_json_too(srv) -> None:
     r = srv.client.get("/v2/route")
     assert r.status_code == 404 and "/v1/route" in r.json()["error"]["message"]
@@ -146,12 +160,23 @@ _nested = st.builds(lambda n, field, kind: (b'{"%s": ' % field.encode() if field
 _shaped = st.dictionaries(st.sampled_from(_FIELDS), _json | st.lists(st.integers(0, 2**33), max_size=40), max_size=6)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(path=st.sampled_from(["/v1/route", "/query", "/query_by_hash", "/unregister"]),
+# Registrations that decode, with endpoints a subscriber may or may not connect to.
+_endpoint = st.one_of(st.sampled_from(["tcp://*:1", "tcp://h", "tcp://", "nats://h:1", "pgm://x;y:1", "inproc://x",
+                                       "tcp://[::1:5", "tcp://127.0.0.1:1", "ipc:///nonexistent/x"]),
+                      st.text(max_size=12).map(lambda t: "tcp://" + t))
+_register = st.fixed_dictionaries(
+    {"endpoint": _endpoint, "type": st.sampled_from(["vLLM", "SGLang", "Mooncake"]), "modelname": st.just("fz"),
+     "instance_id": st.text(min_size=1, max_size=8), "block_size": st.integers(1, 64), "dp_rank": st.integers(0, 2)},
+    optional={"replay_endpoint": _endpoint}).map(lambda v: json.dumps(v).encode())
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/v1/route", "/query", "/query_by_hash", "/unregister", "/register"]),
        body=st.one_of(st.binary(max_size=64), _json.map(lambda v: json.dumps(v).encode()),
-                      _shaped.map(lambda v: json.dumps(v).encode()), _nested))
+                      _shaped.map(lambda v: json.dumps(v).encode()), _nested, _register))
 def test_fuzzed_bodies_never_get_a_5xx(srv, path: str, body: bytes) -> None:
     r = srv.client.post(path, content=body)
     assert r.status_code < 500, (path, body, r.text)
     doc = r.json()
     assert r.status_code == 200 or set(doc["error"]) == {"code", "message", "where"}
+    assert srv.client.get("/healthz").status_code == 200, (path, body)  # nothing it sent stopped the service
