@@ -164,11 +164,11 @@ class ServiceCore:
                 where = "$.replay_endpoint" if "replay endpoint" in str(exc) else "$.endpoint"
                 raise ApiError(422, "bad_endpoint", str(exc), where) from None
         self.engines[name] = e
-        if name in self._leaving:
-            pass  # its old items still drain into the old index; routing switches at the reset
-        else:
+        if name not in self._leaving:
             self._route_of[name] = ix
-        ix.add_source(name)
+            ix.add_source(name)
+        # else: its previous incarnation's items still drain into the old index; the
+        # removal's reset (see apply) switches it to ``ix``
         return e
 
     def remove_engine(self, name: str) -> Engine:
@@ -180,7 +180,11 @@ class ServiceCore:
         self.loads.forget(name)
         self.applied.pop(name, None)
         if self._sub is not None:
-            self._leaving[name] = self._route_of.pop(name)
+            ix = self._route_of.pop(name, None)
+            if ix is not None:
+                self._leaving[name] = ix
+            # else: removed again before its previous removal drained: that removal's reset
+            # finds it gone, and its items are dropped
             self._sub.remove_source(name)
         else:
             self._route_of.pop(name).remove_source(name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import anyio
 import anyio.to_thread
 import httpx
+import msgspec
 
 from kvstream.service.config import build_config
 from kvstream.service.core import DEFAULT_INDEX, ServiceCore
@@ -61,3 +62,35 @@ def test_registration_churn_and_reloads_keep_the_configured_engine_followed(engi
         assert c.get("/healthz").status_code == 200
     srv.wait_applied("e0", e.admit(PROMPT + [1] * 16, "r2"))  # still following
     assert srv.route(token_ids=PROMPT)["matched_tokens"] == 64
+
+
+def test_an_instance_registered_and_unregistered_again_before_the_last_removal_drained(engines) -> None:
+    # Before: the second /unregister raised KeyError (a 500; with --workers 2, 772 logged
+    # errors in a churn run) after dropping the engine from the core but not from the
+    # subscriber, so every later /register of it was refused as "already followed".
+    from kvstream.service.mooncake import MooncakeAPI
+
+    e = engines("e0")
+    core = ServiceCore(build_config({"load_interval": 0}, [], None))
+    mc = MooncakeAPI(core)
+    reg = ('{"endpoint": "%s", "replay_endpoint": "%s", "type": "vLLM", "modelname": "m", "instance_id": "i1", '
+           '"block_size": 16, "dp_rank": 0, "tenant_id": "t"}' % (e.pub, e.replay)).encode()
+    unreg = b'{"instance_id": "i1", "tenant_id": "t"}'
+    query = ('{"model": "m", "block_size": 16, "tenant_id": "t", "token_ids": %s}' % PROMPT).encode()
+
+    async def main() -> None:
+        async with ServiceRuntime(core):
+            for _ in range(3):  # no await in between: no removal's reset is applied yet
+                mc.register(reg)
+                mc.unregister(unreg)
+            mc.register(reg)
+            seq = await anyio.to_thread.run_sync(e.admit, PROMPT, "r1")
+            with anyio.fail_after(20):
+                while core.applied.get("i1|t|0", -1) < seq:
+                    await anyio.sleep(0.01)
+            assert msgspec.json.decode(mc.query(query)) == {
+                "t": {"i1": {"longest_matched": 64, "GPU": 64, "CPU": 0, "DISK": 0, "DP": {"0": 64}}}}
+            mc.unregister(unreg)
+            mc.register(reg)  # not refused as "already followed"
+
+    anyio.run(main)
