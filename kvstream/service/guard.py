@@ -17,7 +17,8 @@ of pipelined ``GET`` s that the client never read the answers of queued 150 k re
   the socket until answers go out, so a client that pipelines without reading its answers
   is held back by TCP instead of queued in memory.
 
-Each refusal is reported to ``on_reject(status, code)`` (the service counts it in
+A write to a connection the client already reset is dropped instead of raising (uvloop)
+in the middle of an answer. Each refusal is reported to ``on_reject(status, code)`` (the service counts it in
 ``kvstream_http_rejections_total``). uvicorn's h11 protocol (used when httptools is not
 installed) already bounds heads (16 KiB) and pipelining; its subclass only answers in JSON.
 """
@@ -74,11 +75,34 @@ def guarded_protocol(base: Any = None, *, on_reject: Callable[[int, str], None] 
     return type("GuardedHttpProtocol", (_JsonErrors, base), {"_report": staticmethod(report)})
 
 
+class _ClosedSafe:
+    """The connection's transport, for uvicorn's protocol and its request cycles: a write
+    after the transport closed (the client reset the connection, and uvicorn has not yet
+    been told) is dropped, as asyncio's own transports do; uvloop's raise RuntimeError,
+    which uvicorn reported as an exception in the application."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, transport: Any) -> None:
+        self._t = transport
+
+    def write(self, data: bytes) -> None:
+        if not self._t.is_closing():
+            self._t.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+
 class _JsonErrors:
-    """uvicorn's 400 for a request it cannot parse, as the service's JSON error."""
+    """uvicorn's 400 for a request it cannot parse, as the service's JSON error; writes
+    after a reset dropped (:class:`_ClosedSafe`)."""
 
     transport: Any
     _report: Callable[[int, str], None]
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(_ClosedSafe(transport))  # type: ignore[misc]
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, "bad_http", f"not a valid HTTP/1.1 request: {msg}")
