@@ -142,7 +142,7 @@ def test_a_pipelining_client_that_never_reads_is_held_back_not_queued(srv: Serve
     # Before: 6 MB of pipelined GETs queued 150 k requests in the server (+270 MB).
     before = _rss_kib(srv.proc.pid)
     one = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
-    s = socket.create_connection(_addr(srv), timeout=3)
+    s = socket.create_connection(_addr(srv), timeout=1)  # a send blocked this long: held back
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sent = 0
     with s:
@@ -219,3 +219,19 @@ def test_slow_idle_and_reset_clients_do_not_hold_up_others(srv: ServeProc) -> No
     # A client gone mid-body is not an internal error.
     log = srv.stderr()
     assert "ClientDisconnect" not in log and "internal error on POST /register" not in log, log[-3000:]
+
+
+def test_two_workers_guard_every_connection_the_same_way() -> None:
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()}", "--load-interval", "0", "--workers", "2")
+    try:
+        for _ in range(4):  # connections land on either worker
+            with socket.create_connection(_addr(srv), timeout=10) as s:
+                s.sendall(MALFORMED["bare_line_feeds_hot"])
+                status, _, body = _read_response(s)
+                assert status == 400 and b'"bad_http"' in body
+            s = _flood(srv, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: ", b"a" * 65536, 64 << 20)
+            with s:
+                assert _read_response(s)[0] == 431
+        assert srv.client.get("/healthz").status_code == 200
+    finally:
+        assert srv.close() == 0
