@@ -35,7 +35,7 @@ class _Stored(_Ev, tag="BlockStored"):
     locality: Any = None
     ownership: Any = None
     session_id: Union[str, None] = None
-    lookahead_token_ids: Union[list[int], None] = None
+    lookahead_token_ids: Union[list[list[int]], None] = None
 
 
 class _Removed(_Ev, tag="BlockRemoved"):

@@ -26,6 +26,7 @@ import os
 import pickle
 import struct
 import sys
+from bisect import bisect_left
 from array import array
 from itertools import accumulate
 from dataclasses import dataclass
@@ -341,13 +342,14 @@ def none_hash(algorithm: str, *, rules: str = "0.33", seed: str | None = None) -
     value is the seed. If it is unset:
 
     * ``rules="0.33"``: the fixed seed ``"vllm-none-hash"`` for ``sha256``, ``sha256_cbor``
-      and ``native``; 32 random bytes for ``xxhash``/``xxhash_cbor``.
+      and ``native``; a random seed string (64 hex digits) for ``xxhash``/``xxhash_cbor``,
+      so their random root is a 16-byte digest, as vLLM 0.33's.
     * ``rules="0.11"``: 32 random bytes for every vLLM algorithm (16 for ``native``).
 
     A random root makes hashes unreproducible across processes: a router or another engine
     can then never match them. Set PYTHONHASHSEED (or pass ``seed``) when they must agree.
 
-    Returns 32 bytes for the sha256 variants and random roots, 16 for xxhash-derived ones.
+    Returns 32 bytes for the sha256 variants and 0.11's random roots, 16 for xxhash-derived ones.
     The native root is ``xxh3_128(seed.encode("utf-8"))``.
     """
     _check_algorithm(algorithm)
@@ -361,10 +363,13 @@ def none_hash(algorithm: str, *, rules: str = "0.33", seed: str | None = None) -
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED")
     if seed is None:
-        random_root = rules == "0.11" or algorithm in ("xxhash", "xxhash_cbor")
-        if random_root:
+        if rules == "0.11":
             return os.urandom(_NATIVE_DIGEST_SIZE if algorithm == "native" else 32)
-        seed = DEFAULT_NONE_HASH_SEED
+        if algorithm in ("xxhash", "xxhash_cbor"):
+            # vLLM 0.33 hashes a random seed string: the root is a digest like any other.
+            seed = os.urandom(32).hex()
+        else:
+            seed = DEFAULT_NONE_HASH_SEED
     if algorithm == "native":
         return _xxh3_128(seed.encode("utf-8"))
     serialize, digest = _VLLM_FNS[algorithm]
@@ -1013,6 +1018,15 @@ class RequestExtraKeys:
             return BlockExtraKeys(None, None)
         return BlockExtraKeys(tuple(hash_input), wire)
 
+    def _later_pass_cursor(self, start: int, style: str) -> int:
+        """Where vLLM starts the multimodal cursor of a hashing pass that begins at token
+        ``start > 0``: 0.11 at the last item (``-1``); 0.33 at the first item ending after
+        ``start`` (its ``get_mm_features_in_window``), so a later pass sees every item
+        still overlapping the block, as the prompt's pass does."""
+        if style == "0.11":
+            return -1
+        return bisect_left(self.mm_items, start + 1, key=_item_end)
+
     def _mm_scan(self, start: int, end: int, cursor: int, style: str) -> tuple[list[MMItem], int]:
         """vLLM's per-pass multimodal cursor: the items it attaches to ``[start, end)``.
 
@@ -1047,6 +1061,10 @@ class RequestExtraKeys:
         return found, cursor
 
 
+def _item_end(it: MMItem) -> int:
+    return it.offset + it.length
+
+
 _NO_EXTRA_KEYS = RequestExtraKeys()
 
 
@@ -1065,11 +1083,13 @@ class RequestBlockHasher:
     For one output token at a time, :meth:`appender` gives a callable that appends a token
     id without hashing (a C call, no Python frame): the cheapest way to feed decode steps.
 
-    Multimodal requests follow vLLM's call-dependent rule exactly: a call that starts past
-    block 0 considers only the *last* item (vLLM's ``start_mm_idx=-1``), and under 0.11
-    style a call starting exactly where that item ended still attaches it. Feed tokens in
-    the same calls vLLM sees (prompt, then outputs) to get the same hashes. Requests
-    without multimodal items hash the same however the tokens are split.
+    Multimodal requests follow vLLM's call-dependent rule exactly. Under 0.11 style a call
+    that starts past block 0 considers only the *last* item (vLLM 0.11's
+    ``start_mm_idx=-1``), and attaches it even when it ended exactly where the call starts.
+    Under 0.33 style such a call starts at the first item still overlapping its first
+    block, which gives the same keys as plain overlap. Feed tokens in the same calls vLLM
+    sees (prompt, then outputs) to get the same hashes. Requests without multimodal items,
+    and 0.33-style requests, hash the same however the tokens are split.
 
     Args:
         hasher: the :class:`BlockHasher` (algorithm, block size, root, extra-key style).
@@ -1274,7 +1294,7 @@ class RequestBlockHasher:
             start = len(hashes) * bs
             keys = self._keys
             style = self.hasher.extra_key_style
-            cursor = 0 if start == 0 else -1
+            cursor = 0 if start == 0 else keys._later_pass_cursor(start, style)
             extras: list[tuple[Any, ...] | None] = []
             wire: list[list[Any] | None] = []
             for s in range(start, start + full, bs):

@@ -81,7 +81,8 @@ class KVEventsConfig:
     """vLLM's switch for emitting KV events. A :class:`Publisher` publishes whatever it is
     given regardless; the field exists so that vLLM configs round-trip."""
     publisher: Literal["null", "zmq"] | None = None
-    """``"zmq"`` or ``"null"``; None means ``"zmq"`` if events are enabled else ``"null"``."""
+    """``"zmq"`` or ``"null"``; None means ``"zmq"`` if events are enabled else ``"null"``
+    (vLLM 0.33's rule; under ``vllm_version="0.11"`` None means ``"null"``, as in 0.11)."""
     endpoint: str = "tcp://*:5557"
     """PUB socket endpoint (bind/connect rule in the module docstring)."""
     replay_endpoint: str | None = None
@@ -148,7 +149,10 @@ class KVEventsConfig:
 
     def __post_init__(self) -> None:
         if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+            # vLLM 0.33's __post_init__; vLLM 0.11 has none: its default is "null" even
+            # with events enabled (it publishes only with publisher="zmq").
+            enabled = self.enable_kv_cache_events and _version(self.vllm_version).name != "0.11"
+            self.publisher = "zmq" if enabled else "null"
         if self.buffer_steps < 0:
             raise ValueError(f"buffer_steps must be >= 0, got {self.buffer_steps}")
         if self.max_queue_size < 1:

@@ -39,6 +39,10 @@ Rules (``E`` is the next seq to yield, ``H`` the highest seq seen on the live so
   request every ``probe_max_s`` seconds. A
   reconnect of the live socket (:meth:`SourceTracker.on_reconnect`: the publisher may have
   restarted and published nothing we received) probes at once.
+* **Topics.** vLLM 0.11 replies carry no topic frame. Under a topic filter, while the
+  publisher's topic is unknown (no live message, no ``source_topic``), they are ignored
+  (counted ``unattributed``) and the source stays ``connecting``: nothing proves they pass
+  the filter. A live message names the topic; the gap before it is then replayed.
 * **States.** ``connecting`` until the first live message or replay answer; ``recovering``
   while a (non-probe) request is outstanding; ``stale`` after unrecoverable loss until a
   reset; else ``live``.
@@ -83,7 +87,7 @@ class Request:
     """
 
     __slots__ = ("kind", "purpose", "start", "check", "checked", "first", "below", "replies",
-                 "sent", "delay_s", "e0", "snap", "snap_tag", "snap_bytes")
+                 "sent", "delay_s", "e0", "snap", "snap_tag", "snap_bytes", "unattributed")
 
     def __init__(self, kind: str, purpose: str, start: int, check: int | None = None,
                  delay_s: float = 0.0, e0: int = 0) -> None:
@@ -101,6 +105,7 @@ class Request:
         self.snap: list[tuple[bytes, bytes, KVEventBatch]] = []
         self.snap_tag: int | None = None
         self.snap_bytes = 0
+        self.unattributed = 0  # replies without a topic frame from a publisher of unknown topic
 
     def frame(self) -> int | None:
         """The start seq to put on the wire, None for a snapshot request."""
@@ -115,7 +120,7 @@ class SourceCounters:
 
     __slots__ = ("batches", "events", "gaps", "replays", "snapshots", "restarts", "stale_marks",
                  "duplicates", "decode_errors", "frame_errors", "held_dropped", "timeouts",
-                 "retries", "probes", "filtered", "overflows", "lag_s")
+                 "retries", "probes", "filtered", "unattributed", "overflows", "lag_s")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -149,6 +154,9 @@ class SourceCounters:
         """Idle probes sent (a replay from the anchor after a quiet period)."""
         self.filtered = 0
         """Replayed batches of another topic than the subscriber's filter (skipped)."""
+        self.unattributed = 0
+        """Replies without a topic frame (vLLM 0.11) ignored under a topic filter because the
+        publisher's topic was not known yet (no live message, no ``SourceSpec.topic``)."""
         self.overflows = 0
         """Requests given up because an answer exceeded its bound (snapshot bytes, replies)."""
         self.lag_s = 0.0
@@ -363,7 +371,9 @@ class SourceTracker:
     def _yield(self, seq: int, topic: bytes, payload: bytes, batch: KVEventBatch, replayed: bool) -> None:
         self._remember(seq, hash(payload))
         self.expected = seq + 1
-        if replayed and topic and self.topic_filter and not topic.startswith(self.topic_filter):
+        # An empty topic is a topic (vLLM's default): it passes only an empty filter. A reply
+        # whose topic is unknown never gets here under a filter (see on_reply).
+        if replayed and self.topic_filter and not topic.startswith(self.topic_filter):
             self.counters.filtered += 1
             return
         self.out.append(SourceBatch(self.name, seq, topic, payload, batch, replayed))
@@ -517,6 +527,15 @@ class SourceTracker:
         req = self.inflight
         if req is None or not req.sent:
             return
+        if topic is None and (req.unattributed or (self.topic is None and self.topic_filter)):
+            # vLLM 0.11 replies carry no topic frame and its ROUTER answers whatever the
+            # requester filters: until a live message (or SourceSpec.topic) names this
+            # publisher's topic, nothing here can be checked against the filter. Not
+            # yielded, not counted as an answer; the rest of the same answer neither (a
+            # partial answer would look like a buffer that starts late). See on_reply_end.
+            req.unattributed += 1
+            self.counters.unattributed += 1
+            return
         if not self.connected:
             self._connect()
         req.replies += 1
@@ -581,6 +600,20 @@ class SourceTracker:
         """The end marker of the outstanding request arrived."""
         req = self.inflight
         if req is None or not req.sent:
+            return
+        if req.unattributed:
+            self.inflight = None
+            if self.topic is None:
+                # Every reply was of unknown topic (see on_reply): the publisher has
+                # batches, maybe not of our topic. Claim nothing: "connecting" (no probes)
+                # until a live message shows its topic, which then finds the gap from E.
+                self.connected = False
+                self._probe_armed = False
+                return
+            # A live message named the topic while this answer came in: ask again, now
+            # that every reply can be checked against the filter.
+            self._recover()
+            self._live_again()
             return
         if not self.connected:
             self._connect()
@@ -659,7 +692,11 @@ class SourceTracker:
             return
         self.out.append(SourceReset(self.name, "snapshot", r))
         c = self.counters
+        flt = self.topic_filter
         for topic, payload, batch in req.snap:
+            if flt and not topic.startswith(flt):
+                c.filtered += 1  # the same filter as replayed batches
+                continue
             self.out.append(SourceBatch(self.name, r - 1, topic, payload, batch, True))
             c.batches += 1
             c.events += len(batch.events)

@@ -72,13 +72,17 @@ class SourceSpec:
     replay, every gap marks the source stale), a ``name`` for the items (default: the
     endpoint), optional CURVE client settings (default: the subscriber's) and the
     publisher's ``topic`` if known (labels vLLM 0.11 replay replies, which carry no topic
-    frame, until a live message shows the topic)."""
+    frame, until a live message shows the topic). ``bind``: the SUB socket binds
+    ``endpoint`` instead of connecting to it, for an engine whose PUB connects (vLLM connects
+    when its endpoint has no wildcard, ``tcp://router:5557``); one bound endpoint per engine.
+    The replay endpoint is always connected to (vLLM's ROUTER binds)."""
 
     endpoint: str
     replay_endpoint: str | None = None
     name: str | None = None
     curve: CurveClientConfig | None = None
     topic: str | bytes | None = None
+    bind: bool = False
 
     @property
     def source(self) -> str:
@@ -88,7 +92,8 @@ class SourceSpec:
 
 @dataclass(frozen=True, slots=True)
 class SourceHealth:
-    """A snapshot of one source's health: ``state`` is ``"connecting"``, ``"live"``,
+    """A snapshot of one source's health: ``endpoint`` its live endpoint (the address
+    actually bound for ``SourceSpec(bind=True)``); ``state`` is ``"connecting"``, ``"live"``,
     ``"recovering"`` or ``"stale"``; ``last_seq`` the last yielded seq (-1: none); ``counters`` see
     :class:`~kvstream.transport.recovery.SourceCounters` (``lag_s`` in seconds)."""
 
@@ -110,7 +115,7 @@ class SourceHealth:
 
 class _Source:
     __slots__ = ("spec", "tracker", "sub", "dealer", "dealer_gen", "scope", "wake", "wait_scope", "curve",
-                 "monitor", "handshakes", "auth_failures")
+                 "monitor", "handshakes", "auth_failures", "endpoint")
 
     def __init__(self, spec: SourceSpec, tracker: SourceTracker, curve: CurveClientConfig | None) -> None:
         self.spec = spec
@@ -125,6 +130,7 @@ class _Source:
         self.monitor: zmq.Socket | None = None
         self.handshakes = 0
         self.auth_failures = 0
+        self.endpoint = spec.endpoint  # the bound address once bound (port 0 resolved)
 
 
 def _item_bytes(item: Any) -> int:
@@ -296,7 +302,7 @@ class Subscriber:
         out = {}
         for name, src in self._sources.items():
             t = src.tracker
-            out[name] = SourceHealth(name, src.spec.endpoint, t.state, t.expected - 1, t.counters.as_dict())
+            out[name] = SourceHealth(name, src.endpoint, t.state, t.expected - 1, t.counters.as_dict())
         return out
 
     def state(self, name: str) -> str:
@@ -445,10 +451,14 @@ class Subscriber:
             apply_client(sub, src.curve)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         try:
-            sub.connect(spec.endpoint)
+            if spec.bind:
+                sub.bind(spec.endpoint)
+                src.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                sub.connect(spec.endpoint)
         except zmq.ZMQError as exc:
             sub.close(0)
-            raise EndpointError(f"cannot connect to {spec.endpoint!r}: {exc}; write it as "
+            raise EndpointError(f"cannot {'bind' if spec.bind else 'connect to'} {spec.endpoint!r}: {exc}; write it as "
                                 "tcp://HOST:PORT (port 1-65535), ipc://PATH or inproc://NAME") from None
         if spec.replay_endpoint is not None:
             # The replay socket connects lazily (in the replay task, where a ZMQError would

@@ -79,6 +79,8 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
     concatenation of their tokens (``block_size`` tokens per block for GPU events; CPU
     offload events carry no tokens and ``block_size`` 0). ``parent_block_hash`` is the
     hash of the block before the run, or None when the run starts at block 0.
+    ``lookahead_token_ids`` (vLLM 0.33, lookahead hashing on) holds one token list per
+    entry of ``block_hashes``: the tokens beyond each block that went into its hash.
     """
 
     block_hashes: list[ExternalBlockHash]
@@ -95,7 +97,7 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
     locality: Any = None
     ownership: Any = None
     session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent, tag="BlockRemoved"):
@@ -380,8 +382,12 @@ class EventEncoder:
     0.11 tagged-array shape; ``array_fields`` picks how many fields follow the tag:
     ``"v0.11"`` (default) writes exactly 0.11's field set (BlockStored 6, BlockRemoved 2),
     dropping newer fields; ``"all"`` writes every field up to the last one that is set
-    (as msgspec's ``array_like`` + ``omit_defaults`` would); an int ``n`` writes the first
-    ``n`` fields of each event (fewer if the event has fewer).
+    (a kvstream shape: msgspec's array-like structs write every field); an int ``n``
+    writes the first ``n`` fields of each event (fewer if the event has fewer).
+
+    A batch whose ``data_parallel_rank`` is None is written with ``nil`` there in the map
+    shape (as vLLM's encoder does) and without the slot in the array shape (as engines from
+    before the field did); vLLM's publisher never sends a None rank (it stamps its own).
     """
 
     __slots__ = ("_enc", "_format", "_array_fields")

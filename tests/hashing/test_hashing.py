@@ -16,7 +16,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstream.compat import VLLM_0_11
+from kvstream.compat import VLLM_0_11, VLLM_0_33
 from kvstream.hashing import (
     ALGORITHMS,
     BlockHasher,
@@ -251,7 +251,10 @@ def test_033_rules_unset_seed_is_fixed_for_sha256_variants(monkeypatch):
 def test_033_rules_unset_seed_is_random_for_xxhash(monkeypatch, algorithm):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     a, b = none_hash(algorithm), none_hash(algorithm)
-    assert a != b and len(a) == len(b) == 32
+    # vLLM 0.33 init_none_hash(xxhash / xxhash_cbor) with PYTHONHASHSEED unset hashes a random
+    # seed string, so its NONE_HASH is a 16-byte xxh3_128 digest (measured: len 16 for both).
+    assert a != b and len(a) == len(b) == 16
+    assert BlockHasher(algorithm).root != BlockHasher(algorithm).root
 
 
 @pytest.mark.parametrize("algorithm", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
@@ -548,6 +551,32 @@ def test_incremental_request_hasher_equals_one_shot(algorithm, style, tokens, cu
     assert rbh.wire_extra_keys == [f.wire for f in forms]
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(small_ints, max_size=70),
+    cuts=st.lists(st.integers(min_value=0, max_value=70), max_size=8),
+    spans=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), max_size=5),
+)
+def test_v033_mm_requests_hash_the_same_however_the_tokens_are_split(tokens, cuts, spans):
+    # vLLM 0.33 starts every hashing pass at the first item still overlapping the block, so
+    # a multimodal request's hashes do not depend on how its tokens arrived (0.11's do).
+    items, pos = [], 0
+    for i, (gap, length) in enumerate(spans):
+        pos += gap
+        items.append(MMItem(f"m{i % 2}", pos, length))
+        pos += length
+    h = BlockHasher("sha256_cbor", 4, seed="0", extra_key_style="0.33")
+    keys = RequestExtraKeys(mm_items=tuple(items))
+    n = len(tokens) // 4
+    forms = [keys.for_block(i * 4, i * 4 + 4) for i in range(n)]
+    rbh = RequestBlockHasher(h, mm_items=items)
+    bounds = sorted({0, len(tokens), *(c for c in cuts if c <= len(tokens))})
+    for a, b in zip(bounds, bounds[1:]):
+        rbh.extend(tokens[a:b])
+    assert rbh.block_hashes == h.hash_blocks(tokens, None, [f.hash_input for f in forms])
+    assert rbh.wire_extra_keys == [f.wire for f in forms]
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
@@ -747,14 +776,56 @@ def test_v011_attaches_an_item_that_ended_where_a_later_pass_starts():
         assert rbh.block_hashes == h.hash_blocks(list(range(48)), None, [None, b1, block2])
 
 
-def test_later_pass_sees_only_the_last_mm_item_like_vllm():
+# Items a [16, 18) and b [18, 20), a 20-token prompt (block 0 only), then 12 output tokens
+# complete block 1 in a later hashing pass. Digests from vLLM's own request block hasher
+# (get_request_block_hasher(16, sha256_cbor), PYTHONHASHSEED=0, the prompt then one
+# append of tokens 20..31): 0.11.0 and 0.33.0.
+_LATER_PASS_BLOCK0 = "d830de3d42c00f25a2949b5d12d98642664a44872c1614c5b0147556276afc9c"
+_LATER_PASS_BLOCK1 = {
+    "0.11": "1dc055840f6eaa2d07828af1d204f90cf3441ace14b43bacd7d39a0f2f70a1d7",
+    "0.33": "7ff6137035988def658bc8daf3a6d85fb193841abaae77523c280b7df5fa6a06",
+}
+
+
+def test_v011_later_pass_sees_only_the_last_mm_item_like_vllm():
+    # vLLM 0.11 starts a later pass's multimodal cursor at the last item (start_mm_idx=-1).
     items = [MMItem("a", 16, 2), MMItem("b", 18, 2)]
-    h = BlockHasher("sha256_cbor", 16, seed="0")
+    h = BlockHasher("sha256_cbor", 16, seed="0", extra_key_style="0.11")
     rbh = RequestBlockHasher(h, mm_items=items)
     rbh.extend(range(20))  # the prompt completes block 0 only
     rbh.extend(range(20, 32))  # block 1 completes in a later pass
-    assert rbh.wire_extra_keys == [None, [["b", 2]]]
+    assert rbh.wire_extra_keys == [None, ["b"]]
+    assert [d.hex() for d in rbh.block_hashes] == [_LATER_PASS_BLOCK0, _LATER_PASS_BLOCK1["0.11"]]
+
+
+def test_v033_later_pass_sees_every_mm_item_overlapping_the_block():
+    # vLLM 0.33 starts a later pass at the first item still overlapping the block
+    # (get_mm_features_in_window), so block 1 carries both a and b, like the prompt pass.
+    items = [MMItem("a", 16, 2), MMItem("b", 18, 2)]
+    h = BlockHasher("sha256_cbor", 16, seed="0", extra_key_style="0.33")
+    rbh = RequestBlockHasher(h, mm_items=items)
+    rbh.extend(range(20))
+    rbh.extend(range(20, 32))
+    assert rbh.wire_extra_keys == [None, [["a", 0], ["b", 2]]]
     assert RequestExtraKeys(mm_items=tuple(items)).for_block(16, 32).wire == [["a", 0], ["b", 2]]
+    assert [d.hex() for d in rbh.block_hashes] == [_LATER_PASS_BLOCK0, _LATER_PASS_BLOCK1["0.33"]]
+
+
+def test_v033_decode_block_keeps_an_item_that_started_in_the_prompt_blocks():
+    # bs 4, a 10-token prompt, img-a [5, 9) and img-b [9, 10); block 2 [8, 12) completes
+    # when two output tokens arrive. vLLM 0.33's hasher gives block 2 the extra keys
+    # (("mm", "img-a", -3), ("mm", "img-b", 1)); digests from get_request_block_hasher(4,
+    # sha256_cbor) with PYTHONHASHSEED=0, the prompt then append_output_token_ids([11, 12]).
+    items = [MMItem("img-a", 5, 4), MMItem("img-b", 9, 1)]
+    rbh = RequestBlockHasher(VLLM_0_33.hasher("sha256_cbor", 4, seed="0"), mm_items=items)
+    rbh.extend(list(range(1, 11)))
+    rbh.extend([11, 12])
+    assert [d.hex() for d in rbh.block_hashes] == [
+        "c9d58ba695280d69b243e1e0df813136ca9196b286fb1a021e0b2e028ef071cb",
+        "3ed724855019a75df865d9f5e1c773c29b575c3cb763610c56297e902a56c2c6",
+        "94777de65fe6d3a35bd4d3697c50871c98a3c2b0c03ae0bac51f7d486fcb6b94",
+    ]
+    assert rbh.wire_extra_keys[2] == [["img-a", -3], ["img-b", 1]]
 
 
 def test_extra_key_forms_in_both_styles():

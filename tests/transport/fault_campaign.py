@@ -168,9 +168,13 @@ class SilentWrong(AssertionError):
 class World:
     """The simulated network, shell and consumer for one seed."""
 
-    def __init__(self, seed: int, *, sources: int | None = None) -> None:
+    def __init__(self, seed: int, *, sources: int | None = None, topic_filter: bytes = b"") -> None:
         rng = self.rng = random.Random(seed)
         self.seed = seed
+        # The subscriber's topic filter. Live messages carry topic b"kv", replies none
+        # (vLLM 0.11's shape): with a filter, replies before the first live message cannot
+        # be attributed to a topic.
+        self.topic_filter = topic_filter
         self.now = 0.0
         self._q: list[tuple[float, int, Callable[[], None]]] = []
         self._n = 0
@@ -236,7 +240,8 @@ class World:
     # -- the subscriber side -----------------------------------------------------------
 
     def join(self, name: str) -> None:
-        t = SourceTracker(name, has_replay=True, max_retries=3, backoff_s=0.05, probe_after_s=PROBE)
+        t = SourceTracker(name, has_replay=True, max_retries=3, backoff_s=0.05, probe_after_s=PROBE,
+                          topic=self.topic_filter)
         self.trackers[name] = t
         t.start(self.now)
         self._pump(name)

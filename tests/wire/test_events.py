@@ -87,6 +87,15 @@ def test_decoded_events_match_the_recorded_json(golden_dir, version):
                     assert got == want[field], (rec["seq"], field)
 
 
+def test_map_events_carry_exactly_the_recorded_wire_keys_in_order(golden_dir):
+    # vLLM 0.33.0 stream.json events[].wire_keys: required keys always (nil when None),
+    # optional ones only when set, in declaration order, "type" first.
+    doc = json.loads((golden_dir / "vllm-0.33.0" / "stream.json").read_text())
+    for p, rec in zip(_live_payloads(golden_dir, "vllm-0.33.0"), doc["batches"]):
+        raw = msgspec.msgpack.decode(encode_batch(decode_batch(p)))
+        assert [list(ev) for ev in raw[1]] == [want["wire_keys"] for want in rec["events"]], rec["seq"]
+
+
 def test_v011_payloads_convert_to_map_form_and_back_losslessly(golden_dir):
     for p in _live_payloads(golden_dir, "vllm-0.11.0"):
         batch = decode_batch(p)
@@ -276,7 +285,8 @@ def test_array_shape_follows_the_struct(cls) -> None:
     """The 0.11 array shape is derived from the struct: a full-length array of every field
     decodes to the same event as the map shape, and a one-slot array decodes too."""
     fields = msgspec.structs.fields(cls)
-    values = {f.name: ([7, 8] if f.name == "block_hashes" else [1, 2] if f.name.endswith("token_ids")
+    values = {f.name: ([7, 8] if f.name == "block_hashes" else [1, 2] if f.name == "token_ids"
+                       else [[1], [2]] if f.name == "lookahead_token_ids"
                        else 16 if f.name == "block_size" else None) for f in fields}
     ev = cls(**values)
     tag = cls.__struct_config__.tag

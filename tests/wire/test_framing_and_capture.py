@@ -79,3 +79,24 @@ def test_capture_round_trips_and_truncation_is_reported_with_offset(tmp_path):
     (tmp_path / "m.bin").write_bytes(b"NOTMAGIC" + data[8:])
     with pytest.raises(CaptureFormatError, match="bad magic"):
         read_capture(tmp_path / "m.bin")
+
+
+def test_golden_033_replay_requests_ask_9_and_24_and_replies_repeat_the_live_bytes(golden_dir):
+    # vLLM 0.33.0 README, "Replay 1" / "Replay 2": start 9 gets seqs 9..18 with the live
+    # payloads, then the end marker; start 24 (past the end) gets the end marker alone.
+    recs = read_capture(golden_dir / "vllm-0.33.0" / "stream.bin")
+    live = {m.seq: m for m in (parse_live(r.frames) for r in recs if r.channel == CaptureChannel.LIVE)}
+    assert sorted(live) == list(range(19))
+    exchanges: list[tuple[int, list]] = []
+    for r in recs:
+        if r.channel == CaptureChannel.REPLAY_REQUEST:
+            assert r.frames[0] == b"" and len(r.frames) == 2
+            exchanges.append((decode_seq(r.frames[1]), []))
+        elif r.channel == CaptureChannel.REPLAY_REPLY:
+            assert len(r.frames) == 4
+            exchanges[-1][1].append(parse_replay_reply(r.frames))
+    assert [start for start, _ in exchanges] == [9, 24]
+    (_, first), (_, second) = exchanges
+    assert [x.seq for x in first[:-1]] == list(range(9, 19)) and first[-1].end
+    assert all(x.payload == live[x.seq].payload and x.topic == live[x.seq].topic for x in first[:-1])
+    assert len(second) == 1 and second[0].end and second[0].topic == b""
