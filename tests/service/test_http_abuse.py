@@ -235,3 +235,26 @@ def test_two_workers_guard_every_connection_the_same_way() -> None:
         assert srv.client.get("/healthz").status_code == 200
     finally:
         assert srv.close() == 0
+
+
+def test_without_httptools_uvicorns_h11_protocol_answers_in_json_too(tmp_path: Path) -> None:
+    # `pip install kvstream` without the [fast] extra: uvicorn falls back to h11, which
+    # bounds heads itself (16 KiB); its 400 was text/plain too.
+    (tmp_path / "httptools.py").write_text('raise ImportError("hidden: run as without kvstream[fast]")\n')
+    repo = Path(__file__).resolve().parents[2]
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()}", "--load-interval", "0",
+                    env={"PYTHONPATH": f"{tmp_path}:{repo}"})
+    try:
+        for raw in (MALFORMED["content_length_not_a_number"], MALFORMED["not_http"]):
+            with socket.create_connection(_addr(srv), timeout=10) as s:
+                s.sendall(raw)
+                status, headers, body = _read_response(s)
+                assert status == 400 and headers["content-type"] == "application/json", body
+                assert httpx.Response(200, content=body).json()["error"]["code"] == "bad_http"
+        s = _flood(srv, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: ", b"a" * 65536, 64 << 20)
+        with s:
+            status, headers, _ = _read_response(s)
+            assert status == 400 and headers["content-type"] == "application/json"
+        assert srv.client.post("/v1/route", json={"token_ids": [1, 2]}).status_code == 200
+    finally:
+        assert srv.close() == 0
