@@ -322,6 +322,16 @@ class KVProxy:
                 if v:
                     headers.append((b"authorization", v))
                 break
+        # The client may go away at any point (while the engine thinks, or mid-stream):
+        # then everything below is cancelled, the engine's connection closed (vLLM aborts
+        # the request) and its in-flight count goes back down.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+            await self._forward(send, path, candidates, predicted, payload, headers, stream, strip_usage)
+            tg.cancel_scope.cancel()
+
+    async def _forward(self, send: Any, path: str, candidates: list[str], predicted: dict[str, int], payload: bytes,
+                       headers: list[tuple[bytes, bytes]], stream: bool, strip_usage: bool) -> None:
         errors: list[str] = []
         for attempt, name in enumerate(candidates):
             pool, prefix = self._pool(name)
@@ -345,17 +355,19 @@ class KVProxy:
             self._metrics.requests.setdefault((name, resp.status_code), 0)
             self._metrics.requests[(name, resp.status_code)] += 1
             if not stream or resp.status_code != 200:
+                failed: UpstreamError | None = None
                 try:
                     content = await resp.read(MAX_ANSWER_BYTES)
                 except UpstreamError as exc:
-                    self._failed(name, exc)
-                    self._finished(name)
+                    failed = exc
+                finally:
+                    self._finished(name)  # first: the close below may be cancelled part way
                     await resp.aclose()
-                    await _send_json(send, 502, error_body(502, f"engine {name} failed while answering: {exc}"),
+                if failed is not None:
+                    self._failed(name, failed)
+                    await _send_json(send, 502, error_body(502, f"engine {name} failed while answering: {failed}"),
                                      [(_ENGINE_HEADER_B, engine)])
                     return
-                await resp.aclose()
-                self._finished(name)
                 realized = None
                 if resp.status_code == 200:
                     try:
@@ -367,34 +379,26 @@ class KVProxy:
                 await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
                 await send({"type": "http.response.body", "body": content})
                 return
-            await self._stream(send, receive, resp.status_code, out_headers,
+            await self._stream(send, resp.status_code, out_headers,
                                self._pass_through(name, resp, predicted.get(name), strip_usage))
             return
         self.core.unroutable += 1
         await _send_json(send, 503, error_body(503, "no engine could take the request (" + "; ".join(errors) + ")"))
 
     @staticmethod
-    async def _stream(send: Any, receive: Any, status: int, headers: list[tuple[bytes, bytes]],
+    async def _stream(send: Any, status: int, headers: list[tuple[bytes, bytes]],
                       chunks: AsyncGenerator[bytes, None]) -> None:
-        """Send ``chunks`` as one chunked response; a client that disconnects cancels it
-        (and so closes the engine's stream)."""
-        async with anyio.create_task_group() as tg:
-            async def watch() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            try:
-                await send({"type": "http.response.start", "status": status, "headers": headers})
-                async for chunk in chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except OSError:
-                pass  # the client is gone
-            finally:
-                await chunks.aclose()
-            tg.cancel_scope.cancel()
+        """Send ``chunks`` as one chunked response (a client that disconnects cancels the
+        caller's scope, and so closes the engine's stream)."""
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client is gone
+        finally:
+            await chunks.aclose()
 
     def _answered(self, name: str, predicted: int | None, realized: int | None) -> None:
         self.core.answered(name, predicted, realized)
@@ -441,8 +445,8 @@ class KVProxy:
             yield b"data: " + _enc.encode(error_body(502, f"engine {name} dropped the stream: {exc}")) + b"\n\n"
             return
         finally:
+            self._finished(name)  # first: the close below may be cancelled part way
             await resp.aclose()
-            self._finished(name)
         self._answered(name, predicted, realized)
 
 
@@ -507,6 +511,13 @@ async def _asgi_body(scope: Any, receive: Any, limit: int) -> bytes | None:
         parts.append(chunk)
         if not msg.get("more_body", False):
             return b"".join(parts)
+
+
+async def _cancel_on_disconnect(receive: Any, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` once the client disconnects (the request body is already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 async def _send_json(send: Any, status: int, body: Any, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:

@@ -82,6 +82,18 @@ class _Handler(socketserver.BaseRequestHandler):
                 continue
         sock.sendall(self._chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
 
+    def mode_silent(self, sock: socket.socket) -> None:
+        """Nothing at all (a long non-streamed generation) until released or hung up on."""
+        sock.settimeout(0.05)
+        while not self.server.release.is_set():
+            try:
+                if sock.recv(1) == b"":
+                    self.server.hung_up += 1
+                    return
+            except TimeoutError:
+                continue
+        self.mode_status500(sock)
+
     def mode_endless(self, sock: socket.socket) -> None:
         """A non-streaming answer whose Content-Length says 1 GiB."""
         sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (1 << 30))
@@ -230,3 +242,22 @@ def test_request_bodies_over_max_body_bytes_are_413(setup) -> None:
     r = httpx.post(srv.url + "/v1/completions", content=b'{"prompt": [1], "x": ' + b"[" * 3000 + b"]" * 3000 + b"}",
                    timeout=20)
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError", r.text[:300]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_before_the_engine_answered_frees_the_engine_and_the_load(setup, stream: bool) -> None:
+    # vLLM aborts a request whose client disconnects; through the proxy the engine used to
+    # go on (and the in-flight count stayed up) until it answered a client long gone.
+    srv, eng = setup
+    eng.mode = "silent"
+    eng.release.clear()
+    served, hung = eng.requests, eng.hung_up
+    host, port = srv.url.split("//")[1].rsplit(":", 1)
+    body = b'{"prompt": [1, 2, 3, 4], "max_tokens": 2, "stream": %s}' % (b"true" if stream else b"false")
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: eng.requests > served, "the request to reach the engine")
+        assert _in_flight(srv) == 1
+    wait_for(lambda: eng.hung_up > hung, "the proxy to hang up on the engine")
+    _idle(srv)
+    eng.release.set()
