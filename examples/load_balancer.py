@@ -124,10 +124,20 @@ async def run(n_engines: int, n_requests: int, verbose: bool = True) -> dict[str
     return {"routed": routed, "round_robin": robin}
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--engines", type=_at_least_one, default=3, help="simulated engines (default 3)")
+    ap.add_argument("--requests", type=_at_least_one, default=60, help="prompts to route (default 60)")
     a = ap.parse_args()
     anyio.run(run, a.engines, a.requests)
 

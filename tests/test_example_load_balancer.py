@@ -27,3 +27,11 @@ def test_example_load_balancer_runs_and_routes_by_prefix(engines) -> None:
     assert routed > robin, summary
     per_engine = ast.literal_eval(summary.split("requests per engine: ")[1])
     assert len(per_engine) == engines and min(per_engine.values()) > 0, summary  # every engine serves
+
+
+@pytest.mark.parametrize("flag,value", [("--engines", "0"), ("--requests", "-1"), ("--engines", "x")])
+def test_example_load_balancer_refuses_counts_below_one_with_a_usage_line(flag, value) -> None:
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "load_balancer.py"), flag, value],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"argument {flag}: must be a positive integer" in out.stderr

@@ -44,7 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstream`` console script; returns the process exit code."""
-    from kvstream.cli._common import CLIError, configure_logging, exception_leaves, quiet_stdout, version_lines
+    from kvstream.cli._common import (
+        CLIError,
+        configure_logging,
+        exception_leaves,
+        os_error_line,
+        quiet_stdout,
+        version_lines,
+    )
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,7 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(getattr(args, "log_level", None), getattr(args, "log_format", None) or "text")
     name = f"kvstream {args.command}"
     try:
-        return int(func(args) or 0)
+        code = int(func(args) or 0)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not at interpreter exit
+        return code
     except CLIError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
@@ -68,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `kvstream ... | head`
         quiet_stdout()
         return 0
+    except OSError as exc:  # a file or stdout that cannot be written (full disk, read-only place)
+        _drop_stdout_if_broken()
+        print(f"{name}: {os_error_line(exc)}", file=sys.stderr)
+        return 1
     except BaseException as exc:  # noqa: BLE001 - exception groups from task groups
         leaves = exception_leaves(exc)
         if leaves == [exc]:
@@ -78,4 +91,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if all(isinstance(e, KeyboardInterrupt) for e in leaves):
             print(f"{name}: interrupted", file=sys.stderr)
             return 130
+        if all(isinstance(e, (OSError, CLIError)) for e in leaves):
+            _drop_stdout_if_broken()
+            first = leaves[0]
+            print(f"{name}: {os_error_line(first) if isinstance(first, OSError) else first}", file=sys.stderr)
+            return 1 if isinstance(first, OSError) else 2
         raise
+
+
+def _drop_stdout_if_broken() -> None:
+    """After an OSError: if stdout itself cannot be written, point it at /dev/null so the
+    interpreter's last flush does not print a second error."""
+    from kvstream.cli._common import quiet_stdout
+
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        quiet_stdout()

@@ -8,6 +8,7 @@ exit, before any work starts.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,9 @@ __all__ = [
     "port_number",
     "exception_leaves",
     "quiet_stdout",
+    "os_error_line",
+    "check_block_memory",
+    "BYTES_PER_BLOCK",
 ]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -172,3 +176,33 @@ def quiet_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an :class:`OSError` a command cannot recover from: the path (if any),
+    what the system said, and for stdout a hint that the output went nowhere."""
+    what = exc.strerror or str(exc)
+    if exc.filename is not None:
+        return f"{exc.filename}: {what}"
+    return f"cannot write the output: {what}" if exc.errno in (errno.ENOSPC, errno.EIO, errno.EFBIG) else what
+
+
+BYTES_PER_BLOCK = 160
+"""Memory one KV block of a block pool takes in this process (bytes; measured: 2,000
+simulated engines x 2,048 blocks peak at 0.66 GB RSS, an emulated engine of 10 million
+blocks at 1.7 GB)."""
+
+
+def check_block_memory(blocks: int, what: str, fix: str) -> None:
+    """Before any work: refuse ``blocks`` pool blocks (``what`` says whose) that cannot fit
+    in this machine's memory at :data:`BYTES_PER_BLOCK` each; they would swap the machine
+    to a halt or be killed after minutes. ``fix`` says what to lower. Raises
+    :class:`CLIError`."""
+    need = blocks * BYTES_PER_BLOCK
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return  # not knowable here (not POSIX): let it run
+    if need > total:
+        raise CLIError(f"{what} would need about {need / 2**30:.0f} GiB of memory, more than this machine's "
+                       f"{total / 2**30:.0f} GiB; {fix}")

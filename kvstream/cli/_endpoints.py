@@ -11,7 +11,7 @@ import argparse
 from kvstream.transport import CurveClientConfig, SourceSpec
 
 __all__ = ["parse_source", "SYNTAX", "add_curve_client_args", "curve_client_from_args",
-           "check_connect_endpoint", "check_bind_endpoint"]
+           "check_connect_endpoint", "check_bind_endpoint", "check_distinct_bind_endpoints"]
 
 SYNTAX = "[NAME=]PUB[,REPLAY] (or PUB,replay=REPLAY,name=NAME), e.g. e0=tcp://h:5557,tcp://h:5558"
 
@@ -65,10 +65,14 @@ def _split(endpoint: str, what: str) -> tuple[str, str] | None:
     if not endpoint.startswith(_SCHEMES):
         scheme = endpoint.split("://", 1)[0] if "://" in endpoint else endpoint
         raise ValueError(f"{what} {endpoint!r}: scheme {scheme!r} is not supported; KV event streams use "
-                         "tcp://HOST:PORT, ipc:///PATH or inproc://NAME (not http://)")
+                         "tcp://HOST:PORT, or ipc:///PATH (not http://)")
     if not endpoint.startswith("tcp://"):
         if len(endpoint.split("://", 1)[1]) == 0:
             raise ValueError(f"{what} {endpoint!r} has no path")
+        if endpoint.startswith("inproc://"):
+            # inproc reaches sockets of the same process only; a command's peers are other processes.
+            raise ValueError(f"{what} {endpoint!r}: inproc:// only reaches sockets inside one process, and "
+                             "the peers of this command are other processes; use ipc:///PATH or tcp://HOST:PORT")
         return None
     rest = endpoint[len("tcp://"):]
     host, sep, port = rest.rpartition(":")
@@ -114,6 +118,21 @@ def check_bind_endpoint(endpoint: str, what: str = "endpoint") -> None:
     _, port = hp
     if port != "*" and (not port.isdigit() or not 0 <= int(port) <= 65535):
         raise ValueError(f"{what} {endpoint!r}: port {port!r} is not a port number (0-65535, or * for any)")
+
+
+def check_distinct_bind_endpoints(specs: "list[SourceSpec]", what: str = "endpoint") -> None:
+    """Every endpoint a command binds (PUB and replay, over all ``specs``) is bound once:
+    a fixed tcp port or ipc path given twice cannot be bound twice. Raises ``ValueError``."""
+    seen: dict[str, str] = {}
+    for spec in specs:
+        for ep in (spec.endpoint, spec.replay_endpoint):
+            if not ep or ep.endswith((":0", ":*")):
+                continue
+            if ep in seen:
+                raise ValueError(f"{what} {ep!r} is given twice ({seen[ep]} and {spec.endpoint}); every PUB and "
+                                 "replay endpoint needs its own port or path")
+            seen[ep] = spec.endpoint
+    return None
 
 
 def add_curve_client_args(p: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -25,15 +26,30 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvstream.wire.capture import CaptureFormatError
+    from kvstream.cli._common import CLIError, check_output_path, os_error_line
     from kvstream.eventlog.convert import convert_captures
+    from kvstream.wire.capture import CaptureFormatError
     from kvstream.wire.framing import FrameError
 
+    check_output_path(args.output, "-o")  # before reading anything (exit status 2)
+    for c in args.captures:
+        if os.path.isdir(c):
+            raise CLIError(f"{c!r} is a directory; give KVSTRM01 capture files")
+    existed = os.path.lexists(args.output)
     try:
         n = convert_captures(args.captures, args.output, sources=args.source,
                              compression="zstd" if args.zstd else None)
     except (CaptureFormatError, FrameError, FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"kvstream convert: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, KeyboardInterrupt) as exc:
+        # A log cut short by a full disk or Ctrl-C is not the conversion: do not leave it
+        # under the name of the finished one (a rerun would find it "already exists").
+        if not existed and os.path.isfile(args.output):
+            os.remove(args.output)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        print(f"kvstream convert: {os_error_line(exc)}; nothing was kept", file=sys.stderr)
         return 1
     print(f"wrote {n} records to {args.output}")
     return 0

@@ -26,6 +26,10 @@ from typing import Any
 from kvstream.cli._common import positive_int
 
 
+MAX_ENGINES = 64
+"""Most engine processes ``kvstream demo`` starts (each is a Python process with HTTP and ZMQ)."""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` sub-command."""
     p = sub.add_parser(
@@ -117,6 +121,10 @@ def _run(args: argparse.Namespace) -> int:
     sessions = args.sessions or (6 if quick else 32)
     turns = args.turns or (2 if quick else 4)
     out = Path(args.out)
+    if engines > MAX_ENGINES:
+        print(f"kvstream demo: --engines {engines}: the demo runs every engine as a process on this machine; "
+              f"use at most {MAX_ENGINES} (`kvstream simulate --engines N` models large fleets)", file=sys.stderr)
+        return 2
     problem = _check_out(out)
     if problem:
         print(f"kvstream demo: {problem}", file=sys.stderr)

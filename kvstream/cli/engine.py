@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from kvstream.cli._common import port_number, positive_float, positive_int
+from kvstream.cli._common import CLIError, check_block_memory, fraction, port_number, positive_float, positive_int
 from kvstream.cli.plan import parse_memory
 
 
@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="longest prompt+output (default: the model config's, else 16384)")
     c.add_argument("--model-config", metavar="CONFIG_JSON", help="plan the cache for this Hugging Face config.json")
     c.add_argument("--gpu-memory", type=parse_memory, metavar="SIZE", help="GPU memory for --model-config, e.g. 80GiB")
-    c.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of --gpu-memory used (0.9)")
+    c.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, help="share of --gpu-memory used (0.9)")
     c.add_argument("--model-weights-gib", type=parse_memory, metavar="SIZE", default=0,
                    help="checkpoint size subtracted from the budget (default 0)")
     c.add_argument("--prefix-caching-hash-algo", default="sha256",
@@ -81,6 +81,9 @@ def build_config(args: argparse.Namespace) -> Any:
                          f"choose from {', '.join(ALGORITHMS)}")
     blocks = args.num_gpu_blocks
     max_len = args.max_model_len
+    if not args.model_config and (args.gpu_memory is not None or args.model_weights_gib):
+        raise ValueError("--gpu-memory and --model-weights-gib size the cache from a model; they need "
+                         "--model-config CONFIG_JSON (without it, give --num-gpu-blocks)")
     if args.model_config:
         from kvstream.planning import plan_from_hf_config
         from kvstream.planning.hf_config import model_max_len
@@ -119,6 +122,9 @@ def events_config(text: str | None, wire_version: str) -> Any:
         raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from None
     if not isinstance(d, dict):
         raise ValueError("--kv-events-config must be a JSON object")
+    if d.get("publisher") not in (None, "null", "zmq"):
+        # vLLM's EventPublisherFactory refuses it at start-up too ("Unknown event publisher").
+        raise ValueError(f"--kv-events-config: unknown publisher {d['publisher']!r}; use \"zmq\" (or \"null\")")
     if wire_version == "0.11":
         d.setdefault("encoding", "array")
         d.setdefault("replay_topic_frame", False)
@@ -138,9 +144,15 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         config = build_config(args)
+        check_block_memory(config.num_gpu_blocks, f"{config.num_gpu_blocks:,} KV blocks",
+                           "lower --num-gpu-blocks (or --gpu-memory with --model-config)")
         ev = events_config(args.kv_events_config, args.wire_version)
-        tok = load_tokenizer(args.tokenizer, chat_template=args.chat_template)
-    except (ValueError, KVCachePlanningError, TokenizerError, OSError) as exc:
+        tok = load_tokenizer(args.tokenizer, chat_template=_chat_template(args.chat_template))
+        if args.chat_template is not None:
+            # Tried once now (with the tokenizer's special tokens), so a broken template fails
+            # here and not on every chat request.
+            tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    except (ValueError, KVCachePlanningError, TokenizerError, OSError, CLIError) as exc:
         print(f"kvstream engine: {exc}", file=sys.stderr)
         return 2
     if args.tokenizer is not None:
@@ -167,6 +179,20 @@ def _run(args: argparse.Namespace) -> int:
         print("kvstream engine: stopped", file=sys.stderr)
         return 130
     return 0
+
+
+def _chat_template(text: str | None) -> str | None:
+    """``--chat-template`` as given, after checking that one that looks like a path (no
+    Jinja braces) is a readable file, as vLLM checks it; ValueError otherwise."""
+    if text is None or "{" in text:
+        return text
+    from pathlib import Path
+
+    p = Path(text)
+    if not p.is_file():
+        raise ValueError(f"--chat-template {text!r} looks like a file name but is "
+                         f"{'a directory' if p.is_dir() else 'no file'}; give a .jinja file or the template text")
+    return text
 
 
 def _loop_options() -> dict[str, bool]:

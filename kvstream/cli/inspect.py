@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, Iterable
 
-from kvstream.cli._common import add_hash_format
+from kvstream.cli._common import CLIError, add_hash_format, non_negative_float, os_error_line
 
 _TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "reset", "stale", "live", "undecodable")
 
@@ -27,9 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--source", action="append", metavar="NAME", help="only this source (repeatable)")
     p.add_argument("--type", action="append", metavar="TYPE", choices=_TYPES,
                    help=f"only this event type (repeatable): {', '.join(_TYPES)}")
-    p.add_argument("--since", type=float, metavar="SECONDS",
+    p.add_argument("--since", type=non_negative_float, metavar="SECONDS",
                    help="only records received at least SECONDS after the log's first record")
-    p.add_argument("--until", type=float, metavar="SECONDS",
+    p.add_argument("--until", type=non_negative_float, metavar="SECONDS",
                    help="only records received at most SECONDS after the log's first record")
     add_hash_format(p)
     p.set_defaults(func=_run)
@@ -53,8 +53,14 @@ def _run(args: argparse.Namespace) -> int:
     from kvstream.eventlog.format import LogControl, LogFormatError
     from kvstream.eventlog.summary import LogSummary, event_rows
 
+    # What the command line says is checked before the log is read (exit status 2).
+    if args.type and not args.events:
+        raise CLIError("--type filters --events output only; add --events (the summary counts every type)")
+    if args.since is not None and args.until is not None and args.since > args.until:
+        raise CLIError(f"--since {args.since:g} is after --until {args.until:g}: no record can match")
     try:
         records, reader = _records(args.log)
+        seen: set[str] = set()
         first_ns: int | None = None
         sources = set(args.source) if args.source else None
         types = set(args.type) if args.type else None
@@ -65,6 +71,7 @@ def _run(args: argparse.Namespace) -> int:
             if first_ns is None:
                 first_ns = rec.recv_ns
             rel = (rec.recv_ns - first_ns) / 1e9
+            seen.add(rec.source)
             if args.since is not None and rel < args.since:
                 continue
             if args.until is not None and rel > args.until:
@@ -83,10 +90,10 @@ def _run(args: argparse.Namespace) -> int:
                     out.write(enc.encode(row).decode() + "\n")
                 else:
                     out.write(_human(row, rel) + "\n")
+        if sources is not None and not sources & seen:
+            raise CLIError(f"no source {' or '.join(sorted(sources))} in {args.log}; its sources: "
+                           f"{', '.join(sorted(seen)) or '(none)'}")
         if not args.events:
-            if types is not None:
-                print("kvstream inspect: --type filters --events output only", file=sys.stderr)
-                return 2
             d = summary.as_dict()
             if reader is not None:
                 d["metadata"] = reader.metadata
@@ -95,8 +102,13 @@ def _run(args: argparse.Namespace) -> int:
                 out.write(enc.encode(d).decode() + "\n")
             else:
                 _print_summary(d, out)
-    except (LogFormatError, FileNotFoundError, ValueError) as exc:
+    except (LogFormatError, ValueError) as exc:
         print(f"kvstream inspect: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        if exc.filename is None:
+            raise  # stdout: the dispatcher reports it (a closed pipe is not an error)
+        print(f"kvstream inspect: {os_error_line(exc)}", file=sys.stderr)
         return 1
     damage = reader.damage if reader is not None else []
     for dm in damage:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvstream.cli._common import fraction, positive_int
+from kvstream.cli._common import fraction, non_negative_int, positive_int
 
 _UNITS = {
     "": 1 << 30, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-config", dest="model_config", type=Path, metavar="CONFIG_JSON",
                    help="the same as CONFIG (the name `kvstream simulate` uses)")
     m = p.add_argument_group("model (override or replace config.json)")
-    m.add_argument("--layers", type=int, help="number of decoder layers")
+    m.add_argument("--layers", type=non_negative_int, help="number of decoder layers")
     m.add_argument("--kv-heads", type=positive_int, help="KV heads per layer (whole model)")
     m.add_argument("--head-dim", type=positive_int, help="elements per attention head")
     m.add_argument("--dtype", help="model dtype (bfloat16, float16, float32); default bfloat16")
@@ -119,6 +119,8 @@ def _load_config(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             raise HFConfigError(f"cannot read {path}: {exc.strerror}") from exc
         except json.JSONDecodeError as exc:
             raise HFConfigError(f"{path} is not valid JSON: {exc}") from exc
+        except UnicodeDecodeError:
+            raise HFConfigError(f"{path} is not a text file (config.json is UTF-8 JSON)") from None
         if not isinstance(cfg, dict):
             raise HFConfigError(f"{path} must hold a JSON object")
         source = str(path)

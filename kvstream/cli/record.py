@@ -7,7 +7,7 @@ import sys
 import time
 
 
-from kvstream.cli._common import add_log_level, positive_float, positive_int
+from kvstream.cli._common import CLIError, add_log_level, positive_float, positive_int
 from kvstream.cli._endpoints import add_curve_client_args
 
 
@@ -52,12 +52,16 @@ def _run(args: argparse.Namespace) -> int:
     from kvstream.eventlog.writer import LogWriter
 
     try:
+        # What the command line says is checked first (exit status 2), the log after (1).
         specs = [parse_source(e) for e in args.endpoints]
         for spec in specs:
             check_connect_endpoint(spec.endpoint, "endpoint")
             if spec.replay_endpoint:
                 check_connect_endpoint(spec.replay_endpoint, "replay endpoint")
         args.curve = curve_client_from_args(args)
+    except (ValueError, OSError, KVStreamError) as exc:
+        raise CLIError(str(exc)) from None
+    try:
         writer = LogWriter(
             args.output,
             metadata={"endpoints": [[s.source, s.endpoint, s.replay_endpoint] for s in specs],
@@ -72,12 +76,18 @@ def _run(args: argparse.Namespace) -> int:
     for dmg in writer.recovered:
         print(f"kvstream record: damage in the log being appended to: {dmg}", file=sys.stderr)
     try:
-        stats, resume = anyio.run(_record, args, specs, writer)
+        try:
+            stats, resume = anyio.run(_record, args, specs, writer)
+        finally:
+            writer.close()
     except LocalProtocolError as exc:  # e.g. no NATS server at a nats:// URL
         print(f"kvstream record: {exc}", file=sys.stderr)
         return 1
-    finally:
-        writer.close()
+    except OSError as exc:  # the log cannot be written (disk full, file too large)
+        print(f"kvstream record: writing {args.output} failed: {exc.strerror or exc}; the log keeps every "
+              f"record written before (a complete record ends it; `kvstream inspect {args.output}`)",
+              file=sys.stderr)
+        return 1
     print(f"\nrecorded {stats.line()}  ({writer.bytes_written} bytes) into {args.output}", file=sys.stderr)
     if resume is not None and (resume.skipped or resume.restarts or resume.gaps):
         print(f"kvstream record: appended: {resume.skipped} batch(es) the log already held were not recorded "

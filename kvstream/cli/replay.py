@@ -47,8 +47,8 @@ def parse_speed(text: str) -> float | None:
         v = float(t[:-1] if t.endswith("x") else t)
     except ValueError:
         raise ValueError(f"--speed {text!r}: expected e.g. 1x, 10x, 0.5x or max") from None
-    if v <= 0:
-        raise ValueError(f"--speed {text!r} must be positive")
+    if not (0 < v < float("inf")):  # also refuses nan
+        raise ValueError(f"--speed {text!r} must be a positive finite factor (or max for no pacing)")
     return v
 
 
@@ -56,7 +56,7 @@ def _run(args: argparse.Namespace) -> int:
     import anyio
     import zmq
 
-    from kvstream.cli._endpoints import check_bind_endpoint, parse_source
+    from kvstream.cli._endpoints import check_bind_endpoint, check_distinct_bind_endpoints, parse_source
     from kvstream.eventlog.format import LogFormatError, LogMessage
 
     try:
@@ -67,6 +67,7 @@ def _run(args: argparse.Namespace) -> int:
             check_bind_endpoint(spec.endpoint, "--publish")
             if spec.replay_endpoint:
                 check_bind_endpoint(spec.replay_endpoint, "--publish (replay endpoint)")
+        check_distinct_bind_endpoints(specs, "--publish")
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
@@ -79,6 +80,11 @@ def _run(args: argparse.Namespace) -> int:
             if type(r) is LogMessage and r.source not in first:
                 first[r.source] = r
         sources = args.source or list(first)
+        if not first:
+            damage = reader.damage if reader is not None else []
+            print(f"kvstream replay: {args.log} holds no messages to replay"
+                  + (f" (DAMAGED: {damage[0]})" if damage else ""), file=sys.stderr)
+            return 3 if damage else 1
         missing = [s for s in sources if s not in first]
         if missing:
             raise CLIError(f"no messages from source(s) {missing} in the log; sources: {list(first)}")
@@ -177,7 +183,7 @@ async def _replay(args, specs, records, sources, first, speed):
                     print(f"sent {pacer.stats.sent} batches; answering replay requests for {args.hold_s:g} s more",
                           file=sys.stderr, flush=True)
                 await anyio.sleep(args.hold_s)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, ValueError) as exc:  # ValueError: EndpointError from the publisher
             error = exc  # raised below, outside the task group (which would wrap it)
         finally:
             tg.cancel_scope.cancel()

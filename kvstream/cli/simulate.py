@@ -25,6 +25,7 @@ from typing import Any
 from kvstream.cli._common import (
     CLIError,
     add_log_level,
+    check_block_memory,
     check_output_path,
     fraction,
     non_negative_float,
@@ -113,14 +114,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=ALGORITHMS, metavar="ALGO",
                    help=f"engine block hash algorithm: {', '.join(ALGORITHMS)} (default native)")
     g.add_argument("--model-config", metavar="CONFIG_JSON",
-                   help="size engines from a Hugging Face config.json (with --gpu-memory or --kv-memory-gib) "
-                        "instead of --num-gpu-blocks-override")
+                   help="size engines from a Hugging Face config.json (with --gpu-memory or --kv-memory-gib); "
+                        "--num-gpu-blocks-override still wins, as in vLLM")
     g.add_argument("--gpu-memory", type=parse_memory, metavar="SIZE",
                    help="with --model-config: memory of one GPU (80, 80GiB, 141GB); the KV cache gets "
                         "SIZE x --gpu-memory-utilization (as in kvstream plan)")
-    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
+    g.add_argument("--gpu-memory-utilization", type=fraction, metavar="F",
                    help="with --gpu-memory: share of it for the KV cache (default 0.9)")
-    g.add_argument("--kv-memory-gib", type=positive_float, default=40.0, metavar="GIB",
+    g.add_argument("--kv-memory-gib", type=positive_float, metavar="GIB",
                    help="with --model-config and no --gpu-memory: KV cache memory per engine (default 40)")
     g.add_argument("--max-model-len", type=positive_int, metavar="TOKENS",
                    help="with --model-config: longest request (default: the config's context length)")
@@ -197,9 +198,12 @@ def engine_config(args: argparse.Namespace) -> Any:
     blocks = args.blocks or (1024 if trace else 2048)
     if args.model_config:
         gpu = getattr(args, "gpu_memory", None)
-        kv_bytes = (int(gpu * args.gpu_memory_utilization) if gpu is not None
-                    else int(args.kv_memory_gib * (1 << 30)))
-        blocks = _blocks_from_model(args.model_config, bs, kv_bytes, getattr(args, "max_model_len", None))
+        util = args.gpu_memory_utilization if args.gpu_memory_utilization is not None else 0.9
+        kv_bytes = (int(gpu * util) if gpu is not None
+                    else int((args.kv_memory_gib or 40.0) * (1 << 30)))
+        planned = _blocks_from_model(args.model_config, bs, kv_bytes, getattr(args, "max_model_len", None))
+        # As in vLLM: the model is planned (it must fit), then num_gpu_blocks_override replaces the count.
+        blocks = args.blocks or planned
     return EngineConfig(
         num_blocks=blocks,
         block_size=bs,
@@ -233,11 +237,37 @@ def parse_policies(text: str) -> list[str]:
     from kvstream.sim.policies import ALL_POLICY_NAMES
     from kvstream.sim.workload import WorkloadError
 
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [n for n in names if n not in ALL_POLICY_NAMES]
+    names = [s.strip() for s in text.split(",")]
+    bad = [n or "(an empty entry)" for n in names if n not in ALL_POLICY_NAMES]
     if bad or not names:
         raise WorkloadError(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(ALL_POLICY_NAMES)}")
     return names
+
+
+def check_flag_combinations(args: argparse.Namespace) -> None:
+    """Refuse flags that the other flags make meaningless (they would be ignored silently)."""
+    def given(*names: str) -> list[str]:
+        return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) is not None]
+
+    if args.trace:
+        extra = given("requests", "duration")
+        if extra:
+            raise CLIError(f"{' and '.join(extra)} size the synthetic workload, not a --trace; use --limit N "
+                           "to take the first N requests of the trace")
+    elif args.limit is not None:
+        raise CLIError("--limit takes the first N requests of a --trace; for the synthetic workload use --requests")
+    if not args.model_config:
+        extra = given("gpu_memory", "gpu_memory_utilization", "kv_memory_gib", "max_model_len")
+        if extra:
+            raise CLIError(f"{' and '.join(extra)} size engines from a model and need --model-config CONFIG_JSON "
+                           "(without it, give --num-gpu-blocks-override)")
+    else:
+        if args.gpu_memory is not None and args.kv_memory_gib is not None:
+            raise CLIError("give --gpu-memory (x --gpu-memory-utilization) or --kv-memory-gib, not both")
+        if args.gpu_memory_utilization is not None and args.gpu_memory is None:
+            raise CLIError("--gpu-memory-utilization is a share of --gpu-memory; give --gpu-memory too")
+        if args.gpu_memory is not None and args.gpu_memory <= 0:
+            raise CLIError(f"--gpu-memory must be more than 0 bytes, got {args.gpu_memory}")
 
 
 def _engine_counts(text: str) -> list[int]:
@@ -245,7 +275,7 @@ def _engine_counts(text: str) -> list[int]:
     for part in str(text).split(","):
         part = part.strip()
         if not part:
-            continue
+            raise CLIError(f"--engines {text!r}: an empty entry; write counts like 4 or 4,8,16")
         try:
             n = int(part)
         except ValueError:
@@ -279,6 +309,7 @@ def _run(args: argparse.Namespace) -> int:
         # Everything the user can get wrong is checked before the first simulated second.
         policies = parse_policies(args.policies)
         counts = _engine_counts(args.engines)
+        check_flag_combinations(args)
         if args.json:
             check_output_path(args.json, "--json")
         if args.plot:
@@ -287,6 +318,8 @@ def _run(args: argparse.Namespace) -> int:
         if scoring is not None and "kv-aware" not in policies:
             raise CLIError("routing weights apply to the kv-aware policy, which --policies leaves out")
         ec = engine_config(args)
+        check_block_memory(max(counts) * ec.num_blocks, f"{max(counts)} engines x {ec.num_blocks:,} blocks",
+                           "use fewer engines or blocks (--num-gpu-blocks-override)")
         reqs, meta = load_workload(args)
         cfg = SimConfig(engines=counts[0], engine=ec, router_lag_s=args.router_lag, seed=args.seed,
                         wire=args.wire, router_index=args.router_index, kv_scoring=scoring)
@@ -350,12 +383,17 @@ def _run(args: argparse.Namespace) -> int:
     meta.update(engine=_engine_meta(ec), seed=args.seed, router_lag_s=args.router_lag, wire=args.wire,
                 router_index=args.router_index, reuse_ceiling=_struct_dict(ceiling),
                 kv_scoring=_scoring_meta(scoring))
-    if args.json:
-        write_json(args.json, results, meta)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_results(args.plot, results, title=_plot_title(meta, ec, counts), ceiling=ceiling.hit_rate)
-        print(f"wrote {args.plot}")
+    try:
+        if args.json:
+            write_json(args.json, results, meta)
+            print(f"wrote {args.json}")
+        if args.plot:
+            plot_results(args.plot, results, title=_plot_title(meta, ec, counts), ceiling=ceiling.hit_rate)
+            print(f"wrote {args.plot}")
+    except OSError as exc:
+        print(f"kvstream simulate: writing {exc.filename or args.json or args.plot} failed: {exc.strerror or exc} "
+              "(the table above is complete)", file=sys.stderr)
+        return 1
     return 0
 
 

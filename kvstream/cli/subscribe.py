@@ -1,6 +1,6 @@
 """``kvstream subscribe ENDPOINT...``: follow KV event publishers and print their events live.
 
-Each ENDPOINT is ``tcp://host:port`` (or ipc/inproc) with optional comma-separated options:
+Each ENDPOINT is ``tcp://host:port`` (or ``ipc:///path``) with optional comma-separated options:
 ``tcp://h:5557,replay=tcp://h:5558,name=engine-0``. One line per event on stdout
 (human-readable, or JSON lines with ``--json``), stream notices (reset, stale, live) as
 lines too, and a health line per source on stderr every ``--health-interval`` seconds and

@@ -28,12 +28,94 @@ from kvstream.proxy.tokenize import PromptTokenizer
 from kvstream.transport.config import KVEventsConfig
 from kvstream.transport.publisher import Publisher
 
-__all__ = ["EngineReady", "EngineServer", "MAX_BODY_BYTES"]
+__all__ = ["EngineReady", "EngineServer", "MAX_BODY_BYTES", "MAX_TOKEN_ID", "check_sampling",
+           "check_token_ids"]
 
 MAX_BODY_BYTES = 16 << 20
 """Largest request body accepted (bytes); larger ones get a 413 JSON error."""
 
+MAX_TOKEN_ID = (1 << 32) - 1
+"""Largest prompt token id accepted: more than any model's vocabulary; larger ids are
+refused with vLLM's 400 "Token id X is out of vocabulary" (they were a 500)."""
+
 _enc = msgspec.json.Encoder()
+
+
+def check_token_ids(prompt: list[int], vocab_size: int) -> None:
+    """Refuse a prompt with a token id at or above ``vocab_size`` as vLLM does (400,
+    "Token id X is out of vocabulary")."""
+    top = max(prompt, default=0)
+    if top >= vocab_size:
+        raise OpenAIError(400, f"Token id {top} is out of vocabulary", "prompt")
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise OpenAIError(400, f"{name} must be a finite number, got {v!r}", name)
+    return float(v)
+
+
+def _integer(body: dict[str, Any], name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise OpenAIError(400, f"{name} must be an integer, got {v!r}", name)
+    return v
+
+
+def check_sampling(body: dict[str, Any]) -> None:
+    """The sampling fields vLLM validates, with its ranges and messages (its
+    ``SamplingParams._verify_args`` and the request models' validators): a request vLLM
+    refuses with 400 is refused here too, though the emulator samples nothing."""
+    if body.get("stream_options") and not body.get("stream"):
+        raise OpenAIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+    t = _number(body, "temperature")
+    if t is not None and t < 0:
+        raise OpenAIError(400, f"temperature must be non-negative, got {t}.", "temperature")
+    p = _number(body, "top_p")
+    if p is not None and not 0 < p <= 1:
+        raise OpenAIError(400, f"top_p must be in (0, 1], got {p}.", "top_p")
+    k = _integer(body, "top_k")
+    if k is not None and k < -1:
+        raise OpenAIError(400, f"top_k must be 0 (disable), or at least 1, got {k}.", "top_k")
+    m = _number(body, "min_p")
+    if m is not None and not 0 <= m <= 1:
+        raise OpenAIError(400, f"min_p must be in [0, 1], got {m}.", "min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, name)
+        if v is not None and not -2 <= v <= 2:
+            raise OpenAIError(400, f"{name} must be in [-2, 2], got {v}.", name)
+    r = _number(body, "repetition_penalty")
+    if r is not None and r <= 0:
+        raise OpenAIError(400, f"repetition_penalty must be greater than zero, got {r}.", "repetition_penalty")
+    seed = _integer(body, "seed")
+    if seed is not None and not -(1 << 63) <= seed < (1 << 63):
+        raise OpenAIError(400, f"seed must be a 64-bit integer, got {seed}", "seed")
+    mn = _integer(body, "min_tokens")
+    if mn is not None:
+        mx = body.get("max_tokens", body.get("max_completion_tokens"))
+        if mn < 0:
+            raise OpenAIError(400, f"min_tokens must be greater than or equal to 0, got {mn}.", "min_tokens")
+        if isinstance(mx, int) and not isinstance(mx, bool) and mn > mx:
+            raise OpenAIError(400, f"min_tokens must be less than or equal to max_tokens={mx}, got {mn}.",
+                              "min_tokens")
+
+
+async def _http_error(request: Any, exc: Any) -> Any:
+    """An unknown path (404) or method (405) in vLLM's error shape, as its HTTPException
+    handler answers: ``{"error": {"message": "Not Found", "type": "Not Found", ...}}``."""
+    from http import HTTPStatus
+
+    from starlette.responses import Response
+
+    phrase = HTTPStatus(exc.status_code).phrase
+    body = {"error": {"message": str(exc.detail or phrase), "type": phrase, "param": None, "code": exc.status_code}}
+    return Response(_enc.encode(body), status_code=exc.status_code, media_type="application/json",
+                    headers=getattr(exc, "headers", None))
 
 
 @dataclass(frozen=True)
@@ -61,6 +143,10 @@ class EngineServer:
                  events: KVEventsConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # Prompt token ids must be below this (vLLM: "Token id X is out of vocabulary"). Not the
+        # tokenizer's own vocabulary: token-id prompts from a bigger model's tokenizer stay
+        # usable with a small one (the emulator never decodes prompt ids).
+        self._vocab_size = MAX_TOKEN_ID + 1
         self.engine = EmulatedEngine(config)
         self.events_config = events if events is not None and events.publisher == "zmq" else None
         self.publisher: Publisher | None = None
@@ -109,9 +195,10 @@ class EngineServer:
 
     def _build_app(self) -> Any:
         from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
         from starlette.routing import Route
 
-        return Starlette(routes=[
+        return Starlette(exception_handlers={HTTPException: _http_error}, routes=[
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
@@ -144,9 +231,15 @@ class EngineServer:
         from starlette.responses import Response
 
         cfg = self.config
+        # vLLM's ModelCard: owned_by "vllm" (clients tell vLLM backends apart by it) and one
+        # default ModelPermission.
         body = {"object": "list", "data": [{
-            "id": cfg.model, "object": "model", "created": self._created, "owned_by": "kvstream",
-            "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len}]}
+            "id": cfg.model, "object": "model", "created": self._created, "owned_by": "vllm",
+            "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len,
+            "permission": [{"id": f"modelperm-{cfg.model}", "object": "model_permission", "created": self._created,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}]}]}
         return Response(_enc.encode(body), media_type="application/json")
 
     async def _metrics(self, request: Any) -> Any:
@@ -172,7 +265,6 @@ class EngineServer:
             ("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.", eng.preemptions),
             ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", c["prompt_tokens"]),
             ("vllm:generation_tokens", "counter", "Number of generation tokens processed.", c["generation_tokens"]),
-            ("vllm:request_success", "counter", "Count of successfully processed requests.", c["finished"]),
         ]
         pub = self.publisher
         lines.append(("kvstream:kv_event_batches_published", "counter",
@@ -180,9 +272,16 @@ class EngineServer:
                       pub.next_seq if pub is not None else 0))
         out = []
         for name, kind, help_, value in lines:
-            out.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n")
-            suffix = "_total" if kind == "counter" else ""
-            out.append(f"{name}{suffix}{labels} {float(value)!r}\n")
+            # prometheus_client (vLLM's exporter) names a counter's family with its _total suffix.
+            full = f"{name}_total" if kind == "counter" else name
+            out.append(f"# HELP {full} {help_}\n# TYPE {full} {kind}\n")
+            out.append(f"{full}{labels} {float(value)!r}\n")
+        # vLLM (v1 metrics): one series per finish reason, each present from the start. The
+        # emulator never stops early, so every finished request ends on "length".
+        out.append("# HELP vllm:request_success_total Count of successfully processed requests.\n"
+                   "# TYPE vllm:request_success_total counter\n")
+        for reason, n in (("stop", 0), ("length", c["finished"]), ("abort", c["aborted"])):
+            out.append(f'vllm:request_success_total{labels[:-1]},finished_reason="{reason}"}} {float(n)!r}\n')
         return "".join(out).encode()
 
     async def _completions(self, request: Any) -> Any:
@@ -198,6 +297,8 @@ class EngineServer:
             body = parse_json_body(await read_body(request, MAX_BODY_BYTES), MAX_BODY_BYTES)
             model = requested_model(body, self.config.model)
             prompt = prompt_token_ids(body, kind, self.tokenizer)
+            check_token_ids(prompt, self._vocab_size)
+            check_sampling(body)
             if body.get("n", 1) != 1:
                 raise OpenAIError(400, "the emulated engine generates one choice per request (n must be 1)", "n")
             max_tokens = body.get("max_tokens")
@@ -210,7 +311,9 @@ class EngineServer:
         if body.get("stream"):
             opts = body.get("stream_options") or {}
             usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-            return StreamingResponse(self._stream(gen, kind, model, usage, want_ids, prompt),
+            # vLLM: usage on every chunk only with include_usage and continuous_usage_stats both set.
+            continuous = usage and bool(opts.get("continuous_usage_stats"))
+            return StreamingResponse(self._stream(gen, kind, model, usage, want_ids, prompt, continuous),
                                      media_type="text/event-stream")
         try:
             while not gen.finished:
@@ -242,7 +345,7 @@ class EngineServer:
                 "prompt_tokens_details": {"cached_tokens": gen.cached_tokens or 0}}
 
     async def _stream(self, gen: Generation, kind: str, model: str, include_usage: bool, want_ids: bool,
-                      prompt: list[int]) -> AsyncIterator[bytes]:
+                      prompt: list[int], continuous_usage: bool = False) -> AsyncIterator[bytes]:
         created = int(time.time())
         chat = kind == "chat"
         rid = f"chatcmpl-{gen.request_id}" if chat else f"cmpl-{gen.request_id}"
@@ -251,6 +354,11 @@ class EngineServer:
         def chunk(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> bytes:
             body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
                                     "choices": [] if choice is None else [choice]}
+            if usage is None and continuous_usage and choice is not None:
+                # stream_options.continuous_usage_stats: the counts so far on every chunk, as vLLM sends them.
+                n_out = sent if "delta" not in choice or choice["delta"].get("role") is None else 0
+                usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": n_out,
+                         "total_tokens": gen.prompt_tokens + n_out}
             if usage is not None:
                 body["usage"] = usage
             return b"data: " + _enc.encode(body) + b"\n\n"

@@ -8,6 +8,7 @@ recorder) calls :meth:`LogWriter.poll` now and then so an idle log still gets fl
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import time
@@ -200,7 +201,7 @@ class LogWriter:
         self._file = open(p, "wb", buffering=0)
         head = encode_header(flags=self.flags, segment_index=index, log_id=self._log_id,
                              created_ns=time.time_ns(), metadata=self.metadata)
-        self._file.write(head)
+        self._write_all(head)
         if self._fsync:
             os.fsync(self._file.fileno())
         self._seg_bytes = len(head)
@@ -390,7 +391,7 @@ class LogWriter:
                 # Readers refuse chunks that declare more than MAX_CHUNK_BYTES (zstd bombs),
                 # so a bigger flush goes out as plain records, which every reader accepts.
                 data = self._buf
-            self._file.write(data)
+            self._write_all(data)
             if self._fsync:
                 os.fsync(self._file.fileno())
             self._seg_bytes += len(data)
@@ -407,6 +408,31 @@ class LogWriter:
         elif (self._rotate_seconds is not None and self._seg_records
               and self._last_flush - self._seg_start >= self._rotate_seconds):
             self._rotate()
+
+    def _write_all(self, data: bytes | bytearray) -> None:
+        """Write ``data`` whole at the end of the segment, or not at all: an unbuffered write
+        can stop short (disk full, file size limit); the rest is written in a loop, and on
+        an error the segment is cut back to where this write began (a record boundary), so
+        records written later still follow a complete record. The buffer is kept, so a
+        later flush or :meth:`close` tries again; the error propagates."""
+        f = self._file
+        start = f.tell()
+        done, total = 0, len(data)
+        try:
+            while done < total:
+                # A slice (a copy) only after a short write; no memoryview stays exported
+                # over the buffer, which keeps growing if this write fails.
+                n = f.write(data if done == 0 else data[done:])
+                if not n:  # None (would block) or 0: not expected for a regular file
+                    raise OSError(errno.EIO, "the file accepted no bytes")
+                done += n
+        except OSError:
+            try:
+                f.truncate(start)
+                f.seek(start)
+            except OSError:
+                pass
+            raise
 
     def close(self) -> None:
         """Flush everything and close the file (idempotent)."""

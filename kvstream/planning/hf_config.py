@@ -61,6 +61,8 @@ def _cdiv(a: int, b: int) -> int:
 def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The language-model part of ``config``: multimodal configs (Gemma-3, Llama-4) nest it
     under ``text_config``; its fields win over the top level's."""
+    if not isinstance(config, Mapping):
+        raise HFConfigError(f"a model config must be a JSON object (config.json), got {type(config).__name__}")
     out = dict(config)
     nested = config.get("text_config")
     if isinstance(nested, Mapping):
