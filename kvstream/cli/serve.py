@@ -153,9 +153,8 @@ def run(args: argparse.Namespace) -> int:
     import anyio
 
     with contextlib.closing(sock):
-        anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, proxy_opts, backend="asyncio",
-                  backend_options=_loop_options())
-    return 0
+        return anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, proxy_opts,
+                         backend="asyncio", backend_options=_loop_options())
 
 
 def _proxy_options(args: argparse.Namespace, cfg: Any) -> dict[str, Any] | None | str:
@@ -229,9 +228,8 @@ def _supervise(cfg: Any, tok: Any, holder: socket.socket, flags: dict[str, Any],
                 import anyio
 
                 with contextlib.closing(sock), contextlib.closing(sib):
-                    anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, proxy_opts, sib, backend="asyncio",
-                              backend_options=_loop_options())
-                code = 0
+                    code = anyio.run(_serve, cfg, tok, sock, flags, cli_engines, ready_w, proxy_opts, sib,
+                                     backend="asyncio", backend_options=_loop_options())
             except BaseException:  # noqa: BLE001 - reported, then the worker exits
                 log.exception("worker %d failed", os.getpid())
             finally:
@@ -278,7 +276,9 @@ def _no_signal_capture() -> Iterator[None]:
 
 
 async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any], cli_engines: list[str],
-                 ready_fd: int | None, proxy_opts: dict[str, Any] | None = None, sibling: Any = None) -> None:
+                 ready_fd: int | None, proxy_opts: dict[str, Any] | None = None, sibling: Any = None) -> int:
+    """Serve until told to stop: 0, or 1 if the event stream runtime failed (the service
+    then stops rather than answer from an index that no longer follows the engines)."""
     import anyio
     import uvicorn
 
@@ -293,9 +293,12 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         proxy = KVProxy.for_service(core, **proxy_opts)
         core.engine_view_extras.append(proxy.engine_view)
         core.metrics_extras.append(proxy.metrics_text)
+    from kvstream.service.guard import guarded_protocol
+
     hot = create_app(core, extra_routes=proxy.openai_routes() if proxy is not None else ())
     app: Any = hot
-    http: Any = "auto"
+    # uvicorn's protocol with bounded heads and pipelining and JSON errors (service/guard.py)
+    http: Any = guarded_protocol(on_reject=lambda status, code: core.metrics.rejected(None, status, code))
     if proxy is not None:
         app = proxy.asgi(hot)  # its POST routes in raw ASGI, in front of the service's app
     else:
@@ -303,16 +306,25 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         # (kvstream/service/fastpath.py).
         from kvstream.service.fastpath import fast_protocol
 
-        http = fast_protocol(hot.answer, [p.encode() for p in hot.hot], hot.limit)
+        http = fast_protocol(hot.answer, [p.encode() for p in hot.hot], hot.limit, fallback=http)
     # proxy_headers off: no handler reads the client address, and the middleware costs per call.
     ucfg = uvicorn.Config(app, http=http, log_config=None, access_log=False, lifespan="on", server_header=False,
                           date_header=False, proxy_headers=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(ucfg)
     server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
+
+    def stop_on_failure(why: str) -> None:
+        server.should_exit = True
+
+    core.on_failure.append(stop_on_failure)
     async with contextlib.AsyncExitStack() as stack:
         if proxy is not None:
             await stack.enter_async_context(proxy)  # closes its upstream connections at the end
         await _run_server(server, sock, core, flags, cli_engines, ready_fd, sibling)
+    if core.failure is not None:
+        log.critical("stopped: %s", core.failure)
+        return 1
+    return 0
 
 
 async def _run_server(server: Any, sock: socket.socket, core: Any, flags: dict[str, Any], cli_engines: list[str],

@@ -51,6 +51,9 @@ POLICIES = ("kv-aware", "round-robin")
 """Routing policies: by cached prefix and load, or the round-robin baseline."""
 
 MAX_BODY_BYTES = 16 << 20
+"""Largest request body the standalone proxy takes (bytes; ``serve --proxy``: ``--max-body-bytes``)."""
+MAX_ANSWER_BYTES = 64 << 20
+"""Largest non-streamed engine answer the proxy holds to pass on (bytes; a 502 beyond)."""
 _MAX_EVENT_BYTES = 1 << 20  # the most one SSE event may buffer before it is passed on as is
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
@@ -93,13 +96,14 @@ class KVProxy:
         max_attempts: engines tried per request on connection failures.
         backoff_s: first mark-down of a failed engine (seconds; doubles per failure).
         connect_timeout_s: seconds to open a connection to an engine.
+        max_body_bytes: largest request body (bytes; 413 beyond).
     """
 
     def __init__(self, upstreams: Sequence[Upstream], *, tokenizer: PromptTokenizer | None = None,
                  block_size: int = 16, policy: str = "kv-aware", speculate_s: float | None = None,
                  max_attempts: int = 3, backoff_s: float = 1.0, connect_timeout_s: float = 2.0,
                  subscriber_options: dict[str, Any] | None = None,
-                 backend: RoutingBackend | None = None) -> None:
+                 backend: RoutingBackend | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.core = ProxyCore(upstreams, backoff_s=backoff_s, max_attempts=max_attempts)
@@ -119,6 +123,7 @@ class KVProxy:
             backend = RouterBackend(router, {u.name: u.base_url for u in upstreams}, scoring)
         self.backend = backend
         self._connect_timeout_s = connect_timeout_s
+        self.max_body_bytes = max_body_bytes
         self._pools: dict[str, tuple[str, UpstreamPool, str]] = {}
         self._metrics = _Metrics()
         self.app = self._build_app()
@@ -131,10 +136,12 @@ class KVProxy:
         index, weights and load board) and forward to its engines' ``http=`` URLs. The
         service runs the subscriber; mount :meth:`openai_routes` in its app, add
         :meth:`engine_view` to its ``/v1/engines`` and :meth:`metrics_text` to its
-        ``/metrics``, and hold ``async with proxy`` while serving (it closes the pools)."""
+        ``/metrics``, and hold ``async with proxy`` while serving (it closes the pools).
+        Request bodies are bounded by the service's ``--max-body-bytes``."""
         proxy = cls([], tokenizer=tokenizer, block_size=core.config.router_block_size, policy=policy,
                     speculate_s=core.config.speculate_ttl if speculate else None, max_attempts=max_attempts,
-                    backoff_s=backoff_s, connect_timeout_s=connect_timeout_s, backend=ServiceBackend(core))
+                    backoff_s=backoff_s, connect_timeout_s=connect_timeout_s, backend=ServiceBackend(core),
+                    max_body_bytes=core.config.max_body_bytes)
         return proxy
 
     async def __aenter__(self) -> "KVProxy":
@@ -293,10 +300,10 @@ class KVProxy:
         """Answer one OpenAI POST in raw ASGI: the engine's status and headers go out as soon
         as they arrive, then its body (streamed event by event, or whole)."""
         try:
-            raw = await _asgi_body(scope, receive, MAX_BODY_BYTES)
+            raw = await _asgi_body(scope, receive, self.max_body_bytes)
             if raw is None:
                 return  # the client went away
-            body = parse_json_body(raw, MAX_BODY_BYTES)
+            body = parse_json_body(raw, self.max_body_bytes)
             candidates, predicted = self._route(body, kind)
         except OpenAIError as exc:
             await _send_json(send, exc.status, exc.body())
@@ -315,6 +322,16 @@ class KVProxy:
                 if v:
                     headers.append((b"authorization", v))
                 break
+        # The client may go away at any point (while the engine thinks, or mid-stream):
+        # then everything below is cancelled, the engine's connection closed (vLLM aborts
+        # the request) and its in-flight count goes back down.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+            await self._forward(send, path, candidates, predicted, payload, headers, stream, strip_usage)
+            tg.cancel_scope.cancel()
+
+    async def _forward(self, send: Any, path: str, candidates: list[str], predicted: dict[str, int], payload: bytes,
+                       headers: list[tuple[bytes, bytes]], stream: bool, strip_usage: bool) -> None:
         errors: list[str] = []
         for attempt, name in enumerate(candidates):
             pool, prefix = self._pool(name)
@@ -338,56 +355,50 @@ class KVProxy:
             self._metrics.requests.setdefault((name, resp.status_code), 0)
             self._metrics.requests[(name, resp.status_code)] += 1
             if not stream or resp.status_code != 200:
+                failed: UpstreamError | None = None
                 try:
-                    content = await resp.read()
+                    content = await resp.read(MAX_ANSWER_BYTES)
                 except UpstreamError as exc:
-                    self._failed(name, exc)
-                    self._finished(name)
+                    failed = exc
+                finally:
+                    self._finished(name)  # first: the close below may be cancelled part way
                     await resp.aclose()
-                    await _send_json(send, 502, error_body(502, f"engine {name} dropped the connection while answering"),
+                if failed is not None:
+                    self._failed(name, failed)
+                    await _send_json(send, 502, error_body(502, f"engine {name} failed while answering: {failed}"),
                                      [(_ENGINE_HEADER_B, engine)])
                     return
-                await resp.aclose()
-                self._finished(name)
                 realized = None
                 if resp.status_code == 200:
                     try:
                         realized = _cached_tokens(_dec.decode(content).get("usage"))
-                    except (msgspec.DecodeError, AttributeError):
-                        realized = None
+                    except (msgspec.DecodeError, AttributeError, RecursionError):
+                        realized = None  # not JSON we can read: passed on as it is
                 self._answered(name, predicted.get(name), realized)
                 out_headers.append((b"content-length", str(len(content)).encode()))
                 await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
                 await send({"type": "http.response.body", "body": content})
                 return
-            await self._stream(send, receive, resp.status_code, out_headers,
+            await self._stream(send, resp.status_code, out_headers,
                                self._pass_through(name, resp, predicted.get(name), strip_usage))
             return
         self.core.unroutable += 1
         await _send_json(send, 503, error_body(503, "no engine could take the request (" + "; ".join(errors) + ")"))
 
     @staticmethod
-    async def _stream(send: Any, receive: Any, status: int, headers: list[tuple[bytes, bytes]],
+    async def _stream(send: Any, status: int, headers: list[tuple[bytes, bytes]],
                       chunks: AsyncGenerator[bytes, None]) -> None:
-        """Send ``chunks`` as one chunked response; a client that disconnects cancels it
-        (and so closes the engine's stream)."""
-        async with anyio.create_task_group() as tg:
-            async def watch() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            try:
-                await send({"type": "http.response.start", "status": status, "headers": headers})
-                async for chunk in chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except OSError:
-                pass  # the client is gone
-            finally:
-                await chunks.aclose()
-            tg.cancel_scope.cancel()
+        """Send ``chunks`` as one chunked response (a client that disconnects cancels the
+        caller's scope, and so closes the engine's stream)."""
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client is gone
+        finally:
+            await chunks.aclose()
 
     def _answered(self, name: str, predicted: int | None, realized: int | None) -> None:
         self.core.answered(name, predicted, realized)
@@ -410,8 +421,8 @@ class KVProxy:
                     if b'"usage"' in event and event.startswith(b"data: {"):
                         try:
                             obj = _dec.decode(event[6:].strip())
-                        except msgspec.DecodeError:
-                            obj = None
+                        except (msgspec.DecodeError, RecursionError):
+                            obj = None  # not JSON we can read: passed on as it is
                         if isinstance(obj, dict):
                             r = _cached_tokens(obj.get("usage"))
                             if r is not None:
@@ -428,10 +439,14 @@ class KVProxy:
                 yield buf
         except UpstreamError as exc:
             self._failed(name, exc)
+            # The engine's stream was cut: say so in the stream (vLLM's error event shape,
+            # which OpenAI clients raise on) rather than end it as if it were complete. An
+            # unfinished event is dropped.
+            yield b"data: " + _enc.encode(error_body(502, f"engine {name} dropped the stream: {exc}")) + b"\n\n"
             return
         finally:
+            self._finished(name)  # first: the close below may be cancelled part way
             await resp.aclose()
-            self._finished(name)
         self._answered(name, predicted, realized)
 
 
@@ -496,6 +511,13 @@ async def _asgi_body(scope: Any, receive: Any, limit: int) -> bytes | None:
         parts.append(chunk)
         if not msg.get("more_body", False):
             return b"".join(parts)
+
+
+async def _cancel_on_disconnect(receive: Any, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` once the client disconnects (the request body is already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 async def _send_json(send: Any, status: int, body: Any, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:

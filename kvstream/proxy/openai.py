@@ -61,6 +61,8 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 _decoder = msgspec.json.Decoder()
+_TEMPLATE_ARGS = frozenset({"messages", "conversation", "special_tokens"})
+"""Names the chat template call takes itself (``chat_template_kwargs`` cannot set them)."""
 
 
 async def read_body(request: Any, max_bytes: int) -> bytes:
@@ -85,6 +87,8 @@ def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"JSON decode error: {exc}") from None
+    except RecursionError:  # msgspec's nesting limit (about 1,000 levels)
+        raise OpenAIError(400, "JSON decode error: the body nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -131,13 +135,20 @@ def prompt_token_ids(body: Mapping[str, Any], kind: str, tokenizer: PromptTokeni
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise OpenAIError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
-        add_gen = bool(body.get("add_generation_prompt", True))
+        taken = sorted(k for k in kwargs if k in _TEMPLATE_ARGS)
+        if taken:  # vLLM's template call refuses these too (a TypeError, answered 400)
+            raise OpenAIError(400, f"'chat_template_kwargs' may not set {', '.join(map(repr, taken))}",
+                              "chat_template_kwargs")
+        add_gen: Any = bool(body.get("add_generation_prompt", True))
         cont = bool(body.get("continue_final_message", False))
         if cont:
             add_gen = False
-        tools = body.get("tools")
+        # As vLLM merges them: the request's fields first, chat_template_kwargs over them.
+        merged: dict[str, Any] = {"add_generation_prompt": add_gen, "tools": body.get("tools")}
+        merged.update(kwargs)
+        cont = bool(merged.pop("continue_final_message", cont))
         try:
-            text = tokenizer.apply_chat_template(norm, add_generation_prompt=add_gen, tools=tools, **kwargs)
+            text = tokenizer.apply_chat_template(norm, **merged)
         except ChatTemplateError as exc:
             raise OpenAIError(400, str(exc), "messages") from None
         if cont:

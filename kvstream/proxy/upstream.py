@@ -81,9 +81,18 @@ class UpstreamResponse:
                 self._done = True
                 return
 
-    async def read(self) -> bytes:
-        """The whole body."""
-        return b"".join([c async for c in self.aiter_bytes()])
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; :class:`UpstreamError` once it passes ``limit`` bytes (None: no
+        limit), so an engine's endless answer is never held whole."""
+        parts = []
+        size = 0
+        async for chunk in self.aiter_bytes():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise UpstreamError(f"the answer of {self._pool.host}:{self._pool.port} is over {limit} bytes",
+                                    before_response=False)
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def aclose(self) -> None:
         """Return the connection to the pool if the exchange completed, else close it."""

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
@@ -80,6 +80,8 @@ def _post(core: ServiceCore, handler: Callable[[bytes], bytes], api: str | None,
             return Response(handler(body), media_type=JSON)
         except ApiError as exc:
             return _error(core, exc, api)
+        except ClientDisconnect:  # gone mid-body: nobody to answer, nothing went wrong here
+            return Response(b"", 400)
 
     endpoint.__name__ = getattr(handler, "__name__", "endpoint")
     return endpoint
@@ -98,7 +100,8 @@ def routes(core: ServiceCore) -> list[BaseRoute]:
         return Response(core.engines_view(), media_type=JSON)
 
     async def healthz(request: Request) -> Response:
-        return Response(b'{"alive":true}', media_type=JSON)
+        status, body = core.healthz()
+        return Response(body, status, media_type=JSON)
 
     async def readyz(request: Request) -> Response:
         status, body = core.readyz()
@@ -242,10 +245,16 @@ def create_app(core: ServiceCore, *, runtime: bool = True, extra_routes: Sequenc
             yield
             return
         t0 = time.monotonic()
-        async with ServiceRuntime(core, **subscriber_options):
-            log.info("following %d engine(s)", len(core.engines),
-                     extra={"engines": sorted(core.engines), "startup_s": round(time.monotonic() - t0, 3)})
-            yield
+        try:
+            async with ServiceRuntime(core, **subscriber_options):
+                log.info("following %d engine(s)", len(core.engines),
+                         extra={"engines": sorted(core.engines), "startup_s": round(time.monotonic() - t0, 3)})
+                yield
+        except Exception as exc:  # noqa: BLE001 - a task of the runtime failed: nothing follows the engines now
+            log.critical("the event stream runtime stopped on an error; the index no longer follows the engines",
+                         exc_info=exc)
+            core.fail(f"the event stream runtime stopped: {type(exc).__name__}: {exc}"[:500])
+            raise
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -114,6 +114,12 @@ class ServiceCore:
         """Seam for layers on top (the proxy mode): more Prometheus text for ``/metrics``."""
         self.mooncake: Any = None
         """The :class:`~kvstream.service.mooncake.MooncakeAPI` over this core, once routes exist."""
+        self.failure: str | None = None
+        """Why the event stream runtime stopped (None while it runs): ``/healthz`` then
+        answers 503, and ``kvstream serve`` exits 1 rather than answer from a frozen index."""
+        self.on_failure: list[Callable[[str], None]] = []
+        """Called with :attr:`failure` when the runtime stops on an error (``kvstream serve``
+        stops the server)."""
         self.items_applied = 0
         self.items_skipped = 0
         """Batches not applied because a loaded replica dump already held them."""
@@ -155,13 +161,14 @@ class ServiceCore:
             try:
                 self._sub.add_source(spec)
             except ValueError as exc:  # the subscriber could not connect (bad endpoint)
-                raise ApiError(422, "bad_endpoint", str(exc), "$.endpoint") from None
+                where = "$.replay_endpoint" if "replay endpoint" in str(exc) else "$.endpoint"
+                raise ApiError(422, "bad_endpoint", str(exc), where) from None
         self.engines[name] = e
-        if name in self._leaving:
-            pass  # its old items still drain into the old index; routing switches at the reset
-        else:
+        if name not in self._leaving:
             self._route_of[name] = ix
-        ix.add_source(name)
+            ix.add_source(name)
+        # else: its previous incarnation's items still drain into the old index; the
+        # removal's reset (see apply) switches it to ``ix``
         return e
 
     def remove_engine(self, name: str) -> Engine:
@@ -173,7 +180,11 @@ class ServiceCore:
         self.loads.forget(name)
         self.applied.pop(name, None)
         if self._sub is not None:
-            self._leaving[name] = self._route_of.pop(name)
+            ix = self._route_of.pop(name, None)
+            if ix is not None:
+                self._leaving[name] = ix
+            # else: removed again before its previous removal drained: that removal's reset
+            # finds it gone, and its items are dropped
             self._sub.remove_source(name)
         else:
             self._route_of.pop(name).remove_source(name)
@@ -322,6 +333,19 @@ class ServiceCore:
         health = self._health()
         return any(self.state_of(n, health.get(n)) == "live" for n in self.engines)
 
+    def fail(self, why: str) -> None:
+        """The runtime stopped on an error: record it and call :attr:`on_failure`."""
+        self.failure = why
+        for hook in list(self.on_failure):
+            hook(why)
+
+    def healthz(self) -> tuple[int, bytes]:
+        """``GET /healthz``: 200 while the service follows its engines; 503 (with the
+        reason) once its event stream runtime failed."""
+        if self.failure is None:
+            return 200, b'{"alive":true}'
+        return 503, ENCODER.encode({"alive": False, "error": self.failure})
+
     def readyz(self) -> tuple[int, bytes]:
         """``GET /readyz``: 200 when at least one engine is live, else 503."""
         health = self._health()
@@ -375,7 +399,7 @@ class ServiceCore:
                                f"$.loads.{name}")
             try:
                 li = _LOAD.decode(ld)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
                 err = from_msgspec(exc)
                 where = f"$.loads.{name}" + (err.where or "$")[1:]
                 raise ApiError(422, "bad_field", err.message.replace(f"(at {err.where})", f"(at {where})"),
@@ -394,7 +418,7 @@ class ServiceCore:
         else:
             try:
                 req = _ROUTE.decode(body)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
                 raise from_msgspec(exc) from None
             ids = req.token_ids
         tokens = self.tokens_of(ids, req.prompt)

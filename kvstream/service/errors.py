@@ -43,8 +43,11 @@ _AT = re.compile(r" - at `(\$[^`]*)`$")
 
 def from_msgspec(exc: Exception) -> ApiError:
     """The :class:`ApiError` for a msgspec decode failure of a request body: 400
-    ``bad_json`` for text that is not JSON, 422 ``bad_field`` for JSON of the wrong shape
-    (with the JSON path msgspec names)."""
+    ``bad_json`` for text that is not JSON (or nested deeper than msgspec decodes, a
+    ``RecursionError``), 422 ``bad_field`` for JSON of the wrong shape (with the JSON path
+    msgspec names)."""
+    if isinstance(exc, RecursionError):  # msgspec's nesting limit: not an internal error
+        return ApiError(400, "bad_json", "the body nests arrays or objects too deeply", None)
     msg = str(exc)
     if isinstance(exc, msgspec.ValidationError):
         m = _AT.search(msg)

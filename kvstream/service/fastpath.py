@@ -26,7 +26,8 @@ from typing import Any, Callable, Container, Iterable
 __all__ = ["HANDOFF", "MAX_HEAD_BYTES", "frame_request", "fast_protocol", "FastPathProtocol"]
 
 MAX_HEAD_BYTES = 16 * 1024
-"""Request line and headers larger than this go to uvicorn (which refuses them)."""
+"""Request line and headers larger than this go to uvicorn (whose guarded protocol,
+:mod:`kvstream.service.guard`, refuses heads over its own bound)."""
 
 HANDOFF: Any = object()
 """What :func:`frame_request` returns for a request the fast path does not take."""
@@ -42,7 +43,9 @@ def frame_request(buf: bytes | bytearray, hot: Container[bytes],
     bytes; None if more bytes are needed to tell; :data:`HANDOFF` for anything else."""
     end = buf.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES)
     if end < 0:
-        return HANDOFF if len(buf) >= MAX_HEAD_BYTES else None
+        if len(buf) >= MAX_HEAD_BYTES or buf.find(b"\n\n", 0, MAX_HEAD_BYTES) >= 0:
+            return HANDOFF  # too long, or a head ended by bare LFs: not ours to wait on
+        return None
     head = bytes(buf[:end])
     crlf = head.count(b"\r\n")
     if head.count(b"\n") != crlf or head.count(b"\r") != crlf:
@@ -198,10 +201,10 @@ def fast_protocol(answer: Callable[[bytes, bytes], tuple[int, bytes]], hot: Iter
     """A :class:`FastPathProtocol` class for ``uvicorn.Config(http=...)``: ``answer(path,
     body) -> (status, body)`` for the paths in ``hot`` (bytes), bodies up to ``limit``
     bytes; ``fallback``: uvicorn's protocol class for everything else (default: uvicorn's
-    choice, httptools when installed)."""
+    choice, httptools when installed, bounded by :func:`kvstream.service.guard.guarded_protocol`)."""
     if fallback is None:
-        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+        from kvstream.service.guard import guarded_protocol
 
-        fallback = AutoHTTPProtocol
+        fallback = guarded_protocol()
     return type("BoundFastPathProtocol", (FastPathProtocol,),
                 {"answer": staticmethod(answer), "hot": frozenset(hot), "limit": limit, "fallback": fallback})

@@ -58,9 +58,23 @@ Opt = Annotated[str, Meta(max_length=256)]
 BlockSize = Annotated[int, Meta(ge=1, le=1 << 20)]
 Rank = Annotated[int, Meta(ge=0, le=1 << 16)]
 U64 = Annotated[int, Meta(ge=0)]  # the upper bound is checked by hand (msgspec bounds are int64)
+LoraId = Annotated[int, Meta(ge=0, le=1 << 31)]  # vLLM 0.11's adapter int id, as /v1/route takes it
+Tenant = Annotated[str, Meta(max_length=256)] | None  # null (or omitted) is the RFC's default tenant
 
 
-class RegisterRequest(Struct):
+class _DefaultTenant(Struct):
+    """``tenant_id``: "No. Defaults to ``default``" (RFC #1403); a client that serializes an
+    unset optional field as ``null`` means the default too."""
+
+    tenant: Tenant = msgspec.field(default="default", name="tenant_id")
+
+    @property
+    def tenant_id(self) -> str:
+        """The tenant (``default`` when omitted or null)."""
+        return "default" if self.tenant is None else self.tenant
+
+
+class RegisterRequest(_DefaultTenant, kw_only=True):
     """``POST /register`` (RFC #1403 field names)."""
 
     endpoint: Name
@@ -71,16 +85,14 @@ class RegisterRequest(Struct):
     dp_rank: Rank
     replay_endpoint: Opt | None = None
     lora_name: Opt | None = None
-    tenant_id: Opt = "default"
     additionalsalt: Opt | None = None
 
 
-class UnregisterRequest(Struct):
+class UnregisterRequest(_DefaultTenant, kw_only=True):
     """``POST /unregister``: removes ``(instance_id, tenant_id, dp_rank)`` (every rank when
     ``dp_rank`` is omitted)."""
 
     instance_id: Name
-    tenant_id: Opt = "default"
     dp_rank: Rank | None = None
     type: Opt | None = None
     modelname: Opt | None = None
@@ -88,20 +100,19 @@ class UnregisterRequest(Struct):
     block_size: BlockSize | None = None
 
 
-class QueryRequest(Struct):
+class QueryRequest(_DefaultTenant, kw_only=True):
     """``POST /query``."""
 
     model: Name
     token_ids: list[int]  # uint32 each, checked by ServiceCore.tokens_of
     block_size: BlockSize
     lora_name: Opt | None = None
-    lora_id: int | None = None
-    tenant_id: Opt = "default"
+    lora_id: LoraId | None = None
     instance_id: Opt | None = None
     cache_salt: Opt | None = None
 
 
-class QueryByHashRequest(Struct):
+class QueryByHashRequest(_DefaultTenant, kw_only=True):
     """``POST /query_by_hash`` (``block_hash`` is the earlier drafts' name of ``seq_hashes``)."""
 
     model: Name
@@ -109,8 +120,7 @@ class QueryByHashRequest(Struct):
     seq_hashes: list[U64] | None = None
     block_hash: list[U64] | None = None
     lora_name: Opt | None = None
-    lora_id: int | None = None
-    tenant_id: Opt = "default"
+    lora_id: LoraId | None = None
     instance_id: Opt | None = None
     cache_salt: Opt | None = None
 
@@ -125,7 +135,7 @@ _ENC = msgspec.json.Encoder()
 def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
     try:
         return dec.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
         raise from_msgspec(exc) from None
 
 

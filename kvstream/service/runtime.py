@@ -154,16 +154,11 @@ class ServiceRuntime:
     async def _scrape_one(self, client: Any, name: str, url: str, timeout: float) -> None:
         core = self.core
         try:
-            r = None
+            text = None
             with anyio.move_on_after(timeout):
-                r = await client.get(url + "/metrics")
-            if r is None:
+                text = await _fetch_metrics(client, url + "/metrics")
+            if text is None:
                 raise TimeoutError(f"no answer from {url}/metrics within {timeout:g}s")
-            if r.status_code != 200:
-                raise ValueError(f"HTTP {r.status_code} from {url}/metrics")
-            if len(r.content) > _SCRAPE_MAX_BYTES:
-                raise ValueError(f"{url}/metrics sent {len(r.content)} bytes (limit {_SCRAPE_MAX_BYTES})")
-            text = r.text
             at = core.clock()
             scrape = await anyio.to_thread.run_sync(parse_vllm_metrics, text, at)
         except Exception as exc:  # noqa: BLE001 - any failure is a failed scrape, reported
@@ -175,3 +170,19 @@ class ServiceRuntime:
         if name in core.engines:
             core.loads.scraped(name, scrape)
             core.metrics.scraped(name, True)
+
+
+async def _fetch_metrics(client: Any, url: str) -> str:
+    """The exposition text at ``url``, read as it arrives and refused past
+    ``_SCRAPE_MAX_BYTES`` (an endless answer is never held whole)."""
+    async with client.stream("GET", url) as r:
+        if r.status_code != 200:
+            raise ValueError(f"HTTP {r.status_code} from {url}")
+        parts = []
+        size = 0
+        async for chunk in r.aiter_bytes():
+            size += len(chunk)
+            if size > _SCRAPE_MAX_BYTES:
+                raise ValueError(f"{url} sent over {_SCRAPE_MAX_BYTES} bytes")
+            parts.append(chunk)
+        return b"".join(parts).decode(r.encoding or "utf-8", errors="replace")

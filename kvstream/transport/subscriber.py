@@ -460,6 +460,18 @@ class Subscriber:
             sub.close(0)
             raise EndpointError(f"cannot {'bind' if spec.bind else 'connect to'} {spec.endpoint!r}: {exc}; write it as "
                                 "tcp://HOST:PORT (port 1-65535), ipc://PATH or inproc://NAME") from None
+        if spec.replay_endpoint is not None:
+            # The replay socket connects lazily (in the replay task, where a ZMQError would
+            # end every source): refuse an endpoint it could never connect to here.
+            probe = self._ctx.socket(zmq.DEALER)
+            try:
+                probe.connect(spec.replay_endpoint)
+            except zmq.ZMQError as exc:
+                sub.close(0)
+                raise EndpointError(f"cannot connect to replay endpoint {spec.replay_endpoint!r}: {exc}; write it "
+                                    "as tcp://HOST:PORT (port 1-65535), ipc://PATH or inproc://NAME") from None
+            finally:
+                probe.close(0)
         src.sub = sub
         if spec.replay_endpoint is not None:
             # Reconnects of the live socket: the publisher may have restarted (see
@@ -481,6 +493,8 @@ class Subscriber:
         src.sub = src.dealer = None
 
     async def _run_source(self, src: _Source) -> None:
+        if src.sub is None:
+            return  # removed (its sockets closed) before this task first ran
         try:
             with anyio.CancelScope() as scope:
                 src.scope = scope

@@ -111,3 +111,24 @@ def test_bad_tokenizer_paths_and_templates_are_clear_errors(tmp_path: Path) -> N
         load_tokenizer(bad)
     with pytest.raises(ChatTemplateError, match="does not compile"):
         render_chat_template("{% for %}", [])
+
+
+def test_chat_template_kwargs_override_the_request_fields_as_vllm_merges_them(tmp_path: Path) -> None:
+    # vLLM (serving_chat, LLM.chat): dict(add_generation_prompt=..., tools=...) then
+    # .update(chat_template_kwargs). Before: a TypeError (multiple values), a 500.
+    tok = HFTokenizer(_model_dir(tmp_path, "qwenish", CHATML, bos=False))
+    msgs = [{"role": "user", "content": "hello there"}]
+    plain = prompt_token_ids({"messages": msgs, "add_generation_prompt": False}, "chat", tok)
+    assert prompt_token_ids({"messages": msgs, "chat_template_kwargs": {"add_generation_prompt": False}},
+                            "chat", tok) == plain
+    assert prompt_token_ids({"messages": msgs, "chat_template_kwargs": {"tools": None}}, "chat", tok)[-1] == \
+        ids("assistant")[0]
+
+
+@pytest.mark.parametrize("key", ["messages", "special_tokens"])
+def test_chat_template_kwargs_cannot_set_the_template_calls_own_arguments(tmp_path: Path, key: str) -> None:
+    tok = HFTokenizer(_model_dir(tmp_path, "qwenish", CHATML, bos=False))
+    with pytest.raises(OpenAIError) as err:
+        prompt_token_ids({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {key: 1}},
+                         "chat", tok)
+    assert err.value.status == 400 and key in err.value.message

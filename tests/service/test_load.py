@@ -83,3 +83,27 @@ def test_a_hanging_metrics_endpoint_is_shown_stale_and_never_stalls_routing(engi
         assert srv.engines()["e0"]["state"] == "live"
     finally:
         hang.close()
+
+
+def test_an_engine_metrics_page_without_end_is_refused_not_held(engines) -> None:
+    # Before: the scrape read the whole answer, then compared its size with the limit
+    # (1 GiB held for an engine whose Content-Length said 1 GiB).
+    from pathlib import Path
+
+    from tests.proxy.test_proxy_faults import BadEngine, _dead_port
+    from tests.service.conftest import ServeProc, wait_for
+
+    eng = BadEngine()
+    eng.mode = "endless"
+    try:
+        srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()},http={eng.url}", "--load-interval", "5")
+        try:
+            load = wait_for(lambda: srv.engines()["e0"]["load"]["error"], "the scrape to fail")
+            assert "over 8388608 bytes" in load, load
+            rss_kib = next(int(line.split()[1]) for line in Path(f"/proc/{srv.proc.pid}/status").read_text()
+                           .splitlines() if line.startswith("VmRSS:"))
+            assert rss_kib < 300 * 1024, f"{rss_kib} KiB"
+        finally:
+            assert srv.close() == 0
+    finally:
+        eng.close()

@@ -1,0 +1,195 @@
+"""Bounds and JSON errors for uvicorn's HTTP/1.1 protocol, as ``kvstream serve`` runs it.
+
+uvicorn's httptools protocol answers a request that is not HTTP with a ``text/plain``
+"Invalid HTTP request received.", and bounds neither the request head nor pipelining:
+measured on this machine, one connection streaming a header line without end grew the
+process by 200 MB for 123 MB sent, one streaming chunked-body trailers by 500 MB, and 6 MB
+of pipelined ``GET`` s that the client never read the answers of queued 150 k requests
+(+270 MB). :func:`guarded_protocol` makes a subclass of uvicorn's protocol that
+
+* answers malformed HTTP with the service's JSON error (``bad_http``, 400, naming the
+  parser's reason) and closes the connection;
+* refuses (431 ``too_large``) a connection that sends more than ``max_head_bytes`` without
+  the parser getting anywhere (no head completed, no body byte, no request completed): an
+  endless request line, header or trailer;
+* feeds the parser at most ``max_pipeline`` requests ahead of the one being answered:
+  past that it keeps the bytes already read (at most one socket read) and stops reading
+  the socket until answers go out, so a client that pipelines without reading its answers
+  is held back by TCP instead of queued in memory.
+
+A write to a connection the client already reset is dropped instead of raising (uvloop)
+in the middle of an answer. Each refusal is reported to ``on_reject(status, code)`` (the service counts it in
+``kvstream_http_rejections_total``). uvicorn's h11 protocol (used when httptools is not
+installed) already bounds heads (16 KiB) and pipelining; its subclass only answers in JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgspec
+
+__all__ = ["MAX_HEAD_BYTES", "MAX_PIPELINE", "guarded_protocol", "error_response"]
+
+MAX_HEAD_BYTES = 64 * 1024
+"""Bytes a connection may send without the parser completing anything (a head, a trailer)."""
+
+MAX_PIPELINE = 16
+"""Requests parsed ahead of the one being answered on one connection."""
+
+_SLICE = 4096  # bytes fed to the parser at a time while checking the pipeline bound
+_ENC = msgspec.json.Encoder()
+_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
+
+
+def error_response(status: int, code: str, message: str) -> bytes:
+    """A whole HTTP/1.1 response carrying the service's JSON error, closing the connection."""
+    body = _ENC.encode({"error": {"code": code, "message": message, "where": None}})
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+            % (status, _REASONS.get(status, b""), len(body), body))
+
+
+def _no_report(status: int, code: str) -> None:
+    return None
+
+
+def guarded_protocol(base: Any = None, *, on_reject: Callable[[int, str], None] | None = None,
+                     max_head_bytes: int = MAX_HEAD_BYTES, max_pipeline: int = MAX_PIPELINE) -> Any:
+    """A subclass of uvicorn's HTTP protocol class ``base`` (default: uvicorn's choice,
+    httptools when installed, else h11) for ``uvicorn.Config(http=...)``, with the bounds
+    and JSON errors of the module docstring. ``max_head_bytes``: bytes; ``max_pipeline``:
+    requests."""
+    if base is None:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        base = AutoHTTPProtocol
+    report = on_reject or _no_report
+    tools: Any = None
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as tools
+    except ImportError:  # pragma: no cover - httptools is not installed
+        pass
+    if tools is not None and issubclass(base, tools):
+        return type("GuardedHttpToolsProtocol", (_GuardedHttpTools, base),
+                    {"_report": staticmethod(report), "_max_head": max_head_bytes, "_max_pipeline": max_pipeline})
+    return type("GuardedHttpProtocol", (_JsonErrors, base), {"_report": staticmethod(report)})
+
+
+class _ClosedSafe:
+    """The connection's transport, for uvicorn's protocol and its request cycles: a write
+    after the transport closed (the client reset the connection, and uvicorn has not yet
+    been told) is dropped, as asyncio's own transports do; uvloop's raise RuntimeError,
+    which uvicorn reported as an exception in the application."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, transport: Any) -> None:
+        self._t = transport
+
+    def write(self, data: bytes) -> None:
+        if not self._t.is_closing():
+            self._t.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+
+class _JsonErrors:
+    """uvicorn's 400 for a request it cannot parse, as the service's JSON error; writes
+    after a reset dropped (:class:`_ClosedSafe`)."""
+
+    transport: Any
+    _report: Callable[[int, str], None]
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(_ClosedSafe(transport))  # type: ignore[misc]
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, "bad_http", f"not a valid HTTP/1.1 request: {msg}")
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        self._report(status, code)
+        if not self.transport.is_closing():
+            self.transport.write(error_response(status, code, message))
+            self.transport.close()
+
+
+class _GuardedHttpTools(_JsonErrors):
+    """Mixed in front of uvicorn's ``HttpToolsProtocol`` (see the module docstring)."""
+
+    _max_head: int
+    _max_pipeline: int
+    parser: Any
+    pipeline: Any
+    flow: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stalled = 0  # bytes fed since the parser last completed something
+        self._progress = False
+        self._held = b""  # bytes read but not yet fed, while the pipeline is full
+
+    # The parser got somewhere: a head, body bytes, a whole request.
+    def on_headers_complete(self) -> None:
+        self._progress = True
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def on_body(self, body: bytes) -> None:
+        self._progress = True
+        super().on_body(body)  # type: ignore[misc]
+
+    def on_message_complete(self) -> None:
+        self._progress = True
+        super().on_message_complete()  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        if self._held:  # still holding: keep this read too, and stop reading
+            self._held += data
+            self.transport.pause_reading()
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        import httptools
+
+        self._unset_keepalive_if_required()  # type: ignore[attr-defined]
+        n = len(data)
+        at = 0
+        while at < n:
+            if len(self.pipeline) >= self._max_pipeline:
+                self._held = data[at:]
+                self.transport.pause_reading()
+                return
+            piece = data if n <= _SLICE else data[at:at + _SLICE]
+            at += len(piece)
+            self._progress = False
+            try:
+                self.parser.feed_data(piece)
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():  # type: ignore[attr-defined]
+                    self.handle_websocket_upgrade()  # type: ignore[attr-defined]
+                else:
+                    self._unsupported_upgrade_warning()  # type: ignore[attr-defined]
+                return
+            except httptools.HttpParserError as exc:
+                self._refuse(400, "bad_http", f"not a valid HTTP/1.1 request: {exc}")
+                return
+            if self._progress:
+                self._stalled = 0
+            else:
+                self._stalled += len(piece)
+                if self._stalled > self._max_head:
+                    self._refuse(431, "too_large", f"the request head or trailer is over {self._max_head} bytes")
+                    return
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        if not self._held or self.transport.is_closing():
+            return
+        if len(self.pipeline) < self._max_pipeline:
+            held, self._held = self._held, b""
+            self._feed(held)
+        if self._held:  # uvicorn's flow control may have resumed reading: hold it back
+            self.transport.pause_reading()
+        elif not self.flow.read_paused:
+            self.transport.resume_reading()
