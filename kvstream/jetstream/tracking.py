@@ -56,7 +56,7 @@ class RelaySource:
 
     __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped", "max_message_bytes",
                  "too_large", "_near_limit", "_digest", "_digest_pos", "_lb_payload", "_held", "_held_bytes", "max_held",
-                 "max_held_bytes")
+                 "max_held_bytes", "_jump")
 
     def __init__(self, source: str, known: StreamPosition | None = None, *, first_instance: int = 0,
                  max_message_bytes: int = 1 << 62) -> None:
@@ -83,6 +83,7 @@ class RelaySource:
         self.too_large = 0
         """Batches not published because they exceed ``max_message_bytes``."""
         self._near_limit = max_message_bytes - 1024  # payloads above it get their size computed
+        self._jump: tuple[int, int] | None = None  # (first, resume) of the last stale notice published
 
     def _topic(self, topic: bytes) -> str:
         h = self._topics.get(topic)
@@ -118,13 +119,17 @@ class RelaySource:
             self._drop_held()
             if item.reason == "removed":
                 return []
+            if item.reason == "restart":
+                # This relay's subscriber could not tell the engine it reconnected to from
+                # a new one (after its own gap, say). Other relays of the engine may well
+                # have seen no restart: believe it only when the engine's batches confirm
+                # it (the start-up rules: a seq at or below pos with other bytes or a newer
+                # timestamp, or a newest seq below pos), else go on in this instance.
+                self.synced = False
+                return []
             self.synced = True
             self._digest = None  # of the batch at a position this reset voids
             self._lb_payload = None
-            if item.reason == "restart":
-                self.instance += 1
-                self.pos = -1
-                return [self._control(item)]
             self.pos = (item.seq if item.seq is not None else 0) - 1
             self._snap = [self.pos + 1, 0]
             return [self._control(item)]
@@ -133,6 +138,7 @@ class RelaySource:
                 self.skipped += 1
                 return []  # the next batch decides what the stream is missing
             self._lb_payload = None
+            self._jump = (item.first_missing_seq, item.resume_seq)
             self.pos = item.resume_seq - 1
             return [self._control(item)]
         if cls is SourceLive:
@@ -162,6 +168,13 @@ class RelaySource:
         self._snap = None
         out: list[Message] = []
         if not self.synced:
+            j = self._jump
+            if j is not None and j[0] <= q <= self.pos == j[1] - 1:
+                # A seq the last stale notice skipped, no batch published since: it is
+                # newer than last_ts whichever engine sent it. The batches after it decide.
+                self.skipped += 1
+                self._hold(b)
+                return out
             if q <= self.pos:
                 last = self._last_digest()
                 if q == self.pos and last is not None:

@@ -7,6 +7,7 @@ it or it is ``stale``)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
@@ -282,8 +283,10 @@ class _Link:
     one client and the NATS server): cutting closes every forwarded connection and
     refuses new ones until healed."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int = 0, path: str | None = None) -> None:
         self.port = port
+        self.path = path
+        """A unix socket path to forward to instead (a ZMQ ``ipc://`` endpoint)."""
         self.cut = False
         self._scopes: set[anyio.CancelScope] = set()
 
@@ -296,7 +299,8 @@ class _Link:
             if self.cut:
                 return
             try:
-                server = await anyio.connect_tcp("127.0.0.1", self.port)
+                server = await (anyio.connect_unix(self.path) if self.path is not None
+                                else anyio.connect_tcp("127.0.0.1", self.port))
             except OSError:
                 return
             async with server, anyio.create_task_group() as tg:
@@ -313,6 +317,11 @@ class _Link:
                 tg.start_soon(pipe, client, server)
                 tg.start_soon(pipe, server, client)
             self._scopes.discard(tg.cancel_scope)
+
+    @property
+    def connections(self) -> int:
+        """Connections forwarded now."""
+        return len(self._scopes)
 
     def partition(self) -> None:
         self.cut = True
@@ -550,5 +559,167 @@ async def test_retention_dropping_what_a_cut_off_consumer_had_not_read_yet_is_a_
             sub = behind.subscriber
             assert sub.counters("e0").gaps == 1 and sub.health()["e0"].state == "stale"
             assert behind.index.source_info("e0").stale
+            tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
+
+
+
+async def _cut_able(tmp_path: Any, eng: Engine, tag: str, tg: Any) -> tuple[list[_Link], Any]:
+    """A relay's ZMQ links to ``eng`` (live and replay) through forwarders that can be cut
+    (that relay partitioned from the engine, not from NATS): the links and the spec to use."""
+    links, eps = [], []
+    for ep, what in ((eng.cfg.endpoint, "pub"), (eng.cfg.replay_endpoint, "replay")):
+        links.append(_Link(path=ep.removeprefix("ipc://")))
+        path = tmp_path / f"{tag}-{what}.sock"
+        tg.start_soon(links[-1].serve, await anyio.create_unix_listener(path))
+        eps.append(f"ipc://{path}")
+    from kvstream.transport import SourceSpec
+    return links, SourceSpec(eps[0], eps[1], name=eng.name)
+
+
+def _set_cut(links: list[_Link], cut: bool) -> None:
+    for link in links:
+        if cut:
+            link.partition()
+        else:
+            link.cut = False
+
+
+async def _heal_replay_then_live(links: list[_Link], relay: Relay) -> None:
+    """Heal a relay's replay link, wait until its subscriber has marked the gap it finds
+    (a stale mark forgets the bytes it could check the engine with), then heal the live
+    link and wait until it is connected again: the engine's next batch shows the
+    subscriber a reconnect it cannot verify."""
+    links[1].cut = False
+    await _until(lambda: relay.subscriber.counters("e0").stale_marks >= 1, 20)
+    links[0].cut = False
+    await _until(lambda: links[0].connections > 0, 20)
+
+
+# Relays and direct subscribers that give up quickly on what the engine no longer has.
+_FAST = {"replay_timeout_s": 0.3, "max_retries": 1, "backoff_s": 0.05, "probe_after_s": 0.2}
+
+
+async def _stale_notices(url: str) -> list[Any]:
+    from .helpers import stream_messages
+
+    return [m for m in await stream_messages(url) if (m.headers or {}).get("Kv-Kind") == "stale"]
+
+
+async def test_one_of_two_relays_cut_from_the_engine_does_not_make_consumers_stale(tmp_path, nats_server) -> None:
+    # Relay A loses its ZMQ links to the engine (live and replay) for longer than the
+    # engine's replay buffer; relay B keeps publishing every batch. A's own recovery
+    # notice (the gap it saw) goes onto the stream and must not make the consumer stale:
+    # the stream has every batch.
+    url = nats_server.url
+    async with Engine(tmp_path, "e0", buffer_steps=10) as eng, anyio.create_task_group() as outer:
+        links, a_spec = await _cut_able(tmp_path, eng, "a", outer)
+        async with Relay([a_spec], url, **_FAST) as a, Relay([eng.spec], url, **_FAST) as b, \
+                Router(subscriber=JetStreamSource(url + "/KV_EVENTS?source=e0")) as via_js, \
+                Router([eng.spec]) as direct, anyio.create_task_group() as tg:
+            tg.start_soon(a.run)
+            tg.start_soon(b.run)
+            await _until(lambda: all(s.subscriber.health()["e0"].state == "live" for s in (a, b, direct)))
+            eng.steps(20)
+            await via_js.wait_applied("e0", 19)
+            await _until(lambda: a.sources["e0"].pos == 19)
+            _set_cut(links, True)
+            eng.steps(40)  # beyond the engine's buffer of 10: A can never get 20..49
+            await via_js.wait_applied("e0", 59)
+            await _heal_replay_then_live(links, a)
+            eng.steps(20)
+            await _until(lambda: a.sources["e0"].pos == 79 and b.sources["e0"].pos == 79)
+            await _until(lambda: not a.stats.inflight and not b.stats.inflight)
+            await via_js.wait_applied("e0", 79)
+            await direct.wait_applied("e0", 79)
+            assert direct.subscriber.health()["e0"].state == "live"
+            assert via_js.index.state() == direct.index.state()
+            sub = via_js.subscriber
+            assert sub.counters("e0").batches == 80 and sub.counters("e0").stale_marks == 0
+            assert sub.health()["e0"].state == "live"
+            # A's notices are on the stream (the gap it saw while cut off, after B's batches)...
+            notices = [(m.headers["Kv-Instance"], json.loads(m.data)) for m in await _stale_notices(url)]
+            assert notices and all(i == "0" and n["first_missing_seq"] == 20 for i, n in notices)
+            assert max(n["resume_seq"] for _, n in notices) >= 50
+            assert sub.counters("e0").duplicates >= 1  # ...and read as covered
+            tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
+
+
+async def test_both_relays_cut_from_the_engine_beyond_its_buffer_is_a_stale_gap(tmp_path, nats_server) -> None:
+    # A genuine loss: every relay misses batches the engine no longer buffers.
+    url = nats_server.url
+    async with Engine(tmp_path, "e0", buffer_steps=10) as eng, anyio.create_task_group() as outer:
+        a_links, a_spec = await _cut_able(tmp_path, eng, "a", outer)
+        b_links, b_spec = await _cut_able(tmp_path, eng, "b", outer)
+        async with Relay([a_spec], url, **_FAST) as a, Relay([b_spec], url, **_FAST) as b, \
+                JetStreamSource(url + "/KV_EVENTS?source=e0") as sub, anyio.create_task_group() as tg:
+            tg.start_soon(a.run)
+            tg.start_soon(b.run)
+            await _until(lambda: all(r.subscriber.health()["e0"].state == "live" for r in (a, b)))
+            eng.steps(20)
+            first = await collect(sub, lambda it: len(batches(it)) == 20)
+            _set_cut(a_links + b_links, True)
+            eng.steps(40)
+            await _heal_replay_then_live(a_links, a)
+            await _heal_replay_then_live(b_links, b)
+            eng.steps(20)
+            rest = await collect(sub, lambda it: any(b.seq == 79 for b in batches(it)))
+            tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
+    # One gap, from 20 to where the relays could read on (the engine's buffer then held
+    # 50..59 or, once they saw 60 live, they stopped asking for it); no restart.
+    stale = [i for i in first + rest if type(i) is SourceStale]
+    assert len(stale) == 1 and stale[0].first_missing_seq == 20 and stale[0].resume_seq in (50, 60)
+    assert not [i for i in first + rest if type(i) is SourceReset]
+    got = batches(first + rest)
+    r = stale[0].resume_seq
+    assert [b.seq for b in got] == list(range(20)) + list(range(r, 80))
+    assert [b.payload for b in got] == eng.payloads[:20] + eng.payloads[r:]
+    assert sub.health()["e0"].state == "stale"
+
+
+async def test_a_relay_cut_from_the_engine_while_the_other_is_cut_from_nats_leaves_consumers_stale_not_live(
+        tmp_path, nats_server) -> None:
+    # Two faults at once: A is cut from the engine (past its buffer) while B, which has
+    # every batch, is cut from NATS. A's gap notice and its next batches reach the stream
+    # first; B's copies of the gap come later, after batches that depend on them. The
+    # stream then holds every batch, but not in engine order: the consumer cannot apply
+    # them late, and must stay ``stale`` (never ``live`` with a wrong index).
+    url = nats_server.url
+    async with Engine(tmp_path, "e0", buffer_steps=10) as eng, anyio.create_task_group() as outer:
+        a_links, a_spec = await _cut_able(tmp_path, eng, "a", outer)
+        nats_link = _Link(nats_server.port)
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        outer.start_soon(nats_link.serve, listener)
+        b_url = f"nats://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        async with Relay([a_spec], url, **_FAST) as a, Relay([eng.spec], b_url, ack_timeout_s=0.5, **_FAST) as b, \
+                Router(subscriber=JetStreamSource(url + "/KV_EVENTS?source=e0")) as via_js, \
+                Router([eng.spec]) as direct, anyio.create_task_group() as tg:
+            tg.start_soon(a.run)
+            tg.start_soon(b.run)
+            await _until(lambda: all(s.subscriber.health()["e0"].state == "live" for s in (a, b, direct)))
+            eng.steps(20)
+            await via_js.wait_applied("e0", 19)
+            await _until(lambda: a.sources["e0"].pos == 19 and not a.stats.inflight and not b.stats.inflight)
+            _set_cut(a_links, True)
+            nats_link.partition()
+            eng.steps(40)
+            await _until(lambda: b.sources["e0"].pos == 59)  # B has them all, unacked
+            await _heal_replay_then_live(a_links, a)
+            eng.steps(20)
+            await via_js.wait_applied("e0", 79)  # A's batches, after A's gap notice
+            nats_link.cut = False  # B sends 20..79 again: 20..59 are stored now
+            await _until(lambda: not b.stats.inflight and not a.stats.inflight, 20)
+            await direct.wait_applied("e0", 79)
+            sub = via_js.subscriber
+            # A's gap notice said 20..r-1 were gone (r: 50 when its rejoin still found
+            # 50..59 in the engine's buffer, else 60); B's late copies of them came after.
+            r = max(json.loads(m.data)["resume_seq"] for m in await _stale_notices(url))
+            assert r in (50, 60)
+            await _until(lambda: sub.counters("e0").duplicates >= r - 20)
+            assert sub.health()["e0"].state == "stale" and via_js.index.state()["sources"]["e0"]["stale"]
+            assert via_js.index.state() != direct.index.state()
+            assert sub.counters("e0").batches == 20 + 80 - r  # 0..19 and r..79, each once
             tg.cancel_scope.cancel()
         outer.cancel_scope.cancel()

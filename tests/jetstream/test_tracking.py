@@ -40,12 +40,37 @@ def test_relay_publishes_batches_unchanged_with_seq_instance_and_message_id() ->
     assert payload is b.payload
     assert h[wire.H_MSG_ID] == "e0:0:0" and h[wire.H_SEQ] == "0" and h[wire.H_INSTANCE] == "0"
     assert wire.decode_topic(h[wire.H_TOPIC]) == b"kv@e0"
-    # an engine restart: a new instance, announced once
-    [(ctl, hc)] = r.on_item(SourceReset("e0", "restart", 0))
+    # an engine restart: a new instance, announced once, when the engine's first batch
+    # confirms it (other bytes at a seq the stream has)
+    assert r.on_item(SourceReset("e0", "restart", 0)) == []
+    [(ctl, hc), (_, h)] = r.on_item(_b("e0", 0, 2.0))
     assert hc[wire.H_KIND] == "reset" and hc[wire.H_INSTANCE] == "1"
     assert wire.decode_control("e0", ctl) == SourceReset("e0", "restart", 0)
-    [(_, h)] = r.on_item(_b("e0", 0, 2.0))
     assert h[wire.H_MSG_ID] == "e0:1:0"
+    assert r.on_item(_b("e0", 1, 2.1))[0][1][wire.H_MSG_ID] == "e0:1:1"
+
+
+def test_a_restart_only_one_relay_believes_is_not_published_until_the_engine_confirms_it() -> None:
+    # A relay cut from the engine past its buffer marks a gap (forgetting the bytes it
+    # could check the engine with) and, reconnected, its subscriber cannot tell the engine
+    # from a new one: a "restart". The engine goes on where it was: same instance, a gap.
+    r = RelaySource("e0")
+    for s in range(20):
+        r.on_item(_b("e0", s, 1.0 + s / 100))
+    [(ctl, _)] = r.on_item(SourceStale("e0", "buffer", 20, 60))
+    assert r.on_item(SourceReset("e0", "restart", 60)) == []
+    assert r.on_item(SourceStale("e0", "join", 0, 50)) == []
+    assert [r.on_item(_b("e0", s, 2.0 + s / 100)) for s in range(50, 60)] == [[]] * 10  # in the gap: undecided
+    [(_, h)] = r.on_item(_b("e0", 60, 2.6))
+    assert h[wire.H_MSG_ID] == "e0:0:60"
+    # an idle new engine: its newest seq is below what the stream has
+    r = RelaySource("e0")
+    for s in range(5):
+        r.on_item(_b("e0", s, 1.0))
+    assert r.on_item(SourceReset("e0", "restart", 5)) == []
+    msgs = r.on_item(SourceLive("e0", -1))
+    assert [wire.decode_control("e0", p) for p, _ in msgs] == [SourceReset("e0", "restart", 0), SourceLive("e0", -1)]
+    assert msgs[0][1][wire.H_INSTANCE] == "1"
 
 
 def test_a_joining_relay_skips_what_the_stream_holds_and_detects_a_restart_by_time() -> None:
