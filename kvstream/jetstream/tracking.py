@@ -19,6 +19,10 @@
   - ``seq == pos + 1``: the stream continues; ``seq > pos + 1``: the batches between left
     the engine's buffer before any relay got them: a ``stale`` notice, then the batch.
 
+  A ``restart`` the subscriber reports puts it back in that state (nothing published):
+  the subscriber may only be unable to rule a restart out (it reconnected after a gap of
+  its own), and another relay of the engine may have lost nothing.
+
 * :class:`StreamSource` (one per source a consumer reads): turns stream messages back into
   the subscriber's items with the same per-engine rules as over ZMQ: in seq order, never
   duplicated; a seq jump is a :class:`SourceStale`; a new instance without its reset
