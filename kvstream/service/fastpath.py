@@ -33,6 +33,12 @@ HANDOFF: Any = object()
 """What :func:`frame_request` returns for a request the fast path does not take."""
 
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# Control characters other than HTAB, CR and LF (CR and LF are checked as line ends). HTTP
+# forbids them in a head (RFC 9110 5.5); uvicorn's parsers refuse them with a 400, so a head
+# holding one goes to uvicorn, which answers the service's JSON ``bad_http``. One scan of
+# the head (about 150 bytes from a gateway), deleting them and comparing lengths, costs
+# ~0.16 us (a regex search cost ~0.3 us).
+_CTL = bytes([*range(0x09), 0x0b, 0x0c, *range(0x0e, 0x20), 0x7f])
 _REASON = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
@@ -50,6 +56,8 @@ def frame_request(buf: bytes | bytearray, hot: Container[bytes],
     crlf = head.count(b"\r\n")
     if head.count(b"\n") != crlf or head.count(b"\r") != crlf:
         return HANDOFF  # a bare CR or LF: not for the fast path to interpret
+    if len(head.translate(None, _CTL)) != len(head):
+        return HANDOFF  # a NUL or other control character: uvicorn refuses it (400 bad_http)
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ")
     if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1" or parts[1] not in hot:

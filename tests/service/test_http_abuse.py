@@ -82,6 +82,11 @@ MALFORMED = {
     # Ended by bare LFs: the fast path used to wait for a CRLF CRLF that never came.
     "bare_line_feeds_hot": b"POST /v1/route HTTP/1.1\nHost: x\nContent-Length: 24\n\n" + B,
     "bare_line_feeds_get": b"GET /healthz HTTP/1.1\nHost: x\n\n",
+    # Control characters in a header value of a hot POST: uvicorn refuses them, and the
+    # fast path used to answer the request as if they were not there.
+    "nul_in_header_value_hot": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nX-Trace: a\x00b\r\nContent-Length: 24\r\n\r\n" + B,
+    "ctl_in_header_value_hot": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nX-Trace: a\x01b\r\nContent-Length: 24\r\n\r\n" + B,
+    "nul_in_content_length_hot": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Length: 24\x00\r\n\r\n" + B,
 }
 
 
