@@ -69,6 +69,10 @@ def register(sub: Any) -> None:
     p.add_argument("--peers", nargs="+", action="extend", metavar="URL",
                    help="running replicas (http://host:port): load the index from the first that answers "
                         "GET /v1/dump, then follow the engines from there (put it after the engines)")
+    p.add_argument("--max-dump-bytes", type=int, metavar="BYTES",
+                   help="largest peer dump read (default 1 GiB); a peer sending more is skipped")
+    p.add_argument("--peer-timeout", type=float, metavar="SECONDS",
+                   help="time for one peer's whole dump (default 30); a slower peer is skipped")
     p.add_argument("--model-name", help="model the configured engines serve, for the Mooncake /query API "
                    "(default: default)")
     g = p.add_argument_group("proxy mode (OpenAI-compatible API in the request path; see docs/proxy.md)")
@@ -90,7 +94,7 @@ def register(sub: Any) -> None:
 _FLAGS = ("host", "port", "log_format", "log_level", "tokenizer", "load_interval", "max_prompt_tokens",
           "max_body_bytes", "router_block_size", "index_table", "index_max_bytes", "index_ttl", "speculate_ttl",
           "prefix_weight", "queue_weight", "running_weight", "kv_weight", "register_token_file", "topic",
-          "replay_timeout", "mooncake_seed", "model_name", "peers")
+          "replay_timeout", "mooncake_seed", "model_name", "peers", "max_dump_bytes", "peer_timeout")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:

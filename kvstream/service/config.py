@@ -115,6 +115,8 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     mooncake_seed: int | UnsetType = UNSET
     model_name: str | UnsetType = UNSET
     peers: list[str] | UnsetType = UNSET
+    max_dump_bytes: int | UnsetType = UNSET
+    peer_timeout: float | UnsetType = UNSET
 
 
 FILE_KEYS = tuple(_File.__struct_encode_fields__)
@@ -157,6 +159,10 @@ class ServeConfig:
         peers: base URLs of running replicas; at startup the first that answers
             ``GET /v1/dump`` gives the index and each engine's last applied seq
             (``--peers``).
+        max_dump_bytes: largest peer dump read, bytes; a peer sending more is skipped
+            (``--max-dump-bytes``).
+        peer_timeout: seconds for one peer's whole dump (connect, headers, body); a peer
+            slower than that is skipped (``--peer-timeout``).
         config_file: the TOML file the rest came from, if any (``--config``).
     """
 
@@ -184,6 +190,8 @@ class ServeConfig:
     mooncake_seed: int = 0
     model_name: str = "default"
     peers: list[str] | None = None
+    max_dump_bytes: int = 1024 * 1024 * 1024
+    peer_timeout: float = 30.0
     config_file: str | None = None
 
     def check(self) -> "ServeConfig":
@@ -202,6 +210,8 @@ class ServeConfig:
              self.index_max_bytes)
         need(self.index_ttl is None or self.index_ttl > 0, "index-ttl", "positive seconds", self.index_ttl)
         need(self.speculate_ttl > 0, "speculate-ttl", "positive seconds", self.speculate_ttl)
+        need(self.max_dump_bytes >= 1024, "max-dump-bytes", "at least 1024 bytes", self.max_dump_bytes)
+        need(self.peer_timeout > 0, "peer-timeout", "positive seconds", self.peer_timeout)
         need(self.replay_timeout > 0, "replay-timeout", "positive seconds", self.replay_timeout)
         need(0 <= self.mooncake_seed < 2**64, "mooncake-seed", "an unsigned 64-bit int", self.mooncake_seed)
         need(self.log_format in ("text", "json"), "log-format", "text or json", self.log_format)
