@@ -116,6 +116,7 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     model_name: str | UnsetType = UNSET
     peers: list[str] | UnsetType = UNSET
     max_dump_bytes: int | UnsetType = UNSET
+    request_timeout: float | UnsetType = UNSET
     peer_timeout: float | UnsetType = UNSET
 
 
@@ -138,6 +139,8 @@ class ServeConfig:
             (``--load-interval``).
         max_prompt_tokens: longest prompt accepted, tokens (``--max-prompt-tokens``).
         max_body_bytes: largest request body accepted, bytes (``--max-body-bytes``).
+        request_timeout: seconds a connection may hold a partial request (head or body)
+            before it is answered 408 and closed (``--request-timeout``).
         router_block_size: tokens per router block of the default index
             (``--router-block-size``).
         index_table: block table of the token-keyed indexes (``--index-table``): ``dict``
@@ -175,6 +178,7 @@ class ServeConfig:
     load_interval: float = 2.0
     max_prompt_tokens: int = 262_144
     max_body_bytes: int = 8 * 1024 * 1024
+    request_timeout: float = 60.0
     router_block_size: int = 16
     index_table: str = "dict"
     index_max_bytes: int | None = None
@@ -210,6 +214,7 @@ class ServeConfig:
              self.index_max_bytes)
         need(self.index_ttl is None or self.index_ttl > 0, "index-ttl", "positive seconds", self.index_ttl)
         need(self.speculate_ttl > 0, "speculate-ttl", "positive seconds", self.speculate_ttl)
+        need(self.request_timeout > 0, "request-timeout", "positive seconds", self.request_timeout)
         need(self.max_dump_bytes >= 1024, "max-dump-bytes", "at least 1024 bytes", self.max_dump_bytes)
         need(self.peer_timeout > 0, "peer-timeout", "positive seconds", self.peer_timeout)
         need(self.replay_timeout > 0, "replay-timeout", "positive seconds", self.replay_timeout)

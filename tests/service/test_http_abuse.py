@@ -263,3 +263,45 @@ def test_without_httptools_uvicorns_h11_protocol_answers_in_json_too(tmp_path: P
         assert srv.client.post("/v1/route", json={"token_ids": [1, 2]}).status_code == 200
     finally:
         assert srv.close() == 0
+
+
+PARTIAL = {
+    "head_hot": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Le",
+    "body_hot": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Length: 24\r\n\r\n" + B[:5],
+    "chunked_body": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n18\r\n" + B[:5],
+    # a whole GET first (on the fast path: handed to uvicorn), then half of the next head
+    "head_after_a_request": b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHo",
+}
+
+
+@pytest.mark.parametrize("mode", ["fast", "proxy"])
+def test_a_partial_request_held_past_the_request_timeout_is_a_json_408_then_closed(mode: str) -> None:
+    # Before: a connection could hold half a head or body for ever (a slow-loris client
+    # pinning a connection and its buffers); only idle connections between requests closed.
+    extra = ["--proxy"] if mode == "proxy" else []
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()}", "--load-interval", "0", "--request-timeout", "1", *extra)
+    try:
+        socks = {k: socket.create_connection(_addr(srv), timeout=10) for k in PARTIAL}
+        t0 = time.monotonic()
+        for k, s in socks.items():
+            s.sendall(PARTIAL[k])
+        for k, s in socks.items():
+            if k == "head_after_a_request":
+                assert _read_response(s)[0] == 200
+            status, headers, body = _read_response(s)
+            assert (k, status) == (k, 408), body
+            assert time.monotonic() - t0 >= 0.9  # not before the deadline
+            assert headers["content-type"] == "application/json"
+            assert httpx.Response(200, content=body).json()["error"]["code"] == "request_timeout"
+            assert _closed(s), k
+            s.close()
+        # a request that takes its time but finishes within the deadline is answered
+        with socket.create_connection(_addr(srv), timeout=10) as s:
+            s.sendall(PARTIAL["body_hot"])
+            wait_for(lambda: srv.client.get("/healthz").status_code == 200, "a turn of the server")
+            s.sendall(B[5:])
+            assert _read_response(s)[0] == 200
+        metrics = srv.client.get("/metrics").text
+        assert 'code="request_timeout"' in metrics
+    finally:
+        assert srv.close() == 0
