@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import resource
 import subprocess
-import sys
 import time
 
 import pytest
@@ -17,22 +16,9 @@ import pytest
 from kvstream.eventlog import LogWriter
 from kvstream.eventlog.reader import LogReader
 
-KV = [sys.executable, "-m", "kvstream"]
+from tests.cli.helpers import KV, one_clear_line, run
+
 PAYLOAD = b"\x92\xcb\x00\x00\x00\x00\x00\x00\x00\x00\x90"  # a vLLM batch: ts 0.0, no events
-
-
-def _run(*args, timeout=30, cwd=None, **kw):
-    return subprocess.run([*KV, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          stdin=subprocess.DEVNULL, **kw)
-
-
-def _one_clear_line(r, *needles, code=None):
-    assert (r.returncode != 0 if code is None else r.returncode == code), (r.returncode, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -119,15 +105,15 @@ def test_abuse_is_one_clear_line_and_a_non_zero_exit(case, files, tmp_path):
     args, needles = BAD[case]
     args = [a.format(d=files) for a in args]
     t0 = time.monotonic()
-    r = _run(*args, cwd=tmp_path, timeout=20)
-    _one_clear_line(r, *needles)
+    r = run(*args, cwd=tmp_path, timeout=20)
+    one_clear_line(r, *needles)
     assert time.monotonic() - t0 < 15  # refused, not served
     assert list(tmp_path.iterdir()) == []  # and nothing written
 
 
 def test_record_with_a_bad_endpoint_exits_2_like_every_bad_input(tmp_path):
-    r = _run("record", "tcp://127.0.0.1:abc", "-o", str(tmp_path / "r.kvlog"))
-    _one_clear_line(r, "not a port number", code=2)
+    r = run("record", "tcp://127.0.0.1:abc", "-o", str(tmp_path / "r.kvlog"))
+    one_clear_line(r, "not a port number", code=2)
     assert not (tmp_path / "r.kvlog").exists()
 
 
@@ -141,19 +127,19 @@ def test_stdout_on_a_full_device_is_one_line_and_exit_1(args, files):
     with open("/dev/full", "w") as full:
         r = subprocess.run([*KV, *(a.format(d=files) for a in args)], stdout=full, stderr=subprocess.PIPE,
                            text=True, timeout=30)
-    _one_clear_line(r, "No space left on device", code=1)
+    one_clear_line(r, "No space left on device", code=1)
 
 
 def test_simulate_json_on_a_full_device_keeps_the_table(tmp_path):
-    r = _run("simulate", "--requests", "20", "--engines", "1", "--policies", "round-robin", "--quiet",
+    r = run("simulate", "--requests", "20", "--engines", "1", "--policies", "round-robin", "--quiet",
              "--json", "/dev/full")
-    _one_clear_line(r, "/dev/full", "No space left on device", code=1)
+    one_clear_line(r, "/dev/full", "No space left on device", code=1)
     assert "round-robin" in r.stdout
 
 
 def test_simulate_num_gpu_blocks_override_wins_over_the_model_as_in_vllm(files):
     # vLLM plans the model, then num_gpu_blocks_override replaces the block count.
-    r = _run("simulate", "--model-config", f"{files}/cfg.json", "--kv-memory-gib", "1",
+    r = run("simulate", "--model-config", f"{files}/cfg.json", "--kv-memory-gib", "1",
              "--num-gpu-blocks-override", "37", "--requests", "20", "--engines", "1", "--policies", "round-robin",
              "--quiet")
     assert r.returncode == 0, r.stderr
@@ -183,7 +169,7 @@ def test_record_that_hits_the_file_size_limit_keeps_a_clean_log(files, tmp_path)
     finally:
         rep.kill()
         rep.wait()
-    _one_clear_line(r, f"writing {out} failed", "File too large", code=1)
+    one_clear_line(r, f"writing {out} failed", "File too large", code=1)
     reader = LogReader(out)
     recs = list(reader)
     assert reader.damage == []
@@ -195,7 +181,7 @@ def test_convert_that_runs_out_of_space_keeps_no_half_log(golden_dir, tmp_path):
     out = tmp_path / "golden.kvlog"
     r = subprocess.run([*KV, "convert", str(golden_dir / "vllm-0.33.0" / "stream.bin"), "-o", str(out)],
                        capture_output=True, text=True, timeout=30, preexec_fn=_fsize_limit(400))
-    _one_clear_line(r, "File too large", "nothing was kept", code=1)
+    one_clear_line(r, "File too large", "nothing was kept", code=1)
     assert not out.exists()  # a rerun is not told the log "already exists"
-    r = _run("convert", str(golden_dir / "vllm-0.33.0" / "stream.bin"), "-o", str(out))
+    r = run("convert", str(golden_dir / "vllm-0.33.0" / "stream.bin"), "-o", str(out))
     assert r.returncode == 0 and "wrote 19 records" in r.stdout

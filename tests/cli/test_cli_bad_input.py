@@ -8,27 +8,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
 from kvstream.eventlog import LogWriter
 
-KV = [sys.executable, "-m", "kvstream"]
-
-
-def _run(*args, timeout=20, cwd=None):
-    return subprocess.run([*KV, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
-
-
-def _one_clear_line(r, *needles, code=None):
-    assert r.returncode != 0 if code is None else r.returncode == code, (r.returncode, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
+from tests.cli.helpers import KV, one_clear_line, run
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +87,8 @@ def test_bad_input_is_one_clear_line_and_a_non_zero_exit(case, files, log, tmp_p
     args, needles = BAD[case]
     args = [a.format(d=files, log=log) for a in args]
     t0 = time.monotonic()
-    r = _run(*args, cwd=tmp_path)
-    _one_clear_line(r, *needles)
+    r = run(*args, cwd=tmp_path)
+    one_clear_line(r, *needles)
     assert time.monotonic() - t0 < 10  # refused before any work
     assert list(tmp_path.iterdir()) == []  # and nothing written
 
@@ -112,23 +98,23 @@ def test_replay_onto_a_port_in_use_says_so(log):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = _run("replay", str(log), "--source", "e0", "--publish", f"tcp://127.0.0.1:{port}")
-    _one_clear_line(r, f"tcp://127.0.0.1:{port}", "already serves that address")
+        r = run("replay", str(log), "--source", "e0", "--publish", f"tcp://127.0.0.1:{port}")
+    one_clear_line(r, f"tcp://127.0.0.1:{port}", "already serves that address")
 
 
 def test_replay_binds_the_address_it_is_given(log):
-    r = _run("replay", str(log), "--source", "e0", "--publish", "tcp://127.0.0.1:0", "--speed", "max",
+    r = run("replay", str(log), "--source", "e0", "--publish", "tcp://127.0.0.1:0", "--speed", "max",
              "--wait-s", "0", "--hold-s", "0")
     assert r.returncode == 0, r.stderr
     assert "e0 -> tcp://127.0.0.1:" in r.stderr and "replayed 100 batches" in r.stderr
 
 
 def test_version_flag_names_every_dependency():
-    r = _run("--version")
+    r = run("--version")
     assert r.returncode == 0
     for name in ("kvstream", "anyio", "msgspec", "pyzmq", "libzmq", "cbor2", "xxhash", "zstandard", "matplotlib"):
         assert name in r.stdout
-    assert _run("version").stdout == r.stdout
+    assert run("version").stdout == r.stdout
 
 
 def _interrupt(args, ready, *, timeout=30):
@@ -169,7 +155,7 @@ def test_ctrl_c_in_simulate_keeps_the_finished_runs(tmp_path):
 
 @pytest.mark.parametrize("command", ["subscribe", "record", "replay", "simulate"])
 def test_every_long_running_command_takes_log_level(command):
-    r = _run(command, "--help")
+    r = run(command, "--help")
     assert "--log-level" in r.stdout
-    bad = _run(command, "--log-level", "loud")
+    bad = run(command, "--log-level", "loud")
     assert bad.returncode == 2 and "invalid choice: 'loud'" in bad.stderr
