@@ -16,21 +16,14 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.service.conftest import ServeProc, wait_for
+from tests.service.conftest import ServeProc, dead_port, wait_for
 
-
-def _dead_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture(scope="module", params=["fast", "proxy"])
 def srv(request: pytest.FixtureRequest) -> Iterator[ServeProc]:
     extra = ["--proxy"] if request.param == "proxy" else []
-    s = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()}", "--load-interval", "0", "--max-body-bytes", "65536", *extra)
+    s = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}", "--load-interval", "0", "--max-body-bytes", "65536", *extra)
     yield s
     assert s.close() == 0
 
@@ -227,7 +220,7 @@ def test_slow_idle_and_reset_clients_do_not_hold_up_others(srv: ServeProc) -> No
 
 
 def test_two_workers_guard_every_connection_the_same_way() -> None:
-    srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()}", "--load-interval", "0", "--workers", "2")
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}", "--load-interval", "0", "--workers", "2")
     try:
         for _ in range(4):  # connections land on either worker
             with socket.create_connection(_addr(srv), timeout=10) as s:
@@ -247,7 +240,7 @@ def test_without_httptools_uvicorns_h11_protocol_answers_in_json_too(tmp_path: P
     # bounds heads itself (16 KiB); its 400 was text/plain too.
     (tmp_path / "httptools.py").write_text('raise ImportError("hidden: run as without kvstream[fast]")\n')
     repo = Path(__file__).resolve().parents[2]
-    srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()}", "--load-interval", "0",
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}", "--load-interval", "0",
                     env={"PYTHONPATH": f"{tmp_path}:{repo}"})
     try:
         for raw in (MALFORMED["content_length_not_a_number"], MALFORMED["not_http"]):
@@ -279,7 +272,7 @@ def test_a_partial_request_held_past_the_request_timeout_is_a_json_408_then_clos
     # Before: a connection could hold half a head or body for ever (a slow-loris client
     # pinning a connection and its buffers); only idle connections between requests closed.
     extra = ["--proxy"] if mode == "proxy" else []
-    srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()}", "--load-interval", "0", "--request-timeout", "1", *extra)
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}", "--load-interval", "0", "--request-timeout", "1", *extra)
     try:
         socks = {k: socket.create_connection(_addr(srv), timeout=10) for k in PARTIAL}
         t0 = time.monotonic()
