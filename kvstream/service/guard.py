@@ -28,6 +28,7 @@ installed) already bounds heads (16 KiB) and pipelining; its subclass only answe
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import msgspec
@@ -44,6 +45,7 @@ MAX_PIPELINE = 16
 REQUEST_TIMEOUT_S = 60.0
 """Seconds a connection may hold a partial request (head or body) before a 408."""
 
+_log = logging.getLogger("kvstream.service")
 _SLICE = 4096  # bytes fed to the parser at a time while checking the pipeline bound
 _ENC = msgspec.json.Encoder()
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
@@ -83,10 +85,36 @@ def guarded_protocol(base: Any = None, *, on_reject: Callable[[int, str], None] 
     except ImportError:  # pragma: no cover - httptools is not installed
         pass
     if tools is not None and issubclass(base, tools):
-        return type("GuardedHttpToolsProtocol", (_GuardedHttpTools, base),
-                    {"_report": staticmethod(report), "_max_head": max_head_bytes, "_max_pipeline": max_pipeline,
-                     "_request_timeout": float(request_timeout)})
+        missing = [m for m in _HTTPTOOLS_HOOKS if not callable(getattr(base, m, None))]
+        if not missing:
+            return type("GuardedHttpToolsProtocol", (_GuardedHttpTools, base),
+                        {"_report": staticmethod(report), "_max_head": max_head_bytes, "_max_pipeline": max_pipeline,
+                         "_request_timeout": float(request_timeout)})
+        # Another uvicorn than the ones this was written against: serve unguarded rather
+        # than break every connection, and say so.
+        _log.warning("uvicorn %s's httptools protocol lacks %s: HTTP head, pipelining and request-time bounds "
+                     "are off", _uvicorn_version(), ", ".join(missing))
+    if not callable(getattr(base, "send_400_response", None)):
+        _log.warning("uvicorn %s's protocol lacks send_400_response: malformed HTTP gets uvicorn's own answer",
+                     _uvicorn_version())
+        return base
     return type("GuardedHttpProtocol", (_JsonErrors, base), {"_report": staticmethod(report)})
+
+
+_HTTPTOOLS_HOOKS = ("connection_made", "connection_lost", "data_received", "send_400_response", "on_message_begin",
+                    "on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
+                    "_unset_keepalive_if_required")
+"""The methods of uvicorn's ``HttpToolsProtocol`` that :class:`_GuardedHttpTools` overrides or
+calls (checked when the protocol class is made)."""
+
+
+def _uvicorn_version() -> str:
+    try:
+        import uvicorn
+
+        return str(uvicorn.__version__)
+    except (ImportError, AttributeError):  # pragma: no cover
+        return "?"
 
 
 class _ClosedSafe:

@@ -298,3 +298,24 @@ def test_a_partial_request_held_past_the_request_timeout_is_a_json_408_then_clos
         assert 'code="request_timeout"' in metrics
     finally:
         assert srv.close() == 0
+
+
+def test_the_guard_wraps_the_installed_uvicorn_and_falls_back_on_another(caplog) -> None:
+    # The guard overrides hooks of uvicorn's httptools protocol; with the installed uvicorn
+    # every hook is there (so the guarded class is used), and a protocol class lacking one
+    # is served unguarded with a warning instead of breaking every connection.
+    pytest.importorskip("httptools")
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from kvstream.service.guard import _HTTPTOOLS_HOOKS, guarded_protocol
+
+    assert guarded_protocol(HttpToolsProtocol).__name__ == "GuardedHttpToolsProtocol"
+    assert all(callable(getattr(HttpToolsProtocol, m, None)) for m in _HTTPTOOLS_HOOKS)
+
+    class Older(HttpToolsProtocol):
+        _unset_keepalive_if_required = None  # type: ignore[assignment]
+
+    with caplog.at_level("WARNING", logger="kvstream.service"):
+        made = guarded_protocol(Older)
+    assert made.__name__ == "GuardedHttpProtocol" and issubclass(made, Older)
+    assert "_unset_keepalive_if_required" in caplog.text and "bounds are off" in caplog.text
