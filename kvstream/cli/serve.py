@@ -69,6 +69,13 @@ def register(sub: Any) -> None:
     p.add_argument("--peers", nargs="+", action="extend", metavar="URL",
                    help="running replicas (http://host:port): load the index from the first that answers "
                         "GET /v1/dump, then follow the engines from there (put it after the engines)")
+    p.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                   help="answer 408 and close a connection holding a partial request (head or body) this long "
+                        "(default 60)")
+    p.add_argument("--max-dump-bytes", type=int, metavar="BYTES",
+                   help="largest peer dump read (default 1 GiB); a peer sending more is skipped")
+    p.add_argument("--peer-timeout", type=float, metavar="SECONDS",
+                   help="time for one peer's whole dump (default 30); a slower peer is skipped")
     p.add_argument("--model-name", help="model the configured engines serve, for the Mooncake /query API "
                    "(default: default)")
     g = p.add_argument_group("proxy mode (OpenAI-compatible API in the request path; see docs/proxy.md)")
@@ -90,7 +97,8 @@ def register(sub: Any) -> None:
 _FLAGS = ("host", "port", "log_format", "log_level", "tokenizer", "load_interval", "max_prompt_tokens",
           "max_body_bytes", "router_block_size", "index_table", "index_max_bytes", "index_ttl", "speculate_ttl",
           "prefix_weight", "queue_weight", "running_weight", "kv_weight", "register_token_file", "topic",
-          "replay_timeout", "mooncake_seed", "model_name", "peers")
+          "replay_timeout", "mooncake_seed", "model_name", "peers", "max_dump_bytes", "peer_timeout",
+          "request_timeout")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -298,7 +306,11 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
     hot = create_app(core, extra_routes=proxy.openai_routes() if proxy is not None else ())
     app: Any = hot
     # uvicorn's protocol with bounded heads and pipelining and JSON errors (service/guard.py)
-    http: Any = guarded_protocol(on_reject=lambda status, code: core.metrics.rejected(None, status, code))
+    def rejected(status: int, code: str) -> None:
+        core.metrics.rejected(None, status, code)
+
+    timeout = core.config.request_timeout
+    http: Any = guarded_protocol(on_reject=rejected, request_timeout=timeout)
     if proxy is not None:
         app = proxy.asgi(hot)  # its POST routes in raw ASGI, in front of the service's app
     else:
@@ -306,7 +318,8 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         # (kvstream/service/fastpath.py).
         from kvstream.service.fastpath import fast_protocol
 
-        http = fast_protocol(hot.answer, [p.encode() for p in hot.hot], hot.limit, fallback=http)
+        http = fast_protocol(hot.answer, [p.encode() for p in hot.hot], hot.limit, fallback=http,
+                             request_timeout=timeout, on_reject=rejected)
     # proxy_headers off: no handler reads the client address, and the middleware costs per call.
     ucfg = uvicorn.Config(app, http=http, log_config=None, access_log=False, lifespan="on", server_header=False,
                           date_header=False, proxy_headers=False, timeout_graceful_shutdown=5)

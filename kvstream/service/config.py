@@ -115,6 +115,9 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     mooncake_seed: int | UnsetType = UNSET
     model_name: str | UnsetType = UNSET
     peers: list[str] | UnsetType = UNSET
+    max_dump_bytes: int | UnsetType = UNSET
+    request_timeout: float | UnsetType = UNSET
+    peer_timeout: float | UnsetType = UNSET
 
 
 FILE_KEYS = tuple(_File.__struct_encode_fields__)
@@ -136,6 +139,8 @@ class ServeConfig:
             (``--load-interval``).
         max_prompt_tokens: longest prompt accepted, tokens (``--max-prompt-tokens``).
         max_body_bytes: largest request body accepted, bytes (``--max-body-bytes``).
+        request_timeout: seconds a connection may hold a partial request (head or body)
+            before it is answered 408 and closed (``--request-timeout``).
         router_block_size: tokens per router block of the default index
             (``--router-block-size``).
         index_table: block table of the token-keyed indexes (``--index-table``): ``dict``
@@ -157,6 +162,10 @@ class ServeConfig:
         peers: base URLs of running replicas; at startup the first that answers
             ``GET /v1/dump`` gives the index and each engine's last applied seq
             (``--peers``).
+        max_dump_bytes: largest peer dump read, bytes; a peer sending more is skipped
+            (``--max-dump-bytes``).
+        peer_timeout: seconds for one peer's whole dump (connect, headers, body); a peer
+            slower than that is skipped (``--peer-timeout``).
         config_file: the TOML file the rest came from, if any (``--config``).
     """
 
@@ -169,6 +178,7 @@ class ServeConfig:
     load_interval: float = 2.0
     max_prompt_tokens: int = 262_144
     max_body_bytes: int = 8 * 1024 * 1024
+    request_timeout: float = 60.0
     router_block_size: int = 16
     index_table: str = "dict"
     index_max_bytes: int | None = None
@@ -184,6 +194,8 @@ class ServeConfig:
     mooncake_seed: int = 0
     model_name: str = "default"
     peers: list[str] | None = None
+    max_dump_bytes: int = 1024 * 1024 * 1024
+    peer_timeout: float = 30.0
     config_file: str | None = None
 
     def check(self) -> "ServeConfig":
@@ -202,6 +214,9 @@ class ServeConfig:
              self.index_max_bytes)
         need(self.index_ttl is None or self.index_ttl > 0, "index-ttl", "positive seconds", self.index_ttl)
         need(self.speculate_ttl > 0, "speculate-ttl", "positive seconds", self.speculate_ttl)
+        need(self.request_timeout > 0, "request-timeout", "positive seconds", self.request_timeout)
+        need(self.max_dump_bytes >= 1024, "max-dump-bytes", "at least 1024 bytes", self.max_dump_bytes)
+        need(self.peer_timeout > 0, "peer-timeout", "positive seconds", self.peer_timeout)
         need(self.replay_timeout > 0, "replay-timeout", "positive seconds", self.replay_timeout)
         need(0 <= self.mooncake_seed < 2**64, "mooncake-seed", "an unsigned 64-bit int", self.mooncake_seed)
         need(self.log_format in ("text", "json"), "log-format", "text or json", self.log_format)

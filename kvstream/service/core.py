@@ -195,7 +195,9 @@ class ServiceCore:
         stay keep their index entries; changed ones (other endpoints) are re-followed.
         Returns ``(added, removed, kept)`` names."""
         want = {s.name: s for s in specs}
-        have = {n: e for n, e in self.engines.items() if e.index == DEFAULT_INDEX}
+        # Only configured engines: instances registered over HTTP (they carry meta) may share
+        # the default index but are not the config's to drop.
+        have = {n: e for n, e in self.engines.items() if e.index == DEFAULT_INDEX and not e.meta}
         added, removed, kept = [], [], []
         for n, e in have.items():
             w = want.get(n)

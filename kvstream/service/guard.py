@@ -15,7 +15,10 @@ of pipelined ``GET`` s that the client never read the answers of queued 150 k re
 * feeds the parser at most ``max_pipeline`` requests ahead of the one being answered:
   past that it keeps the bytes already read (at most one socket read) and stops reading
   the socket until answers go out, so a client that pipelines without reading its answers
-  is held back by TCP instead of queued in memory.
+  is held back by TCP instead of queued in memory;
+* answers (408 ``request_timeout``) and closes a connection that holds a partial request
+  (a head or body begun, not finished) for more than ``request_timeout`` seconds: a client
+  that opens a request and trickles it, or stops, does not hold the connection forever.
 
 A write to a connection the client already reset is dropped instead of raising (uvloop)
 in the middle of an answer. Each refusal is reported to ``on_reject(status, code)`` (the service counts it in
@@ -25,11 +28,13 @@ installed) already bounds heads (16 KiB) and pipelining; its subclass only answe
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import msgspec
 
-__all__ = ["MAX_HEAD_BYTES", "MAX_PIPELINE", "guarded_protocol", "error_response"]
+__all__ = ["MAX_HEAD_BYTES", "MAX_PIPELINE", "REQUEST_TIMEOUT_S", "guarded_protocol", "error_response",
+           "request_timeout_message"]
 
 MAX_HEAD_BYTES = 64 * 1024
 """Bytes a connection may send without the parser completing anything (a head, a trailer)."""
@@ -37,9 +42,13 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_PIPELINE = 16
 """Requests parsed ahead of the one being answered on one connection."""
 
+REQUEST_TIMEOUT_S = 60.0
+"""Seconds a connection may hold a partial request (head or body) before a 408."""
+
+_log = logging.getLogger("kvstream.service")
 _SLICE = 4096  # bytes fed to the parser at a time while checking the pipeline bound
 _ENC = msgspec.json.Encoder()
-_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 def error_response(status: int, code: str, message: str) -> bytes:
@@ -49,16 +58,22 @@ def error_response(status: int, code: str, message: str) -> bytes:
             % (status, _REASONS.get(status, b""), len(body), body))
 
 
+def request_timeout_message(seconds: float) -> str:
+    """The 408 ``request_timeout`` message for a request not received whole in time."""
+    return f"the request was not received whole within {seconds:g} s (--request-timeout)"
+
+
 def _no_report(status: int, code: str) -> None:
     return None
 
 
 def guarded_protocol(base: Any = None, *, on_reject: Callable[[int, str], None] | None = None,
-                     max_head_bytes: int = MAX_HEAD_BYTES, max_pipeline: int = MAX_PIPELINE) -> Any:
+                     max_head_bytes: int = MAX_HEAD_BYTES, max_pipeline: int = MAX_PIPELINE,
+                     request_timeout: float = REQUEST_TIMEOUT_S) -> Any:
     """A subclass of uvicorn's HTTP protocol class ``base`` (default: uvicorn's choice,
     httptools when installed, else h11) for ``uvicorn.Config(http=...)``, with the bounds
     and JSON errors of the module docstring. ``max_head_bytes``: bytes; ``max_pipeline``:
-    requests."""
+    requests; ``request_timeout``: seconds (httptools only; 0: none)."""
     if base is None:
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -70,9 +85,36 @@ def guarded_protocol(base: Any = None, *, on_reject: Callable[[int, str], None] 
     except ImportError:  # pragma: no cover - httptools is not installed
         pass
     if tools is not None and issubclass(base, tools):
-        return type("GuardedHttpToolsProtocol", (_GuardedHttpTools, base),
-                    {"_report": staticmethod(report), "_max_head": max_head_bytes, "_max_pipeline": max_pipeline})
+        missing = [m for m in _HTTPTOOLS_HOOKS if not callable(getattr(base, m, None))]
+        if not missing:
+            return type("GuardedHttpToolsProtocol", (_GuardedHttpTools, base),
+                        {"_report": staticmethod(report), "_max_head": max_head_bytes, "_max_pipeline": max_pipeline,
+                         "_request_timeout": float(request_timeout)})
+        # Another uvicorn than the ones this was written against: serve unguarded rather
+        # than break every connection, and say so.
+        _log.warning("uvicorn %s's httptools protocol lacks %s: HTTP head, pipelining and request-time bounds "
+                     "are off", _uvicorn_version(), ", ".join(missing))
+    if not callable(getattr(base, "send_400_response", None)):
+        _log.warning("uvicorn %s's protocol lacks send_400_response: malformed HTTP gets uvicorn's own answer",
+                     _uvicorn_version())
+        return base
     return type("GuardedHttpProtocol", (_JsonErrors, base), {"_report": staticmethod(report)})
+
+
+_HTTPTOOLS_HOOKS = ("connection_made", "connection_lost", "data_received", "send_400_response", "on_message_begin",
+                    "on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
+                    "_unset_keepalive_if_required")
+"""The methods of uvicorn's ``HttpToolsProtocol`` that :class:`_GuardedHttpTools` overrides or
+calls (checked when the protocol class is made)."""
+
+
+def _uvicorn_version() -> str:
+    try:
+        import uvicorn
+
+        return str(uvicorn.__version__)
+    except (ImportError, AttributeError):  # pragma: no cover
+        return "?"
 
 
 class _ClosedSafe:
@@ -119,15 +161,45 @@ class _GuardedHttpTools(_JsonErrors):
 
     _max_head: int
     _max_pipeline: int
+    _request_timeout: float
     parser: Any
     pipeline: Any
     flow: Any
+    loop: Any
+    cycle: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._stalled = 0  # bytes fed since the parser last completed something
         self._progress = False
         self._held = b""  # bytes read but not yet fed, while the pipeline is full
+        self._begun: float | None = None  # loop time the request being parsed began
+        self._deadline: Any = None  # one timer, moved lazily (see _check_deadline)
+
+    def on_message_begin(self) -> None:
+        self._begun = self.loop.time()
+        if self._deadline is None and self._request_timeout > 0:
+            self._deadline = self.loop.call_later(self._request_timeout, self._check_deadline)
+        super().on_message_begin()  # type: ignore[misc]
+
+    def _check_deadline(self) -> None:
+        self._deadline = None
+        if self._begun is None or self.transport.is_closing():
+            return
+        left = self._begun + self._request_timeout - self.loop.time()
+        if left > 0 or self._held or self.flow.read_paused:
+            # Not yet, or the wait is ours (the pipeline is full, the app reads slowly).
+            self._deadline = self.loop.call_later(max(left, 0.05), self._check_deadline)
+        elif self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
+            self.transport.close()  # this request's answer is already going out: no second head
+        else:
+            self._refuse(408, "request_timeout", request_timeout_message(self._request_timeout))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        super().connection_lost(exc)  # type: ignore[misc]
 
     # The parser got somewhere: a head, body bytes, a whole request.
     def on_headers_complete(self) -> None:
@@ -140,6 +212,7 @@ class _GuardedHttpTools(_JsonErrors):
 
     def on_message_complete(self) -> None:
         self._progress = True
+        self._begun = None
         super().on_message_complete()  # type: ignore[misc]
 
     def data_received(self, data: bytes) -> None:

@@ -6,7 +6,8 @@
   ``additionalsalt``) starts following a publisher -> ``{"status": "registered
   successfully", "instance_id": ...}``.
 * ``POST /unregister`` (``instance_id``, ``tenant_id``, ``dp_rank``, ...) stops it ->
-  ``{"status": "unregistered successfully", "removed_instances": ["inst|tenant|rank"]}``.
+  ``{"status": "unregistered successfully", "removed_instances": ["inst|tenant|rank"]}``
+  (a ``\\`` or ``|`` inside a name is written ``\\\\`` or ``\\|``: :func:`join_names`).
 * ``POST /query`` (``model``, ``token_ids``, ``block_size``, ``lora_name``, ``tenant_id``,
   ``instance_id``, ``cache_salt``) and ``POST /query_by_hash`` (``seq_hashes`` instead of
   ``token_ids``) -> ``{tenant: {instance: {"longest_matched": N, "GPU": n, "CPU": n,
@@ -45,7 +46,7 @@ from kvstream.service.tokenjson import decode_with_tokens
 from kvstream.transport.subscriber import SourceSpec
 
 __all__ = ["MooncakeAPI", "RegisterRequest", "UnregisterRequest", "QueryRequest", "QueryByHashRequest",
-           "PUBLISHER_TYPES", "MEDIA"]
+           "PUBLISHER_TYPES", "MEDIA", "join_names"]
 
 PUBLISHER_TYPES = {"vllm": "vLLM", "sglang": "SGLang", "mooncake": "Mooncake"}
 """Publisher ``type`` values (case-insensitive) and their canonical spelling."""
@@ -139,9 +140,21 @@ def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
         raise from_msgspec(exc) from None
 
 
+def join_names(*parts: object) -> str:
+    """``parts`` joined with ``|``, each ``\\`` and ``|`` inside a part escaped with ``\\``,
+    so two different tuples never give the same string (names without either character
+    read as before: ``a|default|0``)."""
+    return "|".join(str(p).replace("\\", "\\\\").replace("|", "\\|") for p in parts)
+
+
+def engine_name(instance_id: str, tenant_id: str, dp_rank: int) -> str:
+    """The engine (source) name of a registration: ``instance|tenant|rank`` (:func:`join_names`)."""
+    return join_names(instance_id, tenant_id, dp_rank)
+
+
 def group_name(model: str, tenant: str, block_size: int, salt: str, lora: str, kind: str) -> str:
     """The index name of a registration group (shown in ``/v1/engines`` and metrics)."""
-    return f"mooncake:{model}|{tenant}|{block_size}|{salt}|{lora}|{kind}"
+    return "mooncake:" + join_names(model, tenant, block_size, salt, lora, kind)
 
 
 class MooncakeAPI:
@@ -207,7 +220,7 @@ class MooncakeAPI:
                 raise ApiError(422, "bad_field", f"{f} must be a ZMQ endpoint like tcp://host:5557, got {v!r}",
                                f"$.{f}")
         core = self.core
-        name = f"{r.instance_id}|{r.tenant_id}|{r.dp_rank}"
+        name = engine_name(r.instance_id, r.tenant_id, r.dp_rank)
         spec = SourceSpec(r.endpoint, r.replay_endpoint or None, name)
         salt, lora = r.additionalsalt or "", r.lora_name or ""
         key = (r.modelname, r.tenant_id, r.block_size, salt, lora)

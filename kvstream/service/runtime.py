@@ -36,6 +36,26 @@ _MAX_SLICE_S = 0.025
 """Longest run of applying waiting batches before the pump lets HTTP calls in (seconds)."""
 
 
+class _DumpTooLarge(Exception):
+    pass
+
+
+async def _read_dump(client: Any, url: str, limit: int) -> bytes:
+    """The body of ``GET url``, refused (:class:`_DumpTooLarge`) past ``limit`` bytes
+    (by ``Content-Length`` before reading, else as it streams in)."""
+    async with client.stream("GET", url) as r:
+        r.raise_for_status()
+        length = r.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise _DumpTooLarge(f"dump of {int(length)} bytes is over --max-dump-bytes {limit}")
+        buf = bytearray()
+        async for chunk in r.aiter_bytes():
+            buf += chunk
+            if len(buf) > limit:
+                raise _DumpTooLarge(f"dump is over --max-dump-bytes {limit}")
+        return bytes(buf)
+
+
 class ServiceRuntime:
     """Runs the core's I/O: subscribes to every engine (items go to
     :meth:`ServiceCore.apply` in order), and scrapes each engine's ``/metrics`` every
@@ -88,22 +108,29 @@ class ServiceRuntime:
         self.core.attach(None)
 
     async def _load_from_peers(self, peers: list[str]) -> None:
-        """Load the index from the first replica whose ``/v1/dump`` answers (10 s each)."""
+        """Load the index from the first replica whose ``/v1/dump`` answers with a dump
+        this service can load, read within ``max_dump_bytes`` and ``peer_timeout`` seconds
+        per peer; none: a cold start, said in one log line naming each peer's fault."""
         import httpx
 
-        async with httpx.AsyncClient(timeout=10.0) as client:
+        cfg = self.core.config
+        faults = []
+        async with httpx.AsyncClient(timeout=cfg.peer_timeout) as client:
             for url in peers:
-                try:
-                    r = await client.get(url.rstrip("/") + "/v1/dump")
-                    r.raise_for_status()
-                    resumed = self.core.load_dump(r.content)
-                except Exception as exc:  # noqa: BLE001 - try the next peer; none: start cold
-                    log.warning("could not load the index from %s: %s", url, exc)
-                    continue
-                log.info("loaded the index from %s (%d bytes): %d engines resume past their dumped seq",
-                         url, len(r.content), len(resumed), extra={"resumed": resumed})
-                return
-        log.warning("no peer answered; starting from the engines' replay buffers")
+                with anyio.move_on_after(cfg.peer_timeout) as scope:
+                    try:
+                        data = await _read_dump(client, url.rstrip("/") + "/v1/dump", cfg.max_dump_bytes)
+                        resumed = self.core.load_dump(data)
+                    except Exception as exc:  # noqa: BLE001 - try the next peer; none: start cold
+                        faults.append(f"{url}: {exc or type(exc).__name__}")
+                        continue
+                    log.info("loaded the index from %s (%d bytes): %d engines resume past their dumped seq",
+                             url, len(data), len(resumed), extra={"resumed": resumed})
+                    return
+                if scope.cancelled_caught:
+                    faults.append(f"{url}: no whole dump within --peer-timeout {cfg.peer_timeout:g} s")
+        log.warning("no peer answered with a dump, starting cold from the engines' replay buffers (%s)",
+                    "; ".join(faults), extra={"peers": faults})
 
     async def _pump(self) -> None:
         # A fair share of the event loop: while batches wait, apply them for as long as

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.service.conftest import ServeProc, wait_for
+from tests.service.conftest import ServeProc, dead_port, wait_for
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -131,19 +131,12 @@ class BadEngine(socketserver.ThreadingTCPServer):
         self.server_close()
 
 
-def _dead_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
 
 @pytest.fixture(scope="module")
 def setup() -> Iterator[tuple[ServeProc, BadEngine]]:
     eng = BadEngine()
     try:
-        srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()},http={eng.url}", "--proxy", "--load-interval", "0",
+        srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()},http={eng.url}", "--proxy", "--load-interval", "0",
                         "--proxy-max-attempts", "1", "--proxy-backoff", "0.01", "--max-body-bytes", "65536")
         try:
             yield srv, eng

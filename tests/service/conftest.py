@@ -8,6 +8,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,15 @@ def read_line(proc: subprocess.Popen, timeout: float = DEADLINE_S, err: Any = No
                     text = err.read()
                 raise AssertionError(f"{proc.args!r} exited ({proc.wait()}): {text[-2000:]}")
             return line
+
+
+def dead_port() -> int:
+    """A loopback TCP port nothing listens on (bound once by the OS, then released)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
 
 
 def wait_for(pred: Callable[[], Any], what: str, timeout: float = DEADLINE_S) -> Any:
@@ -107,8 +117,16 @@ class ServeProc:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstream", "serve", "--port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=self.err, text=True,
                                      env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
-        line = read_line(self.proc, err=self.err)
-        assert "listening on " in line, line
+        try:
+            line = read_line(self.proc, err=self.err)
+            assert "listening on " in line, line
+        except BaseException:  # never started: nobody else holds it to stop it
+            self.proc.kill()
+            self.proc.wait()
+            for f in (self.proc.stdout, self.err):
+                if f is not None:
+                    f.close()
+            raise
         self.listening = line
         self.url = line.split("listening on ", 1)[1].split()[0]
         self.client = httpx.Client(base_url=self.url, timeout=10.0)

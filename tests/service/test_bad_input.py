@@ -5,26 +5,18 @@ an engine nobody answers for is ``connecting``, not ``live``."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.service.conftest import ServeProc
+from tests.service.conftest import ServeProc, dead_port
 
-
-def _dead_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture(scope="module")
 def srv():
-    p1, p2 = _dead_port(), _dead_port()
+    p1, p2 = dead_port(), dead_port()
     s = ServeProc(f"e0=tcp://127.0.0.1:{p1},tcp://127.0.0.1:{p2}", "e1=tcp://127.0.0.1:1",
                   "--load-interval", "0", "--max-prompt-tokens", "100", "--max-body-bytes", "4096",
                   "--replay-timeout", "0.2")
@@ -117,7 +109,7 @@ def test_a_null_tenant_is_the_default_tenant(srv, path, body) -> None:
 def test_a_replay_endpoint_that_cannot_be_connected_is_refused_not_fatal(srv, replay: str) -> None:
     # Before: accepted, then the replay task's ZMQError ended the subscriber's task group:
     # one /register stopped the service from following any engine.
-    body = {"endpoint": f"tcp://127.0.0.1:{_dead_port()}", "replay_endpoint": replay, "type": "vLLM",
+    body = {"endpoint": f"tcp://127.0.0.1:{dead_port()}", "replay_endpoint": replay, "type": "vLLM",
             "modelname": "m", "instance_id": "bad-replay", "block_size": 16, "dp_rank": 0}
     r = srv.client.post("/register", json=body)
     assert r.status_code == 422, r.text

@@ -53,6 +53,9 @@ def test_pipelined_requests_are_framed_one_at_a_time_and_partial_ones_wait() -> 
     _req(extra=b"Bad Header: 1\r\n"),
     _req(extra=b" folded\r\n"),
     _req(extra=b"X-Bare: a\nb\r\n"),
+    _req(extra=b"X-Nul: a\x00b\r\n"),  # control characters: uvicorn refuses them (400 bad_http)
+    _req(extra=b"X-Ctl: a\x1fb\r\n"),
+    _req(extra=b"X-Del: a\x7f\r\n"),
     _req(b"x" * 2000),  # over the limit: HotRoutes answers the 413
     b"POST /query HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
     b"garbage\r\n\r\n",

@@ -16,21 +16,14 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.service.conftest import ServeProc, wait_for
+from tests.service.conftest import ServeProc, dead_port, wait_for
 
-
-def _dead_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture(scope="module", params=["fast", "proxy"])
 def srv(request: pytest.FixtureRequest) -> Iterator[ServeProc]:
     extra = ["--proxy"] if request.param == "proxy" else []
-    s = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()}", "--load-interval", "0", "--max-body-bytes", "65536", *extra)
+    s = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}", "--load-interval", "0", "--max-body-bytes", "65536", *extra)
     yield s
     assert s.close() == 0
 
@@ -82,6 +75,11 @@ MALFORMED = {
     # Ended by bare LFs: the fast path used to wait for a CRLF CRLF that never came.
     "bare_line_feeds_hot": b"POST /v1/route HTTP/1.1\nHost: x\nContent-Length: 24\n\n" + B,
     "bare_line_feeds_get": b"GET /healthz HTTP/1.1\nHost: x\n\n",
+    # Control characters in a header value of a hot POST: uvicorn refuses them, and the
+    # fast path used to answer the request as if they were not there.
+    "nul_in_header_value_hot": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nX-Trace: a\x00b\r\nContent-Length: 24\r\n\r\n" + B,
+    "ctl_in_header_value_hot": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nX-Trace: a\x01b\r\nContent-Length: 24\r\n\r\n" + B,
+    "nul_in_content_length_hot": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Length: 24\x00\r\n\r\n" + B,
 }
 
 
@@ -222,7 +220,7 @@ def test_slow_idle_and_reset_clients_do_not_hold_up_others(srv: ServeProc) -> No
 
 
 def test_two_workers_guard_every_connection_the_same_way() -> None:
-    srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()}", "--load-interval", "0", "--workers", "2")
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}", "--load-interval", "0", "--workers", "2")
     try:
         for _ in range(4):  # connections land on either worker
             with socket.create_connection(_addr(srv), timeout=10) as s:
@@ -242,7 +240,7 @@ def test_without_httptools_uvicorns_h11_protocol_answers_in_json_too(tmp_path: P
     # bounds heads itself (16 KiB); its 400 was text/plain too.
     (tmp_path / "httptools.py").write_text('raise ImportError("hidden: run as without kvstream[fast]")\n')
     repo = Path(__file__).resolve().parents[2]
-    srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()}", "--load-interval", "0",
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}", "--load-interval", "0",
                     env={"PYTHONPATH": f"{tmp_path}:{repo}"})
     try:
         for raw in (MALFORMED["content_length_not_a_number"], MALFORMED["not_http"]):
@@ -258,3 +256,66 @@ def test_without_httptools_uvicorns_h11_protocol_answers_in_json_too(tmp_path: P
         assert srv.client.post("/v1/route", json={"token_ids": [1, 2]}).status_code == 200
     finally:
         assert srv.close() == 0
+
+
+PARTIAL = {
+    "head_hot": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Le",
+    "body_hot": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Length: 24\r\n\r\n" + B[:5],
+    "chunked_body": b"POST /v1/route HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n18\r\n" + B[:5],
+    # a whole GET first (on the fast path: handed to uvicorn), then half of the next head
+    "head_after_a_request": b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHo",
+}
+
+
+@pytest.mark.parametrize("mode", ["fast", "proxy"])
+def test_a_partial_request_held_past_the_request_timeout_is_a_json_408_then_closed(mode: str) -> None:
+    # Before: a connection could hold half a head or body for ever (a slow-loris client
+    # pinning a connection and its buffers); only idle connections between requests closed.
+    extra = ["--proxy"] if mode == "proxy" else []
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}", "--load-interval", "0", "--request-timeout", "1", *extra)
+    try:
+        socks = {k: socket.create_connection(_addr(srv), timeout=10) for k in PARTIAL}
+        t0 = time.monotonic()
+        for k, s in socks.items():
+            s.sendall(PARTIAL[k])
+        for k, s in socks.items():
+            if k == "head_after_a_request":
+                assert _read_response(s)[0] == 200
+            status, headers, body = _read_response(s)
+            assert (k, status) == (k, 408), body
+            assert time.monotonic() - t0 >= 0.9  # not before the deadline
+            assert headers["content-type"] == "application/json"
+            assert httpx.Response(200, content=body).json()["error"]["code"] == "request_timeout"
+            assert _closed(s), k
+            s.close()
+        # a request that takes its time but finishes within the deadline is answered
+        with socket.create_connection(_addr(srv), timeout=10) as s:
+            s.sendall(PARTIAL["body_hot"])
+            wait_for(lambda: srv.client.get("/healthz").status_code == 200, "a turn of the server")
+            s.sendall(B[5:])
+            assert _read_response(s)[0] == 200
+        metrics = srv.client.get("/metrics").text
+        assert 'code="request_timeout"' in metrics
+    finally:
+        assert srv.close() == 0
+
+
+def test_the_guard_wraps_the_installed_uvicorn_and_falls_back_on_another(caplog) -> None:
+    # The guard overrides hooks of uvicorn's httptools protocol; with the installed uvicorn
+    # every hook is there (so the guarded class is used), and a protocol class lacking one
+    # is served unguarded with a warning instead of breaking every connection.
+    pytest.importorskip("httptools")
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from kvstream.service.guard import _HTTPTOOLS_HOOKS, guarded_protocol
+
+    assert guarded_protocol(HttpToolsProtocol).__name__ == "GuardedHttpToolsProtocol"
+    assert all(callable(getattr(HttpToolsProtocol, m, None)) for m in _HTTPTOOLS_HOOKS)
+
+    class Older(HttpToolsProtocol):
+        _unset_keepalive_if_required = None  # type: ignore[assignment]
+
+    with caplog.at_level("WARNING", logger="kvstream.service"):
+        made = guarded_protocol(Older)
+    assert made.__name__ == "GuardedHttpProtocol" and issubclass(made, Older)
+    assert "_unset_keepalive_if_required" in caplog.text and "bounds are off" in caplog.text

@@ -166,3 +166,71 @@ def test_a_registration_reaches_every_worker(engines, serve) -> None:
     _ok(IndexerClient(srv.client).unregister(instance_id="a"))
     wait_for(lambda: every_worker({"default": {}}), "both workers to drop the unregistered engine")
     assert srv.close() == 0
+
+
+def _by_endpoint(srv: Any, endpoint: str) -> dict | None:
+    return next((e for e in srv.engines().values() if e["endpoint"] == endpoint), None)
+
+
+def test_names_with_the_separator_never_collide_or_share_an_index(engines, serve) -> None:
+    # Before: registrations were keyed "instance|tenant|rank" and indexes
+    # "mooncake:model|tenant|...", joined without escaping, so ("a|b", "c") and ("a", "b|c")
+    # were the same engine (a spurious 409), and models "m|t" / "m" of tenants "x" / "t|x"
+    # were one index (each saw the other's blocks).
+    a, b, c, d = engines("a"), engines("b"), engines("c"), engines("d")
+    srv = serve("--load-interval", "0")
+    cl = IndexerClient(srv.client)
+    regs = [(a, "m", "a|b", "c"), (b, "m", "a", "b|c"),  # same "a|b|c|0" under the old joining
+            (c, "m|t", "i", "x"), (d, "m", "i", "t|x")]  # same "mooncake:m|t|x|16|||vLLM"
+    for eng, model, inst, tenant in regs:
+        _ok(cl.register(endpoint=eng.pub, replay_endpoint=eng.replay, type="vLLM", modelname=model,
+                        instance_id=inst, block_size=16, dp_rank=0, tenant_id=tenant))
+    seqs = {eng.pub: eng.admit([k * 1000 + t for t in PROMPT], "r") for k, (eng, *_) in enumerate(regs, 1)}
+
+    def applied() -> bool:
+        return all((e := _by_endpoint(srv, p)) is not None and e["state"] == "live"
+                   and (e["applied_seq"] if e["applied_seq"] is not None else -1) >= s for p, s in seqs.items())
+
+    wait_for(applied, "all four registrations live with their prompt applied")
+    views = [_by_endpoint(srv, eng.pub) for eng, *_ in regs]
+    assert len({v["name"] for v in views}) == 4 and len({v["index"] for v in views}) == 4
+    for k, (eng, model, inst, tenant) in enumerate(regs, 1):
+        row = {"longest_matched": 64, "GPU": 64, "CPU": 0, "DISK": 0, "DP": {"0": 64}}
+        for j in range(1, 5):  # only its own prompt matches, in its own (model, tenant)
+            got = _ok(cl.query(model=model, token_ids=[j * 1000 + t for t in PROMPT], block_size=16, tenant_id=tenant))
+            assert got == {tenant: {inst: row} if j == k else {}}, (k, j, got)
+        assert _ok(cl.query(model=model, token_ids=[k * 1000 + t for t in PROMPT], block_size=16, tenant_id=tenant,
+                            instance_id=inst)) == {tenant: {inst: row}}
+    metrics = srv.client.get("/metrics").text
+    assert all(f'engine="{v["name"]}"' in metrics.replace("\\\\", "\\") for v in views)
+    # unregistering one leaves the other of each colliding pair
+    gone = _ok(cl.unregister(instance_id="a|b", tenant_id="c"))["removed_instances"]
+    assert gone == [views[0]["name"]]
+    wait_for(lambda: _by_endpoint(srv, a.pub) is None, "a to be gone")
+    assert _by_endpoint(srv, b.pub) is not None
+    assert _ok(cl.query(model="m", token_ids=[2000 + t for t in PROMPT], block_size=16, tenant_id="b|c"))["b|c"]["a"]
+    assert _ok(cl.unregister(instance_id="a", tenant_id="b|c", dp_rank=0))["removed_instances"] == [views[1]["name"]]
+    assert _ok(cl.unregister(instance_id="i", tenant_id="t|x"))["removed_instances"] == [views[3]["name"]]
+    wait_for(lambda: _by_endpoint(srv, d.pub) is None, "d to be gone")
+    assert _by_endpoint(srv, c.pub) is not None
+
+
+def test_a_reload_keeps_instances_registered_into_the_configured_engines_group(engines, serve, tmp_path) -> None:
+    # Before: a vLLM registration of --model-name, tenant default and the router block size
+    # shares the configured engines' index, and SIGHUP's reload dropped it as "not in the
+    # config" (while /unregister still named it).
+    import signal
+
+    e0, a = engines("e0"), engines("a")
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(f'engines = ["{e0.arg}"]\nload-interval = 0\n')
+    srv = serve("--config", str(cfg))
+    cl = IndexerClient(srv.client)
+    _ok(cl.register(endpoint=a.pub, replay_endpoint=a.replay, type="vLLM", modelname="default", instance_id="a",
+                    block_size=16, dp_rank=0))
+    srv.wait_applied("a|default|0", a.admit(PROMPT, "r"))
+    srv.signal(signal.SIGHUP)
+    wait_for(lambda: "reloaded " in srv.stderr(), "the reload")
+    assert set(srv.engines()) == {"e0", "a|default|0"}
+    want = {"default": {"a": {"longest_matched": 64, "GPU": 64, "CPU": 0, "DISK": 0, "DP": {"0": 64}}}}
+    assert _ok(cl.query(model="default", token_ids=PROMPT, block_size=16)) == want
