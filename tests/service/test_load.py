@@ -90,13 +90,13 @@ def test_an_engine_metrics_page_without_end_is_refused_not_held(engines) -> None
     # (1 GiB held for an engine whose Content-Length said 1 GiB).
     from pathlib import Path
 
-    from tests.proxy.test_proxy_faults import BadEngine, _dead_port
-    from tests.service.conftest import ServeProc, wait_for
+    from tests.proxy.test_proxy_faults import BadEngine
+    from tests.service.conftest import ServeProc, dead_port, wait_for
 
     eng = BadEngine()
     eng.mode = "endless"
     try:
-        srv = ServeProc(f"e0=tcp://127.0.0.1:{_dead_port()},http={eng.url}", "--load-interval", "5")
+        srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()},http={eng.url}", "--load-interval", "5")
         try:
             load = wait_for(lambda: srv.engines()["e0"]["load"]["error"], "the scrape to fail")
             assert "over 8388608 bytes" in load, load
