@@ -64,6 +64,7 @@ _POLLIN = int(zmq.POLLIN)
 # decoded batches held in bulk survive young-generation GC passes and get expensive.
 _DRAIN_BURST = 256
 _EVENT_BURST = 1024
+_ENDPOINT_FORMS = "write it as tcp://HOST:PORT (port 1-65535), ipc://PATH or inproc://NAME"
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,8 +459,8 @@ class Subscriber:
                 sub.connect(spec.endpoint)
         except zmq.ZMQError as exc:
             sub.close(0)
-            raise EndpointError(f"cannot {'bind' if spec.bind else 'connect to'} {spec.endpoint!r}: {exc}; write it as "
-                                "tcp://HOST:PORT (port 1-65535), ipc://PATH or inproc://NAME") from None
+            raise EndpointError(f"cannot {'bind' if spec.bind else 'connect to'} {spec.endpoint!r}: {exc}; "
+                                f"{_ENDPOINT_FORMS}") from None
         if spec.replay_endpoint is not None:
             # The replay socket connects lazily (in the replay task, where a ZMQError would
             # end every source): refuse an endpoint it could never connect to here.
@@ -468,8 +469,8 @@ class Subscriber:
                 probe.connect(spec.replay_endpoint)
             except zmq.ZMQError as exc:
                 sub.close(0)
-                raise EndpointError(f"cannot connect to replay endpoint {spec.replay_endpoint!r}: {exc}; write it "
-                                    "as tcp://HOST:PORT (port 1-65535), ipc://PATH or inproc://NAME") from None
+                raise EndpointError(f"cannot connect to replay endpoint {spec.replay_endpoint!r}: {exc}; "
+                                    f"{_ENDPOINT_FORMS}") from None
             finally:
                 probe.close(0)
         src.sub = sub
