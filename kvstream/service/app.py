@@ -88,9 +88,10 @@ def _post(core: ServiceCore, handler: Callable[[bytes], bytes], api: str | None,
 
 
 def routes(core: ServiceCore) -> list[BaseRoute]:
-    """Every route of the service over ``core`` (kvstream's API, health, metrics, and the
-    Mooncake indexer API)."""
+    """Every route of the service over ``core`` (kvstream's API, health, metrics, the
+    Mooncake indexer API, and the status page with its ``/v1/status``)."""
     from kvstream.service.mooncake import MooncakeAPI
+    from kvstream.service.ui import status_routes
 
     mc = core.mooncake
     if mc is None:  # one registry of Mooncake groups per core, however many apps mount it
@@ -127,6 +128,7 @@ def routes(core: ServiceCore) -> list[BaseRoute]:
         Route("/unregister", _post(core, mc.unregister, None, mc.check_token), methods=["POST"]),
         Route("/query", _post(core, mc.query, "query"), methods=["POST"]),
         Route("/query_by_hash", _post(core, mc.query_by_hash, "query_by_hash"), methods=["POST"]),
+        *status_routes(core),
     ]
 
 
@@ -239,6 +241,9 @@ def create_app(core: ServiceCore, *, runtime: bool = True, extra_routes: Sequenc
     of the HTTP layer alone). ``extra_routes``: more routes (the proxy mode's OpenAI API).
     ``subscriber_options`` go to the runtime's subscriber."""
 
+    from kvstream.service import ui
+    from kvstream.service.openapi import openapi_route
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if not runtime:
@@ -246,7 +251,8 @@ def create_app(core: ServiceCore, *, runtime: bool = True, extra_routes: Sequenc
             return
         t0 = time.monotonic()
         try:
-            async with ServiceRuntime(core, **subscriber_options):
+            # The sampler records state transitions for the status page (/v1/status).
+            async with ServiceRuntime(core, **subscriber_options), ui.sampling(lambda: ui.sample(core)):
                 log.info("following %d engine(s)", len(core.engines),
                          extra={"engines": sorted(core.engines), "startup_s": round(time.monotonic() - t0, 3)})
                 yield
@@ -262,7 +268,7 @@ def create_app(core: ServiceCore, *, runtime: bool = True, extra_routes: Sequenc
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
             msg += "; paths: /v1/route, /v1/engines, /v1/dump, /healthz, /readyz, /metrics, /register, " \
-                   "/unregister, /query, /query_by_hash"
+                   "/unregister, /query, /query_by_hash, /v1/status, /openapi.json, / (the status page)"
         return _error(core, ApiError(exc.status_code, code, msg), None)
 
     async def internal_error(request: Request, exc: Exception) -> Response:
@@ -270,7 +276,9 @@ def create_app(core: ServiceCore, *, runtime: bool = True, extra_routes: Sequenc
         return Response(ApiError(500, "internal", f"internal error: {type(exc).__name__}").body(), 500,
                         media_type=JSON)
 
-    app = Starlette(routes=routes(core) + list(extra_routes), lifespan=lifespan,
+    served = routes(core) + list(extra_routes)
+    served.append(openapi_route(served))
+    app = Starlette(routes=served, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     mc = core.mooncake
     return HotRoutes(app, core, {"/v1/route": (core.route, "route"), "/query": (mc.query, "query"),
