@@ -24,7 +24,7 @@ import msgspec
 from starlette.routing import BaseRoute, Mount, Route
 
 from kvstream.service import schema as S
-from kvstream.service.mooncake import QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest
+from kvstream.service.mooncake import PUBLISHER_TYPES, QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest
 
 __all__ = ["Op", "OPERATIONS", "OPENAI_PATHS", "document", "served_operations", "openapi_route"]
 
@@ -136,6 +136,12 @@ _BY_HAND: dict[tuple[type, str], dict[str, Any]] = {
     (QueryByHashRequest, "seq_hashes"): _UINT64,
     (QueryByHashRequest, "block_hash"): _UINT64,
     (S.RouteRequest, "loads"): {"additionalProperties": {"$ref": "#/components/schemas/LoadIn"}},
+    # PUBLISHER_TYPES, any case; an endpoint is a ZMQ URL (tcp://host:port, ipc://path)
+    (RegisterRequest, "type"): {"pattern": "^(" + "|".join("".join(f"[{c.lower()}{c.upper()}]" for c in k)
+                                                          for k in PUBLISHER_TYPES) + ")$",
+                                "examples": list(PUBLISHER_TYPES.values())},
+    (RegisterRequest, "endpoint"): {"pattern": "://", "examples": ["tcp://10.0.0.1:5557"]},
+    (RegisterRequest, "replay_endpoint"): {"pattern": "://", "examples": ["tcp://10.0.0.1:5558"]},
 }
 
 
