@@ -48,6 +48,7 @@ def test_sdist_and_wheel_build_install_in_a_fresh_venv_and_run_the_demo(tmp_path
         names = z.namelist()
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "kvstream/py.typed" in names and "kvstream/cli/__init__.py" in names
+    assert "kvstream/service/ui/index.html" in names  # the status page, package data
     assert any(n.startswith("kvstream/_native") for n in names)  # the native core, built from the sdist
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "License-Expression: Apache-2.0" in meta
