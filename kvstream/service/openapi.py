@@ -35,7 +35,7 @@ JSON = "application/json"
 class Op:
     """One operation: its summary and description, the request Struct (POST bodies),
     answers by status (a type, or ``(media type, JSON schema)`` for non-JSON bodies),
-    tags, and extra OpenAPI keys (``links``: per status, OpenAPI links)."""
+    tags, and per status its OpenAPI ``links`` (what the stateful fuzzing follows)."""
 
     summary: str
     description: str = ""
@@ -43,10 +43,13 @@ class Op:
     answers: dict[int, Any] = field(default_factory=dict)
     tags: tuple[str, ...] = ()
     links: dict[int, dict[str, Any]] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
-_POST_ERRORS = {400: S.ErrorResponse, 408: S.ErrorResponse, 413: S.ErrorResponse, 422: S.ErrorResponse}
+# What any POST may be refused with: not JSON / not HTTP the service takes (400), a request
+# not sent whole in time (408), a body or prompt too large (413), a head too large (431),
+# a field of the wrong type or range (422).
+_POST_ERRORS = {400: S.ErrorResponse, 408: S.ErrorResponse, 413: S.ErrorResponse, 422: S.ErrorResponse,
+                431: S.ErrorResponse}
 _TEXT = ("text/plain", {"type": "string"})
 _HTML = ("text/html", {"type": "string"})
 
@@ -188,6 +191,7 @@ _DESCRIPTIONS = {200: "OK", 400: "Not JSON, or not HTTP/1.1 the service accepts"
                  404: "Unknown instance", 408: "The request was not sent whole within --request-timeout",
                  409: "Already registered with other settings", 413: "Over --max-body-bytes or --max-prompt-tokens",
                  422: "A field of the wrong type, range or combination (error.where names it)",
+                 431: "A request line or header over 64 KiB",
                  503: "Not healthy / not ready"}
 
 
@@ -226,7 +230,6 @@ def document(routes: Sequence[BaseRoute], *, title: str = "kvstream serve", vers
                     resp["links"] = copy.deepcopy(op.links[status])
                 responses[str(status)] = resp
             entry["responses"] = responses
-            entry.update(copy.deepcopy(op.extra))
         elif (method, path) in OPENAI_PATHS:
             entry = {"operationId": _op_id(method, path), "tags": ["openai"], **copy.deepcopy(OPENAI_PATHS[method, path]),
                      "responses": {"default": copy.deepcopy(_UPSTREAM)}}

@@ -11,6 +11,7 @@ before it is sent (:func:`_loopback_only`), whatever else the case holds."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any, Iterator
 
@@ -159,6 +160,28 @@ def test_live_answers_decode_with_their_documented_structs(live: _Live) -> None:
     assert doc["openapi"] == "3.1.0" and "/v1/status" in doc["paths"]
 
 
+def test_what_the_fuzzing_found_an_integral_float_for_an_integer_field_is_a_422_naming_it(live: _Live) -> None:
+    """JSON Schema counts 21.0 an integer, the decoders want an int: the answer is the
+    documented 422 naming the field (never a 500, never a silent truncation)."""
+    c = live.srv.client
+    port = dead_port()
+    reg = {"endpoint": f"tcp://127.0.0.1:{port}", "type": "vLLM", "modelname": "m", "instance_id": "f-1",
+           "block_size": BS, "dp_rank": 21.0}
+    for path, body, where in (
+            ("/register", reg, "$.dp_rank"),
+            ("/unregister", {"instance_id": "f-1", "dp_rank": 3.0}, "$.dp_rank"),
+            ("/query", {"model": "default", "token_ids": [1, 2], "block_size": 16.0}, "$.block_size"),
+            ("/v1/route", {"token_ids": [1.0, 2]}, "$.token_ids[0]")):
+        r = c.post(path, json=body)
+        assert r.status_code == 422, (path, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "bad_field" and err["where"] == where, (path, err)
+    # A publisher type in any case is what the document's pattern says /register takes.
+    reg.update(dp_rank=0, type="sGlAnG")
+    assert c.post("/register", json=reg).status_code == 200
+    assert c.post("/unregister", json={"instance_id": "f-1"}).status_code == 200
+
+
 # -- schemathesis ----------------------------------------------------------------------
 
 _ENDPOINT = re.compile(r"endpoint$")
@@ -202,8 +225,9 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: 
 
 _NOT_OURS = [positive_data_acceptance]
 
-_FUZZ = settings(max_examples=30, deadline=None, derandomize=True, database=None,
-                 suppress_health_check=list(HealthCheck))
+# Examples per operation and mode: a short run in the suite; KVSTREAM_FUZZ_EXAMPLES=500 for a long hunt.
+_FUZZ = settings(max_examples=int(os.environ.get("KVSTREAM_FUZZ_EXAMPLES", "30")), deadline=None,
+                 derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 
 
 def test_schemathesis_finds_no_5xx_and_no_answer_off_the_document(live: _Live) -> None:
