@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import warnings
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any, Iterator
@@ -91,6 +92,7 @@ def _chromium() -> str:
     msg = "headless Chromium not found: install Debian's 'chromium' package (apt-get install -y chromium)"
     if os.environ.get("CI"):
         pytest.fail(msg + "; .ci/run installs it, so CI must have it")
+    warnings.warn(msg, UserWarning, stacklevel=1)  # in the warnings summary, which -q still prints
     pytest.skip(msg)
 
 
