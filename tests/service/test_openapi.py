@@ -15,9 +15,11 @@ import os
 import re
 from typing import Any, Iterator
 
+import httpx
 import msgspec
 import pytest
 
+from kvstream.emulator.launch import start_engine, start_serve_proxy
 from kvstream.service import schema as S
 from kvstream.service.app import create_app
 from kvstream.service.config import ServeConfig
@@ -292,3 +294,51 @@ def test_the_document_is_served_as_json(live: _Live) -> None:
     r = live.srv.client.get("/openapi.json")
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     assert json.loads(r.content)["info"]["title"] == "kvstream serve"
+
+
+def test_schemathesis_in_proxy_mode_the_openai_routes_never_answer_5xx_and_engines_match_their_schema(
+        tmp_path: Any) -> None:
+    """``serve --proxy`` over a ``kvstream engine``: the OpenAI routes (documented by
+    reference, bodies any JSON object) proxied to a healthy engine never answer 5xx, and
+    ``/v1/engines`` with the proxy's part (:class:`~kvstream.service.schema.ProxyEngineView`)
+    matches its schema after them."""
+    e0 = start_engine("e0", log_dir=str(tmp_path), timeout_s=60)
+    try:
+        srv = start_serve_proxy([e0], extra=["--load-interval", "0.5"], log_dir=str(tmp_path), timeout_s=60)
+        try:
+            raw = _get_json(srv.url + "/openapi.json")
+            schema = schemathesis.openapi.from_dict(raw)
+            schema.config.update(base_url=srv.url)
+            schema.config.checks.update(excluded_check_names=[c.__name__ for c in _NOT_OURS])
+            wanted = {(m, p) for m, p in OPENAI_PATHS} | {("GET", "/v1/engines")}
+            ops = [r.ok() for r in schema.get_all_operations()]
+            ops = [op for op in ops if (op.method.upper(), op.path) in wanted]
+            assert len(ops) == len(wanted)
+            failures = []
+            # The engines' view last, once requests went through the proxy.
+            for op in sorted(ops, key=lambda o: o.path == "/v1/engines"):
+
+                @settings(max_examples=15, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=list(HealthCheck))
+                @given(case=op.as_strategy())
+                def fuzz(case: Any) -> None:
+                    case.call_and_validate(base_url=srv.url)
+
+                try:
+                    fuzz()
+                except BaseException as exc:  # noqa: BLE001 - report every operation's failures together
+                    failures.append(f"{op.method.upper()} {op.path}: {exc}"[:3000])
+            assert not failures, "\n\n".join(failures)
+            engines = _get_json(srv.url + "/v1/engines")
+            _strict(S.EnginesResponse, engines)
+            assert "proxy" in engines["engines"][0]  # the proxy's part was there to check
+        finally:
+            srv.stop()
+    finally:
+        e0.stop()
+
+
+def _get_json(url: str) -> Any:
+    r = httpx.get(url, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
