@@ -260,7 +260,8 @@ def openapi_route(routes: Sequence[BaseRoute]) -> Route:
 
     async def openapi(request: Request) -> Response:
         if not cached:
-            cached.append(msgspec.json.encode(document([*routes, route])))
+            served = list(routes) if route in routes else [*routes, route]
+            cached.append(msgspec.json.encode(document(served)))
         return Response(cached[0], media_type=JSON)
 
     route = Route("/openapi.json", openapi, methods=["GET"])
