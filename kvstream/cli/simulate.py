@@ -35,7 +35,7 @@ from kvstream.cli._common import (
 
 _EPILOG = """\
 examples:
-  kvstream simulate --trace mooncake_conversation.jsonl --engines 8
+  kvstream simulate --trace examples/traces/mooncake_conversation.jsonl.xz --engines 8
   kvstream simulate --trace t.jsonl --engines 4,8,16 --json out.json --plot out.svg
   kvstream simulate --requests 5000 --policies kv-aware,round-robin --seed 3
   kvstream simulate --kv-overlap-score-weight 2 --queue-weight 0.2
