@@ -7,9 +7,10 @@ optionally written as JSON and plotted. Deterministic for a given seed.
 
 Flags that exist in vLLM have vLLM's names (``--block-size``, ``--max-num-seqs``,
 ``--max-num-batched-tokens``, ``--num-gpu-blocks-override``, ``--gpu-memory-utilization``,
-``--max-model-len``, ``--prefix-caching-hash-algo``), shared with ``kvstream plan``; the
-older spellings (``--blocks``, ``--max-running``, ``--max-batched-tokens``,
-``--hash-algo``) still work.
+``--max-model-len``, ``--prefix-caching-hash-algo``), shared with ``kvstream plan`` and
+``kvstream engine`` (``--prefill-tokens-per-s``). The older spellings (``--blocks``,
+``--max-running``, ``--max-batched-tokens``, ``--hash-algo``, ``--prefill-rate``) still
+work, with a warning.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from kvstream.cli._common import (
     CLIError,
+    add_deprecated_alias,
     add_log_level,
     check_block_memory,
     check_output_path,
@@ -95,24 +97,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from kvstream.cli.plan import parse_memory
     from kvstream.hashing import ALGORITHMS
 
-    g = p.add_argument_group("engines (vLLM's flag names; the second spelling is the old one)")
-    g.add_argument("--num-gpu-blocks-override", "--blocks", dest="blocks", type=positive_int, metavar="N",
-                   help="KV blocks per engine (default: 1024 for traces, 2048 synthetic)")
+    g = p.add_argument_group("engines (vLLM's flag names, shared with kvstream engine and kvstream plan)")
+    a = g.add_argument("--num-gpu-blocks-override", dest="blocks", type=positive_int, metavar="N",
+                       help="KV blocks per engine (default: 1024 for traces, 2048 synthetic)")
+    add_deprecated_alias(g, a, "--blocks")
     g.add_argument("--block-size", type=positive_int, metavar="T",
                    help="tokens per block (default: 512 for traces, 16 synthetic)")
     g.add_argument("--token-granularity", type=positive_int, metavar="G",
                    help="real tokens per simulated token (default: 32 for traces, 1 synthetic)")
-    g.add_argument("--prefill-rate", type=positive_float, default=16000.0, metavar="TOK/S",
-                   help="prefill tokens per second (default 16000)")
+    a = g.add_argument("--prefill-tokens-per-s", dest="prefill_rate", type=positive_float, default=16000.0,
+                       metavar="TOK/S", help="prompt tokens computed per second (default 16000)")
+    add_deprecated_alias(g, a, "--prefill-rate")
     g.add_argument("--decode-step", type=positive_float, default=0.025, metavar="S",
-                   help="seconds per engine step (default 0.025)")
-    g.add_argument("--max-num-seqs", "--max-running", dest="max_running", type=positive_int, default=64,
-                   metavar="N", help="max running requests per engine (default 64)")
-    g.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_batched_tokens",
-                   type=positive_int, default=8192, metavar="T", help="token budget per step (default 8192)")
-    g.add_argument("--prefix-caching-hash-algo", "--hash-algo", dest="hash_algo", default="native",
-                   choices=ALGORITHMS, metavar="ALGO",
-                   help=f"engine block hash algorithm: {', '.join(ALGORITHMS)} (default native)")
+                   help="seconds per engine step; each running request decodes one token per step (default 0.025)")
+    a = g.add_argument("--max-num-seqs", dest="max_running", type=positive_int, default=64,
+                       metavar="N", help="max running requests per engine (default 64)")
+    add_deprecated_alias(g, a, "--max-running")
+    a = g.add_argument("--max-num-batched-tokens", dest="max_batched_tokens",
+                       type=positive_int, default=8192, metavar="T", help="token budget per step (default 8192)")
+    add_deprecated_alias(g, a, "--max-batched-tokens")
+    a = g.add_argument("--prefix-caching-hash-algo", dest="hash_algo", default="native",
+                       choices=ALGORITHMS, metavar="ALGO",
+                       help=f"engine block hash algorithm: {', '.join(ALGORITHMS)} (default native)")
+    add_deprecated_alias(g, a, "--hash-algo")
     g.add_argument("--model-config", metavar="CONFIG_JSON",
                    help="size engines from a Hugging Face config.json (with --gpu-memory or --kv-memory-gib); "
                         "--num-gpu-blocks-override still wins, as in vLLM")
