@@ -89,8 +89,9 @@ class _DeprecatedAlias(argparse.Action):
     the spelling to use. Hidden from ``--help``."""
 
     def __init__(self, option_strings: list[str], dest: str, *, target: argparse.Action, **_: Any) -> None:
+        kind: Any = target.type  # typeshed allows a registered type's name here too
         super().__init__(option_strings, target.dest, nargs=target.nargs, const=target.const,
-                         default=argparse.SUPPRESS, type=target.type, choices=target.choices,
+                         default=argparse.SUPPRESS, type=kind, choices=target.choices,
                          metavar=target.metavar, help=argparse.SUPPRESS)
         self.target = target
 
