@@ -271,3 +271,20 @@ def test_the_readme_test_command_is_what_ci_runs() -> None:
              if "python -m pytest" in line and line.strip().startswith("python3 -m venv")]
     assert len(tests) == 1 and tests[0] in readme
     assert tests[0].strip() in [line.strip() for line in ci], ".ci/run must run the README's test command"
+
+
+_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def test_relative_links_between_pages_point_at_files_that_exist() -> None:
+    pages = [*PAGES, *sorted((REPO / "bench" / "results").glob("*.md"))]
+    bad = []
+    for page in pages:
+        text = _FENCE.sub("", page.read_text(encoding="utf-8"))  # not inside code blocks
+        for m in _LINK.finditer(text):
+            target = m.group(1)
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (page.parent / target).exists():
+                bad.append(f"{page.relative_to(REPO)}: {target}")
+    assert not bad, "\n".join(bad)
