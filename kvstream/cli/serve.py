@@ -109,9 +109,13 @@ def _process_count(text: str) -> int:
     """``--processes``: an integer; a Dynamo-style engine list (``0=tcp://...``, what
     Dynamo's indexer takes as ``--workers``) is told where engines go instead."""
     try:
-        return int(text)
+        n = int(text)
     except ValueError:
         pass
+    else:
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1 process, got {n}")
+        return n
     if "=" in text or "://" in text:
         raise argparse.ArgumentTypeError(
             f"{text!r} looks like an engine list (Dynamo's --workers); here engines are ENGINE arguments "

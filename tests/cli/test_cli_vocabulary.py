@@ -131,3 +131,8 @@ def test_relay_takes_log_level() -> None:
 
 def test_version_still_runs() -> None:
     assert main(["version"]) == 0
+
+
+def test_serve_processes_must_be_at_least_one() -> None:
+    one_clear_line(run("serve", "--processes", "0"), "kvstream serve: error: argument --processes",
+                   "at least 1 process", code=2)
