@@ -144,7 +144,7 @@ class Service:
         self.names = [f"e{i}" for i in range(len(endpoints))]
         if kind == "kvstream":
             args = [sys.executable, "-m", "kvstream", "serve", "--port", "0", "--load-interval", "0",
-                    "--model-name", "bench", "--log-level", "warning", "--workers", str(workers)]
+                    "--model-name", "bench", "--log-level", "warning", "--processes", str(workers)]
             args += [f"e{i}={pub},{rep}" for i, (pub, rep) in enumerate(endpoints)]
             self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True,
                                          env={**os.environ, "PYTHONPATH": str(REPO)})

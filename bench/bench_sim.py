@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "examples" / "traces" / "mooncake_conversation.jsonl.xz"
 
 
 def _child(a: argparse.Namespace) -> None:

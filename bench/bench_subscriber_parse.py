@@ -9,7 +9,6 @@ each. Run: .venv/bin/python bench/bench_subscriber_parse.py
 from __future__ import annotations
 
 import struct
-import sys
 import time
 from pathlib import Path
 
@@ -22,14 +21,8 @@ _SEQ = struct.Struct(">Q")
 
 
 def _frames() -> list[list[bytes]]:
-    here = Path(__file__).resolve().parent.parent
-    for base in (here / ".." / "shared" / "golden", here / "shared" / "golden"):
-        cap = base / "vllm-0.33.0" / "stream.bin"
-        if cap.exists():
-            live = [list(r.frames) for r in read_capture(cap) if r.channel == CaptureChannel.LIVE]
-            break
-    else:
-        sys.exit("needs the shared golden captures (../shared/golden)")
+    cap = Path(__file__).resolve().parent.parent / "tests" / "data" / "golden" / "vllm-0.33.0" / "stream.bin"
+    live = [list(r.frames) for r in read_capture(cap) if r.channel == CaptureChannel.LIVE]
     # Renumber so the tracker sees one long in-order stream.
     out = []
     for i in range(200_000):

@@ -1,8 +1,19 @@
 """Shared fixtures: where the golden vLLM captures and the traces live.
 
-The captures sit in ``../shared`` beside the checkout (or at ``$KVSTREAM_SHARED``). Tests
-that need them skip when they are absent, unless ``KVSTREAM_REQUIRE_SHARED=1`` (set by
-``.ci/run``), in which case their absence is a failure.
+Everything the suite needs ships in the repository, so a fresh clone's test run needs
+nothing beside it:
+
+* ``tests/data/golden/``: the wire captures recorded from vLLM 0.11.0's and 0.33.0's own
+  code (see ``tests/data/golden/README.md``);
+* ``examples/traces/mooncake_conversation.jsonl.xz``: the Mooncake conversation trace
+  (see ``examples/traces/README.md``).
+
+``$KVSTREAM_GOLDEN`` may point the golden tests at another folder of captures laid out the
+same way (for example new captures being checked before they are committed). A shipped
+file that is missing is a failure, never a skip: a checkout without it is broken.
+
+Every skip the suite can still make (an optional tool such as nginx that is not
+installed) is listed with its reason at the end of the run (``-rs`` in ``addopts``).
 """
 
 from __future__ import annotations
@@ -13,16 +24,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("KVSTREAM_SHARED", REPO.parent / "shared"))
-GOLDEN = SHARED / "golden"
-TRACES = SHARED / "traces"
+GOLDEN = Path(os.environ.get("KVSTREAM_GOLDEN") or REPO / "tests" / "data" / "golden")
+TRACES = REPO / "examples" / "traces"
+MOONCAKE_TRACE = TRACES / "mooncake_conversation.jsonl.xz"
 
 
 def _need(path: Path) -> Path:
     if not path.exists():
-        if os.environ.get("KVSTREAM_REQUIRE_SHARED") == "1":
-            pytest.fail(f"{path} is missing but KVSTREAM_REQUIRE_SHARED=1")
-        pytest.skip(f"{path} not present (set KVSTREAM_SHARED to the shared/ folder)")
+        pytest.fail(f"{path} is missing; it ships with the repository (a partial checkout?)")
     return path
 
 
@@ -34,8 +43,9 @@ def golden_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def mooncake_trace() -> Path:
-    """The Mooncake conversation trace (JSON lines)."""
-    return _need(TRACES / "mooncake_conversation.jsonl")
+    """The Mooncake conversation trace (JSON lines, xz-compressed; the simulator reads it
+    as it is)."""
+    return _need(MOONCAKE_TRACE)
 
 
 @pytest.fixture

@@ -55,7 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # Said by the sub-command's own parser, so the message points at its --help.
+        _subparser(parser, getattr(args, "command", None)).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.version:
         print("\n".join(version_lines()))
         return 0
@@ -99,6 +102,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}: {os_error_line(first) if isinstance(first, OSError) else first}", file=sys.stderr)
             return 1 if isinstance(first, OSError) else 2
         raise
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The parser of sub-command ``command`` (the top-level one when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            sub: argparse.ArgumentParser = action.choices[command]
+            return sub
+    return parser
 
 
 def _drop_stdout_if_broken() -> None:

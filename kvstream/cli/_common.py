@@ -18,6 +18,7 @@ from kvstream.eventlog.summary import format_hash
 
 __all__ = [
     "CLIParser",
+    "plain_text",
     "CLIError",
     "positive_int",
     "non_negative_int",
@@ -37,6 +38,7 @@ __all__ = [
     "os_error_line",
     "check_block_memory",
     "BYTES_PER_BLOCK",
+    "add_deprecated_alias",
 ]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -47,12 +49,65 @@ class CLIError(Exception):
     exit status 2."""
 
 
+def plain_text(doc: str) -> str:
+    """A module docstring (reStructuredText) as ``--help`` shows it: ``code`` and
+    :role:`~pkg.Name` markup reduced to the text, a ``::`` literal-block marker to ``:``.
+    What is inside a literal block (indented examples) is kept as written."""
+    import re
+
+    lines = []
+    for line in doc.splitlines():
+        if line.strip() == "::":
+            continue  # the marker alone: the example block follows the previous paragraph
+        lines.append(line[:-1] if line.endswith("::") else line)
+    text = "\n".join(lines)  # inline markup may run over a line break
+    text = re.sub(r":[a-z]+:`~?([^`<]*?)\s*<[^`>]*>`", r"\1", text)  # :ref:`text <target>`
+    text = re.sub(r":[a-z]+:`~([^`]*)`", lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    text = re.sub(r":[a-z]+:`([^`]*)`", r"\1", text)
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    return re.sub(r"\*\*([^*]+)\*\*", r"\1", text)
+
+
 class CLIParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (what is wrong, where to look)
-    instead of a usage block, with exit status 2."""
+    instead of a usage block, with exit status 2. Its description and epilog are shown
+    as plain text (:func:`plain_text`), so docstrings can serve as both."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for key in ("description", "epilog"):
+            if isinstance(kwargs.get(key), str):
+                kwargs[key] = plain_text(kwargs[key])
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of another option: parsed exactly as that option (same type, choices
+    and number of values, into the same ``dest``), with one warning line on stderr naming
+    the spelling to use. Hidden from ``--help``."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, target: argparse.Action, **_: Any) -> None:
+        kind: Any = target.type  # typeshed allows a registered type's name here too
+        super().__init__(option_strings, target.dest, nargs=target.nargs, const=target.const,
+                         default=argparse.SUPPRESS, type=kind, choices=target.choices,
+                         metavar=target.metavar, help=argparse.SUPPRESS)
+        self.target = target
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        new = max(self.target.option_strings, key=len)
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {new} (same meaning)",
+              file=sys.stderr)
+        self.target(parser, namespace, values, new)
+
+
+def add_deprecated_alias(group: Any, target: argparse.Action, *old: str) -> None:
+    """Keep ``old`` spellings of the option ``target`` (what ``add_argument`` returned)
+    working, as deprecated aliases: same values, one warning line when used, hidden from
+    ``--help``. ``group`` is the parser or argument group ``target`` belongs to."""
+    group.add_argument(*old, action=_DeprecatedAlias, target=target, dest=target.dest)
 
 
 def _number(kind: Callable[[str], Any], test: Callable[[Any], bool], want: str) -> Callable[[str], Any]:

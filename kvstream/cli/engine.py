@@ -7,7 +7,7 @@ deterministic. It answers ``/v1/completions``, ``/v1/chat/completions`` (streami
 not), ``/v1/models``, ``/health`` and ``/metrics`` (vLLM's metric names) and publishes
 its KV events exactly as vLLM does with ``--kv-events-config``.
 
-Size the cache with ``--num-gpu-blocks``, or from a model with ``--model-config
+Size the cache with ``--num-gpu-blocks-override``, or from a model with ``--model-config
 config.json --gpu-memory 80GiB`` (kvstream.planning, as ``kvstream plan`` does). Once both
 HTTP and the event sockets accept, one line is printed:
 
@@ -21,7 +21,15 @@ import json
 import sys
 from typing import Any
 
-from kvstream.cli._common import CLIError, check_block_memory, fraction, port_number, positive_float, positive_int
+from kvstream.cli._common import (
+    CLIError,
+    add_deprecated_alias,
+    check_block_memory,
+    fraction,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from kvstream.cli.plan import parse_memory
 
 
@@ -45,8 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="server log level (default warning)")
     c = p.add_argument_group("KV cache")
-    c.add_argument("--num-gpu-blocks", type=positive_int, metavar="N",
-                   help="KV blocks (default 4096, or planned from --model-config)")
+    a = c.add_argument("--num-gpu-blocks-override", dest="num_gpu_blocks", type=positive_int, metavar="N",
+                       help="KV blocks (vLLM's name; default 4096, or planned from --model-config, which this "
+                            "overrides as in vLLM)")
+    add_deprecated_alias(c, a, "--num-gpu-blocks")
     c.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
     c.add_argument("--max-model-len", type=positive_int, metavar="TOKENS",
                    help="longest prompt+output (default: the model config's, else 16384)")
@@ -83,7 +93,7 @@ def build_config(args: argparse.Namespace) -> Any:
     max_len = args.max_model_len
     if not args.model_config and (args.gpu_memory is not None or args.model_weights_gib):
         raise ValueError("--gpu-memory and --model-weights-gib size the cache from a model; they need "
-                         "--model-config CONFIG_JSON (without it, give --num-gpu-blocks)")
+                         "--model-config CONFIG_JSON (without it, give --num-gpu-blocks-override)")
     if args.model_config:
         from kvstream.planning import plan_from_hf_config
         from kvstream.planning.hf_config import model_max_len
@@ -150,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
         check_block_memory(config.num_gpu_blocks, f"{config.num_gpu_blocks:,} KV blocks",
-                           "lower --num-gpu-blocks (or --gpu-memory with --model-config)")
+                           "lower --num-gpu-blocks-override (or --gpu-memory with --model-config)")
         ev = events_config(args.kv_events_config, args.wire_version)
         tok = load_tokenizer(args.tokenizer, chat_template=_chat_template(args.chat_template))
         if args.chat_template is not None:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvstream.cli._common import fraction, non_negative_int, positive_int
+from kvstream.cli._common import add_deprecated_alias, fraction, non_negative_int, positive_int
 
 _UNITS = {
     "": 1 << 30, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
@@ -89,10 +89,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="memory of one GPU, e.g. 80, 80GiB, 141GB")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="share of GPU memory vLLM may use (default 0.9)")
-    g.add_argument("--tensor-parallel", "-tp", type=positive_int, default=1,
-                   help="tensor parallel size: divides KV heads per GPU (default 1)")
-    g.add_argument("--pipeline-parallel", "-pp", type=positive_int, default=1,
-                   help="pipeline parallel size: splits layers over stages (default 1)")
+    a = g.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel", type=positive_int, default=1,
+                       help="tensor parallel size (vLLM's name): divides KV heads per GPU (default 1)")
+    add_deprecated_alias(g, a, "--tensor-parallel")
+    a = g.add_argument("--pipeline-parallel-size", "-pp", dest="pipeline_parallel", type=positive_int, default=1,
+                       help="pipeline parallel size (vLLM's name): splits layers over stages (default 1)")
+    add_deprecated_alias(g, a, "--pipeline-parallel")
     g.add_argument("--model-weights-gib", type=parse_memory, metavar="SIZE",
                    help="whole checkpoint size, spread evenly over TP*PP GPUs and subtracted")
     g.add_argument("--non-kv-memory", type=parse_memory, metavar="SIZE",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
+from typing import Any
 
 
 from kvstream.cli._common import CLIError, add_log_level, positive_float, positive_int
@@ -20,7 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "recovery event (reset/stale/live) into an event log until SIGINT/SIGTERM, "
             "--duration or --max-batches. ENDPOINT is PUB or PUB,REPLAY, optionally "
             "prefixed with NAME= (e.g. e0=tcp://h:5557,tcp://h:5558); the source name "
-            "defaults to the PUB endpoint."
+            "defaults to the PUB endpoint, or with --append to the name the log already "
+            "records that endpoint under. On a terminal a status line is redrawn in place "
+            "every 0.5 s; into a file or pipe one status line is written every 10 s."
         ),
     )
     p.add_argument("endpoints", nargs="+", metavar="ENDPOINT")
@@ -61,6 +65,8 @@ def _run(args: argparse.Namespace) -> int:
         args.curve = curve_client_from_args(args)
     except (ValueError, OSError, KVStreamError) as exc:
         raise CLIError(str(exc)) from None
+    if args.append:
+        specs = names_from_log(args.output, specs)
     try:
         writer = LogWriter(
             args.output,
@@ -77,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvstream record: damage in the log being appended to: {dmg}", file=sys.stderr)
     try:
         try:
-            stats, resume = anyio.run(_record, args, specs, writer)
+            stats, resume, states = anyio.run(_record, args, specs, writer)
         finally:
             writer.close()
     except LocalProtocolError as exc:  # e.g. no NATS server at a nats:// URL
@@ -88,7 +94,9 @@ def _run(args: argparse.Namespace) -> int:
               f"record written before (a complete record ends it; `kvstream inspect {args.output}`)",
               file=sys.stderr)
         return 1
-    print(f"\nrecorded {stats.line()}  ({writer.bytes_written} bytes) into {args.output}", file=sys.stderr)
+    end = "\n" if _redraws(args) else ""  # ends the status line drawn in place
+    print(f"{end}recorded {status_line(stats, states)}  ({writer.bytes_written} bytes) into {args.output}",
+          file=sys.stderr)
     if resume is not None and (resume.skipped or resume.restarts or resume.gaps):
         print(f"kvstream record: appended: {resume.skipped} batch(es) the log already held were not recorded "
               f"again; {resume.restarts} engine restart(s) and {resume.gaps} unrecorded gap(s) since the log "
@@ -116,16 +124,87 @@ async def _record(args: argparse.Namespace, specs, writer):
 
             async def status() -> None:
                 t0 = time.monotonic()
+                redraw = _redraws(args)
+                every = 0.5 if redraw else LOG_STATUS_S
+                last = t0
                 while True:
                     await anyio.sleep(0.5)
-                    if not args.quiet:
-                        sys.stderr.write(f"\r{time.monotonic() - t0:7.1f}s  {rec.stats.line()}   ")
+                    now = time.monotonic()
+                    if not args.quiet and now - last >= every - 0.01:
+                        last = now
+                        line = f"{now - t0:7.1f}s  {status_line(rec.stats, _states(sub))}"
+                        # \r redraws the line on a terminal; a log file gets whole lines.
+                        sys.stderr.write(f"\r{line}   " if redraw else f"kvstream record: {line.strip()}\n")
                         sys.stderr.flush()
-                    if args.duration is not None and time.monotonic() - t0 >= args.duration:
+                    if args.duration is not None and now - t0 >= args.duration:
                         rec.stop()
 
             tg.start_soon(signals)
             tg.start_soon(status)
             await rec.run(max_batches=args.max_batches)
             tg.cancel_scope.cancel()
-    return rec.stats, rec.resume
+        states = _states(sub)
+    return rec.stats, rec.resume, states
+
+
+LOG_STATUS_S = 10.0
+"""Seconds between status lines when stderr is not a terminal."""
+
+
+def _redraws(args: argparse.Namespace) -> bool:
+    """Whether the status line is redrawn in place (stderr is a terminal)."""
+    return not args.quiet and sys.stderr.isatty()
+
+
+def _states(sub: Any) -> Counter[str]:
+    """How many sources are in each state right now."""
+    return Counter(h.state for h in sub.health().values())
+
+
+def status_line(stats: Any, states: Counter[str]) -> str:
+    """What a recording holds so far: batches, the sources by their current state (not
+    by how often they changed it), and the recovery notices recorded."""
+    by_state = ", ".join(f"{n} {s}" for s, n in sorted(states.items(), key=lambda kv: _STATE_ORDER.get(kv[0], 9)))
+    line = f"batches {stats.batches}  sources {sum(states.values())}" + (f" ({by_state})" if by_state else "")
+    notices = []
+    for kind, n in sorted(stats.controls.items()):
+        if kind == "live":
+            notices.append(f"recovered {n}")  # back to live after a reset or a stale mark
+        elif kind == "stale":
+            notices.append(f"stale marks {n}")
+        else:
+            notices.append(f"{kind.replace('/', ' ')} {n}")  # e.g. "reset restart 1"
+    return line + (f"  notices: {', '.join(notices)}" if notices else "")
+
+
+_STATE_ORDER = {"live": 0, "recovering": 1, "connecting": 2, "stale": 3}
+
+
+def names_from_log(path: str, specs: list[Any]) -> list[Any]:
+    """With ``--append``: an endpoint given without ``NAME=`` takes the name the log already
+    records it under (its header's ``endpoints``), so one engine stays one source; one
+    given a NAME= other than the log's gets a warning line. The specs unchanged when the
+    log is new or holds no endpoint list."""
+    import dataclasses
+    import os
+
+    from kvstream.eventlog.reader import LogReader
+
+    if not os.path.exists(path):
+        return specs
+    try:
+        recorded = LogReader(path).metadata.get("endpoints") or []
+        names = {str(e[1]): str(e[0]) for e in recorded if isinstance(e, list) and len(e) >= 2}
+    except Exception:  # noqa: BLE001 - a damaged log: the writer reports it; names stay as given
+        return specs
+    out = []
+    for spec in specs:
+        old = names.get(spec.endpoint)
+        if old is not None and spec.name is None and old != spec.endpoint:
+            print(f"kvstream record: {spec.endpoint} keeps its name {old!r} from {path}", file=sys.stderr)
+            spec = dataclasses.replace(spec, name=old)
+        elif old is not None and spec.name is not None and spec.name != old:
+            print(f"kvstream record: warning: {path} records {spec.endpoint} as {old!r}; as {spec.name!r} its "
+                  "batches start a second source (drop NAME= to keep one)", file=sys.stderr)
+        out.append(spec)
+    return out

@@ -16,6 +16,7 @@ import argparse
 import sys
 from typing import Any
 
+from kvstream.cli._common import add_log_level
 from kvstream.cli._endpoints import add_curve_client_args
 
 
@@ -48,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="seconds to wait for outstanding acks at exit")
     add_curve_client_args(p)
+    add_log_level(p)
     p.set_defaults(func=_run)
 
 

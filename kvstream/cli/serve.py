@@ -20,6 +20,7 @@ import socket
 import sys
 from typing import Any, Iterator
 
+from kvstream.cli._common import add_deprecated_alias
 from kvstream.service.config import ENGINE_SYNTAX, FILE_KEYS
 
 __all__ = ["register", "run"]
@@ -55,17 +56,27 @@ def register(sub: Any) -> None:
     p.add_argument("--index-ttl", type=float, metavar="SECONDS", help="drop blocks not stored again for this long")
     p.add_argument("--speculate-ttl", type=float, metavar="SECONDS",
                    help="life of a \"speculate\": true insert (default 2)")
-    for w, d in (("prefix", 1.0), ("queue", 0.1), ("running", 0.02), ("kv", 0.2)):
-        p.add_argument(f"--{w}-weight", type=float, metavar="W", help=f"scoring weight (default {d})")
+    # The weights' names are kvstream simulate's (Dynamo's --kv-overlap-score-weight); the
+    # first spellings of serve stay as deprecated aliases.
+    for flag, dest, old, what in (
+            ("--kv-overlap-score-weight", "prefix_weight", "--prefix-weight", "weight of the cached prefix (default 1.0)"),
+            ("--queue-weight", "queue_weight", None, "penalty per waiting request (default 0.1)"),
+            ("--running-weight", "running_weight", None, "penalty per running request (default 0.02)"),
+            ("--kv-usage-weight", "kv_weight", "--kv-weight", "penalty per unit of KV cache usage, 0..1 (default 0.2)")):
+        a = p.add_argument(flag, dest=dest, type=float, metavar="W", help=f"scoring weight: {what}")
+        if old:
+            add_deprecated_alias(p, a, old)
     p.add_argument("--register-token-file", metavar="FILE",
                    help="file holding the bearer token /register and /unregister require")
     p.add_argument("--topic", help="topic prefix to subscribe to (default: all)")
     p.add_argument("--replay-timeout", type=float, metavar="SECONDS", help="replay request timeout (default 2)")
     p.add_argument("--mooncake-seed", type=int, metavar="S", help="seed of the RFC #1527 standard hash (default 0)")
-    p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="worker processes sharing the port (SO_REUSEPORT); each follows every engine and keeps "
-                        "its own index (default 1); a /register or /unregister reaching one worker is "
-                        "passed on to the others")
+    # Not --workers: Dynamo's indexer calls its engine list --workers (here: ENGINE arguments).
+    a = p.add_argument("--processes", dest="workers", type=_process_count, default=1, metavar="N",
+                       help="server processes sharing the port (SO_REUSEPORT); each follows every engine and "
+                            "keeps its own index (default 1); a /register or /unregister reaching one process "
+                            "is passed on to the others")
+    add_deprecated_alias(p, a, "--workers")
     p.add_argument("--peers", nargs="+", action="extend", metavar="URL",
                    help="running replicas (http://host:port): load the index from the first that answers "
                         "GET /v1/dump, then follow the engines from there (put it after the engines)")
@@ -92,6 +103,24 @@ def register(sub: Any) -> None:
     g.add_argument("--proxy-backoff", type=float, default=1.0, metavar="SECONDS",
                    help="first mark-down of an engine that failed (doubles per failure; default 1)")
     p.set_defaults(func=run)
+
+
+def _process_count(text: str) -> int:
+    """``--processes``: an integer; a Dynamo-style engine list (``0=tcp://...``, what
+    Dynamo's indexer takes as ``--workers``) is told where engines go instead."""
+    try:
+        n = int(text)
+    except ValueError:
+        pass
+    else:
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1 process, got {n}")
+        return n
+    if "=" in text or "://" in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} looks like an engine list (Dynamo's --workers); here engines are ENGINE arguments "
+            f"({ENGINE_SYNTAX}) and --processes N is a number of server processes")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes")
 
 
 _FLAGS = ("host", "port", "log_format", "log_level", "tokenizer", "load_interval", "max_prompt_tokens",

@@ -123,6 +123,20 @@ def _event_text(ev: Any, hashes: str = "hex") -> str:
     return type(ev).__name__
 
 
+def health_line(h: Any) -> str:
+    """One source's health (a :class:`~kvstream.transport.SourceHealth`) as one line.
+    ``replays`` counts the replay requests made to recover lost batches; the idle probes
+    (a replay request sent to a quiet source to check that nothing was missed, every
+    ``probe_after_s`` up to ``probe_max_s``) are counted apart as ``probes``."""
+    c = h.counters
+    probes = int(c.get("probes", 0))
+    return (f"{h.source}: {h.state} seq={h.last_seq} batches={c['batches']} "
+            f"events={c['events']} gaps={c['gaps']} replays={max(0, c['replays'] - probes)} probes={probes} "
+            f"snapshots={c['snapshots']} restarts={c['restarts']} stale={c['stale_marks']} "
+            f"dups={c['duplicates']} decode_errors={c['decode_errors']} "
+            f"frame_errors={c['frame_errors']} lag={c['lag_s'] * 1000:.1f}ms")
+
+
 def print_item(item: Any, as_json: bool, out: TextIO, hashes: str = "hex") -> None:
     """Write one subscriber item (one line per event for batches); ``hashes``: "hex" or
     "int" (see :func:`kvstream.cli._common.format_hash`)."""
@@ -202,7 +216,7 @@ async def _main(args: argparse.Namespace, specs: list, curve: Any) -> int:
 
     def health(sub: Subscriber) -> None:
         for h in sub.health().values():
-            err.write(f"[health] {h.line()}\n")
+            err.write(f"[health] {health_line(h)}\n")
         err.flush()
 
     try:

@@ -120,7 +120,7 @@ async def run_demo(cfg: DemoConfig, result: DemoResult,
     if log_path.exists():
         log_path.unlink()
     result.log_path = log_path
-    opts = ["--num-gpu-blocks", str(cfg.num_gpu_blocks), "--block-size", str(cfg.block_size),
+    opts = ["--num-gpu-blocks-override", str(cfg.num_gpu_blocks), "--block-size", str(cfg.block_size),
             "--prefill-tokens-per-s", str(cfg.prefill_tokens_per_s),
             "--decode-tokens-per-s", str(cfg.decode_tokens_per_s), "--max-model-len", "32768"]
     engines: list[Proc] = []

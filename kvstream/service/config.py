@@ -118,7 +118,14 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     max_dump_bytes: int | UnsetType = UNSET
     request_timeout: float | UnsetType = UNSET
     peer_timeout: float | UnsetType = UNSET
+    # The weights' current names (the flags'); prefix-weight and kv-weight above are the
+    # older spellings, still read.
+    kv_overlap_score_weight: float | UnsetType = UNSET
+    kv_usage_weight: float | UnsetType = UNSET
 
+
+_FILE_ALIASES = {"kv_overlap_score_weight": "prefix_weight", "kv_usage_weight": "kv_weight"}
+"""File keys read into another attribute: current name -> the attribute (older key)."""
 
 FILE_KEYS = tuple(_File.__struct_encode_fields__)
 """Every key a config file may hold (the flag names without ``--``)."""
@@ -268,7 +275,11 @@ def load_file(path: str) -> dict[str, Any]:
     for f in _File.__struct_fields__:
         v = getattr(parsed, f)
         if v is not UNSET:
-            out[f] = v
+            attr = _FILE_ALIASES.get(f, f)
+            if attr in out:
+                raise ConfigError(f"config file {path!r} sets both {f.replace('_', '-')} and its older "
+                                  f"spelling {attr.replace('_', '-')}; keep {f.replace('_', '-')}")
+            out[attr] = v
     if "engines" in out:
         try:
             out["engines"] = [parse_engine(e) for e in out["engines"]]

@@ -22,6 +22,7 @@ This module is pure: no clock reads, no I/O except reading the trace file it is 
 from __future__ import annotations
 
 import gc
+import io
 import math
 import random
 from array import array
@@ -296,7 +297,9 @@ def iter_mooncake(
     """Stream the requests of a Mooncake trace file, in file order, validating each line.
 
     Args:
-        path: a JSON-lines file (Mooncake format).
+        path: a JSON-lines file (Mooncake format); one ending in ``.xz`` or ``.gz`` (or
+            starting with those formats' magic bytes) is decompressed as it is read, so
+            the trace shipped in ``examples/traces/`` is read as it is.
         limit: stop after this many requests (None: the whole file).
         min_output: output lengths below this (tokens) are raised to it; an engine always
             emits at least one token for a request.
@@ -307,13 +310,10 @@ def iter_mooncake(
     """
     if limit is not None and limit < 0:
         raise WorkloadError(f"limit must be >= 0 requests or None, got {limit}")
-    try:
-        fh = open(path, "rb")
-    except OSError as exc:
-        raise WorkloadError(f"cannot open trace {path}: {exc.strerror or exc}") from None
+    fh = _open_trace(path)
     count = 0
     with fh:
-        for lineno, raw in enumerate(fh, 1):
+        for lineno, raw in enumerate(_trace_lines(fh, path), 1):
             if limit is not None and count >= limit:
                 return
             if not raw.strip():
@@ -355,6 +355,54 @@ def iter_mooncake(
                 prompt_len=rec.input_length,
             )
             count += 1
+
+
+_XZ_MAGIC = b"\xfd7zXZ\x00"
+_GZ_MAGIC = b"\x1f\x8b"
+
+
+def _open_trace(path: str | Path) -> io.BufferedIOBase:
+    """The trace file opened for reading bytes, through xz or gzip decompression when its
+    first bytes say it is compressed. Raises :class:`WorkloadError`."""
+    try:
+        raw = open(path, "rb")
+    except OSError as exc:
+        raise WorkloadError(f"cannot open trace {path}: {exc.strerror or exc}") from None
+    try:
+        with raw:
+            head = raw.read(6)
+    except OSError as exc:
+        raise WorkloadError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    if head.startswith(_XZ_MAGIC):
+        try:
+            import lzma
+        except ImportError:  # a Python built without liblzma
+            raise WorkloadError(f"trace {path} is xz-compressed and this Python has no lzma module; "
+                                f"decompress it first (xz -dk {path})") from None
+        return lzma.LZMAFile(path, "rb")
+    if head.startswith(_GZ_MAGIC):
+        import gzip
+
+        return gzip.GzipFile(path, "rb")
+    return open(path, "rb")
+
+
+def _trace_lines(fh: io.BufferedIOBase, path: str | Path) -> Iterator[bytes]:
+    """The lines of an opened trace; a damaged compressed stream is a :class:`WorkloadError`."""
+    import gzip
+    import zlib
+
+    errors: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error, gzip.BadGzipFile)
+    try:
+        import lzma
+
+        errors += (lzma.LZMAError,)
+    except ImportError:
+        pass
+    try:
+        yield from fh
+    except errors as exc:
+        raise WorkloadError(f"trace {path} cannot be decompressed: {exc}") from None
 
 
 @contextmanager

@@ -92,8 +92,8 @@ BAD = {
     "engine-chat-template-syntax": (["engine", "--port", "0", "--chat-template", "{{% bogus %}}"],
                                     ["does not compile"]),
     "engine-gpu-memory-without-model": (["engine", "--port", "0", "--gpu-memory", "80"], ["--model-config"]),
-    "engine-ten-billion-blocks": (["engine", "--port", "0", "--num-gpu-blocks", "10000000000"],
-                                  ["10,000,000,000 KV blocks", "GiB of memory", "--num-gpu-blocks"]),
+    "engine-ten-billion-blocks": (["engine", "--port", "0", "--num-gpu-blocks-override", "10000000000"],
+                                  ["10,000,000,000 KV blocks", "GiB of memory", "--num-gpu-blocks-override"]),
     "engine-gpu-utilization-2": (["engine", "--port", "0", "--gpu-memory-utilization", "2"], ["(0, 1]"]),
     # demo: a fleet of processes this machine cannot hold
     "demo-thousand-engines": (["demo", "--engines", "1000"], ["at most 64"]),

@@ -56,9 +56,9 @@ BAD = {
                                 "--replay", "tcp://127.0.0.1:5559"], ["2 --replay flags for 1 endpoint"]),
     "subscribe-negative-count": (["subscribe", "tcp://127.0.0.1:5557", "--count", "-1"], ["--count"]),
     # simulate: ranges, choices, outputs, empty inputs
-    "simulate-md5": (["simulate", "--hash-algo", "md5"], ["invalid choice: 'md5'"]),
+    "simulate-md5": (["simulate", "--prefix-caching-hash-algo", "md5"], ["invalid choice: 'md5'"]),
     "simulate-requests-0": (["simulate", "--requests", "0"], ["--requests", "positive integer"]),
-    "simulate-blocks-0": (["simulate", "--blocks", "0"], ["positive integer"]),
+    "simulate-blocks-0": (["simulate", "--num-gpu-blocks-override", "0"], ["positive integer"]),
     "simulate-block-size-0": (["simulate", "--block-size", "0"], ["--block-size", "positive integer"]),
     "simulate-granularity-0": (["simulate", "--token-granularity", "0"], ["positive integer"]),
     "simulate-engines-0": (["simulate", "--engines", "4,0"], ["--engines", "positive integer"]),

@@ -192,3 +192,93 @@ def test_record_append_does_not_record_what_the_log_holds(tmp_path):
     recs, damage = read_log(out)
     assert damage == []
     assert [r.seq for r in recs if isinstance(r, LogMessage)] == list(range(50))
+
+
+def _two_engine_replayer(tmp_path, names=("a", "b"), n=30):
+    """A `kvstream replay` publishing a log of ``n`` batches per source, one PUB/replay
+    pair per source, every batch in its replay buffer once it says so."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from kvstream.eventlog import LogWriter
+    from kvstream.wire.events import BlockStored, KVEventBatch, encode_batch
+
+    src = tmp_path / "engines.kvlog"
+    with LogWriter(src) as w:
+        for i in range(n):
+            for k, name in enumerate(names):
+                batch = KVEventBatch(float(i), [BlockStored([1000 * k + i + 1], (1000 * k + i) or None,
+                                                            list(range(16)), 16, None, "GPU", None)])
+                w.write_message(name, b"", i, encode_batch(batch), recv_ns=(2 * i + k) * 1000)
+    sock = tempfile.mkdtemp(prefix="kv2")
+    eps = [(f"ipc://{sock}/p{k}", f"ipc://{sock}/r{k}") for k in range(len(names))]
+    cmd = [sys.executable, "-m", "kvstream", "replay", str(src), "--speed", "max", "--wait-s", "0", "--hold-s", "60"]
+    for pub, rep in eps:
+        cmd += ["--publish", f"{pub},{rep}"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    err = ""
+    while f"sent {n * len(names)} batches" not in err:
+        line = proc.stderr.readline()
+        assert line, err
+        err += line
+    return proc, eps
+
+
+def _stop(proc):
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def test_record_into_a_file_counts_sources_by_state_and_writes_no_carriage_returns(tmp_path):
+    """Two healthy sources are "2 live" (not `live=1`, a count of recoveries), and a
+    stderr that is not a terminal gets whole lines, never `\\r` redraws."""
+    import subprocess
+    import sys
+
+    replayer, eps = _two_engine_replayer(tmp_path)
+    out = tmp_path / "rec.kvlog"
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvstream", "record", *(f"{p},{q}" for p, q in eps), "-o", str(out),
+                            "--max-batches", "60"], capture_output=True, text=True, timeout=60)
+    finally:
+        _stop(replayer)
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr
+    assert "recorded batches 60  sources 2 (2 live)" in r.stderr, r.stderr
+    assert "live=" not in r.stderr
+
+
+def test_record_append_without_names_keeps_the_sources_names_from_the_log(tmp_path):
+    """`record e0=A e1=B`, then `record --append A B`: the endpoints keep the names e0 and
+    e1 (one source per engine in the log), not a second copy under the endpoint."""
+    import subprocess
+    import sys
+
+    from kvstream.eventlog import read_log
+    from kvstream.eventlog.format import LogMessage
+
+    replayer, eps = _two_engine_replayer(tmp_path)
+    out = tmp_path / "rec.kvlog"
+    py = [sys.executable, "-m", "kvstream", "record", "-o", str(out), "--quiet", "--max-batches", "60"]
+    try:
+        first = subprocess.run(py + [f"e{k}={p},{q}" for k, (p, q) in enumerate(eps)],
+                               capture_output=True, text=True, timeout=60)
+        assert first.returncode == 0, first.stderr
+        second = subprocess.run(py + ["--append"] + [f"{p},{q}" for p, q in eps],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 0, second.stderr
+    finally:
+        _stop(replayer)
+    assert f"{eps[0][0]} keeps its name 'e0' from {out}" in second.stderr
+    recs, damage = read_log(out)
+    assert damage == []
+    assert {r.source for r in recs if isinstance(r, LogMessage)} == {"e0", "e1"}
+    assert "60 batch(es) the log already held were not recorded again" in second.stderr

@@ -83,3 +83,30 @@ async def test_text_output_and_count(tmp_path):
     assert result.returncode == 0
     assert f"{cfg.endpoint} #0 r0 BlockStored GPU blocks=2 [00000000000000ff 0000000000000100] " \
            "parent=0000000000000011 tokens=32 (replay)" in out
+
+
+async def test_idle_probes_are_counted_as_probes_not_as_replays(tmp_path):
+    """A quiet, healthy engine is probed (0.5 s after its last batch, then every <= 10 s);
+    the health line counts those probes as `probes`, and `replays` stays at the one join
+    replay (fetching what was published before the subscriber came) since nothing was lost."""
+    import re
+
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"))
+    cmd = [sys.executable, "-m", "kvstream", "subscribe", f"{cfg.endpoint},replay={cfg.replay_endpoint},name=e0",
+           "--health-interval", "0.3"]
+    health: list[str] = []
+    with anyio.fail_after(60):
+        async with Publisher(cfg) as pub:
+            pub.publish(KVEventBatch(1.0, [BlockStored([7], None, list(range(16)), 16, None, "GPU", None)]))
+            async with await anyio.open_process(cmd) as proc:
+                buf = b""
+                # wait for the state (two probes answered while live), not for a time
+                while not any(re.search(r"live .* probes=([2-9]|\d\d)", h) for h in health):
+                    buf += await proc.stderr.receive()
+                    *done, rest = buf.split(b"\n")
+                    buf = rest
+                    health += [ln.decode() for ln in done if ln.startswith(b"[health]")]
+                proc.send_signal(signal.SIGINT)
+                assert await proc.wait() == 0
+    replays = [int(re.search(r" replays=(\d+) ", h).group(1)) for h in health]  # type: ignore[union-attr]
+    assert max(replays) == 1 and " replays=1 " in health[-1], health

@@ -47,7 +47,7 @@ def u64(d: bytes) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# Test vectors from ../shared/golden/vllm-0.33.0/README.md (both seeds).
+# Test vectors from tests/data/golden/vllm-0.33.0/README.md (both seeds).
 
 VECTORS_033 = {
     # name: (extra_keys, int64 with seed "vllm-none-hash", int64 with seed "0")

@@ -172,3 +172,34 @@ def test_speed_parsing() -> None:
     for bad in ("fast", "0x", "-2"):
         with pytest.raises(WorkloadError, match="speed"):
             parse_speed(bad)
+
+
+@pytest.mark.parametrize("kind", ["xz", "gz"])
+def test_compressed_traces_read_as_the_plain_file(tmp_path: Path, kind: str) -> None:
+    import gzip
+    import lzma
+
+    plain = _write(tmp_path, [_row(0, 600, [1, 2]), _row(5, 10, [1], out=3)])
+    packed = tmp_path / f"trace.jsonl.{kind}"
+    packed.write_bytes((lzma.compress if kind == "xz" else gzip.compress)(plain.read_bytes()))
+    assert load_mooncake(packed) == load_mooncake(plain)
+
+
+def test_a_truncated_compressed_trace_is_a_workload_error(tmp_path: Path) -> None:
+    import lzma
+
+    rows = [_row(i, 600, [i, i + 1]) for i in range(2000)]
+    data = lzma.compress(_write(tmp_path, rows).read_bytes())
+    cut = tmp_path / "cut.jsonl.xz"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(WorkloadError, match="cannot be decompressed"):
+        load_mooncake(cut)
+
+
+def test_the_shipped_trace_is_the_whole_mooncake_conversation_trace(mooncake_trace: Path) -> None:
+    import hashlib
+    import lzma
+
+    assert mooncake_trace.stat().st_size < 300_000  # shipped compressed
+    digest = hashlib.sha256(lzma.decompress(mooncake_trace.read_bytes())).hexdigest()
+    assert digest == "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"  # examples/traces/README.md

@@ -210,10 +210,17 @@ def _json_run(tmp_path: Path, *extra: str) -> list[dict]:
     return json.loads(out.read_text())
 
 
-def test_old_and_vllm_spellings_run_the_same_simulation(tmp_path: Path) -> None:
-    a = _json_run(tmp_path, "--max-running", "8", "--max-batched-tokens", "1024", "--blocks", "300")
+def test_old_and_vllm_spellings_run_the_same_simulation(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    a = _json_run(tmp_path, "--max-running", "8", "--max-batched-tokens", "1024", "--blocks", "300",
+                  "--prefill-rate", "9000")
+    warned = capsys.readouterr().err
+    for old, new in (("--max-running", "--max-num-seqs"), ("--max-batched-tokens", "--max-num-batched-tokens"),
+                     ("--blocks", "--num-gpu-blocks-override"), ("--prefill-rate", "--prefill-tokens-per-s")):
+        assert f"kvstream simulate: warning: {old} is deprecated; use {new}" in warned
     b = _json_run(tmp_path, "--max-num-seqs", "8", "--max-num-batched-tokens", "1024",
-                  "--num-gpu-blocks-override", "300")
+                  "--num-gpu-blocks-override", "300", "--prefill-tokens-per-s", "9000")
+    assert "deprecated" not in capsys.readouterr().err
     strip = ("wall_seconds", "requests_per_wall_s", "events_per_wall_s")
     assert [{k: v for k, v in r.items() if k not in strip} for r in a["results"]] == \
            [{k: v for k, v in r.items() if k not in strip} for r in b["results"]]
@@ -243,8 +250,34 @@ def test_reuse_ceiling_bounds_every_policy_and_an_unbounded_engine_nears_it() ->
 
 def test_simulate_prints_the_ceiling_and_the_capacity_beside_the_hit_rates(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--requests", "100", "--duration", "2", "--engines", "2", "--quiet",
-                 "--policies", "kv-aware,round-robin", "--blocks", "500"]) == 0
+                 "--policies", "kv-aware,round-robin", "--num-gpu-blocks-override", "500"]) == 0
     out = capsys.readouterr().out
     assert "of best %" in out.splitlines()[0]
     assert "reuse ceiling:" in out
     assert "cache capacity: 2 engines x 500 blocks x 16 tokens = 1,000 blocks (16,000 tokens)" in out
+
+
+def test_the_default_synthetic_workload_is_sized_to_the_engines(tmp_path: Path) -> None:
+    """First contact: `kvstream simulate` with no workload flags is not overloaded. The
+    built-in workload offers 2 requests/s per engine of the smallest engine count, which
+    KV-aware routing serves without queueing or preemptions."""
+    out = tmp_path / "d.json"
+    assert main(["simulate", "--engines", "4,8", "--policies", "kv-aware", "--quiet", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["synthetic"] == {"requests": 2000, "duration": 250.0, "seed": 0}
+    for r in doc["results"]:
+        assert r["preemptions"] == 0 and r["ttft_p99_s"] < 1.0, r
+
+
+def test_the_table_is_the_same_in_every_run_no_wall_clock_column(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--requests", "150", "--duration", "3", "--engines", "2", "--quiet",
+            "--policies", "kv-aware,round-robin"]
+    tables = []
+    for _ in range(2):
+        assert main(argv) == 0
+        tables.append(capsys.readouterr().out.split("\n\n")[0])
+    assert tables[0] == tables[1]
+    head = tables[0].splitlines()[0]
+    assert "index ev/s" in head and "events/s" not in head
+    rows = [line.split() for line in tables[0].splitlines()[2:]]
+    assert rows[0][-2] != rows[1][-2]  # the policies churn the index differently
