@@ -187,6 +187,8 @@ def _gateway_options(args: argparse.Namespace, cfg: Any, proxy_opts: dict[str, A
         return "--ext-proc-port needs grpcio and xds-protos: pip install 'kvstream[gateway]'"
     if proxy_opts is not None:
         return proxy_opts  # the same routing (and in-flight counts) as proxy mode
+    if args.proxy_max_attempts < 1 or not 0 < args.proxy_backoff <= 15:
+        return "--proxy-max-attempts must be >= 1 and --proxy-backoff in (0, 15] seconds"
     from kvstream.proxy.tokenize import TokenizerError
     from kvstream.proxy.tokenize import load_tokenizer as load_chat_tokenizer
 
@@ -194,9 +196,8 @@ def _gateway_options(args: argparse.Namespace, cfg: Any, proxy_opts: dict[str, A
         tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     except TokenizerError as exc:
         return str(exc)
-    return {"tokenizer": tok, "policy": getattr(args, "proxy_policy", "kv-aware"),
-            "speculate": getattr(args, "speculate", False),
-            "max_attempts": getattr(args, "proxy_max_attempts", 3), "backoff_s": getattr(args, "proxy_backoff", 1.0)}
+    return {"tokenizer": tok, "policy": args.proxy_policy, "speculate": args.speculate,
+            "max_attempts": args.proxy_max_attempts, "backoff_s": args.proxy_backoff}
 
 
 def _proxy_options(args: argparse.Namespace, cfg: Any) -> dict[str, Any] | None | str:
