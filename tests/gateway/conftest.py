@@ -23,7 +23,7 @@ import yaml
 from kvstream.emulator.launch import Proc, start_engine
 from tests.proxy.test_full_stack import ENGINE_OPTS, published
 from tests.proxy.test_tokenize import CHATML, _model_dir
-from tests.service.conftest import REPO, ServeProc, wait_for
+from tests.service.conftest import REPO, ServeProc, engines, serve, wait_for  # noqa: F401 - fixtures
 
 ENVOY_YAML = REPO / "examples" / "gateway" / "envoy.yaml"
 DEADLINE_S = 30.0
