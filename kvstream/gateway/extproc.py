@@ -54,6 +54,7 @@ PICK_HEADER = "x-kvstream-pick"
 """Request header carrying the pick's id to an observing ext_proc filter."""
 
 _SWEEP_S = 1.0
+_STREAMED = 1  # envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode.STREAMED
 
 
 def _pb() -> Any:
@@ -158,32 +159,70 @@ class _Servicer:
         picker = self.picker
         ex: Exchange | None = None
         path: str | None = None
+        subset: list[str] | None = None
         picked = False
         mine = False  # this stream follows the answer (it claimed the pick)
+        # Streamed request body sent without waiting for the headers' answer: the headers
+        # are answered (with the pick) once the whole body is in, then each chunk.
+        held: list[bytes] | None = None
+        held_bytes = 0
         try:
             async for req in requests:
                 phase = req.WhichOneof("request")
                 observe = req.observability_mode
-                out: Any = None
+                out: list[Any] | None = None
                 try:
                     if phase == "request_headers":
                         h = req.request_headers
                         path = _attribute(req, "request.path") or _header(h, ":path")
+                        subset = _subset(req)
+                        pc = req.protocol_config
                         if observe:
                             pid = _header(h, PICK_HEADER)
                             ex = picker.claim(pid) if pid else None
                             mine = ex is not None
                         elif h.end_of_stream and not picked:  # no body: pick now, by load
                             picked = True
-                            result = picker.request(path, b"", _subset(req))
+                            result = picker.request(path, b"", subset)
                             ex = result.exchange if isinstance(result, Pick) else None
-                            out = self._answer(phase, result)
+                            out = [self._answer(phase, result)]
+                        elif pc.send_body_without_waiting_for_header_response and pc.request_body_mode == _STREAMED:
+                            held, out = [], []
+                    elif phase == "request_body" and not observe and held is not None:
+                        chunk = req.request_body.body
+                        held.append(chunk)
+                        held_bytes += len(chunk)
+                        out = []
+                        if held_bytes > picker.max_body_bytes:  # too large to read: no pick, let it go
+                            out = [self._continue["request_headers"]] + [self._continue[phase]] * len(held)
+                            held = None
+                            picked = True
+                        elif req.request_body.end_of_stream:
+                            picked = True
+                            result = picker.request(path, b"".join(held), subset)
+                            ex = result.exchange if isinstance(result, Pick) else None
+                            out = [self._answer("request_headers", result)]
+                            if not isinstance(result, Refusal):
+                                out += [self._continue[phase]] * len(held)
+                            held = None
                     elif phase == "request_body" and not observe and not picked:
                         picked = True
                         result = picker.request(path or _attribute(req, "request.path"), req.request_body.body,
-                                                _subset(req))
+                                                subset if subset is not None else _subset(req))
                         ex = result.exchange if isinstance(result, Pick) else None
-                        out = self._answer(phase, result)
+                        out = [self._answer(phase, result)]
+                    elif phase == "response_headers" and ex is None and observe:
+                        # An observer of the answers alone: the pick's id came back with it.
+                        h = req.response_headers
+                        pid = _header(h, PICK_HEADER)
+                        ex = picker.claim(pid) if pid else None
+                        if ex is not None:
+                            mine = True
+                            status = _header(h, ":status")
+                            ex.headers(int(status) if status and status.isdigit() else None,
+                                       _header(h, "content-type") or "", _served(req, h))
+                            if h.end_of_stream:
+                                ex.end()
                     elif phase == "response_headers" and ex is not None and (mine or not ex.claimed):
                         if not mine:  # the picking stream sees the answer too (one filter)
                             picker.claim(ex.id)
@@ -201,8 +240,17 @@ class _Servicer:
                 except Exception:  # noqa: BLE001 - a bug here must not fail the request
                     log.exception("ext_proc: error handling a %s message; the request goes on without a pick", phase)
                     out = None
-                if not observe:
-                    yield out if out is not None else self._continue[phase or "request_headers"]
+                    if held is not None:  # answer what was held back, unchanged
+                        out = [self._continue["request_headers"]] + [self._continue["request_body"]] * len(held)
+                        held = None
+                        picked = True
+                if observe:
+                    continue
+                if out is None:
+                    yield self._continue[phase or "request_headers"]
+                else:
+                    for o in out:
+                        yield o
         finally:
             # The stream ended (the request is over, or Envoy gave up on it): whatever was
             # not counted yet is counted now, once. A pick still waiting for an observing
