@@ -56,6 +56,12 @@ def render(engines: Sequence[Proc], extproc: str | None) -> dict[str, Any]:
         hcm["http_filters"] = [f for f in hcm["http_filters"] if not f["name"].startswith("kvstream.")]
         cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"] if c["name"] != "kvstream"]
     else:
+        # A loaded test machine may take longer than the example's 2 s to answer a message
+        # (past it, failure_mode_allow would let the request go on unpicked).
+        for f in hcm["http_filters"]:
+            if f["name"].startswith("kvstream."):
+                f["typed_config"]["message_timeout"] = "20s"
+        clusters["kvstream"]["connect_timeout"] = "5s"
         host, port = extproc.rsplit(":", 1)
         clusters["kvstream"]["load_assignment"]["endpoints"] = [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}]}]
