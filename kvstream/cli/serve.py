@@ -182,9 +182,10 @@ def _gateway_options(args: argparse.Namespace, cfg: Any, proxy_opts: dict[str, A
         return "--ext-proc-port runs in one process; leave --workers at 1 (run replicas behind the gateway instead)"
     try:
         import grpc  # noqa: F401
+        import grpc_health.v1.health  # noqa: F401
         from envoy.service.ext_proc.v3 import external_processor_pb2  # noqa: F401
     except ImportError:
-        return "--ext-proc-port needs grpcio and xds-protos: pip install 'kvstream[gateway]'"
+        return "--ext-proc-port needs grpcio, grpcio-health-checking and xds-protos: pip install 'kvstream[gateway]'"
     if proxy_opts is not None:
         return proxy_opts  # the same routing (and in-flight counts) as proxy mode
     if args.proxy_max_attempts < 1 or not 0 < args.proxy_backoff <= 15:
@@ -350,7 +351,8 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
             picks = KVProxy.for_service(core, **gateway_opts)
             core.engine_view_extras.append(picks.engine_view)
             core.metrics_extras.append(picks.metrics_text)
-        extproc = ExtProcServer(EndpointPicker(picks, clock=monotonic), cfg.host, cfg.ext_proc_port)
+        extproc = ExtProcServer(EndpointPicker(picks, clock=monotonic), cfg.host, cfg.ext_proc_port,
+                                ready=lambda: core.readyz()[0] == 200)
         core.metrics_extras.append(extproc.metrics_text)
     from kvstream.service.guard import guarded_protocol
 

@@ -31,7 +31,7 @@ without a pick (the gateway balances it by its own policy).
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from kvstream.gateway.picker import EndpointPicker, Exchange, Pick, Refusal
 from kvstream.transport.lifetime import Lifetime
@@ -259,15 +259,25 @@ class _Servicer:
                 ex.end()
 
 
+HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+"""The gRPC health services the endpoint picker protocol names (``liveness``: the process
+answers; the other two: ``ready()`` says so)."""
+
+
 class ExtProcServer:
     """The gRPC server, an ``async with`` resource: listens on ``host:port`` (0: a free
     port; ``port`` holds the bound one) once entered, stops (waiting up to ``grace_s``
     seconds for open streams) on exit. ``max_message_bytes``: largest message taken (a
-    buffered request body; default the picker's body limit plus 64 KiB)."""
+    buffered request body; default the picker's body limit plus 64 KiB).
+
+    It also serves the gRPC Health Checking Protocol (``grpc.health.v1.Health``) for
+    :data:`HEALTH_SERVICES`: ``readiness`` and the ext_proc service are ``SERVING`` while
+    ``ready()`` is true (checked every second; None: always), else ``NOT_SERVING``."""
 
     def __init__(self, picker: EndpointPicker, host: str = "127.0.0.1", port: int = 0, *, grace_s: float = 1.0,
-                 max_message_bytes: int | None = None) -> None:
+                 max_message_bytes: int | None = None, ready: Callable[[], bool] | None = None) -> None:
         self.picker = picker
+        self.ready = ready
         self.host = host
         self.port = port
         self.grace_s = grace_s
@@ -283,6 +293,7 @@ class ExtProcServer:
     async def __aenter__(self) -> "ExtProcServer":
         import anyio
         import grpc
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
         servicer = _Servicer(self.picker)
         opts = [("grpc.max_receive_message_length", self.max_message_bytes),
@@ -290,6 +301,18 @@ class ExtProcServer:
                 ("grpc.so_reuseport", 0)]
         server = grpc.aio.server(options=opts)
         servicer.grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+        checks = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def report() -> None:
+            ok = self.ready is None or self.ready()
+            await checks.set("", serving)
+            await checks.set("liveness", serving)
+            for name in HEALTH_SERVICES[1:]:
+                await checks.set(name, serving if ok else not_serving)
+
+        await report()
         port = server.add_insecure_port(self.address)
         if port == 0:
             raise OSError(f"cannot listen for ext_proc on {self.address} (in use, or not an address of this host)")
@@ -304,6 +327,7 @@ class ExtProcServer:
                 while True:
                     await anyio.sleep(_SWEEP_S)
                     self.picker.sweep()
+                    await report()
 
             await life.start(sweep, name="kvstream-extproc-sweep")
         return self

@@ -16,7 +16,7 @@ from kvstream.gateway.picker import EndpointPicker, Pick, Refusal, UsageScanner,
 from kvstream.proxy.app import KVProxy
 from kvstream.service.config import ServeConfig, parse_engine
 from kvstream.service.core import ServiceCore
-from tests.service.conftest import REPO
+from tests.service.conftest import REPO, wait_for
 
 
 class Clock:
@@ -204,3 +204,12 @@ def test_the_config_key_starts_the_picker_beside_the_http_api(engines, serve, tm
     meta = answer.dynamic_metadata.fields["envoy.lb"].struct_value.fields
     assert meta["x-gateway-destination-endpoint"].string_value == muts["x-gateway-destination-endpoint"].decode()
     assert "kvstream_gateway_picks_total 1" in srv.client.get("/metrics").text
+    # The protocol's gRPC health services: alive at once, ready once an engine is live.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(addr) as ch:
+        hs = health_pb2_grpc.HealthStub(ch)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for svc in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            wait_for(lambda: hs.Check(health_pb2.HealthCheckRequest(service=svc), timeout=10).status == serving,
+                     f"{svc} to be SERVING")
