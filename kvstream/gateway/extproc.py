@@ -313,7 +313,10 @@ class ExtProcServer:
                 await checks.set(name, serving if ok else not_serving)
 
         await report()
-        port = server.add_insecure_port(self.address)
+        try:
+            port = server.add_insecure_port(self.address)
+        except RuntimeError:  # grpcio's "failed to bind"
+            port = 0
         if port == 0:
             raise OSError(f"cannot listen for ext_proc on {self.address} (in use, or not an address of this host)")
         self.port = port

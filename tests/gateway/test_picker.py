@@ -182,6 +182,18 @@ def test_bad_ext_proc_flags_are_one_line_and_exit_2(args: list[str], says: str) 
     assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
+def test_an_ext_proc_port_in_use_is_one_line_and_exit_2() -> None:
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        r = _serve("--port", "0", "--load-interval", "0", "--ext-proc-port", str(port), "e0=tcp://127.0.0.1:1")
+    assert r.returncode == 2 and f"cannot listen for ext_proc on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert not [line for line in r.stderr.splitlines() if "Traceback" in line], r.stderr
+
+
 def test_the_config_key_starts_the_picker_beside_the_http_api(engines, serve, tmp_path) -> None:
     e0 = engines("e0")
     f = tmp_path / "serve.toml"
