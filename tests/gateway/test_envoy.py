@@ -147,3 +147,27 @@ def test_the_pick_keeps_to_the_endpoint_subset_the_gateway_passes(stack: Stack, 
     # A subset naming no engine kvstream knows: the protocol's 503, from the gateway.
     r = httpx.post(subset_envoy(["127.0.0.1:1"]).url + "/v1/completions", json={"prompt": [1, 2, 3]}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def test_a_gateway_sending_the_body_buffered_after_the_headers_gets_the_same_picks(stack: Stack,
+                                                                                    tmp_path: Any) -> None:
+    # Envoy's other body mode: the headers answered first, the whole body afterwards.
+    from tests.gateway.conftest import extproc_address
+
+    cfg = render(stack.engines, extproc_address(stack.serve))
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    picker = hcm["http_filters"][0]["typed_config"]
+    picker["processing_mode"]["request_body_mode"] = "BUFFERED"
+    picker.pop("send_body_without_waiting_for_header_response")
+    gw = EnvoyProc(cfg, tmp_path / "buffered")
+    try:
+        prompt = list(range(7000, 7090))
+        home = served(stack, stack.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}))
+        synced(stack.serve.url, stack.engines)
+        r = httpx.post(gw.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=30)
+        assert r.status_code == 200 and served(stack, r) == home == r.headers["x-kvstream-engine"]
+        assert cached(r.json()) == (len(prompt) - 1) // BLOCK * BLOCK
+        bad = httpx.post(gw.url + "/v1/chat/completions", content=b"nope", timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
+    finally:
+        gw.stop()
