@@ -34,6 +34,7 @@ ALLOWED: dict[str, set[str] | str] = {
     "jetstream": _BASE | {"hashing", "wire", "transport", "routing", "observe", "eventlog"},
     "service": _BASE | {"hashing", "wire", "transport", "routing", "observe", "eventlog", "jetstream"},
     "proxy": _BASE | {"hashing", "wire", "transport", "routing", "observe", "service"},
+    "gateway": _BASE | {"hashing", "wire", "transport", "routing", "observe", "service", "proxy"},
     "emulator": "*",  # a whole engine and the demo's stack: everything but the CLI
     "cli": "*",
     "__init__": "*",  # the facade: lazy, checked by test_facade_imports_nothing

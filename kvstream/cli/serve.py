@@ -102,6 +102,10 @@ def register(sub: Any) -> None:
                    help="engines tried per request on connection failures (default 3)")
     g.add_argument("--proxy-backoff", type=float, default=1.0, metavar="SECONDS",
                    help="first mark-down of an engine that failed (doubles per failure; default 1)")
+    g = p.add_argument_group("endpoint picker (an Inference Gateway's ext_proc; see docs/gateway.md)")
+    g.add_argument("--ext-proc-port", type=int, metavar="PORT",
+                   help="also serve Envoy's ext_proc gRPC protocol on --host:PORT (0: any free port), picking "
+                        "the engine of each request a gateway forwards (pip install 'kvstream[gateway]')")
     p.set_defaults(func=run)
 
 
@@ -127,7 +131,7 @@ _FLAGS = ("host", "port", "log_format", "log_level", "tokenizer", "load_interval
           "max_body_bytes", "router_block_size", "index_table", "index_max_bytes", "index_ttl", "speculate_ttl",
           "prefix_weight", "queue_weight", "running_weight", "kv_weight", "register_token_file", "topic",
           "replay_timeout", "mooncake_seed", "model_name", "peers", "max_dump_bytes", "peer_timeout",
-          "request_timeout")
+          "request_timeout", "ext_proc_port")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -178,7 +182,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     workers = getattr(args, "workers", 1) or 1
     if workers < 1:
-        print(f"kvstream serve: --workers must be at least 1, got {workers}", file=sys.stderr)
+        print(f"kvstream serve: --processes must be at least 1, got {workers}", file=sys.stderr)
+        return 2
+    gateway_opts = _gateway_options(args, cfg, proxy_opts, workers)
+    if isinstance(gateway_opts, str):
+        print(f"kvstream serve: {gateway_opts}", file=sys.stderr)
         return 2
     try:
         sock = _bind(cfg.host, cfg.port, listen=workers == 1, reuseport=workers > 1)
@@ -190,8 +198,36 @@ def run(args: argparse.Namespace) -> int:
     import anyio
 
     with contextlib.closing(sock):
-        return anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, proxy_opts,
-                         backend="asyncio", backend_options=_loop_options())
+        return anyio.run(_serve, cfg, tok, sock, _flags(args), list(args.engines), None, proxy_opts, None,
+                         gateway_opts, backend="asyncio", backend_options=_loop_options())
+
+
+def _gateway_options(args: argparse.Namespace, cfg: Any, proxy_opts: dict[str, Any] | None,
+                     workers: int) -> dict[str, Any] | None | str:
+    """The endpoint picker's routing settings (None: no --ext-proc-port), or why not."""
+    if cfg.ext_proc_port is None:
+        return None
+    if workers > 1:
+        return "--ext-proc-port runs in one process; leave --processes at 1 (run replicas behind the gateway instead)"
+    try:
+        import grpc  # noqa: F401
+        import grpc_health.v1.health  # noqa: F401
+        from envoy.service.ext_proc.v3 import external_processor_pb2  # noqa: F401
+    except ImportError:
+        return "--ext-proc-port needs grpcio, grpcio-health-checking and xds-protos: pip install 'kvstream[gateway]'"
+    if proxy_opts is not None:
+        return proxy_opts  # the same routing (and in-flight counts) as proxy mode
+    if args.proxy_max_attempts < 1 or not 0 < args.proxy_backoff <= 15:
+        return "--proxy-max-attempts must be >= 1 and --proxy-backoff in (0, 15] seconds"
+    from kvstream.proxy.tokenize import TokenizerError
+    from kvstream.proxy.tokenize import load_tokenizer as load_chat_tokenizer
+
+    try:
+        tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    except TokenizerError as exc:
+        return str(exc)
+    return {"tokenizer": tok, "policy": args.proxy_policy, "speculate": args.speculate,
+            "max_attempts": args.proxy_max_attempts, "backoff_s": args.proxy_backoff}
 
 
 def _proxy_options(args: argparse.Namespace, cfg: Any) -> dict[str, Any] | None | str:
@@ -313,7 +349,8 @@ def _no_signal_capture() -> Iterator[None]:
 
 
 async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any], cli_engines: list[str],
-                 ready_fd: int | None, proxy_opts: dict[str, Any] | None = None, sibling: Any = None) -> int:
+                 ready_fd: int | None, proxy_opts: dict[str, Any] | None = None, sibling: Any = None,
+                 gateway_opts: dict[str, Any] | None = None) -> int:
     """Serve until told to stop: 0, or 1 if the event stream runtime failed (the service
     then stops rather than answer from an index that no longer follows the engines)."""
     import anyio
@@ -330,6 +367,22 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         proxy = KVProxy.for_service(core, **proxy_opts)
         core.engine_view_extras.append(proxy.engine_view)
         core.metrics_extras.append(proxy.metrics_text)
+    extproc: Any = None
+    if gateway_opts is not None:  # the gateway's endpoint picker, over the same routing
+        from time import monotonic
+
+        from kvstream.gateway.extproc import ExtProcServer
+        from kvstream.gateway.picker import EndpointPicker
+        from kvstream.proxy.app import KVProxy
+
+        picks = proxy
+        if picks is None:
+            picks = KVProxy.for_service(core, **gateway_opts)
+            core.engine_view_extras.append(picks.engine_view)
+            core.metrics_extras.append(picks.metrics_text)
+        extproc = ExtProcServer(EndpointPicker(picks, clock=monotonic), cfg.host, cfg.ext_proc_port,
+                                ready=lambda: core.readyz()[0] == 200)
+        core.metrics_extras.append(extproc.metrics_text)
     from kvstream.service.guard import guarded_protocol
 
     hot = create_app(core, extra_routes=proxy.openai_routes() if proxy is not None else ())
@@ -362,7 +415,15 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
     async with contextlib.AsyncExitStack() as stack:
         if proxy is not None:
             await stack.enter_async_context(proxy)  # closes its upstream connections at the end
-        await _run_server(server, sock, core, flags, cli_engines, ready_fd, sibling)
+        note = ""
+        if extproc is not None:  # the gRPC server lives as long as the HTTP one, in this loop
+            try:
+                await stack.enter_async_context(extproc)
+            except OSError as exc:
+                print(f"kvstream serve: {exc}", file=sys.stderr)
+                return 2
+            note = f", ext_proc on {extproc.address}"
+        await _run_server(server, sock, core, flags, cli_engines, ready_fd, sibling, note)
     if core.failure is not None:
         log.critical("stopped: %s", core.failure)
         return 1
@@ -370,7 +431,7 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
 
 
 async def _run_server(server: Any, sock: socket.socket, core: Any, flags: dict[str, Any], cli_engines: list[str],
-                      ready_fd: int | None, sibling: Any = None) -> None:
+                      ready_fd: int | None, sibling: Any = None, note: str = "") -> None:
     import anyio
 
     async with anyio.create_task_group() as tg:
@@ -389,7 +450,7 @@ async def _run_server(server: Any, sock: socket.socket, core: Any, flags: dict[s
         if ready_fd is None:
             host, port = sock.getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
-            print(f"kvstream serve: listening on http://{shown}:{port} ({len(core.engines)} engines)", flush=True)
+            print(f"kvstream serve: listening on http://{shown}:{port} ({len(core.engines)} engines{note})", flush=True)
         else:  # a worker: tell the supervisor
             import os
 

@@ -26,7 +26,7 @@ Other routes: ``GET /v1/models`` (forwarded to an engine that is up), ``GET /v1/
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncGenerator, Mapping, Sequence
+from typing import Any, AsyncGenerator, Container, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import anyio
@@ -186,6 +186,42 @@ class KVProxy:
         """The proxy's Prometheus metrics (accuracy histograms, in flight, requests, failovers)."""
         return self._metrics.render(self.core)
 
+    # -- for a front end of another kind (kvstream.gateway's ext_proc endpoint picker) -----
+
+    def pick(self, body: dict[str, Any], kind: str | None,
+             allowed: Container[str] | None = None) -> tuple[list[str], dict[str, int]]:
+        """Engines to try for an OpenAI request ``body`` (``kind``: ``"completions"`` or
+        ``"chat"``; None: by load only), best first and at most ``max_attempts``, with the
+        cached prompt tokens predicted per engine; ``allowed``: only these engines.
+        Raises :class:`OpenAIError` (400) for a body that is no such request."""
+        candidates, predicted = self._route(body, kind, allowed)
+        if allowed is not None:  # the round-robin baseline ranks every engine
+            candidates = [n for n in candidates if n in allowed]
+        return candidates, predicted
+
+    def upstream_urls(self) -> Mapping[str, str]:
+        """Engines requests may go to: name -> HTTP base URL."""
+        return self._sync_upstreams()
+
+    def request_started(self, name: str) -> None:
+        """A request another front end sent went to ``name`` (counted in flight)."""
+        self._started(name)
+
+    def request_ended(self, name: str, status: int | None, predicted: int | None, realized: int | None) -> None:
+        """That request ended: ``status`` None if no answer was seen (counted as neither
+        answered nor failed); else counted with its routing accuracy like a proxied one."""
+        self._finished(name)
+        if status is None:
+            return
+        self._metrics.requests[(name, status)] = self._metrics.requests.get((name, status), 0) + 1
+        self._answered(name, predicted, realized)
+
+    def request_failed(self, name: str, reason: str) -> None:
+        """``name`` refused or dropped a request another front end sent: marked down and
+        its index stale, as on a failed connection of the proxy's own."""
+        self.core.failed(name, reason[:300], time.monotonic())
+        self.backend.mark_failed(name)
+
     # -- routes ---------------------------------------------------------------------------
 
     def _build_app(self) -> Any:
@@ -269,16 +305,21 @@ class KVProxy:
         self.core.finished(name)
         self.backend.finished(name)
 
-    def _route(self, body: dict[str, Any], kind: str) -> tuple[list[str], dict[str, int]]:
-        """Candidates best first, and per engine the predicted cached prompt tokens."""
-        tokens: list[int] | None
+    def _route(self, body: dict[str, Any], kind: str | None,
+               allowed: Container[str] | None = None) -> tuple[list[str], dict[str, int]]:
+        """Candidates best first, and per engine the predicted cached prompt tokens
+        (``kind`` None: by load only; ``allowed``: only these engines)."""
+        tokens: list[int] | None = None
         try:
-            tokens = prompt_token_ids(body, kind, self.tokenizer)
+            if kind is not None:
+                tokens = prompt_token_ids(body, kind, self.tokenizer)
         except OpenAIError:
             if self.tokenizer is not None:
                 raise
             tokens = None  # a text prompt without a tokenizer: route by load only
         urls = self._sync_upstreams()
+        if allowed is not None:
+            urls = {n: u for n, u in urls.items() if n in allowed}
         loads = self.backend.loads() or self.core.loads()
         predicted: dict[str, int] = {}
         ranking: list[str]

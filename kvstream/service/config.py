@@ -122,6 +122,7 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     # older spellings, still read.
     kv_overlap_score_weight: float | UnsetType = UNSET
     kv_usage_weight: float | UnsetType = UNSET
+    ext_proc_port: int | UnsetType = UNSET
 
 
 _FILE_ALIASES = {"kv_overlap_score_weight": "prefix_weight", "kv_usage_weight": "kv_weight"}
@@ -173,6 +174,9 @@ class ServeConfig:
             (``--max-dump-bytes``).
         peer_timeout: seconds for one peer's whole dump (connect, headers, body); a peer
             slower than that is skipped (``--peer-timeout``).
+        ext_proc_port: port of the gRPC endpoint picker for an Inference Gateway
+            (Envoy's ext_proc protocol; docs/gateway.md) on ``host``; None: none, 0: any
+            free port (``--ext-proc-port``).
         config_file: the TOML file the rest came from, if any (``--config``).
     """
 
@@ -203,6 +207,7 @@ class ServeConfig:
     peers: list[str] | None = None
     max_dump_bytes: int = 1024 * 1024 * 1024
     peer_timeout: float = 30.0
+    ext_proc_port: int | None = None
     config_file: str | None = None
 
     def check(self) -> "ServeConfig":
@@ -212,6 +217,8 @@ class ServeConfig:
                 raise ConfigError(f"{name} must be {what}, got {value!r}")
 
         need(0 <= self.port <= 65535, "port", "0..65535", self.port)
+        need(self.ext_proc_port is None or 0 <= self.ext_proc_port <= 65535, "ext-proc-port", "0..65535",
+             self.ext_proc_port)
         need(self.load_interval >= 0, "load-interval", "seconds >= 0 (0: no scraping)", self.load_interval)
         need(self.max_prompt_tokens > 0, "max-prompt-tokens", "a positive token count", self.max_prompt_tokens)
         need(self.max_body_bytes >= 1024, "max-body-bytes", "at least 1024 bytes", self.max_body_bytes)
