@@ -174,7 +174,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args, says", [
     (["--ext-proc-port", "70000", "e0=tcp://h:1"], "ext-proc-port must be 0..65535"),
-    (["--ext-proc-port", "0", "--workers", "2", "e0=tcp://h:1"], "--ext-proc-port runs in one process"),
+    (["--ext-proc-port", "0", "--processes", "2", "e0=tcp://h:1"], "--ext-proc-port runs in one process"),
     (["--ext-proc-port", "0", "--proxy-backoff", "0", "e0=tcp://h:1"], "--proxy-backoff"),
 ])
 def test_bad_ext_proc_flags_are_one_line_and_exit_2(args: list[str], says: str) -> None:
