@@ -101,5 +101,5 @@ def test_ctrl_c_while_a_command_starts_is_one_line_never_a_traceback(cmd: list[s
         # 130 (or killed by SIGINT, which a shell reports as 130), or 0 for a command that
         # stops cleanly on SIGINT once it runs (serve)
         assert p.returncode in (0, 1, 130, -signal.SIGINT), (after, p.returncode, err)
-        if p.returncode in (130, -signal.SIGINT):
-            assert f"kvstream {cmd[0]}: interrupted" in err, err
+        if p.returncode in (130, -signal.SIGINT):  # said in one line: "interrupted" (engine: "stopped")
+            assert f"kvstream {cmd[0]}: interrupted" in err or f"kvstream {cmd[0]}: stopped" in err, err
