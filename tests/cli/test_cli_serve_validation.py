@@ -103,3 +103,13 @@ def test_ctrl_c_while_a_command_starts_is_one_line_never_a_traceback(cmd: list[s
         assert p.returncode in (0, 1, 130, -signal.SIGINT), (after, p.returncode, err)
         if p.returncode in (130, -signal.SIGINT):  # said in one line: "interrupted" (engine: "stopped")
             assert f"kvstream {cmd[0]}: interrupted" in err or f"kvstream {cmd[0]}: stopped" in err, err
+
+
+def test_more_engines_than_the_file_limit_allows_is_one_clear_line() -> None:
+    import resource
+
+    def low_limit() -> None:  # in the child: a hard limit of 1,500 open files
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1500, 1500))
+
+    r = run("serve", "--port", "0", "--max-engines", "256", preexec_fn=low_limit)
+    one_clear_line(r, "--max-engines 256 needs about 3072 open files", "lower --max-engines to 59", code=2)
