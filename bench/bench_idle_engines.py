@@ -55,7 +55,8 @@ def main() -> None:
     args = ap.parse_args()
     env = {**os.environ, **({"PYTHONPATH": args.tree} if args.tree else {})}
     p = subprocess.Popen([sys.executable, "-m", "kvstream", "serve", "--port", "0", "--load-interval", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                         cwd=args.tree or None)  # `-m` puts the cwd first on sys.path: the tree's own
     try:
         assert p.stdout is not None
         url = p.stdout.readline().split("listening on ", 1)[1].split()[0]
