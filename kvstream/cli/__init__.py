@@ -43,7 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvstream`` console script; returns the process exit code."""
+    """Entry point of the ``kvstream`` console script; returns the process exit code.
+
+    Ctrl-C at any point (while the parser imports the commands, too) is one line,
+    ``kvstream CMD: interrupted``, and exit status 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(f"{_command_name(argv)}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _command_name(argv: Sequence[str] | None) -> str:
+    args = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in args if not a.startswith("-")), None)
+    return f"kvstream {first}" if first in _COMMANDS else "kvstream"
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from kvstream.cli._common import (
         CLIError,
         configure_logging,

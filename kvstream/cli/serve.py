@@ -20,7 +20,7 @@ import socket
 import sys
 from typing import Any, Iterator
 
-from kvstream.cli._common import add_deprecated_alias
+from kvstream.cli._common import add_deprecated_alias, positive_int
 from kvstream.service.config import ENGINE_SYNTAX, FILE_KEYS
 
 __all__ = ["register", "run"]
@@ -67,7 +67,14 @@ def register(sub: Any) -> None:
         if old:
             add_deprecated_alias(p, a, old)
     p.add_argument("--register-token-file", metavar="FILE",
-                   help="file holding the bearer token /register and /unregister require")
+                   help="file holding the bearer token /register, /unregister and /v1/dump require (needed "
+                        "when --host is not a loopback address)")
+    p.add_argument("--insecure-open-admin", action="store_true", default=None,
+                   help="serve /register, /unregister and /v1/dump without a token on a non-loopback --host "
+                        "(anyone who reaches the port can then add engines and read the whole index)")
+    p.add_argument("--max-engines", type=positive_int, metavar="N",
+                   help="most engines followed at once, configured and registered (default 256); a /register "
+                        "beyond it gets 429")
     p.add_argument("--topic", help="topic prefix to subscribe to (default: all)")
     p.add_argument("--replay-timeout", type=float, metavar="SECONDS", help="replay request timeout (default 2)")
     p.add_argument("--mooncake-seed", type=int, metavar="S", help="seed of the RFC #1527 standard hash (default 0)")
@@ -131,7 +138,7 @@ _FLAGS = ("host", "port", "log_format", "log_level", "tokenizer", "load_interval
           "max_body_bytes", "router_block_size", "index_table", "index_max_bytes", "index_ttl", "speculate_ttl",
           "prefix_weight", "queue_weight", "running_weight", "kv_weight", "register_token_file", "topic",
           "replay_timeout", "mooncake_seed", "model_name", "peers", "max_dump_bytes", "peer_timeout",
-          "request_timeout", "ext_proc_port")
+          "request_timeout", "ext_proc_port", "max_engines", "insecure_open_admin")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -172,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = build_config(_flags(args), list(args.engines), args.config)
         tok = load_tokenizer(cfg.tokenizer)
+        _check_file_limit(cfg.max_engines)
     except ConfigError as exc:
         print(f"kvstream serve: {exc}", file=sys.stderr)
         return 2
@@ -239,12 +247,36 @@ def _proxy_options(args: argparse.Namespace, cfg: Any) -> dict[str, Any] | None 
 
     if args.proxy_max_attempts < 1 or not args.proxy_backoff > 0:
         return "--proxy-max-attempts must be >= 1 and --proxy-backoff > 0"
+    if not any(e.http for e in cfg.engines):
+        return ("--proxy forwards requests to the engines' HTTP APIs, and no engine has one: give each engine "
+                "its base URL, e.g. e0=tcp://h:5557,tcp://h:5558,http=http://h:8000")
     try:
         tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     except TokenizerError as exc:
         return str(exc)
     return {"tokenizer": tok, "policy": args.proxy_policy, "speculate": args.speculate,
             "max_attempts": args.proxy_max_attempts, "backoff_s": args.proxy_backoff}
+
+
+def _check_file_limit(max_engines: int) -> None:
+    """Make sure one process may open the file descriptors ``max_engines`` engines need
+    (:data:`~kvstream.service.config.FDS_PER_ENGINE` each, plus 1,024 for HTTP
+    connections and files), raising the soft limit up to the hard one if it must. Raises
+    ``ConfigError`` naming both numbers when the hard limit is too low."""
+    import resource
+
+    from kvstream.service.config import FDS_PER_ENGINE
+    from kvstream.service.errors import ConfigError
+
+    need = FDS_PER_ENGINE * max_engines + 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError(f"--max-engines {max_engines} needs about {need} open files per process, and this one may "
+                          f"open {hard} (ulimit -Hn); lower --max-engines to {max(1, (hard - 1024) // FDS_PER_ENGINE)} "
+                          "or raise the limit (LimitNOFILE= in systemd, --ulimit nofile= in docker)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def _loop_options() -> dict[str, Any]:
@@ -400,7 +432,7 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
         # (kvstream/service/fastpath.py).
         from kvstream.service.fastpath import fast_protocol
 
-        http = fast_protocol(hot.answer, [p.encode() for p in hot.hot], hot.limit, fallback=http,
+        http = fast_protocol(hot.answer, hot.path_limits(), hot.limit, fallback=http,
                              request_timeout=timeout, on_reject=rejected)
     # proxy_headers off: no handler reads the client address, and the middleware costs per call.
     ucfg = uvicorn.Config(app, http=http, log_config=None, access_log=False, lifespan="on", server_header=False,

@@ -192,6 +192,17 @@ class ServiceMetrics:
         """Count one load scrape of ``engine``."""
         self._scrapes.labels(engine, "ok" if ok else "error").inc()
 
+    def forget(self, engine: str) -> None:
+        """Drop the series labelled with ``engine`` (it is no longer followed), so engines
+        that come and go do not pile up series."""
+        if self._chosen_by.pop(engine, None) is not None:
+            self._chosen.remove(engine)
+        for outcome in ("ok", "error"):
+            try:
+                self._scrapes.remove(engine, outcome)
+            except KeyError:
+                pass
+
     def registration(self, action: str) -> None:
         """Count one successful ``register`` or ``unregister``."""
         self._registrations.labels(action).inc()

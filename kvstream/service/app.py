@@ -35,16 +35,46 @@ from kvstream.service.core import ServiceCore
 from kvstream.service.errors import ApiError
 from kvstream.service.runtime import ServiceRuntime
 
-__all__ = ["create_app", "routes", "read_body", "HotRoutes", "JSON"]
+__all__ = ["create_app", "routes", "read_body", "body_limits", "HotRoutes", "JSON"]
 
 log = logging.getLogger("kvstream.service")
 
 JSON = "application/json"
 
 
+_SMALL_BODY = 64 * 1024
+"""Bytes of a request's fields besides its one long array (names, numbers, whitespace)."""
+
+
+def body_limits(config: Any) -> dict[str, int]:
+    """The largest body each ``POST`` route reads (bytes), each at most ``max_body_bytes``:
+    what the route's own bounds allow, so a body over them is refused by its size (413,
+    from Content-Length, else counted as it arrives) before a byte of it is decoded.
+    ``/query``: ``max_prompt_tokens`` ids of up to 16 bytes each (10 digits, a separator,
+    spaces); ``/query_by_hash``: as many 64-bit hashes of up to 24 bytes; ``/register``,
+    ``/unregister``: 64 KiB; ``/v1/route`` (a ``prompt`` may be text): ``max_body_bytes``."""
+    cap = config.max_body_bytes
+    toks = config.max_prompt_tokens
+    return {
+        "/v1/route": cap,
+        "/query": min(cap, 16 * toks + _SMALL_BODY),
+        "/query_by_hash": min(cap, 24 * toks + _SMALL_BODY),
+        "/register": min(cap, _SMALL_BODY),
+        "/unregister": min(cap, _SMALL_BODY),
+    }
+
+
+def _too_large(n: int | None, limit: int, path: str | None) -> ApiError:
+    what = f"the body is {n} bytes" if n is not None else "the body is over the limit"
+    where = f"POST {path}" if path else "this route"
+    return ApiError(413, "too_large", f"{what}; {where} takes at most {limit} bytes (--max-body-bytes, "
+                    "and for /query and /query_by_hash --max-prompt-tokens)")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with a 413 :class:`ApiError` past ``limit`` bytes (checked
     against Content-Length first, then while streaming)."""
+    path = request.url.path
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -52,13 +82,13 @@ async def read_body(request: Request, limit: int) -> bytes:
         except ValueError:
             raise ApiError(400, "bad_request", f"Content-Length is not a number: {cl[:40]!r}") from None
         if n > limit:
-            raise ApiError(413, "too_large", f"the body is {n} bytes; the limit is {limit} (--max-body-bytes)")
+            raise _too_large(n, limit, path)
     chunks = []
     total = 0
     async for chunk in request.stream():
         total += len(chunk)
         if total > limit:
-            raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes (--max-body-bytes)")
+            raise _too_large(None, limit, path)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -69,8 +99,9 @@ def _error(core: ServiceCore, exc: ApiError, api: str | None) -> Response:
 
 
 def _post(core: ServiceCore, handler: Callable[[bytes], bytes], api: str | None,
-          check: Callable[[Request], None] | None = None) -> Callable[[Request], Any]:
-    limit = core.config.max_body_bytes
+          check: Callable[[Request], None] | None = None, limit: int | None = None) -> Callable[[Request], Any]:
+    if limit is None:
+        limit = core.config.max_body_bytes
 
     async def endpoint(request: Request) -> Response:
         try:
@@ -115,19 +146,25 @@ def routes(core: ServiceCore) -> list[BaseRoute]:
         return Response(text, media_type=CONTENT_TYPE)
 
     async def dump(request: Request) -> Response:
+        try:
+            mc.check_token(request)  # the whole index: as guarded as registration
+        except ApiError as exc:
+            return _error(core, exc, None)
         return Response(core.dump(), media_type="application/msgpack")
 
+    lim = body_limits(core.config)
     return [
-        Route("/v1/route", _post(core, core.route, "route"), methods=["POST"]),
+        Route("/v1/route", _post(core, core.route, "route", limit=lim["/v1/route"]), methods=["POST"]),
         Route("/v1/engines", engines, methods=["GET"]),
         Route("/v1/dump", dump, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/register", _post(core, mc.register, None, mc.check_token), methods=["POST"]),
-        Route("/unregister", _post(core, mc.unregister, None, mc.check_token), methods=["POST"]),
-        Route("/query", _post(core, mc.query, "query"), methods=["POST"]),
-        Route("/query_by_hash", _post(core, mc.query_by_hash, "query_by_hash"), methods=["POST"]),
+        Route("/register", _post(core, mc.register, None, mc.check_token, lim["/register"]), methods=["POST"]),
+        Route("/unregister", _post(core, mc.unregister, None, mc.check_token, lim["/unregister"]), methods=["POST"]),
+        Route("/query", _post(core, mc.query, "query", limit=lim["/query"]), methods=["POST"]),
+        Route("/query_by_hash", _post(core, mc.query_by_hash, "query_by_hash", limit=lim["/query_by_hash"]),
+              methods=["POST"]),
         *status_routes(core),
     ]
 
@@ -146,17 +183,23 @@ class HotRoutes:
         app: the ASGI app for everything else.
         core: its counters count rejections.
         hot: path -> (handler, api name for the metrics).
-        limit: bytes.
+        limit: bytes, for every hot path not in ``limits``.
+        limits: path -> bytes, each path's own limit (:func:`body_limits`).
     """
 
-    __slots__ = ("app", "core", "hot", "limit")
+    __slots__ = ("app", "core", "hot", "limit", "limits")
 
     def __init__(self, app: Any, core: ServiceCore, hot: dict[str, tuple[Callable[[bytes], bytes], str]],
-                 limit: int) -> None:
+                 limit: int, limits: dict[str, int] | None = None) -> None:
         self.app = app
         self.core = core
         self.hot = hot
         self.limit = limit
+        self.limits = {p: (limits or {}).get(p, limit) for p in hot}
+
+    def path_limits(self) -> dict[bytes, int]:
+        """Each hot path (bytes) and its body limit (bytes), for :mod:`kvstream.service.fastpath`."""
+        return {p.encode("latin-1"): n for p, n in self.limits.items()}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -200,7 +243,8 @@ class HotRoutes:
         await send({"type": "http.response.body", "body": out})
 
     async def _body(self, scope: Any, receive: Any) -> bytes | None:
-        limit = self.limit
+        path = scope["path"]
+        limit = self.limits.get(path, self.limit)
         for k, v in scope["headers"]:
             if k == b"content-length":
                 try:
@@ -209,7 +253,7 @@ class HotRoutes:
                     raise ApiError(400, "bad_request",
                                    f"Content-Length is not a number: {v[:40].decode('latin-1')!r}") from None
                 if n > limit:
-                    raise ApiError(413, "too_large", f"the body is {n} bytes; the limit is {limit} (--max-body-bytes)")
+                    raise _too_large(n, limit, path)
                 break
         msg = await receive()
         if msg["type"] != "http.request":
@@ -217,7 +261,7 @@ class HotRoutes:
         body: bytes = msg.get("body", b"")
         if not msg.get("more_body", False):  # the usual case: one message
             if len(body) > limit:
-                raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes (--max-body-bytes)")
+                raise _too_large(None, limit, path)
             return body
         chunks = [body]
         total = len(body)
@@ -228,7 +272,7 @@ class HotRoutes:
             chunk = msg.get("body", b"")
             total += len(chunk)
             if total > limit:
-                raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes (--max-body-bytes)")
+                raise _too_large(None, limit, path)
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 return b"".join(chunks)
@@ -282,4 +326,5 @@ def create_app(core: ServiceCore, *, runtime: bool = True, extra_routes: Sequenc
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     mc = core.mooncake
     return HotRoutes(app, core, {"/v1/route": (core.route, "route"), "/query": (mc.query, "query"),
-                                 "/query_by_hash": (mc.query_by_hash, "query_by_hash")}, core.config.max_body_bytes)
+                                 "/query_by_hash": (mc.query_by_hash, "query_by_hash")}, core.config.max_body_bytes,
+                     body_limits(core.config))

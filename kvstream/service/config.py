@@ -33,9 +33,65 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib  # type: ignore[import-not-found]
 
-__all__ = ["EngineSpec", "ServeConfig", "parse_engine", "load_file", "ENGINE_SYNTAX"]
+__all__ = ["EngineSpec", "ServeConfig", "parse_engine", "load_file", "ENGINE_SYNTAX", "check_endpoint",
+           "is_loopback", "SOCKETS_PER_ENGINE", "FDS_PER_ENGINE"]
 
 ENGINE_SYNTAX = "[NAME=]PUB[,REPLAY][,http=URL], e.g. e0=tcp://h:5557,tcp://h:5558,http=http://h:8000"
+
+SOCKETS_PER_ENGINE = 6
+"""ZMQ sockets one followed engine may hold at once: its SUB, the SUB's monitor (a pair of
+sockets), its replay DEALER, a fresh DEALER while the old one is reaped, and the check of
+its replay endpoint when it is added."""
+
+FDS_PER_ENGINE = 8
+"""File descriptors one followed engine may hold: one per ZMQ socket (its mailbox) and one
+per TCP connection (live and replay)."""
+
+_BIND_HOSTS = ("*", "0.0.0.0", "[::]", "::")
+
+
+def check_endpoint(endpoint: str, what: str = "endpoint") -> str | None:
+    """Why ``endpoint`` cannot be an engine endpoint that ``kvstream serve`` connects to (a
+    sentence naming the fix), or None if it can: ``tcp://HOST:PORT`` (HOST not a bind
+    address, PORT 1..65535), ``ipc:///PATH``, or ``nats://`` (a JetStream source). The host
+    is not resolved here: the subscriber connects (and resolves) in the background."""
+    if endpoint.startswith("nats://"):
+        return None
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        return f"{what} {endpoint!r} is not an endpoint; write it as tcp://HOST:PORT, e.g. tcp://10.0.0.1:5557"
+    if scheme in ("http", "https"):
+        return (f"{what} {endpoint!r} is an HTTP URL; the KV event stream is the engine's ZMQ endpoint "
+                f"tcp://HOST:PORT (its HTTP base URL goes in the http=URL part)")
+    if scheme == "ipc":
+        return None if rest else f"{what} {endpoint!r} has no path; write it as ipc:///PATH"
+    if scheme != "tcp":
+        return (f"{what} {endpoint!r}: scheme {scheme!r} is not supported; engines publish on tcp://HOST:PORT "
+                "(or ipc:///PATH)")
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or "]" in port:
+        return f"{what} {endpoint!r} has no port; write it as tcp://HOST:PORT, e.g. tcp://10.0.0.1:5557"
+    if host in _BIND_HOSTS:
+        return (f"{what} {endpoint!r} is a bind address (all interfaces); kvstream serve connects to the "
+                f"engine, so give the engine's host, e.g. tcp://10.0.0.1:{port}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{what} {endpoint!r}: port {port!r} is not a port number (1-65535)"
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` reaches this machine only: a loopback address
+    (``127.0.0.0/8``, ``::1``) or ``localhost``. Any other address or name (``0.0.0.0``,
+    ``::``, an interface's address, a host name) is taken as routable."""
+    import ipaddress
+
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +141,10 @@ def parse_engine(text: str) -> EngineSpec:
             raise ConfigError(f"unexpected {o!r} in {text!r}; expected {ENGINE_SYNTAX}")
     if "://" not in pub:
         raise ConfigError(f"{pub!r} is not an endpoint; write it as tcp://HOST:PORT (expected {ENGINE_SYNTAX})")
+    for what, ep in (("endpoint", pub), ("replay endpoint", replay)):
+        why = check_endpoint(ep, what) if ep else None
+        if why is not None:
+            raise ConfigError(f"engine {text!r}: {why}")
     if name == "":
         raise ConfigError(f"empty engine name in {text!r}")
     return EngineSpec(SourceSpec(pub, replay or None, name or None), http)
@@ -123,6 +183,8 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     kv_overlap_score_weight: float | UnsetType = UNSET
     kv_usage_weight: float | UnsetType = UNSET
     ext_proc_port: int | UnsetType = UNSET
+    max_engines: int | UnsetType = UNSET
+    insecure_open_admin: bool | UnsetType = UNSET
 
 
 _FILE_ALIASES = {"kv_overlap_score_weight": "prefix_weight", "kv_usage_weight": "kv_weight"}
@@ -130,6 +192,10 @@ _FILE_ALIASES = {"kv_overlap_score_weight": "prefix_weight", "kv_usage_weight": 
 
 FILE_KEYS = tuple(_File.__struct_encode_fields__)
 """Every key a config file may hold (the flag names without ``--``)."""
+
+MAX_ENGINES_LIMIT = 10_000
+"""The largest ``max_engines`` accepted (each engine holds :data:`SOCKETS_PER_ENGINE`
+sockets and :data:`FDS_PER_ENGINE` file descriptors)."""
 
 
 @dataclass(slots=True)
@@ -158,8 +224,15 @@ class ServeConfig:
         speculate_ttl: seconds a ``"speculate": true`` insert lives (``--speculate-ttl``).
         prefix_weight, queue_weight, running_weight, kv_weight: the scoring weights of
             :class:`~kvstream.routing.scoring.PrefixLoadPolicy`.
-        register_token_file: a file holding the bearer token that ``/register`` and
-            ``/unregister`` require (None: no token) (``--register-token-file``).
+        register_token_file: a file holding the bearer token that ``/register``,
+            ``/unregister`` and ``GET /v1/dump`` require (None: no token; then only allowed
+            on a loopback ``host`` or with ``insecure_open_admin``) (``--register-token-file``).
+        insecure_open_admin: serve ``/register``, ``/unregister`` and ``/v1/dump`` without a
+            token on a routable ``host`` (``--insecure-open-admin``); without it, such a
+            host needs ``register_token_file``.
+        max_engines: most engines followed at once, configured and registered together
+            (``--max-engines``); a ``/register`` beyond it is refused (429). Registration
+            groups are dropped once empty, so there are at most this many of them too.
         topic: topic prefix to subscribe to (``--topic``).
         replay_timeout: seconds of silence before a replay request is retried.
         mooncake_seed: seed ``S`` of the standard XXH3-64 hash (RFC #1527) for Mooncake
@@ -208,6 +281,8 @@ class ServeConfig:
     max_dump_bytes: int = 1024 * 1024 * 1024
     peer_timeout: float = 30.0
     ext_proc_port: int | None = None
+    max_engines: int = 256
+    insecure_open_admin: bool = False
     config_file: str | None = None
 
     def check(self) -> "ServeConfig":
@@ -233,6 +308,7 @@ class ServeConfig:
         need(self.peer_timeout > 0, "peer-timeout", "positive seconds", self.peer_timeout)
         need(self.replay_timeout > 0, "replay-timeout", "positive seconds", self.replay_timeout)
         need(0 <= self.mooncake_seed < 2**64, "mooncake-seed", "an unsigned 64-bit int", self.mooncake_seed)
+        need(1 <= self.max_engines <= MAX_ENGINES_LIMIT, "max-engines", f"1..{MAX_ENGINES_LIMIT}", self.max_engines)
         need(self.log_format in ("text", "json"), "log-format", "text or json", self.log_format)
         need(self.log_level in ("debug", "info", "warning", "error"), "log-level",
              "debug, info, warning or error", self.log_level)
@@ -240,6 +316,14 @@ class ServeConfig:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ConfigError(f"engine names must be unique, {dup} given twice; name them NAME=tcp://...")
+        if len(self.engines) > self.max_engines:
+            raise ConfigError(f"{len(self.engines)} engines are configured, more than max-engines {self.max_engines}; "
+                              "raise --max-engines")
+        self.register_token()  # a token file that cannot be read is a start-up error, not a first-request one
+        if not is_loopback(self.host) and self.register_token_file is None and not self.insecure_open_admin:
+            raise ConfigError(f"host {self.host!r} is reachable from other machines, and /register, /unregister and "
+                              "/v1/dump would answer anyone there: give --register-token-file FILE (a bearer token "
+                              "they then need), or --insecure-open-admin to leave them open")
         for p in self.peers or ():
             if not p.startswith(("http://", "https://")):
                 raise ConfigError(f"peers must be http:// URLs of running replicas, got {p!r}")

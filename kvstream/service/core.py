@@ -28,7 +28,7 @@ from kvstream.routing.index import KVIndex
 from kvstream.routing.keys import RouterKeyError
 from kvstream.routing.router import AnyIndex, apply_item
 from kvstream.routing.scoring import Load, PrefixLoadPolicy
-from kvstream.service.config import EngineSpec, ServeConfig
+from kvstream.service.config import EngineSpec, ServeConfig, check_endpoint
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.service.load import LoadBoard
 from kvstream.service.schema import ENCODER, EngineScore, LoadIn, RouteRequest, RouteResponse
@@ -147,14 +147,30 @@ class ServiceCore:
                 else:
                     sub.add_source(e.spec)
 
+    def check_room(self) -> None:
+        """Raise :class:`ApiError` 429 ``too_many_engines`` if ``config.max_engines``
+        engines are followed already."""
+        cap = self.config.max_engines
+        if len(self.engines) >= cap:
+            raise ApiError(429, "too_many_engines", f"{len(self.engines)} engines are followed, the limit "
+                           f"(--max-engines {cap}); unregister one first, or raise --max-engines", None)
+
     def add_engine(self, spec: SourceSpec, index: str, *, http: str | None = None,
                    meta: dict[str, Any] | None = None) -> Engine:
         """Start following an engine whose events go to index ``index`` (created by the
-        caller with :attr:`indexes`). Raises :class:`ApiError` 409 if the name is taken."""
+        caller with :attr:`indexes`). Raises :class:`ApiError` (4xx; the engine is then not
+        followed and nothing else changed): 409 if the name is taken, 429 at
+        ``config.max_engines`` engines, 422 for an endpoint the subscriber cannot take,
+        429 if the process is out of sockets or file descriptors."""
         name = spec.source
         if name in self.engines:
             raise ApiError(409, "engine_exists", f"an engine named {name!r} is already followed; "
                            "unregister it first or choose another name", None)
+        self.check_room()
+        for what, ep in (("endpoint", spec.endpoint), ("replay endpoint", spec.replay_endpoint)):
+            why = check_endpoint(ep, what) if ep else None
+            if why is not None:
+                raise ApiError(422, "bad_endpoint", why, "$." + what.replace(" ", "_"))
         ix = self.indexes[index]
         e = Engine(spec, index, http, meta or {}, added_at=self.clock())
         if self._sub is not None:
@@ -163,6 +179,11 @@ class ServiceCore:
             except ValueError as exc:  # the subscriber could not connect (bad endpoint)
                 where = "$.replay_endpoint" if "replay endpoint" in str(exc) else "$.endpoint"
                 raise ApiError(422, "bad_endpoint", str(exc), where) from None
+            except Exception as exc:  # noqa: BLE001 - out of sockets or descriptors: refuse this one, keep the rest
+                log.error("could not follow engine %r: %s: %s", name, type(exc).__name__, exc)
+                raise ApiError(429, "no_capacity", f"cannot follow {name!r} now ({type(exc).__name__}: {exc}); "
+                               "the process is out of sockets or file descriptors: unregister engines, or lower "
+                               "--max-engines and raise the file limit (ulimit -n)", None) from None
         self.engines[name] = e
         if name not in self._leaving:
             self._route_of[name] = ix
@@ -179,6 +200,8 @@ class ServiceCore:
             raise ApiError(404, "unknown_engine", f"no engine named {name!r}; engines: {sorted(self.engines)}")
         self.loads.forget(name)
         self.applied.pop(name, None)
+        self.resumed.pop(name, None)
+        self.metrics.forget(name)
         if self._sub is not None:
             ix = self._route_of.pop(name, None)
             if ix is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import re
 from http import HTTPStatus
-from typing import Any, Callable, Container, Iterable
+from typing import Any, Callable, Container, Iterable, Mapping
 
 __all__ = ["HANDOFF", "MAX_HEAD_BYTES", "frame_request", "fast_protocol", "FastPathProtocol"]
 
@@ -44,11 +44,12 @@ _CTL = bytes([*range(0x09), 0x0b, 0x0c, *range(0x0e, 0x20), 0x7f])
 _REASON = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
-def frame_request(buf: bytes | bytearray, hot: Container[bytes],
+def frame_request(buf: bytes | bytearray, hot: Container[bytes] | Mapping[bytes, int],
                   limit: int) -> tuple[bytes, bytes, int, bool] | None | Any:
     """One request at the start of ``buf``: ``(path, body, bytes used, keep-alive)`` for a
     well-formed ``POST`` to a path in ``hot`` with a ``Content-Length`` of at most ``limit``
-    bytes; None if more bytes are needed to tell; :data:`HANDOFF` for anything else."""
+    bytes (``hot`` a mapping: at most that path's own limit); None if more bytes are needed
+    to tell; :data:`HANDOFF` for anything else."""
     end = buf.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES)
     if end < 0:
         if len(buf) >= MAX_HEAD_BYTES or buf.find(b"\n\n", 0, MAX_HEAD_BYTES) >= 0:
@@ -84,8 +85,10 @@ def frame_request(buf: bytes | bytearray, hot: Container[bytes],
                 return HANDOFF
             if b"close" in opts:
                 keep = False
+    if isinstance(hot, dict):
+        limit = hot[parts[1]]
     if length < 0 or length > limit:
-        return HANDOFF  # no length (uvicorn answers), or a 413 HotRoutes words
+        return HANDOFF  # no length (uvicorn answers), or a 413 HotRoutes words (before reading the body)
     used = end + 4 + length
     if len(buf) < used:
         return None
@@ -101,7 +104,7 @@ class FastPathProtocol(asyncio.Protocol):
     idle connection is never mid-request)."""
 
     answer: Callable[[bytes, bytes], tuple[int, bytes]]
-    hot: Container[bytes]
+    hot: Container[bytes] | Mapping[bytes, int]
     limit: int
     fallback: Any
     request_timeout: float = 0.0
@@ -237,12 +240,13 @@ class FastPathProtocol(asyncio.Protocol):
         self._serve()
 
 
-def fast_protocol(answer: Callable[[bytes, bytes], tuple[int, bytes]], hot: Iterable[bytes], limit: int,
-                  fallback: Any = None, *, request_timeout: float = 0.0,
+def fast_protocol(answer: Callable[[bytes, bytes], tuple[int, bytes]], hot: Iterable[bytes] | Mapping[bytes, int],
+                  limit: int, fallback: Any = None, *, request_timeout: float = 0.0,
                   on_reject: Callable[[int, str], None] | None = None) -> type[FastPathProtocol]:
     """A :class:`FastPathProtocol` class for ``uvicorn.Config(http=...)``: ``answer(path,
     body) -> (status, body)`` for the paths in ``hot`` (bytes), bodies up to ``limit``
-    bytes; ``fallback``: uvicorn's protocol class for everything else (default: uvicorn's
+    bytes (``hot`` a mapping path -> bytes: each path's own limit); ``fallback``: uvicorn's
+    protocol class for everything else (default: uvicorn's
     choice, httptools when installed, bounded by :func:`kvstream.service.guard.guarded_protocol`);
     ``request_timeout``: seconds a partial request may be held (0: no limit); ``on_reject(status,
     code)``: called for each such refusal."""
@@ -251,6 +255,7 @@ def fast_protocol(answer: Callable[[bytes, bytes], tuple[int, bytes]], hot: Iter
 
         fallback = guarded_protocol()
     return type("BoundFastPathProtocol", (FastPathProtocol,),
-                {"answer": staticmethod(answer), "hot": frozenset(hot), "limit": limit, "fallback": fallback,
+                {"answer": staticmethod(answer), "hot": dict(hot) if isinstance(hot, Mapping) else frozenset(hot),
+                 "limit": limit, "fallback": fallback,
                  "request_timeout": float(request_timeout),
                  **({"on_reject": staticmethod(on_reject)} if on_reject is not None else {})})

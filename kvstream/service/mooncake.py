@@ -140,6 +140,20 @@ def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
         raise from_msgspec(exc) from None
 
 
+_NAME_COMMAS = 2048
+"""Commas a query's other fields may hold besides its array (names up to 256 characters)."""
+
+
+def _check_items(body: bytes, most: int, field: str) -> None:
+    """Refuse (413) a body whose array ``field`` cannot hold at most ``most`` items, by
+    counting its commas (C speed, ~1 ms per MB) before anything is decoded: so a body of
+    millions of one-digit items costs a scan, not a decode into millions of Python ints."""
+    bound = most + _NAME_COMMAS
+    if len(body) > bound and body.count(b",") > bound:  # a shorter body cannot hold more commas: no scan
+        raise ApiError(413, "too_large", f"the body holds more than {most} items; {field} takes at most {most} "
+                       "(--max-prompt-tokens)", f"$.{field}")
+
+
 def join_names(*parts: object) -> str:
     """``parts`` joined with ``|``, each ``\\`` and ``|`` inside a part escaped with ``\\``,
     so two different tuples never give the same string (names without either character
@@ -165,6 +179,8 @@ class MooncakeAPI:
         self._token = core.config.register_token()
         # (model, tenant, block_size, salt, lora) -> index name, per publisher kind
         self._groups: dict[tuple[str, str, int, str, str], dict[str, str]] = {}
+        # index name -> its group (key, kind), for the registration groups (dropped when empty)
+        self._group_of: dict[str, tuple[tuple[str, str, int, str, str], str]] = {}
         self._hashers: dict[int, MooncakeHasher] = {}
         self.share: Callable[[bytes], None] | None = None
         """Called after each ``/register`` or ``/unregister`` that succeeded over HTTP with
@@ -177,14 +193,15 @@ class MooncakeAPI:
     # -- auth ------------------------------------------------------------------------
 
     def check_token(self, request: Request) -> None:
-        """Refuse (401) a ``register``/``unregister`` without the configured bearer token."""
+        """Refuse (401) a ``register``, ``unregister`` or ``GET /v1/dump`` without the
+        configured bearer token."""
         if self._token is None:
             return
         auth = request.headers.get("authorization", "")
         scheme, _, tok = auth.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(tok.strip().encode(), self._token.encode()):
-            raise ApiError(401, "unauthorized", "register and unregister need 'Authorization: Bearer TOKEN' "
-                           "(the token in --register-token-file)")
+            raise ApiError(401, "unauthorized", "/register, /unregister and /v1/dump need 'Authorization: Bearer "
+                           "TOKEN' (the token in --register-token-file)")
 
     # -- registration ----------------------------------------------------------------
 
@@ -224,25 +241,51 @@ class MooncakeAPI:
         spec = SourceSpec(r.endpoint, r.replay_endpoint or None, name)
         salt, lora = r.additionalsalt or "", r.lora_name or ""
         key = (r.modelname, r.tenant_id, r.block_size, salt, lora)
-        kinds = self._groups.setdefault(key, {})
-        ixname = kinds.get(kind)
-        if ixname is None:
-            ixname = group_name(*key, kind)
-            if ixname not in core.indexes:
-                core.indexes[ixname] = self._new_index(kind, r.block_size)
-            kinds[kind] = ixname
-        meta = {"type": kind, "modelname": r.modelname, "tenant_id": r.tenant_id, "instance_id": r.instance_id,
-                "dp_rank": r.dp_rank, "block_size": r.block_size, "lora_name": r.lora_name,
-                "additionalsalt": r.additionalsalt}
+        kinds = self._groups.get(key)
+        ixname = kinds.get(kind) if kinds is not None else None
         old = core.engines.get(name)
         if old is not None:
-            if old.spec == spec and old.index == ixname:
+            if old.spec == spec and ixname is not None and old.index == ixname:
                 return ENCODER.encode({"status": "registered successfully", "instance_id": r.instance_id})
             raise ApiError(409, "engine_exists", f"{r.instance_id!r} rank {r.dp_rank} of tenant {r.tenant_id!r} is "
                            "already registered with other settings; unregister it first", "$.instance_id")
-        core.add_engine(spec, ixname, meta=meta)
+        if ixname is None:
+            core.check_room()  # the engine limit's 429 comes before a group is made
+            ixname = group_name(*key, kind)
+            if ixname not in core.indexes:
+                core.indexes[ixname] = self._new_index(kind, r.block_size)
+            self._groups.setdefault(key, {})[kind] = ixname
+            self._group_of[ixname] = (key, kind)
+        meta = {"type": kind, "modelname": r.modelname, "tenant_id": r.tenant_id, "instance_id": r.instance_id,
+                "dp_rank": r.dp_rank, "block_size": r.block_size, "lora_name": r.lora_name,
+                "additionalsalt": r.additionalsalt}
+        try:
+            core.add_engine(spec, ixname, meta=meta)
+        except BaseException:
+            self._drop_if_empty(ixname)  # a group made for this registration goes with it
+            raise
         core.metrics.registration("register")
         return ENCODER.encode({"status": "registered successfully", "instance_id": r.instance_id})
+
+    def _drop_if_empty(self, ixname: str) -> None:
+        """Forget registration group ``ixname`` and its index once no engine is in it (its
+        last engine's remaining items still drain into the index object, which then goes)."""
+        group = self._group_of.get(ixname)
+        if group is None:  # the configured engines' group (the default index) stays
+            return
+        core = self.core
+        if any(e.index == ixname for e in core.engines.values()):
+            return
+        key, kind = group
+        del self._group_of[ixname]
+        kinds = self._groups.get(key)
+        if kinds is not None:
+            kinds.pop(kind, None)
+            if not kinds:
+                del self._groups[key]
+        core.indexes.pop(ixname, None)
+        if kind == "Mooncake" and not any(k[2] == key[2] and "Mooncake" in v for k, v in self._groups.items()):
+            self._hashers.pop(key[2], None)
 
     def _new_index(self, kind: str, block_size: int) -> Any:
         if kind == "Mooncake":
@@ -269,6 +312,7 @@ class MooncakeAPI:
                     and (r.dp_rank is None or m.get("dp_rank") == r.dp_rank)):
                 core.remove_engine(name)
                 gone.append(name)
+                self._drop_if_empty(e.index)
         if not gone:
             raise ApiError(404, "unknown_instance", f"no registered publisher for instance {r.instance_id!r}, "
                            f"tenant {r.tenant_id!r}" + ("" if r.dp_rank is None else f", dp_rank {r.dp_rank}"),
@@ -303,6 +347,7 @@ class MooncakeAPI:
     def query(self, body: bytes) -> bytes:
         """``POST /query``: prefix hits of ``token_ids`` per instance, in tokens."""
         t0 = time.perf_counter()
+        _check_items(body, self.core.config.max_prompt_tokens, "token_ids")
         fast = decode_with_tokens(body, QueryRequest)
         ids: list[int] | array
         if fast is not None:
@@ -336,6 +381,7 @@ class MooncakeAPI:
         """``POST /query_by_hash``: prefix hits of rolling sequence hashes per instance;
         ``longest_matched = block_size * matched hashes``."""
         t0 = time.perf_counter()
+        _check_items(body, self.core.config.max_prompt_tokens, "seq_hashes")  # one token per hash at least
         q: QueryByHashRequest = _decode(_QHASH, body)
         self._check_lora(q.lora_name, q.lora_id)
         hashes = q.seq_hashes if q.seq_hashes is not None else q.block_hash
@@ -343,13 +389,13 @@ class MooncakeAPI:
             raise ApiError(422, "bad_field", "give seq_hashes (rolling sequence hashes, in prefix order)",
                            "$.seq_hashes")
         field = "seq_hashes" if q.seq_hashes is not None else "block_hash"
-        for i, h in enumerate(hashes):
-            if h > 0xFFFF_FFFF_FFFF_FFFF:
-                raise ApiError(422, "bad_field", f"{field}[{i}] is {h}, not an unsigned 64-bit hash",
-                               f"$.{field}[{i}]")
         if len(hashes) * q.block_size > self.core.config.max_prompt_tokens:
             raise ApiError(413, "too_large", f"{len(hashes)} hashes of {q.block_size} tokens are over the limit of "
-                           f"{self.core.config.max_prompt_tokens} tokens (--max-prompt-tokens)", "$.seq_hashes")
+                           f"{self.core.config.max_prompt_tokens} tokens (--max-prompt-tokens)", f"$.{field}")
+        if hashes and max(hashes) > 0xFFFF_FFFF_FFFF_FFFF:  # max(): C speed; the loop only names the first
+            i, h = next((i, h) for i, h in enumerate(hashes) if h > 0xFFFF_FFFF_FFFF_FFFF)
+            raise ApiError(422, "bad_field", f"{field}[{i}] is {h}, not an unsigned 64-bit hash",
+                           f"$.{field}[{i}]")
         self._instances(q.tenant_id, q.instance_id)
         core = self.core
         result: dict[str, dict[str, Any]] = {}

@@ -30,6 +30,12 @@ __all__ = ["ServiceRuntime"]
 log = logging.getLogger("kvstream.service")
 
 _SCRAPE_MAX_BYTES = 8 * 1024 * 1024
+SCRAPE_BACKOFF_MAX_S = 30.0
+"""Longest wait between load scrapes of an engine whose scrapes keep failing (seconds):
+after each failure in a row the wait doubles from ``load_interval`` up to this."""
+RECONNECT_MAX_S = 2.0
+"""Longest wait between connection attempts to an engine that does not accept them
+(seconds): ZMQ's reconnect interval doubles from 0.1 s up to this (``ZMQ_RECONNECT_IVL_MAX``)."""
 _SLICE_S = 0.005
 """Shortest run of applying waiting batches before the pump lets the loop turn (seconds)."""
 _MAX_SLICE_S = 0.025
@@ -69,6 +75,10 @@ class ServiceRuntime:
     def __init__(self, core: ServiceCore, **subscriber_options: Any) -> None:
         self.core = core
         self._life = Lifetime()
+        self._ctx: Any = None  # the ZMQ context this runtime made (and destroys)
+        # An engine whose scrapes fail is asked again after twice the last wait, up to
+        # SCRAPE_BACKOFF_MAX_S (a success resets it): unreachable engines cost little.
+        self._scrape_next: dict[str, tuple[float, float]] = {}  # name -> (next scrape at, wait)
         cfg = core.config
         opts: dict[str, Any] = {"topic": cfg.topic, "replay_timeout_s": cfg.replay_timeout,
                                 "unknown_events": "skip"}
@@ -82,6 +92,8 @@ class ServiceRuntime:
 
             self._sub = open_subscriber(specs, **opts)
             return
+        if "context" not in opts:
+            opts["context"] = self._ctx = _zmq_context(cfg.max_engines)
         # Decode RFC #1527 (Mooncake) payloads beside vLLM's.
         if "decoder" not in opts:
             limit = {k: opts[k] for k in ("max_payload_bytes",) if k in opts}
@@ -93,6 +105,8 @@ class ServiceRuntime:
             await self._load_from_peers(self.core.config.peers)
         self._life = life = Lifetime()
         async with life.opening():
+            if self._ctx is not None:
+                life.on_close(self._destroy_context)  # after the subscriber closed its sockets
             await life.enter(self._sub)
             self.core.attach(self._sub)
             life.on_close(self._detach)
@@ -107,6 +121,9 @@ class ServiceRuntime:
     async def _detach(self) -> None:
         self.core.attach(None)
 
+    async def _destroy_context(self) -> None:
+        self._ctx.destroy(linger=0)
+
     async def _load_from_peers(self, peers: list[str]) -> None:
         """Load the index from the first replica whose ``/v1/dump`` answers with a dump
         this service can load, read within ``max_dump_bytes`` and ``peer_timeout`` seconds
@@ -115,7 +132,9 @@ class ServiceRuntime:
 
         cfg = self.core.config
         faults = []
-        async with httpx.AsyncClient(timeout=cfg.peer_timeout) as client:
+        token = cfg.register_token()  # replicas share the token that guards /v1/dump
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with httpx.AsyncClient(timeout=cfg.peer_timeout, headers=headers) as client:
             for url in peers:
                 with anyio.move_on_after(cfg.peer_timeout) as scope:
                     try:
@@ -171,12 +190,23 @@ class ServiceRuntime:
         timeout = min(interval, 5.0)
         async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client:
             while True:
-                targets = [(n, e.http) for n, e in self.core.engines.items() if e.http]
+                now = time.monotonic()
+                nxt = self._scrape_next
+                targets = [(n, e.http) for n, e in self.core.engines.items()
+                           if e.http and (n not in nxt or nxt[n][0] <= now)]
+                for n in [n for n in nxt if n not in self.core.engines]:
+                    del nxt[n]
                 if targets:
                     async with anyio.create_task_group() as tg:
                         for name, url in targets:
                             tg.start_soon(self._scrape_one, client, name, url, timeout)
                 await anyio.sleep(interval)
+
+    def _scrape_failed(self, name: str) -> None:
+        interval = self.core.config.load_interval
+        prev = self._scrape_next.get(name)
+        wait = max(min(2 * prev[1], SCRAPE_BACKOFF_MAX_S), interval) if prev is not None else interval
+        self._scrape_next[name] = (time.monotonic() + wait, wait)
 
     async def _scrape_one(self, client: Any, name: str, url: str, timeout: float) -> None:
         core = self.core
@@ -192,11 +222,27 @@ class ServiceRuntime:
             if name in core.engines:
                 core.loads.scrape_failed(name, f"{type(exc).__name__}: {exc}"[:300])
                 core.metrics.scraped(name, False)
+                self._scrape_failed(name)
             log.debug("load scrape of %s failed: %s", name, exc)
             return
+        self._scrape_next.pop(name, None)
         if name in core.engines:
             core.loads.scraped(name, scrape)
             core.metrics.scraped(name, True)
+
+
+def _zmq_context(max_engines: int) -> Any:
+    """A ZMQ context for the runtime's subscriber: room for the sockets of ``max_engines``
+    engines (libzmq's default is 1,023 sockets, about 250 engines), and reconnects to an
+    engine that refuses them backing off up to :data:`RECONNECT_MAX_S`."""
+    import zmq
+
+    from kvstream.service.config import SOCKETS_PER_ENGINE
+
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, max(1024, SOCKETS_PER_ENGINE * max_engines + 64))
+    ctx.setsockopt(zmq.RECONNECT_IVL_MAX, int(RECONNECT_MAX_S * 1000))
+    return ctx
 
 
 async def _fetch_metrics(client: Any, url: str) -> str:

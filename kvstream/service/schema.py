@@ -18,7 +18,11 @@ __all__ = ["MMHash", "LoadIn", "RouteRequest", "EngineScore", "RouteResponse", "
            "ErrorDetail", "ErrorResponse", "EngineLoadView", "RoutingAccuracy", "ProxyEngineView", "EngineView",
            "EnginesResponse", "HealthResponse", "ReadyResponse", "RegisterResponse", "UnregisterResponse",
            "InstanceMatch", "QueryResponse", "StateSpan", "Transition", "IndexStatus", "ServiceStatus",
-           "StatusResponse"]
+           "StatusResponse", "MAX_MM_ITEMS"]
+
+MAX_MM_ITEMS = 1024
+"""Most multimodal items (``mm_hashes``) one ``/v1/route`` request may name: each costs
+the router's key computation a pass, ~1.5 us (1,024 items: ~1.6 ms; 10,000 were 0.1 s)."""
 
 TokenId = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
 Count = Annotated[int, Meta(ge=0, le=1 << 31)]
@@ -56,7 +60,7 @@ class RouteRequest(Struct, forbid_unknown_fields=True):
     lora_name: Annotated[str, Meta(max_length=1024)] | None = None
     lora_id: Annotated[int, Meta(ge=0, le=1 << 31)] | None = None
     cache_salt: Annotated[str, Meta(max_length=1024)] | None = None
-    mm_hashes: list[MMHash] | None = None
+    mm_hashes: Annotated[list[MMHash], Meta(max_length=MAX_MM_ITEMS)] | None = None
     loads: dict[str, msgspec.Raw] | None = None  # each a LoadIn, decoded by name (errors name the engine)
     speculate: bool = False
 

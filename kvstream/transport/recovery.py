@@ -75,6 +75,10 @@ STATES = ("connecting", "live", "recovering", "stale")
 RECENT_WINDOW = 256
 """Yielded seqs whose payload hash is remembered per source (an 8-byte slot each)."""
 _BACKOFF_CAP_S = 2.0
+UNANSWERED_RETRY_MAX_S = 10.0
+"""Longest wait between requests to a publisher that has never answered (nothing live, no
+replay reply): its join is asked again after a doubling wait up to this many seconds, so
+engines nobody listens on cost little; one that comes up is joined within this bound."""
 _NO_SEQ = 1 << 62  # above any seq: "nothing held"
 
 
@@ -731,7 +735,8 @@ class SourceTracker:
             # Nobody has answered yet (no publisher, a failed handshake): keep asking,
             # slowly; the source stays "connecting".
             c.retries += 1
-            delay = min(self.backoff_s * (2 ** (self._attempts - 1)), _BACKOFF_CAP_S)
+            cap = _BACKOFF_CAP_S if self.connected else UNANSWERED_RETRY_MAX_S
+            delay = min(self.backoff_s * (2 ** (self._attempts - 1)), cap)
             e = self.expected
             if req.kind == SNAPSHOT or (req.purpose == ANCHOR and e == req.e0) or e == 0:
                 nxt = Request(req.kind, req.purpose, req.start, req.check, delay, req.e0)

@@ -22,8 +22,11 @@ from tests.service.conftest import ServeProc, dead_port, wait_for
 
 @pytest.fixture(scope="module", params=["fast", "proxy"])
 def srv(request: pytest.FixtureRequest) -> Iterator[ServeProc]:
+    # --proxy needs an engine with an HTTP API to forward to (none answers here)
+    http = f",http=http://127.0.0.1:{dead_port()}" if request.param == "proxy" else ""
     extra = ["--proxy"] if request.param == "proxy" else []
-    s = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}", "--load-interval", "0", "--max-body-bytes", "65536", *extra)
+    s = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}{http}", "--load-interval", "0", "--max-body-bytes", "65536",
+                  *extra)
     yield s
     assert s.close() == 0
 
@@ -272,7 +275,9 @@ def test_a_partial_request_held_past_the_request_timeout_is_a_json_408_then_clos
     # Before: a connection could hold half a head or body for ever (a slow-loris client
     # pinning a connection and its buffers); only idle connections between requests closed.
     extra = ["--proxy"] if mode == "proxy" else []
-    srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}", "--load-interval", "0", "--request-timeout", "1", *extra)
+    http = f",http=http://127.0.0.1:{dead_port()}" if mode == "proxy" else ""
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}{http}", "--load-interval", "0", "--request-timeout", "1",
+                    *extra)
     try:
         socks = {k: socket.create_connection(_addr(srv), timeout=10) for k in PARTIAL}
         t0 = time.monotonic()
