@@ -404,9 +404,11 @@ class EngineServer:
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0,
                     on_ready: Callable[[EngineReady], None] | None = None,
-                    log_level: str = "warning") -> None:
+                    log_level: str = "warning", timeout_keep_alive: float = 5.0) -> None:
         """Bind HTTP on ``host:port`` (0: any free port) and the publisher's sockets, call
-        ``on_ready`` once both accept, and serve until SIGINT/SIGTERM (then return)."""
+        ``on_ready`` once both accept, and serve until SIGINT/SIGTERM (then return).
+        ``timeout_keep_alive``: seconds before an idle kept-alive connection is closed
+        (vLLM's server: 5)."""
         import uvicorn
 
         from kvstream.service.listen import listen_tcp
@@ -414,7 +416,7 @@ class EngineServer:
         sock = listen_tcp(host, port)
         bound_port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level=log_level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, timeout_keep_alive=timeout_keep_alive)
         server = uvicorn.Server(config)
         try:
             async with _maybe_publisher(self.events_config, self.engine) as pub, \
