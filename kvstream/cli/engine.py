@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vLLM wire format of the events: 0.26+ maps (default) or 0.11 arrays")
     h.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="server log level (default warning)")
-    h.add_argument("--timeout-keep-alive", type=positive_float, default=5.0, metavar="SECONDS",
+    h.add_argument("--timeout-keep-alive", type=positive_int, default=5, metavar="SECONDS",
                    help="close a kept-alive connection idle this long (default 5, as vLLM's server)")
     c = p.add_argument_group("KV cache")
     c.add_argument("--num-gpu-blocks", type=positive_int, metavar="N",

@@ -39,7 +39,7 @@ def test_completion_reports_cached_tokens_and_is_deterministic(engine: Proc) -> 
     a, b = first.json(), second.json()
     assert a["object"] == "text_completion" and a["choices"][0]["finish_reason"] == "length"
     assert a["usage"]["prompt_tokens"] == 40 and a["usage"]["completion_tokens"] == 5
-    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert "prompt_tokens_details" not in a["usage"]  # vLLM leaves it out when nothing was cached
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     assert a["choices"][0]["text"] == b["choices"][0]["text"] and len(a["choices"][0]["text"]) == 5
 
