@@ -132,6 +132,7 @@ class ServiceBackend:
         ix.expire(now)
         keys = ix.keys(tokens)
         res: ScoreResult = ix.score(tokens, loads=loads, policy=self.core.policy, keys=keys)
+        res.ranking = self.core.loads.reachable_first(res.ranking)  # unreachable by scrape: last
         if speculate and res.best is not None:
             ix.speculate(res.best, tokens, now, self.core.config.speculate_ttl, keys=keys)
         return res

@@ -190,12 +190,24 @@ class ServiceRuntime:
             scrape = await anyio.to_thread.run_sync(parse_vllm_metrics, text, at)
         except Exception as exc:  # noqa: BLE001 - any failure is a failed scrape, reported
             if name in core.engines:
-                core.loads.scrape_failed(name, f"{type(exc).__name__}: {exc}"[:300])
+                import httpx
+
+                # Not reached at all (refused, reset, timed out): the engine is ranked last
+                # until a scrape answers again. An error answer means it is there.
+                gone = isinstance(exc, (httpx.TransportError, TimeoutError, OSError))
+                reason = f"{type(exc).__name__}: {exc}"[:300]
+                if core.loads.scrape_failed(name, reason, unreachable=gone, at=core.clock()):
+                    if gone:  # one line per change, not one per scrape
+                        log.warning("engine %s is unreachable (%s): routed to last until it answers", name,
+                                    reason, extra={"engine": name, "reachable": False})
+                    else:
+                        log.warning("engine %s is reachable again", name, extra={"engine": name, "reachable": True})
                 core.metrics.scraped(name, False)
             log.debug("load scrape of %s failed: %s", name, exc)
             return
         if name in core.engines:
-            core.loads.scraped(name, scrape)
+            if core.loads.scraped(name, scrape):
+                log.warning("engine %s is reachable again", name, extra={"engine": name, "reachable": True})
             core.metrics.scraped(name, True)
 
 
