@@ -360,7 +360,7 @@ class KVProxy:
         auth = b""
         for k, v in scope["headers"]:
             if k == b"x-request-id":
-                if 0 < len(v) <= 200 and v.isascii() and v.isprintable():  # else a new one
+                if 0 < len(v) <= 200 and all(32 < c < 127 for c in v):  # visible ASCII; else a new one
                     rid = v
             elif k == b"authorization":
                 auth = v
