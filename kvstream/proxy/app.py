@@ -738,6 +738,8 @@ class _Metrics:
         lines += [f'kvstream_proxy_engine_up{{engine="{n}"}} {0 if core.is_down(n, now) else 1}' for n in core.engines]
         lines += ["# HELP kvstream_proxy_held_bytes Bytes of non-streamed answers held now (all requests).",
                   "# TYPE kvstream_proxy_held_bytes gauge", f"kvstream_proxy_held_bytes {held.held}",
+                  "# HELP kvstream_proxy_held_bytes_peak The most kvstream_proxy_held_bytes has been.",
+                  "# TYPE kvstream_proxy_held_bytes_peak gauge", f"kvstream_proxy_held_bytes_peak {held.peak}",
                   "# HELP kvstream_proxy_held_bytes_limit The bound on kvstream_proxy_held_bytes.",
                   "# TYPE kvstream_proxy_held_bytes_limit gauge", f"kvstream_proxy_held_bytes_limit {held.total}",
                   "# HELP kvstream_proxy_held_bytes_refused_total Answers refused (503) because they did not "

@@ -25,6 +25,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 import aiohttp
+from yarl import URL
 
 __all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "KEEPALIVE_S"]
 
@@ -114,6 +115,7 @@ class UpstreamPool:
         self.keepalive_s = keepalive_s
         self._where = f"{host}:{port}"
         self._base = f"http://{host}:{port}"
+        self._urls: dict[str, URL] = {}
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
         self.fresh_retries = 0
@@ -128,7 +130,7 @@ class UpstreamPool:
         else:
             conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s, use_dns_cache=False)
         timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s, sock_read=None)
-        return aiohttp.ClientSession(self._base, connector=conn, timeout=timeout, auto_decompress=False,
+        return aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False,
                                      cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",),
                                      raise_for_status=False)
 
@@ -146,9 +148,14 @@ class UpstreamPool:
         session = self._session
         if session is None or session.closed:
             session = self._session = self._new_session(force_close=False)
-        hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        url = self._urls.get(target)
+        if url is None:  # parsed once per path (a handful), not per request
+            if len(self._urls) > 64:
+                self._urls.clear()
+            url = self._urls[target] = URL(self._base + target)
+        hdrs = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
         try:
-            resp = await session.request(method, target, data=body or None, headers=hdrs, allow_redirects=False)
+            resp = await session.request(method, url, data=body or None, headers=hdrs, allow_redirects=False)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if isinstance(exc, aiohttp.ClientConnectorError):  # nothing listens: a real failure
                 raise UpstreamError(f"cannot connect to {self._where}: {exc}", before_response=True) from None
@@ -159,7 +166,7 @@ class UpstreamPool:
             if fresh is None or fresh.closed:
                 fresh = self._fresh = self._new_session(force_close=True)
             try:
-                resp = await fresh.request(method, target, data=body or None, headers=hdrs, allow_redirects=False)
+                resp = await fresh.request(method, url, data=body or None, headers=hdrs, allow_redirects=False)
             except _READ_ERRORS as exc2:
                 raise UpstreamError(f"{self._where} closed the connection before answering: "
                                     f"{exc2 or type(exc2).__name__}", before_response=True) from None
