@@ -99,6 +99,7 @@ class ServiceRuntime:
             await life.start(self._pump, name="kvstream-serve-pump")
             if self.core.config.load_interval > 0:
                 await life.start(self._scrape_loop, name="kvstream-serve-scraper")
+            await life.start(self._watch_states, name="kvstream-serve-states")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -163,6 +164,24 @@ class ServiceRuntime:
             if pending:
                 yielded = clock()
                 await anyio.sleep(0)
+
+    async def _watch_states(self) -> None:
+        """One log line per change of an engine's stream state (``connecting``, ``live``,
+        ``recovering``, ``stale``), seen every 0.5 s: a state that lasts is said once."""
+        core = self.core
+        last: dict[str, str] = {}
+        while True:
+            await anyio.sleep(0.5)
+            health = self._sub.health()
+            for name in list(core.engines):
+                state = core.state_of(name, health.get(name))
+                prev = last.get(name, "connecting")  # where every engine starts
+                last[name] = state
+                if state != prev:
+                    log.log(logging.INFO if state == "live" else logging.WARNING, "engine %s: stream %s -> %s",
+                            name, prev, state, extra={"engine": name, "from": prev, "to": state})
+            for name in [n for n in last if n not in core.engines]:
+                del last[name]
 
     async def _scrape_loop(self) -> None:
         import httpx

@@ -89,6 +89,44 @@ def test_models_health_and_vllm_metric_names(engine: Proc) -> None:
         assert name in metrics
 
 
+def test_vllms_latency_histograms_count_finished_requests(engine: Proc) -> None:
+    # A vLLM dashboard reads these; the same names, labels and buckets as vLLM's.
+    import re
+
+    names = ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+             "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+             "inter_token_latency_seconds", "time_per_output_token_seconds")
+
+    def counts(text: str) -> dict[str, float]:
+        out = {}
+        for n in names:
+            m = re.search(rf'^vllm:{n}_count{{engine="0",model_name="kvstream-emulated"}} (\S+)$', text, re.M)
+            assert m, n
+            out[n] = float(m.group(1))
+        return out
+
+    with httpx.Client(base_url=engine.url) as c:
+        before = counts(c.get("/metrics").text)
+        assert c.post("/v1/completions", json={"prompt": [3] * 100, "max_tokens": 4}).status_code == 200
+        text = c.get("/metrics").text
+    after = counts(text)
+    for n in names[:6]:
+        assert after[n] == before[n] + 1, n
+    assert after["inter_token_latency_seconds"] == before["inter_token_latency_seconds"] + 3  # 4 tokens, 3 gaps
+    assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="kvstream-emulated"}' in text
+
+
+def test_batched_prompts_get_one_choice_each_and_usage_summed(engine: Proc) -> None:
+    with httpx.Client(base_url=engine.url) as c:
+        r = c.post("/v1/completions", json={"prompt": [[1, 2, 3], [4, 5, 6, 7]], "max_tokens": 2})
+        texts = c.post("/v1/completions", json={"prompt": ["ab", "cde"], "max_tokens": 1})
+    assert r.status_code == 200 and texts.status_code == 200
+    body = r.json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1]
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    assert [ch["index"] for ch in texts.json()["choices"]] == [0, 1]
+
+
 def test_time_to_first_token_skips_the_cached_prefix(engine: Proc) -> None:
     prompt = list(range(5000, 6200))  # 1200 tokens: 0.6 s of prefill at 2000 tokens/s
 

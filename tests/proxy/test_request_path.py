@@ -155,9 +155,16 @@ def test_histograms_per_engine_and_the_build_info_are_on_metrics(proxied: tuple[
     assert _metric(srv, r"^kvstream_proxy_held_bytes (\S+)$") == 0.0
 
 
-def test_logs_carry_no_ansi_colour_codes(proxied: tuple[ServeProc, Path]) -> None:
+def test_logs_carry_no_ansi_colour_codes_and_say_each_state_change_once(proxied: tuple[ServeProc, Path],
+                                                                          engines: list[Proc]) -> None:
     srv, _ = proxied
+    for e in engines:  # each engine publishes events: its stream is live
+        assert _post(e.url, {"prompt": [4242] * 40, "max_tokens": 1}).status_code == 200
+    for e in engines:
+        wait_for(lambda: f'"engine {e.name}: stream connecting -> live"' in srv.stderr(), f"{e.name} live")
     err = srv.stderr()
+    for e in engines:
+        assert err.count(f"engine {e.name}: stream connecting -> live") == 1
     assert err.strip(), "serve logged nothing at info level"
     assert "\x1b[" not in err and "color_message" not in err, err[:2000]
     for line in err.splitlines():
