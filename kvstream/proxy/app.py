@@ -158,6 +158,7 @@ class KVProxy:
         self.held = ByteBudget(max_held_bytes)
         self.access_log = access_log
         self._pools: dict[str, tuple[str, UpstreamPool, str]] = {}
+        self._retired: list[UpstreamPool] = []  # pools of engines whose URL changed: closed at the end
         self._metrics = _Metrics()
         self.app = self._build_app()
 
@@ -187,7 +188,7 @@ class KVProxy:
         try:
             await self.backend.__aexit__(*exc)
         finally:
-            for _, pool, _ in self._pools.values():
+            for pool in [p for _, p, _ in self._pools.values()] + self._retired:
                 await pool.aclose()
 
     @property
@@ -205,6 +206,8 @@ class KVProxy:
         url = self.core.engines[name].upstream.base_url
         hit = self._pools.get(name)
         if hit is None or hit[0] != url:
+            if hit is not None:
+                self._retired.append(hit[1])
             u = _check_url(name, url)
             pool = UpstreamPool(u.hostname or "", u.port or 80, connect_timeout_s=self._connect_timeout_s)
             hit = (url, pool, u.path.rstrip("/"))
