@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import socket
@@ -91,7 +92,8 @@ async def _load(url: str, path: str, bodies: list[bytes], conns: int, seconds: f
             i = k
             while time.perf_counter() < end:
                 t = time.perf_counter()
-                async with s.post(path, data=bodies[i % len(bodies)], headers={"content-type": "application/json"}) as r:
+                body = bodies[i % len(bodies)]
+                async with s.post(path, data=body, headers={"content-type": "application/json"}) as r:
                     await r.read()
                     errors += r.status != 200
                 lat.append(time.perf_counter() - t)
@@ -109,39 +111,47 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--proxy", action="store_true", help="also time completions through serve --proxy")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, the servers' order flipped each round (2)")
     args = ap.parse_args()
     logs = tempfile.mkdtemp(prefix="kvstream-bench-granian-")
     engine = start_engine("e0", log_dir=logs, extra=["--num-gpu-blocks", "65536", "--decode-tokens-per-s", "1e6",
                                                      "--prefill-tokens-per-s", "1e9", "--max-num-seqs", "256"])
     prompts = [[(d * 7919 + t) % 50000 + 1 for t in range(1024)] for d in range(8)]
-    import json
-
     route = [json.dumps({"token_ids": p}).encode() for p in prompts]
     completion = [json.dumps({"prompt": p[:64] + [i], "max_tokens": 1}).encode() for i, p in enumerate(prompts)]
     for p in prompts:  # the engine caches them: its events fill the index
         httpx.post(engine.url + "/v1/completions", json={"prompt": p, "max_tokens": 1}, timeout=30)
     rows: list[tuple[str, str, dict[str, float]]] = []
     try:
-        for kind in ("uvicorn", "granian"):
-            for proxy in ((False, True) if args.proxy else (False,)):
-                p, url = start(kind, engine, proxy, logs)
-                try:
-                    label = f"{kind}{' (--proxy)' if proxy else ''}"
-                    for conns in (1, 32):
-                        rows.append((label, f"/v1/route x{conns}",
-                                     asyncio.run(_load(url, "/v1/route", route, conns, args.seconds))))
-                    if proxy:
-                        rows.append((label, "/v1/completions x16",
-                                     asyncio.run(_load(url, "/v1/completions", completion, 16, args.seconds))))
-                finally:
-                    p.terminate()
-                    p.wait(15)
+        for rnd in range(args.rounds):
+            for kind in (("uvicorn", "granian") if rnd % 2 == 0 else ("granian", "uvicorn")):
+                for proxy in ((False, True) if args.proxy else (False,)):
+                    p, url = start(kind, engine, proxy, logs)
+                    try:
+                        label = f"{kind}{' (--proxy)' if proxy else ''}"
+                        for conns in (1, 32):
+                            rows.append((label, f"/v1/route x{conns}",
+                                         asyncio.run(_load(url, "/v1/route", route, conns, args.seconds))))
+                        if proxy:
+                            rows.append((label, "/v1/completions x16",
+                                         asyncio.run(_load(url, "/v1/completions", completion, 16, args.seconds))))
+                    finally:
+                        p.terminate()
+                        p.wait(15)
     finally:
         engine.stop()
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    print(f"kvstream serve on uvicorn (today's stack) vs granian, {args.seconds:g} s per line, load average "
-          f"{' '.join(load)}")
+    # Mean over the rounds (the order of the servers flips each round, so neither always
+    # meets the machine's load first).
+    merged: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for label, what, r in rows:
+        merged.setdefault((label, what), []).append(r)
+    rows = [(label, what, {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]})
+            for (label, what), rs in sorted(merged.items(), key=lambda kv: (kv[0][0].split()[0] != "uvicorn",
+                                                                            kv[0]))]
+    print(f"kvstream serve on uvicorn (today's stack) vs granian, {args.seconds:g} s per line, mean of "
+          f"{args.rounds} rounds, load average {' '.join(load)}")
     print(f"  {'server':<22}{'calls':<22}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}")
     for label, what, r in rows:
         print(f"  {label:<22}{what:<22}{r['rps']:>9.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['errors']:>8.0f}")
