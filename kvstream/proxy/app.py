@@ -763,29 +763,3 @@ class _Metrics:
         lines += ["# HELP kvstream_proxy_failovers_total Requests sent on to another engine after a failure.",
                   "# TYPE kvstream_proxy_failovers_total counter", f"kvstream_proxy_failovers_total {core.failovers}"]
         return generate_latest(self.registry) + ("\n".join(lines) + "\n").encode()
-
-
-async def serve_proxy(proxy: KVProxy, host: str, port: int, on_ready: Any = None, log_level: str = "warning") -> None:
-    """Serve ``proxy.app`` on ``host:port`` (0: any free port) until SIGINT/SIGTERM;
-    ``on_ready(url)`` once it accepts connections."""
-    import uvicorn
-
-    from kvstream.service.listen import listen_tcp
-
-    sock = listen_tcp(host, port)
-    bound = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(proxy.app, log_level=log_level, access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=1))
-    try:
-        async with proxy, anyio.create_task_group() as tg:
-            async def announce() -> None:
-                while not server.started:
-                    await anyio.sleep(0.005)
-                if on_ready is not None:
-                    on_ready(f"http://{host}:{bound}")
-
-            tg.start_soon(announce)
-            await server.serve(sockets=[sock])
-            tg.cancel_scope.cancel()
-    finally:
-        sock.close()
