@@ -85,7 +85,10 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     engines = [start_engine(f"e{i}", events=f"ipc://{ipc}/e{i}.pub", replay=f"ipc://{ipc}/e{i}.replay",
                             extra=opts, log_dir=logs) for i in range(2)]
     try:
-        proxy = start_proxy(engines, extra=["--tokenizer", str(model_dir), "--proxy-backoff", "0.3"], log_dir=logs)
+        # No load scrapes: a killed engine is then found by the proxy's own failover (with
+        # scrapes it may be ranked last before any request meets it; test_request_path.py).
+        proxy = start_proxy(engines, extra=["--tokenizer", str(model_dir), "--proxy-backoff", "0.3",
+                                            "--load-interval", "0"], log_dir=logs)
         try:
             yield proxy, engines
         finally:
