@@ -66,6 +66,7 @@ MAX_HELD_BYTES = 128 << 20
 """Most bytes of non-streamed answers the proxy holds at once, all requests together (an
 answer that does not fit is a 503 with ``Retry-After``)."""
 _MAX_EVENT_BYTES = 1 << 20  # the most one SSE event may buffer before it is passed on as is
+_FREE_EVENT_BYTES = 64 << 10  # an unfinished SSE event up to this is not counted in the held bytes
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
 _HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server",
@@ -549,6 +550,8 @@ class KVProxy:
         buf = b""
         realized: int | None = None
         first = True
+        charged = 0  # bytes of an unfinished event counted in self.held (past _FREE_EVENT_BYTES)
+        held = self.held
         try:
             async for chunk in resp.aiter_bytes():
                 buf += chunk
@@ -570,9 +573,18 @@ class KVProxy:
                             if strip_usage and not obj.get("choices"):
                                 continue
                     out.append(event)
-                if len(buf) > _MAX_EVENT_BYTES:  # not SSE framing we know: pass it on unparsed
-                    out.append(buf)
-                    buf = b""
+                need = max(0, len(buf) - _FREE_EVENT_BYTES)
+                if need > charged:
+                    if len(buf) <= _MAX_EVENT_BYTES and held.take(need - charged):
+                        charged = need
+                    else:  # not SSE framing we know, or more than may be held now: pass it on unparsed
+                        out.append(buf)
+                        buf = b""
+                        held.give(charged)
+                        charged = 0
+                elif need < charged:
+                    held.give(charged - need)
+                    charged = need
                 if out:
                     if first:
                         first = False
@@ -589,6 +601,7 @@ class KVProxy:
             yield b"data: " + _enc.encode(error_body(502, f"engine {name} dropped the stream: {exc}")) + b"\n\n"
             return
         finally:
+            held.give(charged)
             self._finished(name)  # first: the close below may be cancelled part way
             await resp.aclose()
         rec.realized = realized

@@ -108,6 +108,16 @@ class _Handler(socketserver.BaseRequestHandler):
         except OSError:
             self.server.hung_up += 1  # refused by the proxy, which closed the connection
 
+    def mode_unframed_sse(self, sock: socket.socket) -> None:
+        """A 3 MiB stream with no event boundary, sent in pieces, then one real event."""
+        self._sse_head(sock)
+        try:
+            for _ in range(48):
+                sock.sendall(self._chunk(b"y" * 65536))
+            sock.sendall(self._chunk(b"\n\ndata: [DONE]\n\n") + b"0\r\n\r\n")
+        except OSError:
+            self.server.hung_up += 1
+
     def mode_endless(self, sock: socket.socket) -> None:
         """A non-streaming answer whose Content-Length says 1 GiB."""
         sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (1 << 30))
@@ -267,6 +277,23 @@ def test_answers_held_whole_stay_under_one_bound_across_all_connections(setup) -
         assert _metric(srv, r"^kvstream_proxy_held_bytes_refused_total (\S+)$") == 6
     finally:
         eng.release.set()
+        assert srv.close() == 0
+
+
+def test_an_unfinished_event_counts_in_the_held_bytes_and_passes_on_unparsed_at_the_bound(setup) -> None:
+    _, eng = setup
+    eng.mode = "unframed_sse"
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()},http={eng.url}", "--proxy", "--load-interval", "0",
+                    "--proxy-max-attempts", "1", "--proxy-max-held-bytes", str(256 << 10))
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**BODY, "stream": True}, timeout=60) as r:
+            body = b"".join(r.iter_raw())
+        assert r.status_code == 200 and len(body) == 48 * 65536 + len(b"\n\ndata: [DONE]\n\n")
+        assert body.endswith(b"data: [DONE]\n\n")
+        # Counted while it grew (past 64 KiB), never past the bound: passed on unparsed there.
+        assert 0 < _metric(srv, r"^kvstream_proxy_held_bytes_peak (\S+)$") <= 256 << 10
+        assert _metric(srv, r"^kvstream_proxy_held_bytes (\S+)$") == 0
+    finally:
         assert srv.close() == 0
 
 
