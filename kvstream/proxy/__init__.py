@@ -1,9 +1,9 @@
 """The KV-aware OpenAI-compatible proxy (see ``docs/proxy.md``).
 
-* :mod:`kvstream.proxy.app`: :class:`~kvstream.proxy.app.KVProxy`, the Starlette app over a
-  router (``python -m kvstream.proxy`` serves it alone);
+* :mod:`kvstream.proxy.app`: :class:`~kvstream.proxy.app.KVProxy`, the ASGI app over a
+  router (``kvstream serve --proxy`` mounts it; ``python -m kvstream.proxy`` is that command);
 * :mod:`kvstream.proxy.core`: engines, in-flight load, mark-downs, routing accuracy (sans-IO);
-* :mod:`kvstream.proxy.upstream`: keep-alive HTTP/1.1 pools to the engines;
+* :mod:`kvstream.proxy.upstream`: aiohttp's keep-alive pools to the engines;
 * :mod:`kvstream.proxy.openai`: OpenAI request and error shapes (shared with the emulator);
 * :mod:`kvstream.proxy.tokenize`: local tokenizers and chat templates.
 
