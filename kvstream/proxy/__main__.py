@@ -20,6 +20,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvstream.cli import main as cli_main
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--engine" or a.startswith("--engine=") for a in args):  # the old standalone syntax
+        print("python -m kvstream.proxy: takes kvstream serve --proxy's syntax now: give each engine as "
+              "NAME=EVENTS,REPLAY,http=URL (no --engine), e.g. e0=tcp://h:5557,tcp://h:5558,http=http://h:8000",
+              file=sys.stderr)
+        return 2
     return cli_main(["serve", "--proxy", *(a for a in args if a != "--proxy")])
 
 

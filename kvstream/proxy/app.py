@@ -16,7 +16,8 @@ engine answers, never which blocks it holds (only its KV event stream says that)
 
 Routing accuracy: for each answered request, the router's predicted cached tokens on the
 chosen engine against the engine's ``usage.prompt_tokens_details.cached_tokens``
-(histograms on ``/metrics``, totals on ``/v1/engines``). For a streaming request that did
+(histograms on ``/metrics``, per engine on ``/v1/engines``; an answer without
+``prompt_tokens_details`` counts as 0 cached, as vLLM leaves them out then). For a streaming request that did
 not ask for usage, the proxy asks the engine for it (``stream_options.include_usage``)
 and drops that extra usage chunk from what the client sees.
 

@@ -213,3 +213,16 @@ def test_a_dead_engine_is_not_named_best_by_routing_only_serve_within_the_scrape
             srv.close()
         for p in pair:
             p.stop()
+
+
+def test_python_m_kvstream_proxy_is_serve_proxy_and_the_old_syntax_is_one_line() -> None:
+    import subprocess
+    import sys
+
+    old = subprocess.run([sys.executable, "-m", "kvstream.proxy", "--engine", "e0=http://127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=60)
+    assert old.returncode == 2 and len(old.stderr.strip().splitlines()) == 1
+    assert "NAME=EVENTS,REPLAY,http=URL" in old.stderr
+    helped = subprocess.run([sys.executable, "-m", "kvstream.proxy", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert helped.returncode == 0 and "--proxy-max-held-bytes" in helped.stdout and "--access-log" in helped.stdout
