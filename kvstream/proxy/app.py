@@ -264,10 +264,10 @@ class KVProxy:
         self._answered(name, predicted, realized)
 
     def request_failed(self, name: str, reason: str) -> None:
-        """``name`` refused or dropped a request another front end sent: marked down and
-        its index stale, as on a failed connection of the proxy's own."""
-        self.core.failed(name, reason[:300], time.monotonic())
-        self.backend.mark_failed(name)
+        """``name`` refused or dropped a request another front end sent: marked down for
+        the backoff, as on a failed connection of the proxy's own (its index follows its
+        event stream alone: an HTTP failure says nothing about the blocks it holds)."""
+        self._down(name, reason)
 
     # -- routes ---------------------------------------------------------------------------
 
@@ -340,7 +340,10 @@ class KVProxy:
     # -- proxying -------------------------------------------------------------------------
 
     def _failed(self, name: str, exc: BaseException) -> None:
-        reason = f"{type(exc).__name__}: {exc}"[:300]
+        self._down(name, f"{type(exc).__name__}: {exc}")
+
+    def _down(self, name: str, reason: str) -> None:
+        reason = reason[:300]
         if self.core.failed(name, reason, time.monotonic()):
             log.warning("engine %s is down: %s", name, reason, extra={"engine": name, "state": "down"})
 

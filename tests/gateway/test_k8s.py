@@ -46,7 +46,10 @@ def test_the_config_map_holds_a_config_kvstream_serve_loads(tmp_path: Path) -> N
     values = load_file(str(f))
     tok = tmp_path / "tok"
     tok.mkdir()
-    f.write_text(docs()["ConfigMap"]["data"]["serve.toml"].replace("/models/tokenizer", str(tok)))
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    f.write_text(docs()["ConfigMap"]["data"]["serve.toml"].replace("/models/tokenizer", str(tok))
+                 .replace("/etc/kvstream-token/token", str(token)))
     cfg = build_config({}, [], str(f))
     assert cfg.ext_proc_port == 9002 and values["host"] == "0.0.0.0"
     assert all(e.http and e.http.startswith("http://10.") for e in cfg.engines)  # pod IPs: the gateway routes to them
