@@ -6,11 +6,11 @@
 //! of a whole prompt in one call, and packs token lists into uint32-LE bytes.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyInt};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{Error, Result};
-use crate::hash::guard;
+use crate::hash::{as_tuple, guard};
 
 /// Router keys are ints in `[0, 2**60)`.
 pub const KEY_MASK: u64 = (1 << 60) - 1;
@@ -80,34 +80,22 @@ pub fn chain(
 /// The first `count` ids of a list or tuple as uint32-LE bytes; None when an id is not an
 /// exact int in `[0, 2**32)` or the container is neither (the Python layer then decides).
 fn pack(tokens: &Bound<'_, PyAny>, count: Option<usize>) -> PyResult<Option<Vec<u8>>> {
-    fn run<'py>(
-        n: usize,
-        get: impl Fn(usize) -> PyResult<Bound<'py, PyAny>>,
-    ) -> PyResult<Option<Vec<u8>>> {
-        let mut out = Vec::with_capacity(4 * n);
-        for i in 0..n {
-            let item = get(i)?;
-            if !item.is_exact_instance_of::<PyInt>() {
-                return Ok(None);
-            }
-            match item.extract::<u32>() {
-                Ok(v) => out.extend_from_slice(&v.to_le_bytes()),
-                Err(_) => return Ok(None),
-            }
+    let Some(tuple) = as_tuple(tokens) else {
+        return Ok(None);
+    };
+    let n = count.unwrap_or(tuple.len()).min(tuple.len());
+    let mut out = Vec::with_capacity(4 * n);
+    for i in 0..n {
+        let item = tuple.get_borrowed_item(i)?;
+        if !item.is_exact_instance_of::<PyInt>() {
+            return Ok(None);
         }
-        Ok(Some(out))
+        match item.extract::<u32>() {
+            Ok(v) => out.extend_from_slice(&v.to_le_bytes()),
+            Err(_) => return Ok(None),
+        }
     }
-    if let Ok(list) = tokens.cast_exact::<PyList>() {
-        return run(count.unwrap_or(list.len()).min(list.len()), |i| {
-            list.get_item(i)
-        });
-    }
-    if let Ok(tuple) = tokens.cast_exact::<PyTuple>() {
-        return run(count.unwrap_or(tuple.len()).min(tuple.len()), |i| {
-            tuple.get_item(i)
-        });
-    }
-    Ok(None)
+    Ok(Some(out))
 }
 
 fn extract_extras(extras: &Bound<'_, PyAny>) -> PyResult<Vec<Option<Vec<u8>>>> {

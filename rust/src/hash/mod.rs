@@ -267,15 +267,34 @@ fn extract_value(obj: &Bound<'_, PyAny>, depth: u32) -> PyResult<Option<Value>> 
     Ok(None)
 }
 
-/// The first `count` ids of `get(0..count)`: plain ints while they last, values after.
-fn extract_ids<'py>(
-    count: usize,
-    get: impl Fn(usize) -> PyResult<Bound<'py, PyAny>>,
-) -> PyResult<Option<Tokens>> {
+/// A list's or tuple's items as a tuple (a list is copied: one C call), None for others.
+///
+/// Items of a tuple are read borrowed (no reference counting per item), which is most of
+/// the cost of reading a prompt's ids out of Python.
+pub(crate) fn as_tuple<'py>(seq: &Bound<'py, PyAny>) -> Option<Bound<'py, PyTuple>> {
+    if let Ok(t) = seq.cast_exact::<PyTuple>() {
+        return Some(t.clone());
+    }
+    seq.cast_exact::<PyList>().ok().map(|l| l.to_tuple())
+}
+
+/// The first `count` token ids of a list or tuple: plain ints while they last, values
+/// after; None for any other container or an id only Python can serialize.
+fn extract_tokens(tokens: &Bound<'_, PyAny>, count: usize) -> PyResult<Option<Tokens>> {
+    let Some(tuple) = as_tuple(tokens) else {
+        return Ok(None);
+    };
+    if tuple.len() < count {
+        return Err(Error::Local(format!(
+            "{count} token ids to hash but the sequence holds {}; pass n_blocks * block_size ids or more",
+            tuple.len()
+        ))
+        .into());
+    }
     let mut ints = Vec::with_capacity(count);
     let mut i = 0;
     while i < count {
-        let item = get(i)?;
+        let item = tuple.get_borrowed_item(i)?;
         if !item.is_exact_instance_of::<PyInt>() {
             break;
         }
@@ -291,32 +310,12 @@ fn extract_ids<'py>(
     let mut values: Vec<Value> = ints.into_iter().map(Value::Int).collect();
     values.reserve(count - i);
     for j in i..count {
-        match extract_value(&get(j)?, 1)? {
+        match extract_value(&tuple.get_borrowed_item(j)?.to_owned(), 1)? {
             Some(v) => values.push(v),
             None => return Ok(None),
         }
     }
     Ok(Some(Tokens::Values(values)))
-}
-
-/// The first `count` token ids of a list or tuple; None for any other container.
-fn extract_tokens(tokens: &Bound<'_, PyAny>, count: usize) -> PyResult<Option<Tokens>> {
-    let short = |len: usize| {
-        Error::Local(format!("{count} token ids to hash but the sequence holds {len}; pass n_blocks * block_size ids or more"))
-    };
-    if let Ok(list) = tokens.cast_exact::<PyList>() {
-        if list.len() < count {
-            return Err(short(list.len()).into());
-        }
-        return extract_ids(count, |i| list.get_item(i));
-    }
-    if let Ok(tuple) = tokens.cast_exact::<PyTuple>() {
-        if tuple.len() < count {
-            return Err(short(tuple.len()).into());
-        }
-        return extract_ids(count, |i| tuple.get_item(i));
-    }
-    Ok(None)
 }
 
 /// Per-block extra keys: each entry None or a supported value; None if any is not.

@@ -57,23 +57,27 @@ const HEADER_LEN: usize = 2 + 9;
 const BATCHSIZE: usize = 1000;
 
 /// Pickle's memo: object address -> memo index, in the order objects were first written.
+///
+/// The table is only built when a block has extra keys (a plain block's memo is fixed).
 #[derive(Default)]
 pub struct Memo {
     next: u32,
-    seen: HashMap<usize, u32>,
+    seen: Option<HashMap<usize, u32>>,
 }
 
 impl Memo {
     fn put(&mut self, out: &mut Vec<u8>, id: Option<usize>) {
         if let Some(id) = id {
-            self.seen.insert(id, self.next);
+            self.seen
+                .get_or_insert_with(HashMap::new)
+                .insert(id, self.next);
         }
         self.next += 1;
         out.push(MEMOIZE);
     }
 
     fn get(&self, out: &mut Vec<u8>, id: usize) -> bool {
-        match self.seen.get(&id) {
+        match self.seen.as_ref().and_then(|m| m.get(&id)) {
             Some(&idx) if idx < 256 => {
                 out.push(BINGET);
                 out.push(idx as u8);
