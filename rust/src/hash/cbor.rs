@@ -40,6 +40,46 @@ pub fn write_int(out: &mut Vec<u8>, v: i64) {
     }
 }
 
+/// Every id of a block, written at fixed offsets into room reserved up front (the hot loop
+/// of the CBOR algorithms: no capacity check or variable-length copy per id).
+fn write_ids(out: &mut Vec<u8>, ids: &[i64]) {
+    let start = out.len();
+    // At most a head byte and 8 argument bytes an id.
+    out.resize(start + 9 * ids.len(), 0);
+    let buf = &mut out[start..];
+    let mut pos = 0;
+    for &t in ids {
+        match u32::try_from(t) {
+            Ok(v) if v < 24 => {
+                buf[pos] = v as u8;
+                pos += 1;
+            }
+            Ok(v) if v < 0x100 => {
+                buf[pos] = 0x18;
+                buf[pos + 1] = v as u8;
+                pos += 2;
+            }
+            Ok(v) if v < 0x1_0000 => {
+                buf[pos] = 0x19;
+                buf[pos + 1..pos + 3].copy_from_slice(&(v as u16).to_be_bytes());
+                pos += 3;
+            }
+            Ok(v) => {
+                buf[pos] = 0x1a;
+                buf[pos + 1..pos + 5].copy_from_slice(&v.to_be_bytes());
+                pos += 5;
+            }
+            Err(_) => {
+                let mut one = Vec::with_capacity(9);
+                write_int(&mut one, t);
+                buf[pos..pos + one.len()].copy_from_slice(&one);
+                pos += one.len();
+            }
+        }
+    }
+    out.truncate(start + pos);
+}
+
 /// An int outside `i64`: major type 0/1 while it fits 64 bits, a bignum beyond.
 pub fn write_big(out: &mut Vec<u8>, n: &BigInt) {
     let (major, tag, arg) = if n.negative {
@@ -89,9 +129,7 @@ pub fn write_tokens(out: &mut Vec<u8>, tokens: TokenSlice<'_>) -> Result<(), Uns
     match tokens {
         TokenSlice::Ints(ids) => {
             head(out, 4, ids.len() as u64);
-            for &t in ids {
-                write_int(out, t);
-            }
+            write_ids(out, ids);
         }
         TokenSlice::Values(ids) => {
             head(out, 4, ids.len() as u64);
@@ -125,6 +163,38 @@ pub fn block_input(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_block_loop_writes_what_the_per_value_writer_writes() {
+        let mut vals: Vec<i64> = vec![
+            0, 1, 23, 24, 255, 256, 65535, 65536, -1, -24, -25, -256, -257,
+        ];
+        vals.extend([
+            i32::MAX as i64,
+            i32::MIN as i64,
+            1 << 31,
+            -(1 << 31) - 1,
+            1 << 32,
+            i64::MAX,
+            i64::MIN,
+        ]);
+        let mut x: u64 = 7;
+        for _ in 0..2000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            vals.push((x as i64) >> (x % 64));
+        }
+        for chunk in vals.chunks(17) {
+            let mut fast = vec![0xaa];
+            write_ids(&mut fast, chunk);
+            let mut slow = vec![0xaa];
+            for &v in chunk {
+                write_int(&mut slow, v);
+            }
+            assert_eq!(fast, slow, "{chunk:?}");
+        }
+    }
 
     fn enc(v: &Value) -> Vec<u8> {
         let mut out = Vec::new();

@@ -109,6 +109,41 @@ fn write_int32(out: &mut Vec<u8>, v: i32) {
     }
 }
 
+/// Every id of a block, written at fixed offsets into room reserved up front (the hot loop
+/// of the pickle algorithms: no capacity check or variable-length copy per id).
+fn write_ids(out: &mut Vec<u8>, ids: &[i64]) {
+    let start = out.len();
+    // BININT is 5 bytes, LONG1 of an i64 at most 10.
+    out.resize(start + 10 * ids.len(), 0);
+    let buf = &mut out[start..];
+    let mut pos = 0;
+    for &t in ids {
+        match i32::try_from(t) {
+            Ok(v) => {
+                let b = v.to_le_bytes();
+                let (op, len) = if b[2] != 0 || b[3] != 0 {
+                    (BININT, 5)
+                } else if b[1] != 0 {
+                    (BININT2, 3)
+                } else {
+                    (BININT1, 2)
+                };
+                // Write all four bytes; the next id overwrites those this one does not use.
+                buf[pos] = op;
+                buf[pos + 1..pos + 5].copy_from_slice(&b);
+                pos += len;
+            }
+            Err(_) => {
+                let mut long = Vec::with_capacity(10);
+                write_int(&mut long, t);
+                buf[pos..pos + long.len()].copy_from_slice(&long);
+                pos += long.len();
+            }
+        }
+    }
+    out.truncate(start + pos);
+}
+
 /// `LONG1`/`LONG4` with the given little-endian two's-complement bytes, trimmed to minimal.
 fn write_long(out: &mut Vec<u8>, mut le: Vec<u8>) {
     while le.len() > 1 {
@@ -281,14 +316,14 @@ pub fn block_input(
         TokenSlice::Ints(ids) => {
             if ids.is_empty() {
                 out.push(EMPTY_TUPLE);
+            } else if ids.len() <= 3 {
+                write_ids(out, ids);
+                out.push(TUPLE_N[ids.len()]);
+                memo.put(out, None);
             } else {
-                write_tuple_items(
-                    out,
-                    ids.iter(),
-                    ids.len(),
-                    |out, &t, _| write_int(out, t),
-                    &mut memo,
-                );
+                out.push(MARK);
+                write_ids(out, ids);
+                out.push(TUPLE);
                 memo.put(out, None);
             }
         }
@@ -319,6 +354,38 @@ pub fn block_input(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_block_loop_writes_what_the_per_value_writer_writes() {
+        let mut vals: Vec<i64> = vec![
+            0, 1, 23, 24, 255, 256, 65535, 65536, -1, -24, -25, -256, -257,
+        ];
+        vals.extend([
+            i32::MAX as i64,
+            i32::MIN as i64,
+            1 << 31,
+            -(1 << 31) - 1,
+            1 << 32,
+            i64::MAX,
+            i64::MIN,
+        ]);
+        let mut x: u64 = 7;
+        for _ in 0..2000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            vals.push((x as i64) >> (x % 64));
+        }
+        for chunk in vals.chunks(17) {
+            let mut fast = vec![0xaa];
+            write_ids(&mut fast, chunk);
+            let mut slow = vec![0xaa];
+            for &v in chunk {
+                write_int(&mut slow, v);
+            }
+            assert_eq!(fast, slow, "{chunk:?}");
+        }
+    }
 
     fn int(v: i64) -> Vec<u8> {
         let mut out = Vec::new();
