@@ -685,9 +685,9 @@ class RequestBlockHasher:
         lora, mm_items, cache_salt, prompt_embeds_digest: see :class:`RequestExtraKeys`.
     """
 
-    __slots__ = ("hasher", "_keys", "_bs", "_few", "_pending", "_hashes", "_wire")
+    __slots__ = ("hasher", "_keys", "_bs", "_plain", "_pending", "_hashes", "_wire")
     # The hasher's plain-chain call (BlockHasher._plain) when the request has no extra keys.
-    _few: Callable[[bytes | None, Any, int], list[bytes]] | None
+    _plain: Callable[[bytes | None, Any, int], list[bytes]] | None
 
     def __init__(
         self,
@@ -704,7 +704,7 @@ class RequestBlockHasher:
         self._hashes: list[bytes] = []
         if lora is None and cache_salt is None and prompt_embeds_digest is None and not mm_items:
             try:
-                self._few = hasher._plain  # set: no extra keys (_wire unset: every entry None)
+                self._plain = hasher._plain  # set: no extra keys (_wire unset: every entry None)
             except AttributeError:
                 raise HashingError(f"hasher must be a BlockHasher, got {type(hasher).__name__}") from None
             self.hasher = hasher
@@ -716,9 +716,9 @@ class RequestBlockHasher:
         self._bs = hasher.block_size
         self._keys = keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
         if keys.empty:
-            self._few = hasher._plain
+            self._plain = hasher._plain
         else:
-            self._few = None
+            self._plain = None
             self._wire: list[list[Any] | None] = []
 
     @property
@@ -746,7 +746,7 @@ class RequestBlockHasher:
         """Per full block, its ``BlockStored.extra_keys`` entry (None or untagged list)."""
         if len(self._pending) >= self._bs:
             self._flush()
-        return [None] * len(self._hashes) if self._few is not None else self._wire
+        return [None] * len(self._hashes) if self._plain is not None else self._wire
 
     def appender(self) -> Callable[[int], None]:
         """A callable that appends one token id to the request without hashing it.
@@ -768,7 +768,7 @@ class RequestBlockHasher:
         pending = self._pending
         bs = self._bs
         full = len(pending) - len(pending) % bs
-        few = self._few
+        few = self._plain
         if few is not None:
             hashes = self._hashes
             hashes += few(hashes[-1] if hashes else None, pending, full)
@@ -802,7 +802,7 @@ class RequestBlockHasher:
             after = len(pending)
             if after < bs:  # the usual decode step: no block completed
                 return []
-            few = self._few
+            few = self._plain
             hashes = self._hashes
             full = after - after % bs
             try:
@@ -832,7 +832,7 @@ class RequestBlockHasher:
             if not full:
                 pending += new_token_ids
                 return []
-            few = self._few
+            few = self._plain
             if few is not None:
                 hashes = self._hashes
                 new = few(hashes[-1] if hashes else None, new_token_ids, full)
@@ -865,7 +865,7 @@ class RequestBlockHasher:
         bs = self._bs
         hashes = self._hashes
         parent = hashes[-1] if hashes else None
-        if self._few is not None:  # no extra keys
+        if self._plain is not None:  # no extra keys
             new = self.hasher.hash_blocks(tokens, parent)
         else:
             wire_out = self._wire

@@ -257,3 +257,12 @@ def test_long_prompts_hashed_in_threads_at_once_equal_the_naive_loop():
     for (algorithm, i), got in results.items():
         assert got == naive_chain(algorithm, BlockHasher(algorithm, 16, seed="t").root, prompts[i], 16)
     assert len(results) == len(threads)
+
+
+@pytest.mark.parametrize("algorithm", VLLM)
+def test_float_and_str_token_ids_hash_as_the_serializer_writes_them(algorithm):
+    # Not token ids any engine sends, but vLLM would hash them: the same digests either way.
+    for tokens in ([1, 2.5, 3, 4], [1, "a", 3, b"b"], [None, 2, 3, (4, 5)]):
+        want = naive_chain(algorithm, b"p", tokens, 2)
+        assert BlockHasher(algorithm, 2, seed="0").hash_blocks(tokens, b"p") == want
+        assert RequestBlockHasher(BlockHasher(algorithm, 2, seed="0", root=b"p")).extend(tokens) == want
