@@ -266,3 +266,41 @@ def test_float_and_str_token_ids_hash_as_the_serializer_writes_them(algorithm):
         want = naive_chain(algorithm, b"p", tokens, 2)
         assert BlockHasher(algorithm, 2, seed="0").hash_blocks(tokens, b"p") == want
         assert RequestBlockHasher(BlockHasher(algorithm, 2, seed="0", root=b"p")).extend(tokens) == want
+
+
+anything = st.recursive(
+    st.one_of(
+        st.none(), st.booleans(), st.integers(), st.floats(), st.text(), st.binary(),
+        st.builds(_Tok, st.integers(min_value=-5, max_value=5)),
+    ),
+    lambda c: st.lists(c, max_size=3) | st.lists(c, max_size=3).map(tuple)
+    | st.dictionaries(st.text(max_size=3), c, max_size=2) | st.frozensets(st.integers(), max_size=2),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(algorithm=st.sampled_from(VLLM), data=st.data())
+def test_arbitrary_values_hash_like_the_oracle_or_fail_like_it(algorithm, data):
+    # Whatever a caller (or a decoded remote event) puts in the tokens or the extra keys:
+    # the native core encodes it exactly or hands it back; never a different digest, never
+    # a different kind of failure, never a crash.
+    tokens = data.draw(st.lists(anything, min_size=2, max_size=6))
+    extras = data.draw(st.none() | st.lists(st.none() | st.lists(anything, max_size=3).map(tuple), min_size=len(tokens) // 2, max_size=len(tokens) // 2))
+    h = BlockHasher(algorithm, 2, seed="0")
+    try:
+        want: Any = naive_chain(algorithm, h.root, tokens, 2, extras)
+    except Exception as exc:
+        with pytest.raises(type(exc)):
+            h.hash_blocks(tokens, None, extras)
+        return
+    assert h.hash_blocks(tokens, None, extras) == want
+
+
+def test_deeply_nested_extra_keys_are_handed_back_not_recursed_into():
+    deep: Any = ("leaf",)
+    for _ in range(200):
+        deep = (deep,)
+    for algorithm in VLLM:
+        assert native(algorithm, b"p", [1, 2], 2, [deep]) is None
+        assert BlockHasher(algorithm, 2, seed="0").hash_blocks([1, 2], b"p", [deep]) == naive_chain(algorithm, b"p", [1, 2], 2, [deep])
