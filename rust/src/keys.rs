@@ -175,26 +175,19 @@ pub fn router_prompt_keys(
     if router_block_size == 0 {
         return Err(Error::Local("router_block_size must be > 0 (tokens)".into()).into());
     }
-    let len = tokens.len()?;
-    let n_blocks = len / router_block_size;
-    let raw = if let Ok(b) = tokens.cast_exact::<PyBytes>() {
-        // Already packed (uint32-LE): 4 bytes an id.
-        let n_blocks = b.as_bytes().len() / 4 / router_block_size;
-        let extras = extras
-            .filter(|e| !e.is_none())
-            .map(extract_extras)
-            .transpose()?;
-        return run_chain(py, b.as_bytes(), n_blocks, router_block_size, seed, extras).map(Some);
-    } else {
-        match pack(tokens, Some(n_blocks * router_block_size))? {
-            Some(raw) => raw,
-            None => return Ok(None),
-        }
-    };
     let extras = extras
         .filter(|e| !e.is_none())
         .map(extract_extras)
         .transpose()?;
+    if let Ok(b) = tokens.cast_exact::<PyBytes>() {
+        // Already packed (uint32-LE): 4 bytes an id.
+        let n_blocks = b.as_bytes().len() / 4 / router_block_size;
+        return run_chain(py, b.as_bytes(), n_blocks, router_block_size, seed, extras).map(Some);
+    }
+    let n_blocks = tokens.len()? / router_block_size;
+    let Some(raw) = pack(tokens, Some(n_blocks * router_block_size))? else {
+        return Ok(None);
+    };
     run_chain(py, &raw, n_blocks, router_block_size, seed, extras).map(Some)
 }
 
