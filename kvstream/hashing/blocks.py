@@ -347,7 +347,13 @@ class BlockHasher:
                 f"hash_block needs exactly block_size={self.block_size} tokens, got {len(tokens)}; "
                 "only full blocks are hashed (use hash_blocks for a longer token list)"
             )
-        return self.hash_blocks(tokens, parent, None if extra_keys is None else (extra_keys,))[0]
+        extras = None if extra_keys is None else (extra_keys,)
+        if (type(tokens) is list or type(tokens) is tuple) and (not parent or type(parent) is bytes):
+            # A decode step completed a block: straight to the native core, one call.
+            out = _hash_chain(self._code, self.block_size, parent or self.root, tokens, 1, extras)
+            if out is not None:
+                return out[0]
+        return self.hash_blocks(tokens, parent, extras)[0]
 
     # -- many blocks -------------------------------------------------------------------
 
