@@ -1,6 +1,7 @@
 """Block hashing: vLLM's chained prefix-cache block hashes, bit for bit, and a fast native mode.
 
-kvstream's bottom layer: it imports nothing of kvstream but :mod:`kvstream.errors`.
+kvstream's bottom layer: it imports nothing of kvstream but :mod:`kvstream.errors` and the native
+core (``kvstream._native``), which runs the per-block loops.
 ``blocks`` holds the algorithms, the root seed, the extra keys and the request hasher.
 """
 

@@ -11,30 +11,34 @@ with either vLLM 0.33's or 0.11's rules. Extra keys (LoRA, multimodal items, cac
 prompt-embeds digests) come in the 0.33 tagged form or the 0.11 untagged form, see
 :class:`RequestExtraKeys`.
 
-Layout of this module, bottom up: the CBOR fast encoder, the root seed, :class:`BlockHasher`
-(one algorithm + block size + root, hashes blocks), the request-side extra-key description,
-:class:`RequestBlockHasher` (a request's growing hash list) and the external (wire) form.
+The per-block loops (serialize, digest, chain) run in kvstream's native core
+(``kvstream._native``, Rust): one call hashes a whole prompt, byte-identical to vLLM's
+``pickle``/``cbor2`` + ``hashlib``/``xxhash`` loop, which stays here as the path for the
+rare inputs the core hands back. Layout of this module, bottom up: the serializers, the
+root seed, :class:`BlockHasher` (one algorithm + block size + root, hashes blocks), the
+request-side extra-key description, :class:`RequestBlockHasher` (a request's growing hash
+list) and the external (wire) form.
 
-This is kvstream's bottom layer: it imports nothing of kvstream.
+This is kvstream's bottom layer: it imports nothing of kvstream but the errors and the
+native core.
 """
 
 from __future__ import annotations
 
 import hashlib
-import marshal
 import os
 import pickle
 import struct
 import sys
 from bisect import bisect_left
 from array import array
-from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, NamedTuple, Sequence, get_args, overload
 
 import cbor2
 import xxhash
 
+from kvstream import _native
 from kvstream.errors import LocalProtocolError
 
 __all__ = [
@@ -93,189 +97,10 @@ class HashingError(LocalProtocolError, ValueError):
 
 
 # --------------------------------------------------------------------------------------
-# Canonical CBOR, by hand, for the shapes a block hash input has.
-#
-# cbor2.dumps(obj, canonical=True) only differs from plain CBOR for maps, sets and floats,
-# none of which appear in a block hash input, so ints, strings, bytes, None, bools and
-# arrays are emitted in their (unique) minimal form. Anything else raises _NotFast and the
-# caller hands that one block to cbor2.
-
-
-class _NotFast(Exception):
-    """Internal: this value is outside what the hand encoder supports; use cbor2."""
-
-
-def _head(major: int, n: int) -> bytes:
-    """CBOR initial byte(s) for major type ``major`` and argument ``n`` (0 <= n < 2**64)."""
-    m = major << 5
-    if n < 24:
-        return bytes((m | n,))
-    if n < 0x100:
-        return bytes((m | 24, n))
-    if n < 0x10000:
-        return bytes((m | 25,)) + n.to_bytes(2, "big")
-    if n < 0x100000000:
-        return bytes((m | 26,)) + n.to_bytes(4, "big")
-    return bytes((m | 27,)) + n.to_bytes(8, "big")
-
-
-def _encode_int(n: int) -> bytes:
-    """Canonical CBOR of a Python int, bignums (tags 2/3) included, as cbor2 writes it."""
-    if n >= 0:
-        if n < 0x10000000000000000:
-            return _head(0, n)
-        raw = n.to_bytes((n.bit_length() + 7) // 8, "big")
-        return b"\xc2" + _head(2, len(raw)) + raw
-    m = -1 - n
-    if m < 0x10000000000000000:
-        return _head(1, m)
-    raw = m.to_bytes((m.bit_length() + 7) // 8, "big")
-    return b"\xc3" + _head(2, len(raw)) + raw
-
-
-# Token ids in bulk, without cbor2 and without a per-token table. A table of per-token
-# encodings is fast only while it sits in CPU cache, and a router mostly hashes prompts it
-# has never seen; cbor2 itself spends ~28 ns per id. So a long prompt goes through C-level
-# passes over whole byte strings, none of which depends on the vocabulary:
-#
-# 1. ``marshal.dumps(ids, 2)`` writes every exact int in [-2**31, 2**31) as b"i" + its 4 bytes
-#    little-endian, and anything else (a bool, an int subclass, a bigger int, a non-int)
-#    another way or not at all. A stream of exactly 5 + 5 * n bytes with b"i" every 5 bytes
-#    therefore proves every id is such an int, and slicing it every 5th byte gives the ids'
-#    byte columns b0..b3.
-# 2. One class key per id from the columns: bit 0 = b0 >= 24, bit 1 = b1 != 0, bit 2 =
-#    (b2 | b3) != 0 (each a ``bytes.translate``; ORed as big ints, no carries). The key
-#    decides the id's canonical CBOR size (1, 2, 3 or 5 bytes) and header (0x18/0x19/0x1a).
-# 3. Each id is laid out as five UTF-16 code units, header b3 b2 b1 b0 (big-endian, CBOR's
-#    order); a unit whose byte is not part of the id's encoding gets high byte 1. Decoding
-#    that as UTF-16 and encoding it as latin-1 with errors="ignore" drops exactly those units
-#    (they are >= U+0100) in one C pass: what remains is every id's canonical CBOR, back to back.
-# 4. Block sizes: the per-id sizes read as one big int, times 1 + 256 + ... + 256**(B-1),
-#    give every window sum of B sizes in one multiplication (each sum < 256: no carry).
-#
-# Ids outside [0, 2**31) or not exact ints take cbor2 per block (vLLM's own serializer).
-
-_KEY_B0 = bytes([0] * 24 + [1] * 232)  # bit 0: b0 >= 24
-_KEY_B1 = bytes([0] + [2] * 255)  # bit 1: b1 != 0
-_KEY_B23 = bytes([0] + [4] * 255)  # bit 2: b2 or b3 != 0
-
-
-def _by_key(f: Callable[[int], int]) -> bytes:
-    """A translate table over class keys 0..7 (the rest of the 256 entries unused)."""
-    return bytes(f(k) for k in range(8)) + bytes(248)
-
-
-# key -> canonical CBOR size of the id in bytes: 1 (< 24), 2 (< 256), 3 (< 65536) or 5.
-_CBOR_SIZE = _by_key(lambda k: 5 if k & 4 else 3 if k & 2 else 2 if k & 1 else 1)
-# key -> the header byte (ignored for ids < 24, whose header unit is dropped: b0 is the item).
-_CBOR_HEAD = _by_key(lambda k: 0x1A if k & 4 else 0x19 if k & 2 else 0x18)
-_DROP_HEAD = _by_key(lambda k: int(k == 0))  # id < 24
-_DROP_B1 = _by_key(lambda k: int(k < 2))  # id < 256
-_DROP_B23 = _by_key(lambda k: int(k < 4))  # id < 65536
-
-# Below this many blocks per call, cbor2 on each block's token list is cheaper than the
-# bulk passes' fixed cost (measured: ~10 us for the passes, ~1 us per cbor2 call).
-_BULK_MIN_BLOCKS = 12
-# Below this many blocks the pickle algorithms use the simple slice loop instead of the
-# zip-chunked one (measured: the zip setup costs more than it saves below ~5 blocks).
-_PICKLE_FEW_MAX = 5
-
-
-def _int32_columns(tokens: Sequence[int]) -> tuple[bytes, bytes, bytes, bytes] | None:
-    """Little-endian byte columns (b0, b1, b2, b3) of every id, or None.
-
-    None unless every id is an exact ``int`` in [-2**31, 2**31) (see step 1 above).
-    """
-    seq = tokens if type(tokens) is list or type(tokens) is tuple else list(tokens)
-    try:
-        m = marshal.dumps(seq, 2)
-    except ValueError:  # an object marshal cannot write: certainly not an exact int
-        return None
-    n = len(seq)
-    if len(m) != 5 + 5 * n or m[5::5] != b"i" * n:
-        return None
-    return m[6::5], m[7::5], m[8::5], m[9::5]
-
-
-def _cbor_token_runs(tokens: Sequence[int], block_size: int) -> tuple[bytes, Sequence[int]] | None:
-    """Canonical CBOR of the token ids of every full block, back to back, and each block's size.
-
-    Returns ``(encoded, sizes)``: block ``i``'s ids are ``encoded[sum(sizes[:i]):][:sizes[i]]``
-    (ids after the last full block are encoded too, and not counted). None when an id is not
-    an exact int in [0, 2**31) (the caller falls back to cbor2 per block, which decides).
-    """
-    cols = _int32_columns(tokens)
-    if cols is None:
-        return None
-    c0, c1, c2, c3 = cols
-    if not c3.isascii():  # a negative id (b3 >= 0x80): CBOR's major type 1, leave it to cbor2
-        return None
-    n = len(c0)
-    fb = int.from_bytes
-    key_i = fb(c0.translate(_KEY_B0), "little") | fb(c1.translate(_KEY_B1), "little")
-    if c3.count(0) == n:  # every id < 2**24 (all real vocabularies): b3 adds nothing
-        key_i |= fb(c2.translate(_KEY_B23), "little")
-    else:
-        key_i |= fb(c2.translate(_KEY_B23), "little") | fb(c3.translate(_KEY_B23), "little")
-    key = key_i.to_bytes(n, "little")
-    # Low bytes first (5 bytes an id), widened to UTF-16 units by a latin-1 round trip
-    # (cheaper than writing every low byte into the 10-byte layout), then the high bytes.
-    low = bytearray(5 * n)
-    low[0::5] = key.translate(_CBOR_HEAD)
-    low[1::5] = c3
-    low[2::5] = c2
-    low[3::5] = c1
-    low[4::5] = c0
-    units = bytearray(low.decode("latin-1").encode("utf-16-le"))
-    units[1::10] = key.translate(_DROP_HEAD)
-    drop = key.translate(_DROP_B23)
-    units[3::10] = drop
-    units[5::10] = drop
-    units[7::10] = key.translate(_DROP_B1)
-    encoded = units.decode("utf-16-le").encode("latin-1", "ignore")
-    blocks = n // block_size
-    each = key.translate(_CBOR_SIZE)
-    if 5 * block_size < 256:
-        # Sliding sums of block_size bytes in one multiplication (each sum < 256: no carry).
-        sums = (fb(each, "little") * fb(b"\x01" * block_size, "little")).to_bytes(n + block_size, "little")
-        return encoded, sums[block_size - 1 :: block_size][:blocks]
-    return encoded, [sum(each[i : i + block_size]) for i in range(0, blocks * block_size, block_size)]
-
-
-def _encode_into(obj: Any, out: list[bytes]) -> None:
-    """Append the canonical CBOR of ``obj`` to ``out``; raise _NotFast if unsupported."""
-    t = type(obj)
-    if obj is None:
-        out.append(b"\xf6")
-    elif t is int:
-        out.append(_encode_int(obj))
-    elif t is str:
-        raw = obj.encode("utf-8")
-        out.append(_head(3, len(raw)))
-        out.append(raw)
-    elif t is bytes:
-        out.append(_head(2, len(obj)))
-        out.append(obj)
-    elif t is tuple or t is list:
-        out.append(_head(4, len(obj)))
-        for item in obj:
-            _encode_into(item, out)
-    elif t is bool:
-        out.append(b"\xf5" if obj else b"\xf4")
-    else:
-        raise _NotFast
-
-
-def _encode_extra(extra_keys: Any) -> bytes | None:
-    """Canonical CBOR of an extra-keys value, or None when only cbor2 can encode it."""
-    if extra_keys is None:
-        return b"\xf6"
-    out: list[bytes] = []
-    try:
-        _encode_into(extra_keys, out)
-    except _NotFast:
-        return None
-    return b"".join(out)
+# vLLM's serializers and digests. The per-block loops run in the native core
+# (kvstream._native.hash_chain: pickle protocol 5 and canonical CBOR emitted byte for byte,
+# SHA-256 and xxh3_128 in Rust); these are the definitions it reproduces, and the path for
+# the inputs it hands back (int subclasses, numpy ints, floats in CBOR, lone surrogates...).
 
 
 def _cbor_dumps(obj: Any) -> bytes:
@@ -291,9 +116,6 @@ def _sha256(data: bytes) -> bytes:
 
 
 _xxh3_128 = xxhash.xxh3_128_digest
-_sha256_new = hashlib.sha256
-_pickle_dumps_c = pickle.dumps
-_PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 # name -> (serializer, digest); native has no generic serializer (see BlockHasher).
 _VLLM_FNS: dict[str, tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]] = {
@@ -302,6 +124,9 @@ _VLLM_FNS: dict[str, tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]] = 
     "xxhash": (_pickle_dumps, _xxh3_128),
     "xxhash_cbor": (_cbor_dumps, _xxh3_128),
 }
+
+# name -> the native core's algorithm code.
+_CODES: dict[str, int] = {"sha256": 0, "sha256_cbor": 1, "xxhash": 2, "xxhash_cbor": 3, "native": 4}
 
 
 def _check_algorithm(algorithm: object) -> str:
@@ -383,121 +208,16 @@ _NATIVE_BIG_ENDIAN_HOST = sys.byteorder == "big"
 if array("I").itemsize != 4:  # pragma: no cover - no mainstream platform
     raise ImportError("kvstream.hashing needs a 4-byte C unsigned int for native hashing")
 
-
-def _one_block_fn(algorithm: str, chain_prefix: bytes) -> Callable[[bytes, Sequence[int]], bytes] | None:
-    """``f(parent, block)``: the hash of one full block without extra keys, for the decode path.
-
-    ``parent`` must be a digest of this algorithm's size (``chain_prefix`` assumes it);
-    ``block`` is read, not kept. The same bytes as :meth:`BlockHasher.hash_blocks`, with
-    no per-call checks: a decode step that completes a block pays one call. None for
-    ``native`` (it keeps the general path).
-    """
-    proto = pickle.HIGHEST_PROTOCOL
-    pdumps = pickle.dumps
-    cdumps = cbor2.dumps
-    sha = hashlib.sha256
-    xxh = _xxh3_128
-    if algorithm == "sha256":
-        return lambda parent, block: sha(pdumps((parent, tuple(block), None), proto)).digest()
-    if algorithm == "xxhash":
-        return lambda parent, block: xxh(pdumps((parent, tuple(block), None), proto))
-    # cbor2 encodes a list like the tuple vLLM builds (both are CBOR arrays).
-    if algorithm == "sha256_cbor":
-        return lambda parent, block: sha(chain_prefix + parent + cdumps(block, canonical=True) + b"\xf6").digest()
-    if algorithm == "xxhash_cbor":
-        return lambda parent, block: xxh(chain_prefix + parent + cdumps(block, canonical=True) + b"\xf6")
-    return None
-
-
-def _few_blocks_fn(
-    algorithm: str,
-    block_size: int,
-    root: bytes,
-    digest_size: int,
-    chain_prefix: bytes,
-    bulk: Callable[[Sequence[int], int, bytes, None], list[bytes]],
-    limit: int,
-) -> Callable[[bytes | None, Sequence[int], int], list[bytes]] | None:
-    """``f(parent, tokens, full)``: the plain hashes of the blocks in ``tokens[:full]``.
-
-    The naive loop itself, without its per-block Python calls: one serialize + digest per
-    block, nothing set up beforehand. Below a few blocks this beats every bulk path (their
-    setup costs more than it saves); :class:`BlockHasher` picks it below
-    ``_few_max`` blocks. ``tokens`` is a list or tuple (a CBOR block is encoded from its
-    slice, which cbor2 writes like vLLM's tuple); ``parent`` None (or empty) chains from
-    ``root``; ``full`` is a multiple of ``block_size``. No extra keys. From ``limit``
-    tokens on it hands the call to ``bulk`` (the hasher's bulk path, no argument checks).
-    None for ``native``.
-    """
-    proto = pickle.HIGHEST_PROTOCOL
-    pdumps = pickle.dumps
-    cdumps = cbor2.dumps
-    sha = hashlib.sha256
-    xxh = _xxh3_128
-    bs = block_size
-    root_head = b"\x83" + _head(2, len(root))
-
-    if algorithm == "sha256":
-
-        def few(parent: bytes | None, tokens: Sequence[int], full: int) -> list[bytes]:
-            prev = parent or root
-            if full >= limit:
-                return bulk(tokens, full // bs, prev, None)
-            if full == bs:
-                return [sha(pdumps((prev, tuple(tokens[:bs]), None), proto)).digest()]
-            out = []
-            for i in range(0, full, bs):
-                prev = sha(pdumps((prev, tuple(tokens[i : i + bs]), None), proto)).digest()
-                out.append(prev)
-            return out
-
-    elif algorithm == "xxhash":
-
-        def few(parent: bytes | None, tokens: Sequence[int], full: int) -> list[bytes]:
-            prev = parent or root
-            if full >= limit:
-                return bulk(tokens, full // bs, prev, None)
-            if full == bs:
-                return [xxh(pdumps((prev, tuple(tokens[:bs]), None), proto))]
-            out = []
-            for i in range(0, full, bs):
-                prev = xxh(pdumps((prev, tuple(tokens[i : i + bs]), None), proto))
-                out.append(prev)
-            return out
-
-    elif algorithm in ("sha256_cbor", "xxhash_cbor"):
-        is_sha = algorithm == "sha256_cbor"
-
-        def few(parent: bytes | None, tokens: Sequence[int], full: int) -> list[bytes]:
-            if full >= limit:
-                return bulk(tokens, full // bs, parent or root, None)
-            if not parent:
-                prev, head = root, root_head
-            else:
-                prev = parent
-                head = chain_prefix if len(parent) == digest_size else b"\x83" + _head(2, len(parent))
-            out = []
-            if is_sha:
-                for i in range(0, full, bs):
-                    prev = sha(head + prev + cdumps(tokens[i : i + bs], canonical=True) + b"\xf6").digest()
-                    head = chain_prefix
-                    out.append(prev)
-            else:
-                for i in range(0, full, bs):
-                    prev = xxh(head + prev + cdumps(tokens[i : i + bs], canonical=True) + b"\xf6")
-                    head = chain_prefix
-                    out.append(prev)
-            return out
-
-    else:
-        return None
-    return few
+_hash_chain = _native.hash_chain
+_NativeLocalError = _native.NativeLocalError
 
 
 class BlockHasher:
     """Hashes full token blocks into chained block hashes with one fixed configuration.
 
-    Immutable after construction; cheap to share between requests and threads.
+    Immutable after construction; cheap to share between requests and threads. The
+    per-block work runs in kvstream's native core, one call per chain of blocks (a prompt,
+    or the blocks a decode step completed), with the GIL released for long prompts.
 
     Args:
         algorithm: one of :data:`ALGORITHMS`. The vLLM ones give vLLM's exact digests
@@ -523,12 +243,7 @@ class BlockHasher:
         "digest_size",
         "_serialize",
         "_digest",
-        "_cbor",
-        "_array_head",
-        "_chain_prefix",
-        "_one",
-        "_few",
-        "_few_max",
+        "_code",
     )
 
     algorithm: str
@@ -538,12 +253,7 @@ class BlockHasher:
     digest_size: int
     _serialize: Callable[[Any], bytes] | None
     _digest: Callable[[bytes], bytes]
-    _cbor: bool
-    _array_head: bytes
-    _chain_prefix: bytes
-    _one: Callable[[bytes, Sequence[int]], bytes] | None
-    _few: Callable[[bytes | None, Sequence[int], int], list[bytes]]
-    _few_max: int
+    _code: int
 
     def __init__(
         self,
@@ -586,18 +296,7 @@ class BlockHasher:
             serialize, digest = _VLLM_FNS[algorithm]
             s(self, "_serialize", serialize)
             s(self, "_digest", digest)
-        s(self, "_cbor", algorithm.endswith("_cbor"))
-        s(self, "_array_head", _head(4, block_size))
-        # 3-item array + bytes header of a parent of our own digest size.
-        s(self, "_chain_prefix", b"\x83" + _head(2, self.digest_size))
-        s(self, "_one", _one_block_fn(algorithm, self._chain_prefix))
-        # _few(parent, tokens, full): a plain list/tuple's blocks, the simple loop below
-        # _few_max blocks, the bulk path from there on (native: hash_blocks, _few_max 0).
-        few_max = _BULK_MIN_BLOCKS if self._cbor else _PICKLE_FEW_MAX
-        bulk = self._hash_cbor if self._cbor else self._hash_generic
-        few = _few_blocks_fn(algorithm, block_size, root, self.digest_size, self._chain_prefix, bulk, few_max * block_size)
-        s(self, "_few", few if few is not None else lambda parent, tokens, full: self.hash_blocks(tokens, parent))
-        s(self, "_few_max", 0 if few is None else few_max)
+        s(self, "_code", _CODES[algorithm])
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"BlockHasher is immutable; build a new one instead of setting {name!r}")
@@ -643,26 +342,18 @@ class BlockHasher:
             extra_keys: the block's extra keys in the hash-input form (see
                 :meth:`RequestExtraKeys.for_block`), or None.
         """
-        if extra_keys is None and len(tokens) == self.block_size:
-            # A plain block (a decode step): one serialize + digest, no other checks; the
-            # pickle algorithms inline (a caller hashing block by block pays one call a block).
-            algorithm = self.algorithm
-            if parent:
-                if algorithm == "sha256":
-                    return _sha256_new(_pickle_dumps_c((parent, tuple(tokens), None), _PICKLE_PROTOCOL)).digest()
-                if algorithm == "xxhash":
-                    return _xxh3_128(_pickle_dumps_c((parent, tuple(tokens), None), _PICKLE_PROTOCOL))
-            if type(tokens) is list or type(tokens) is tuple:
-                one = self._one
-                if one is not None and parent and len(parent) == self.digest_size:
-                    return one(parent, tokens)
-                return self._few(parent, tokens, len(tokens))[0]
         if len(tokens) != self.block_size:
             raise HashingError(
                 f"hash_block needs exactly block_size={self.block_size} tokens, got {len(tokens)}; "
                 "only full blocks are hashed (use hash_blocks for a longer token list)"
             )
-        return self.hash_blocks(tokens, parent, None if extra_keys is None else (extra_keys,))[0]
+        extras = None if extra_keys is None else (extra_keys,)
+        if (type(tokens) is list or type(tokens) is tuple) and (not parent or type(parent) is bytes):
+            # A decode step completed a block: straight to the native core, one call.
+            out = _hash_chain(self._code, self.block_size, parent or self.root, tokens, 1, extras)
+            if out is not None:
+                return out[0]
+        return self.hash_blocks(tokens, parent, extras)[0]
 
     # -- many blocks -------------------------------------------------------------------
 
@@ -679,9 +370,9 @@ class BlockHasher:
             parent: the hash of the block before ``tokens[0]``; None starts at :attr:`root`.
             extra_keys_per_block: None, or exactly one entry (tuple or None) per full block.
 
-        Returns one digest (bytes) per full block, in order. This is the fast path:
-        ``sha256_cbor``/``xxhash_cbor`` emit canonical CBOR by hand (identical bytes to
-        ``cbor2.dumps(..., canonical=True)``, cbor2 is used for any block it cannot prove).
+        Returns one digest (bytes) per full block, in order, from one call into the native
+        core; an input it does not reproduce exactly (an int subclass, a numpy int, a float
+        in a CBOR extra key...) is hashed with vLLM's own serializer instead.
         """
         bs = self.block_size
         n = len(tokens) // bs
@@ -690,142 +381,54 @@ class BlockHasher:
                 f"extra_keys_per_block has {len(extra_keys_per_block)} entries but tokens hold "
                 f"{n} full blocks of {bs}; give one entry (tuple or None) per full block"
             )
-        if n < self._few_max and extra_keys_per_block is None and (type(tokens) is list or type(tokens) is tuple):
-            return self._few(parent, tokens, n * bs) if n else []  # the simple loop, no bulk setup
         if n == 0:
             return []
         if not parent:
             parent = self.root
-        if n == 1 and extra_keys_per_block is None and self._one is not None and len(parent) == self.digest_size:
-            # One block (a short prompt): a single serialize + digest, no bulk setup.
-            chunk = tokens[:bs]
-            return [self._one(parent, chunk if type(chunk) is list or type(chunk) is tuple else list(chunk))]
-        if self._cbor:
-            return self._hash_cbor(tokens, n, parent, extra_keys_per_block)
-        if self._serialize is not None:
-            return self._hash_generic(tokens, n, parent, extra_keys_per_block)
-        return self._hash_native(tokens, n, parent, extra_keys_per_block)
+        if type(tokens) is not list and type(tokens) is not tuple:
+            tokens = tokens.tolist() if type(tokens) is array else list(tokens[: n * bs])
+        if type(parent) is bytes:
+            try:
+                out = _hash_chain(self._code, bs, parent, tokens, n, extra_keys_per_block)
+            except _NativeLocalError as exc:  # pragma: no cover - the checks above prevent it
+                raise HashingError(str(exc)) from None
+            if out is not None:
+                return out
+        return self._hash_python(tokens, n, parent, extra_keys_per_block)
 
-    def _hash_generic(
+    def _plain(self, parent: bytes | None, tokens: list[int] | tuple[int, ...], full: int) -> list[bytes]:
+        """The hashes of the blocks in ``tokens[:full]`` without extra keys (``full`` a
+        multiple of ``block_size``, ``parent`` None or empty for the root): the request
+        hasher's call, without :meth:`hash_blocks`' argument handling."""
+        n = full // self.block_size
+        if not n:
+            return []
+        prev = parent or self.root
+        out = _hash_chain(self._code, self.block_size, prev, tokens, n, None)
+        return out if out is not None else self._hash_python(tokens, n, prev, None)
+
+    def _hash_python(
         self,
         tokens: Sequence[int],
         n: int,
         parent: bytes,
         extras: Sequence[Any] | None,
     ) -> list[bytes]:
-        """The pickle algorithms: vLLM's exact serializer on the real tuple, one C call a block.
-
-        Every block's tuple comes straight out of ``zip(*[iter(tokens)] * block_size)``
-        (built in C, no list slice per block) and the serializer and digest are called
-        directly. Pickling the whole prompt once and cutting it into blocks was measured
-        and lost (see docs/hashing.md): pickle's per-token cost is the same in bulk, and
-        the bulk passes cost more than the per-call overhead they save.
-        """
+        """vLLM's definition, one ``serialize((parent, tuple(block), extra_keys))`` + digest
+        per block: for the inputs the native core hands back (it serializes them the way
+        Python does, errors included)."""
         bs = self.block_size
+        if self._serialize is None:
+            return self._hash_native_python(tokens, n, parent, extras)
+        serialize, digest = self._serialize, self._digest
         out: list[bytes] = []
-        append = out.append
         prev = parent
-        ser, proto = pickle.dumps, pickle.HIGHEST_PROTOCOL
-        if n == 1:  # a decode step completed one block: no iterator, no zip
-            blocks: Iterable[tuple[int, ...]] = (tuple(tokens[:bs]),)
-        else:
-            blocks = zip(*[iter(tokens)] * bs)
-        if extras is not None:
-            digest = self._digest
-            for block, ek in zip(blocks, extras):
-                prev = digest(ser((prev, block, ek), proto))
-                append(prev)
-            return out
-        if self.algorithm == "sha256":
-            new = hashlib.sha256  # called directly: one Python call less per block
-            for block in blocks:
-                prev = new(ser((prev, block, None), proto)).digest()
-                append(prev)
-            return out
-        digest = self._digest
-        for block in blocks:
-            prev = digest(ser((prev, block, None), proto))
-            append(prev)
+        for i in range(n):
+            prev = digest(serialize((prev, tuple(tokens[i * bs : (i + 1) * bs]), None if extras is None else extras[i])))
+            out.append(prev)
         return out
 
-    def _hash_cbor(
-        self,
-        tokens: Sequence[int],
-        n: int,
-        parent: bytes,
-        extras: Sequence[Any] | None,
-    ) -> list[bytes]:
-        bs = self.block_size
-        ahead = self._array_head
-        runs = _cbor_token_runs(tokens, bs) if n >= _BULK_MIN_BLOCKS else None
-        chain_prefix = self._chain_prefix
-        out: list[bytes] = []
-        append = out.append
-        prev = parent
-        if runs is not None and extras is None and len(parent) == self.digest_size:
-            # The common case, a long prompt without extra keys: every block's input is
-            # prefix|parent|array head|its ids|None, joined straight from the one encoding.
-            encoded, sizes = runs
-            a = 0
-            join = b"".join
-            if self.algorithm == "sha256_cbor":
-                new = hashlib.sha256  # called directly: one Python call less per block
-                for k in sizes:
-                    b = a + k
-                    prev = new(join((chain_prefix, prev, ahead, encoded[a:b], b"\xf6"))).digest()
-                    append(prev)
-                    a = b
-            else:
-                digest = self._digest
-                for k in sizes:
-                    b = a + k
-                    prev = digest(join((chain_prefix, prev, ahead, encoded[a:b], b"\xf6")))
-                    append(prev)
-                    a = b
-            return out
-        if runs is not None:
-            encoded, sizes = runs
-            ends = accumulate(sizes, initial=0)
-            next(ends)
-            arrays: Iterable[bytes] = [ahead + encoded[e - k : e] for e, k in zip(ends, sizes)]
-        else:
-            # Few blocks (a decode step) or unusual ids: cbor2 on each block's token list
-            # encodes exactly what vLLM's cbor2.dumps of the token tuple does.
-            dumps = cbor2.dumps
-            if n == 1:  # a decode step completed one block: no comprehension, no generator
-                chunk = tokens[:bs]
-                arrays = [dumps(chunk if type(chunk) is list else list(chunk), canonical=True)]
-            else:
-                arrays = [
-                    dumps(chunk if type(chunk) is list else list(chunk), canonical=True)
-                    for chunk in (tokens[i : i + bs] for i in range(0, n * bs, bs))
-                ]
-        if extras is None and len(parent) == self.digest_size:
-            if self.algorithm == "sha256_cbor":
-                new = hashlib.sha256
-                for arr in arrays:
-                    prev = new(chain_prefix + prev + arr + b"\xf6").digest()
-                    append(prev)
-            else:
-                digest = self._digest
-                for arr in arrays:
-                    prev = digest(chain_prefix + prev + arr + b"\xf6")
-                    append(prev)
-            return out
-        digest = self._digest
-        dsize = self.digest_size
-        for i, arr in enumerate(arrays):
-            ek = None if extras is None else extras[i]
-            tail = b"\xf6" if ek is None else _encode_extra(ek)
-            if tail is None:
-                prev = digest(_cbor_dumps((prev, tuple(tokens[i * bs : (i + 1) * bs]), ek)))
-            else:
-                head = chain_prefix if len(prev) == dsize else b"\x83" + _head(2, len(prev))
-                prev = digest(head + prev + arr + tail)
-            append(prev)
-        return out
-
-    def _hash_native(
+    def _hash_native_python(
         self,
         tokens: Sequence[int],
         n: int,
@@ -847,24 +450,16 @@ class BlockHasher:
             packed.byteswap()
         raw = packed.tobytes()
         step = 4 * bs
-        digest = _xxh3_128
         out: list[bytes] = []
-        append = out.append
         prev = parent
-        if extras is None:
-            for off in range(0, n * step, step):
-                prev = digest(prev + raw[off : off + step])
-                append(prev)
-            return out
         for i in range(n):
             chunk = prev + raw[i * step : (i + 1) * step]
-            ek = extras[i]
+            ek = None if extras is None else extras[i]
             if ek is not None:
                 # The token part has a fixed length, so appending the keys is unambiguous.
-                enc = _encode_extra(ek)
-                chunk += enc if enc is not None else _cbor_dumps(ek)
-            prev = digest(chunk)
-            append(prev)
+                chunk += _cbor_dumps(ek)
+            prev = _xxh3_128(chunk)
+            out.append(prev)
         return out
 
 
@@ -1096,8 +691,9 @@ class RequestBlockHasher:
         lora, mm_items, cache_salt, prompt_embeds_digest: see :class:`RequestExtraKeys`.
     """
 
-    __slots__ = ("hasher", "_keys", "_bs", "_few", "_pending", "_hashes", "_wire")
-    _few: Callable[[bytes | None, Sequence[int], int], list[bytes]] | None
+    __slots__ = ("hasher", "_keys", "_bs", "_plain", "_pending", "_hashes", "_wire")
+    # The hasher's plain-chain call (BlockHasher._plain) when the request has no extra keys.
+    _plain: Callable[[bytes | None, Any, int], list[bytes]] | None
 
     def __init__(
         self,
@@ -1114,7 +710,7 @@ class RequestBlockHasher:
         self._hashes: list[bytes] = []
         if lora is None and cache_salt is None and prompt_embeds_digest is None and not mm_items:
             try:
-                self._few = hasher._few  # set: no extra keys (_wire unset: every entry None)
+                self._plain = hasher._plain  # set: no extra keys (_wire unset: every entry None)
             except AttributeError:
                 raise HashingError(f"hasher must be a BlockHasher, got {type(hasher).__name__}") from None
             self.hasher = hasher
@@ -1126,9 +722,9 @@ class RequestBlockHasher:
         self._bs = hasher.block_size
         self._keys = keys = RequestExtraKeys(lora, tuple(mm_items), cache_salt, prompt_embeds_digest)
         if keys.empty:
-            self._few = hasher._few
+            self._plain = hasher._plain
         else:
-            self._few = None
+            self._plain = None
             self._wire: list[list[Any] | None] = []
 
     @property
@@ -1156,7 +752,7 @@ class RequestBlockHasher:
         """Per full block, its ``BlockStored.extra_keys`` entry (None or untagged list)."""
         if len(self._pending) >= self._bs:
             self._flush()
-        return [None] * len(self._hashes) if self._few is not None else self._wire
+        return [None] * len(self._hashes) if self._plain is not None else self._wire
 
     def appender(self) -> Callable[[int], None]:
         """A callable that appends one token id to the request without hashing it.
@@ -1178,7 +774,7 @@ class RequestBlockHasher:
         pending = self._pending
         bs = self._bs
         full = len(pending) - len(pending) % bs
-        few = self._few
+        few = self._plain
         if few is not None:
             hashes = self._hashes
             hashes += few(hashes[-1] if hashes else None, pending, full)
@@ -1212,20 +808,8 @@ class RequestBlockHasher:
             after = len(pending)
             if after < bs:  # the usual decode step: no block completed
                 return []
-            few = self._few
+            few = self._plain
             hashes = self._hashes
-            one = self.hasher._one if after == bs and hashes and few is not None else None
-            if one is not None:
-                # A decode step completed one block: one serialize + digest call.
-                try:
-                    h = one(hashes[-1], pending)
-                except BaseException:
-                    if type(new_token_ids) is list or type(new_token_ids) is tuple:
-                        del pending[after - len(new_token_ids) :]
-                    raise
-                pending.clear()
-                hashes.append(h)
-                return [h]
             full = after - after % bs
             try:
                 if few is not None:
@@ -1254,7 +838,7 @@ class RequestBlockHasher:
             if not full:
                 pending += new_token_ids
                 return []
-            few = self._few
+            few = self._plain
             if few is not None:
                 hashes = self._hashes
                 new = few(hashes[-1] if hashes else None, new_token_ids, full)
@@ -1287,7 +871,7 @@ class RequestBlockHasher:
         bs = self._bs
         hashes = self._hashes
         parent = hashes[-1] if hashes else None
-        if self._few is not None:  # no extra keys
+        if self._plain is not None:  # no extra keys
             new = self.hasher.hash_blocks(tokens, parent)
         else:
             wire_out = self._wire

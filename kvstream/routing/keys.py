@@ -24,7 +24,9 @@ spans. So the index gives every cached span of ``router_block_size`` tokens its 
 Keys are masked to 60 bits: CPython stores them in 32 bytes instead of 40, and the chance
 of any collision among 10**7 live keys is ~4e-5.
 
-This module imports nothing of kvstream's.
+The per-block loop (packing a token list, one xxh3_64 per router block) runs in kvstream's
+native core (``kvstream._native``): one call per prompt or per run of blocks. This module
+imports nothing of kvstream's but the errors and the native core.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any, Final, Sequence
 
 import xxhash
 
+from kvstream import _native
 from kvstream.errors import LocalProtocolError
 
 __all__ = [
@@ -52,6 +55,9 @@ KEY_MASK: Final = (1 << 60) - 1
 """Router keys are ints in ``[0, 2**60)``."""
 
 _xxh3_64 = xxhash.xxh3_64_intdigest
+_native_chain = _native.router_chain_keys
+_native_prompt = _native.router_prompt_keys
+_native_pack = _native.router_pack_tokens
 
 
 class RouterKeyError(LocalProtocolError, ValueError):
@@ -118,6 +124,10 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     """
     if type(tokens) is array and tokens.typecode == "I" and tokens.itemsize == 4 and not _BIG_ENDIAN:
         return tokens.tobytes()
+    if type(tokens) is list or type(tokens) is tuple:
+        raw = _native_pack(tokens)  # None: an id that is not an exact int in range (below says which)
+        if raw is not None:
+            return raw
     try:
         a = array("I", tokens)
     except OverflowError:
@@ -151,30 +161,12 @@ def chain_keys(
         seed: the key before the first block (a namespace, or the parent block's key).
         extras: None, or one entry per block: extra bytes (mm items, digest) or None.
     """
-    step = 4 * router_block_size
-    out: list[int] = []
-    append = out.append
-    h = _xxh3_64
-    k = seed
-    if extras is None:
-        # The hot loop of every query (one xxh3 call per router block): a preallocated
-        # list and one slice per block, measured fastest of the plain-Python forms.
-        keys = [0] * n_blocks
-        mask = KEY_MASK
-        off = 0
-        for i in range(n_blocks):
-            end = off + step
-            keys[i] = k = h(raw[off:end], k) & mask
-            off = end
-        return keys
-    for i in range(n_blocks):
-        data = raw[i * step : (i + 1) * step]
-        x = extras[i]
-        if x:
-            data += x
-        k = h(data, k) & KEY_MASK
-        append(k)
-    return out
+    if type(raw) is not bytes:
+        raw = bytes(raw)
+    try:
+        return _native_chain(raw, n_blocks, router_block_size, seed, extras)
+    except _native.NativeLocalError as exc:
+        raise RouterKeyError(str(exc)) from None
 
 
 def _mm_bytes(identifier: Any, offset: int) -> bytes:
@@ -229,8 +221,15 @@ def prompt_keys(
     n = len(tokens) // router_block_size
     if n == 0:
         return []
-    raw = pack_tokens(tokens[: n * router_block_size] if len(tokens) != n * router_block_size else tokens)
-    return chain_keys(raw, n, router_block_size, namespace(lora, salt), mm_extras(n, router_block_size, mm_items))
+    seed = namespace(lora, salt)
+    extras = mm_extras(n, router_block_size, mm_items)
+    if type(tokens) is array and tokens.typecode == "I" and tokens.itemsize == 4 and not _BIG_ENDIAN:
+        return _native_chain(tokens.tobytes(), n, router_block_size, seed, extras)
+    keys = _native_prompt(tokens, router_block_size, seed, extras) if type(tokens) is list or type(tokens) is tuple else None
+    if keys is None:  # not a plain list of uint32 ids: pack_tokens converts it or says why not
+        raw = pack_tokens(tokens[: n * router_block_size] if len(tokens) != n * router_block_size else tokens)
+        keys = _native_chain(raw, n, router_block_size, seed, extras)
+    return keys
 
 
 def event_block_extras(

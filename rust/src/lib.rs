@@ -7,11 +7,15 @@
 use pyo3::prelude::*;
 
 pub mod error;
+pub mod hash;
+pub mod keys;
 
 /// The Python module `kvstream._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     error::register(m)?;
+    hash::register(m)?;
+    keys::register(m)?;
     Ok(())
 }

@@ -465,19 +465,6 @@ def test_bulk_cbor_ids_at_every_width_and_proof_boundary(algorithm, block_size, 
     assert RequestBlockHasher(h).extend(container(tokens)) == expected
 
 
-def test_int32_proof_refuses_everything_but_exact_int32_ids():
-    from kvstream.hashing.blocks import _int32_columns
-
-    ok = [0, 1, 255, 256, 65535, 65536, 2**24, 2**31 - 1, -1, -(2**31)]
-    cols = _int32_columns(ok)
-    assert cols is not None
-    assert [int.from_bytes(bytes(c[i] for c in cols), "little", signed=True) for i in range(len(ok))] == ok
-    assert _int32_columns(tuple(ok)) == cols
-    for bad in (2**31, -(2**31) - 1, 2**40, True, False, _Tok(5), 1.0, None, "7", b"7"):
-        assert _int32_columns([*ok, bad]) is None, bad
-        assert _int32_columns([bad, *ok]) is None, bad
-
-
 pickle_ints = st.one_of(
     st.integers(min_value=0, max_value=255),  # BININT1
     st.integers(min_value=256, max_value=65535),  # BININT2
