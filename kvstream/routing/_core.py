@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from kvstream._native import NativeMap, walk_keys
 from kvstream.errors import LocalProtocolError
 from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
 
@@ -22,6 +23,7 @@ __all__ = ["IndexUsageError", "SourceInfo"]
 
 _log = logging.getLogger("kvstream.routing")
 _MEDIA_WARNED: set[str] = set()
+_M64 = (1 << 64) - 1
 
 
 class IndexUsageError(LocalProtocolError, ValueError):
@@ -191,7 +193,7 @@ class _IndexCore:
         t = len(self._media)
         self._media.append(medium)
         self._tier_of[medium] = t
-        self._held.append({})
+        self._held.append(NativeMap())
         for s in getattr(self, "_src", ()):
             if s is not None:
                 s.count.append(0)

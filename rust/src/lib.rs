@@ -6,12 +6,19 @@
 
 use pyo3::prelude::*;
 
+pub mod chain;
 pub mod error;
+pub mod ingest;
+pub mod query;
+pub mod table;
 
 /// The Python module `kvstream._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     error::register(m)?;
+    table::register(m)?;
+    ingest::register(m)?;
+    query::register(m)?;
     Ok(())
 }
