@@ -69,7 +69,7 @@ from kvstream.routing._core import (
     _Source,
 )
 from kvstream.routing.keying import EngineHashes, TokenKeys
-from kvstream._native import NativeMap, apply_tokens as _apply_tokens
+from kvstream._native import NativeMap, apply_engine as _apply_engine_native, apply_tokens as _apply_tokens
 from kvstream.routing.table import TABLES, BlockTable
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvstream.routing.keys import (
@@ -437,7 +437,38 @@ class KVIndex(_IndexCore):
                 i += 1
 
     def _apply_engine(self, s: _Source, events: Sequence[Any]) -> None:
-        """Engine keying's ingest loop: a block's key is its hash, nothing is computed."""
+        """Engine keying's ingest: the native core applies the common cases
+        (``kvstream._native.apply_engine``, exactly the rules below for them) and stops at
+        the first event it does not cover; that one goes through the rules below."""
+        if type(events) is not list:
+            events = list(events)
+        n = len(events)
+        if s.slot >= 64:
+            self._apply_engine_events(s, events)
+            return
+        st = self.stats
+        keying = self._keying
+        assert isinstance(keying, EngineHashes)
+        ints = keying.hash_type is int
+        gpu = self._held[0]
+        count = s.count
+        i = 0
+        while i < n:
+            i, added, removed = _apply_engine_native(
+                events, i, BlockStored, BlockRemoved, gpu, s.slot, self._R, s.reannounce,
+                ints and s.block_size is not None, self._copies, self._touched)
+            if added:
+                count[0] += added
+                st.stored_blocks += added
+            if removed:
+                count[0] -= removed
+                st.removed_blocks += removed
+            if i < n:
+                self._apply_engine_events(s, events[i:i + 1])
+                i += 1
+
+    def _apply_engine_events(self, s: _Source, events: Sequence[Any]) -> None:
+        """Engine keying's rules, event by event: a block's key is its hash, nothing is computed."""
         st = self.stats
         touched = self._touched
         held = self._held

@@ -25,13 +25,16 @@ use crate::table::{as_key, NativeMap, U64Map};
 /// What one call did: (next event to apply in Python, blocks stored, blocks removed).
 type Applied = (usize, usize, usize);
 
+/// One call's view of the index. The maps are locked once for the call: nothing it calls
+/// back into (dicts, sets of ints) can reach them.
 struct Ctx<'a, 'py> {
     py: Python<'py>,
     stored_cls: &'a Bound<'py, PyAny>,
     removed_cls: &'a Bound<'py, PyAny>,
-    table: &'a NativeMap,
-    gpu: &'a NativeMap,
-    others: Vec<PyRef<'py, NativeMap>>,
+    /// The side dicts of the table and the GPU map are empty (they cannot fill during a
+    /// call: only u64 entries are written here).
+    table_plain: bool,
+    gpu_plain: bool,
     slot: u32,
     bit: u64,
     fam: u64,
@@ -39,11 +42,28 @@ struct Ctx<'a, 'py> {
     base_ns: u64,
     reannounce: u8,
     stores_ok: bool,
-    copies: &'a Bound<'py, PyDict>,
+    copies: Option<&'a Bound<'py, PyDict>>,
     href: &'a Bound<'py, PyDict>,
-    unl: &'a Bound<'py, PyDict>,
-    waiting: &'a Bound<'py, PyDict>,
+    unl: Option<&'a Bound<'py, PyDict>>,
+    waiting: Option<&'a Bound<'py, PyDict>>,
     touched: Option<&'a Bound<'py, PySet>>,
+}
+
+/// The maps one call works on, locked.
+struct Maps<'g> {
+    table: &'g mut U64Map,
+    gpu: &'g mut U64Map,
+    /// The other media's maps that hold anything, with their side dicts.
+    others: Vec<(&'g U64Map, Bound<'g, PyDict>)>,
+    table_side: Bound<'g, PyDict>,
+}
+
+fn none_if_empty<'a, 'py>(d: &'a Bound<'py, PyDict>) -> Option<&'a Bound<'py, PyDict>> {
+    if d.is_empty() {
+        None
+    } else {
+        Some(d)
+    }
 }
 
 /// Whether a run lists some value twice (runs are short: a linear scan beats hashing).
@@ -101,42 +121,55 @@ fn u32_tokens(toks: &Bound<'_, PyAny>, out: &mut Vec<u32>) -> bool {
 
 /// The mask of `k` in a held map: Some(mask) from the columns (0 when absent), None when
 /// the key sits in the side dict (a mask of more than 64 sources: the Python rules).
-fn mask_of(core: &U64Map, side: &Bound<'_, PyDict>, k: u64) -> PyResult<Option<u64>> {
+#[inline]
+fn mask_of(core: &U64Map, plain: bool, side: &Bound<'_, PyDict>, k: u64) -> PyResult<Option<u64>> {
     if let Some(m) = core.get(k) {
         return Ok(Some(m));
     }
-    if !side.is_empty() && side.contains(k)? {
+    if !plain && side.contains(k)? {
         return Ok(None);
     }
     Ok(Some(0))
 }
 
 impl Ctx<'_, '_> {
-    fn run(&self, events: &Bound<'_, PyList>, start: usize) -> PyResult<Applied> {
-        let py = self.py;
+    fn run(
+        &self,
+        maps: &mut Maps<'_>,
+        gpu_side: &Bound<'_, PyDict>,
+        events: &Bound<'_, PyList>,
+        start: usize,
+    ) -> PyResult<Applied> {
         let mut stored = 0usize;
         let mut removed = 0usize;
         let mut hashes: Vec<u64> = Vec::new();
         let mut toks: Vec<u32> = Vec::new();
         let mut keys: Vec<u64> = Vec::new();
+        let mut masks: Vec<u64> = Vec::new();
         let n = events.len();
-        let table_side = self.table.other(py);
-        let gpu_side = self.gpu.other(py);
         let mut i = start;
         while i < n {
             let ev = events.get_item(i)?;
             let cls = ev.get_type();
             let done = if cls.is(self.removed_cls) {
-                self.removed(&ev, &mut hashes, table_side, gpu_side)?
+                self.removed(maps, gpu_side, &ev, &mut hashes, &mut keys)?
+                    .map(|k| removed += k)
             } else if cls.is(self.stored_cls) {
-                self.stored(&ev, &mut hashes, &mut toks, &mut keys, table_side, gpu_side)?
+                self.stored(
+                    maps,
+                    gpu_side,
+                    &ev,
+                    &mut hashes,
+                    &mut toks,
+                    &mut keys,
+                    &mut masks,
+                )?
+                .map(|k| stored += k)
             } else {
                 None
             };
-            match done {
-                Some(k) if cls.is(self.removed_cls) => removed += k,
-                Some(k) => stored += k,
-                None => return Ok((i, stored, removed)),
+            if done.is_none() {
+                return Ok((i, stored, removed));
             }
             i += 1;
         }
@@ -145,10 +178,11 @@ impl Ctx<'_, '_> {
 
     fn removed(
         &self,
+        maps: &mut Maps<'_>,
+        gpu_side: &Bound<'_, PyDict>,
         ev: &Bound<'_, PyAny>,
         hashes: &mut Vec<u64>,
-        table_side: &Bound<'_, PyDict>,
-        gpu_side: &Bound<'_, PyDict>,
+        rks: &mut Vec<u64>,
     ) -> PyResult<Option<usize>> {
         let py = self.py;
         if !medium_is_gpu(ev)? || !group_is_zero(ev)? {
@@ -157,40 +191,35 @@ impl Ctx<'_, '_> {
         if !u64_hashes(&ev.getattr(intern!(py, "block_hashes"))?, hashes)? {
             return Ok(None);
         }
-        let mut table = self.table.write();
-        let mut gpu = self.gpu.write();
-        let _ = table_side;
         // Check every hash first: the event is applied whole or not at all.
         if has_dups(hashes) {
             return Ok(None);
         }
-        let mut rks = Vec::with_capacity(hashes.len());
+        rks.clear();
         for &eh in hashes.iter() {
-            let Some(rk) = table.get(eh) else {
+            let Some(rk) = maps.table.get(eh) else {
                 return Ok(None);
             };
-            if !self.copies.is_empty()
-                && self
-                    .copies
-                    .contains(PyTuple::new(py, [eh, self.slot as u64, 0])?)?
-            {
-                return Ok(None);
+            if let Some(copies) = self.copies {
+                if copies.contains(PyTuple::new(py, [eh, self.slot as u64, 0])?)? {
+                    return Ok(None);
+                }
             }
-            match mask_of(&gpu, gpu_side, rk)? {
+            match mask_of(maps.gpu, self.gpu_plain, gpu_side, rk)? {
                 Some(m) if m & self.bit != 0 => rks.push(rk),
                 _ => return Ok(None),
             }
         }
         // Two hashes of one event under one key: the Python rules (they re-read masks).
-        if has_dups(&rks) {
+        if has_dups(rks) {
             return Ok(None);
         }
-        for (&eh, &rk) in hashes.iter().zip(&rks) {
-            let m = gpu.get(rk).unwrap_or(0) ^ self.bit;
+        for (&eh, &rk) in hashes.iter().zip(rks.iter()) {
+            let m = maps.gpu.get(rk).unwrap_or(0) ^ self.bit;
             if m == 0 {
-                gpu.remove(rk);
+                maps.gpu.remove(rk);
             } else {
-                gpu.insert(rk, m);
+                maps.gpu.insert(rk, m);
             }
             let mut drop = true;
             if !self.href.is_empty() {
@@ -204,20 +233,22 @@ impl Ctx<'_, '_> {
                 }
             }
             if drop {
-                table.remove(eh);
+                maps.table.remove(eh);
             }
         }
         Ok(Some(hashes.len()))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn stored(
         &self,
+        maps: &mut Maps<'_>,
+        gpu_side: &Bound<'_, PyDict>,
         ev: &Bound<'_, PyAny>,
         hashes: &mut Vec<u64>,
         toks: &mut Vec<u32>,
         keys: &mut Vec<u64>,
-        table_side: &Bound<'_, PyDict>,
-        gpu_side: &Bound<'_, PyDict>,
+        masks: &mut Vec<u64>,
     ) -> PyResult<Option<usize>> {
         let py = self.py;
         if !self.stores_ok || !medium_is_gpu(ev)? || !group_is_zero(ev)? {
@@ -246,7 +277,9 @@ impl Ctx<'_, '_> {
         if !u32_tokens(&ev.getattr(intern!(py, "token_ids"))?, toks) || toks.len() != n * self.r {
             return Ok(None);
         }
-        let table = self.table.read();
+        let known = |m: &Maps<'_>, h: u64| -> PyResult<bool> {
+            Ok(m.table.contains(h) || (!self.table_plain && m.table_side.contains(h)?))
+        };
         let parent = ev.getattr(intern!(py, "parent_block_hash"))?;
         let seed = if parent.is_none() {
             if !ev.getattr(intern!(py, "lora_name"))?.is_none()
@@ -257,70 +290,57 @@ impl Ctx<'_, '_> {
             let ra = self.reannounce;
             if ra != 0
                 && (ra == 1 || !ev.getattr(intern!(py, "session_id"))?.is_none())
-                && (table.contains(hashes[0])
-                    || (!table_side.is_empty() && table_side.contains(hashes[0])?))
+                && known(maps, hashes[0])?
             {
                 return Ok(None); // a re-announcement candidate
             }
             self.base_ns
         } else {
-            match as_key(&parent).and_then(|p| table.get(p)) {
+            match as_key(&parent).and_then(|p| maps.table.get(p)) {
                 Some(pv) => pv,
                 None => return Ok(None), // unknown parent (unlinked), or a tuple of keys
             }
         };
         keys.clear();
         chain_into(toks, self.r, seed, keys);
-        let gpu = self.gpu.read();
-        let others: Vec<_> = self
-            .others
-            .iter()
-            .map(|o| (o.read(), o.other(py)))
-            .filter(|(c, s)| !c.is_empty() || !s.is_empty())
-            .collect();
         if has_dups(hashes) || has_dups(keys) {
             return Ok(None);
         }
-        let mut masks = Vec::with_capacity(n);
+        masks.clear();
         for j in 0..n {
             let (eh, v) = (hashes[j], keys[j]);
-            if table.contains(eh) || (!table_side.is_empty() && table_side.contains(eh)?) {
+            if known(maps, eh)? {
                 return Ok(None); // known already
             }
-            let Some(m) = mask_of(&gpu, gpu_side, v)? else {
+            let Some(m) = mask_of(maps.gpu, self.gpu_plain, gpu_side, v)? else {
                 return Ok(None);
             };
             if m & self.fam != 0 {
                 return Ok(None);
             }
-            for (core, side) in &others {
-                match mask_of(core, side, v)? {
+            for (core, side) in &maps.others {
+                match mask_of(core, side.is_empty(), side, v)? {
                     Some(x) if x & self.fam == 0 => {}
                     _ => return Ok(None),
                 }
             }
-            if (!self.unl.is_empty() && self.unl.contains(eh)?)
-                || (!self.waiting.is_empty() && self.waiting.contains(eh)?)
+            if self.unl.is_some_and(|d| d.contains(eh).unwrap_or(true))
+                || self.waiting.is_some_and(|d| d.contains(eh).unwrap_or(true))
             {
                 return Ok(None);
             }
             masks.push(m);
         }
-        drop(others);
-        drop(gpu);
-        drop(table);
         if let Some(t) = self.touched {
             for &eh in hashes.iter() {
                 t.add(eh)?;
             }
         }
-        let mut table = self.table.write();
-        let mut gpu = self.gpu.write();
-        table.reserve(n);
-        gpu.reserve(n);
+        maps.table.reserve(n);
+        maps.gpu.reserve(n);
         for j in 0..n {
-            table.insert(hashes[j], keys[j]);
-            gpu.insert(keys[j], masks[j] | self.bit);
+            maps.table.insert(hashes[j], keys[j]);
+            maps.gpu.insert(keys[j], masks[j] | self.bit);
         }
         Ok(Some(n))
     }
@@ -361,13 +381,14 @@ pub fn apply_tokens<'py>(
     for h in held.iter().skip(1) {
         others.push(h.extract::<PyRef<'py, NativeMap>>()?);
     }
+    let gpu_side = gpu.other(py).clone();
+    let table_side = table.other(py).clone();
     let ctx = Ctx {
         py,
         stored_cls,
         removed_cls,
-        table: &table,
-        gpu: &gpu,
-        others,
+        table_plain: table_side.is_empty(),
+        gpu_plain: gpu_side.is_empty(),
         slot,
         bit: 1u64 << slot,
         fam,
@@ -375,15 +396,134 @@ pub fn apply_tokens<'py>(
         base_ns,
         reannounce,
         stores_ok,
-        copies,
+        copies: none_if_empty(copies),
         href,
-        unl,
-        waiting,
+        unl: none_if_empty(unl),
+        waiting: none_if_empty(waiting),
         touched: touched.as_ref(),
     };
-    ctx.run(events, start)
+    let same = |a: &NativeMap, b: &NativeMap| std::ptr::eq(a, b);
+    if same(&table, &gpu) || others.iter().any(|o| same(o, &table) || same(o, &gpu)) {
+        return Ok((start, 0, 0)); // one map in two roles (never the index's layout): locked twice
+    }
+    let mut table_g = table.write();
+    let mut gpu_g = gpu.write();
+    let other_g: Vec<_> = others
+        .iter()
+        .map(|o| (o.read(), o.other(py).clone()))
+        .collect();
+    let mut maps = Maps {
+        table: &mut table_g,
+        gpu: &mut gpu_g,
+        others: other_g
+            .iter()
+            .filter(|(c, s)| !c.is_empty() || !s.is_empty())
+            .map(|(c, s)| (&**c, s.clone()))
+            .collect(),
+        table_side,
+    };
+    ctx.run(&mut maps, &gpu_side, events, start)
+}
+
+/// Engine keying's common cases (``_apply_engine``): a GPU, group-0 ``BlockStored`` of
+/// ``b``-token blocks whose int hashes this source holds none of (and not a
+/// re-announcement candidate) sets the source's bit per hash; a GPU, group-0
+/// ``BlockRemoved`` of hashes it holds once (no copy record) clears it. Returns like
+/// :func:`apply_tokens`.
+#[pyfunction]
+#[pyo3(signature = (events, start, stored_cls, removed_cls, gpu, slot, b, reannounce, stores_ok,
+                    copies, touched))]
+#[allow(clippy::too_many_arguments)]
+pub fn apply_engine<'py>(
+    py: Python<'py>,
+    events: &Bound<'py, PyList>,
+    start: usize,
+    stored_cls: &Bound<'py, PyAny>,
+    removed_cls: &Bound<'py, PyAny>,
+    gpu: PyRef<'py, NativeMap>,
+    slot: u32,
+    b: usize,
+    reannounce: u8,
+    stores_ok: bool,
+    copies: &Bound<'py, PyDict>,
+    touched: Option<Bound<'py, PySet>>,
+) -> PyResult<Applied> {
+    if slot >= 64 || !gpu.other(py).is_empty() {
+        return Ok((start, 0, 0));
+    }
+    let bit = 1u64 << slot;
+    let copies = none_if_empty(copies);
+    let mut g = gpu.write();
+    let mut hashes: Vec<u64> = Vec::new();
+    let (mut stored, mut removed) = (0usize, 0usize);
+    let n = events.len();
+    for i in start..n {
+        let ev = events.get_item(i)?;
+        let cls = ev.get_type();
+        let is_removed = cls.is(removed_cls);
+        if !(is_removed || (stores_ok && cls.is(stored_cls)))
+            || !medium_is_gpu(&ev)?
+            || !group_is_zero(&ev)?
+            || !u64_hashes(&ev.getattr(intern!(py, "block_hashes"))?, &mut hashes)?
+            || has_dups(&hashes)
+        {
+            return Ok((i, stored, removed));
+        }
+        if is_removed {
+            for &eh in &hashes {
+                if g.get(eh).unwrap_or(0) & bit == 0 {
+                    return Ok((i, stored, removed));
+                }
+                if let Some(c) = copies {
+                    if c.contains(PyTuple::new(py, [eh, slot as u64, 0])?)? {
+                        return Ok((i, stored, removed));
+                    }
+                }
+            }
+            for &eh in &hashes {
+                let m = g.get(eh).unwrap_or(0) ^ bit;
+                if m == 0 {
+                    g.remove(eh);
+                } else {
+                    g.insert(eh, m);
+                }
+            }
+            removed += hashes.len();
+            continue;
+        }
+        if hashes.is_empty() {
+            continue; // the Python rules skip an empty run
+        }
+        let bsz = ev.getattr(intern!(py, "block_size"))?;
+        if bsz.extract::<usize>().ok() != Some(b) {
+            return Ok((i, stored, removed));
+        }
+        if reannounce != 0
+            && ev.getattr(intern!(py, "parent_block_hash"))?.is_none()
+            && (reannounce == 1 || !ev.getattr(intern!(py, "session_id"))?.is_none())
+            && g.get(hashes[0]).unwrap_or(0) & bit != 0
+        {
+            return Ok((i, stored, removed)); // a re-announcement candidate
+        }
+        if hashes.iter().any(|&eh| g.get(eh).unwrap_or(0) & bit != 0) {
+            return Ok((i, stored, removed)); // another copy of a held hash
+        }
+        if let Some(t) = touched.as_ref() {
+            for &eh in &hashes {
+                t.add(eh)?;
+            }
+        }
+        g.reserve(hashes.len());
+        for &eh in &hashes {
+            let m = g.get(eh).unwrap_or(0);
+            g.insert(eh, m | bit);
+        }
+        stored += hashes.len();
+    }
+    Ok((n, stored, removed))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(apply_tokens, m)?)
+    m.add_function(wrap_pyfunction!(apply_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_engine, m)?)
 }
