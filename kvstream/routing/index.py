@@ -277,9 +277,9 @@ class KVIndex(_IndexCore):
         if self._by_engine and table is not None:
             raise IndexUsageError(
                 "engine keying stores no block table (a hash is its own key); leave table out")
-        # The ingest loop, picked once: one written against each in-memory table's layout,
-        # the generic one (protocol methods only) for any other backend.
-        self._kind = _KIND.get(type(self._table), _GENERIC)
+        # The ingest, picked once: the native core's for the native table, the generic one
+        # (protocol methods only) for any other backend.
+        self._kind = _NATIVE if type(self._table) is NativeMap else _GENERIC
         self._wide = False  # a bytes engine hash was seen (estimated_bytes: larger keys)
         self._touched: set[Any] | None = set() if ttl_s is not None else None  # stored this TTL generation
         self._unl_bytes = 0  # token and extra bytes held by unlinked blocks
@@ -417,6 +417,7 @@ class KVIndex(_IndexCore):
             return
         st = self.stats
         table = self._table
+        assert isinstance(table, NativeMap)
         held = self._held
         per_mask = self._per_mask
         R = self._R
@@ -1069,8 +1070,9 @@ class KVIndex(_IndexCore):
         """Bytes the native tables allocate (columns and indexes, counted in Rust; invisible
         to ``tracemalloc``), included in :meth:`estimated_bytes`."""
         n = sum(h.native_bytes() for h in self._held)
-        if type(self._table) is NativeMap:
-            n += self._table.native_bytes()
+        table = self._table
+        if isinstance(table, NativeMap):
+            n += table.native_bytes()
         return n
 
     @property
@@ -1622,7 +1624,6 @@ class KVIndex(_IndexCore):
 
 
 _NATIVE, _GENERIC = 0, 2
-_KIND = {NativeMap: _NATIVE}
 
 
 def _new_table(table: Any) -> BlockTable:
