@@ -820,14 +820,19 @@ class KVIndex(_IndexCore):
             self.stats.key_conflicts += 1
         self._hold(s, eh, cur, t, g, fresh=False)
 
-    def _hold(self, s: _Source, eh: Any, v: Any, t: int, g: int, fresh: bool) -> None:
+    def _hold(self, s: _Source, eh: Any, v: Any, t: int, g: int, fresh: bool, new: bool = False) -> None:
+        """One more copy of ``eh`` (key(s) ``v``) for (``s``, tier ``t``, group ``g``).
+        ``new``: the caller knows ``s`` does not hold ``eh`` in ``t`` yet (a snapshot's
+        row), though its key's mask may have ``s``'s bit from another hash of ``s`` under
+        the same last key (an engine block of two router blocks over two of one)."""
         held = self._held[t]
         bit = s.bit
         tup = type(v) is tuple
         rk0 = v[-1] if tup else v
         m = held.get(rk0, 0)
         self.stats.stored_blocks += 1
-        if (m & bit or g) and not self._add_copy_record((eh, s.slot, t), g, bool(m & bit)):
+        had = bool(m & bit) and not new
+        if (had or g) and not self._add_copy_record((eh, s.slot, t), g, had):
             return
         if tup:
             self._sub_add(held, v, s.slot, t, bit)
@@ -1595,7 +1600,7 @@ class KVIndex(_IndexCore):
                 fresh = eh not in table
                 if fresh:
                     table[eh] = v
-                self._hold(s, eh, v, t, 0, fresh)
+                self._hold(s, eh, v, t, 0, fresh, new=True)
             if touched is not None:
                 touched.add(eh)
         for slot, medium, eh, groups in p.copies:

@@ -586,7 +586,7 @@ mod tests {
             x ^= x >> 7;
             x ^= x << 17;
             let k = 1 + x % 5000;
-            if x % 3 == 0 {
+            if x.is_multiple_of(3) {
                 assert_eq!(m.remove(k), d.remove(&k));
             } else {
                 assert_eq!(m.insert(k, step), d.insert(k, step));

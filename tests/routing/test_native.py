@@ -174,3 +174,21 @@ def test_a_run_listing_a_hash_twice_is_left_to_the_python_rules(n) -> None:
         x.apply_batch("a", KVEventBatch(0.0, [BlockStored(hs, None, _toks(0, len(hs)), BS, None, "GPU", None),
                                               BlockRemoved([6, 6], "GPU", 0)]))
     assert native.state() == python.state() and native.stats == python.stats
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_steps, st.integers(0, 6), st.booleans())
+def test_a_prompt_walked_in_one_native_call_scores_like_its_keys(steps, n_blocks, stale) -> None:
+    """``match``/``score`` of a plain prompt chain and walk its keys in one native call
+    (``walk_tokens``); given the prompt's keys (``keys=``, the Python chain) they must
+    answer the same, with stale sources and engine blocks of two router blocks too."""
+    idx = KVIndex()
+    for t, (src, events) in enumerate(steps):
+        idx.apply_batch(src, KVEventBatch(float(t), list(events)))
+    if stale and idx.sources:
+        idx.mark_stale(idx.sources[0])
+    prompt = _toks(0, n_blocks) + [1, 2, 3]  # a partial tail block is ignored
+    keys = prompt_keys(prompt, BS)
+    assert idx.match(prompt) == idx.match((), keys=keys)
+    a, b = idx.score(prompt), idx.score((), keys=keys)
+    assert (a.n_blocks, a.matches, a.ranking, a.values) == (b.n_blocks, b.matches, b.ranking, b.values)
