@@ -17,11 +17,11 @@ Model
 * **Residency** is kept per (source, medium, KV cache group, engine block hash) as a count
   of physical copies: vLLM stores the same hash twice and removes it once while a copy
   remains, and stores one hash in several groups and media.
-* The scoring structure is, per medium, ``key -> bitmask of sources`` (``_held``). Scoring
-  a prompt walks its keys once and stops when no source remains; there is no per-source
-  loop per block. A lone holder's mask is its source's bit object (no int per block).
+* The scoring structure is, per medium, ``key -> bitmask of sources`` (``_held``, native
+  maps: ``kvstream._native.NativeMap``). Scoring a prompt walks its keys once and stops
+  when no source remains; there is no per-source loop per block.
 * **The block table** (:mod:`kvstream.routing.table`, the storage seam, chosen with
-  ``KVIndex(table=...)``: a dict by default, compact arrays, or any ``BlockTable``) maps
+  ``KVIndex(table=...)``: the native table by default, or any ``BlockTable``) maps
   each engine hash to its router key(s) under token keying. Under engine keying a hash is its own key
   and there is no table (:class:`_HeldKeys` reads the held maps instead).
 * **Router keys** (:mod:`kvstream.routing.keys`) are computed from each ``BlockStored``'s
@@ -176,7 +176,7 @@ class KVIndex(_IndexCore):
             :meth:`estimated_bytes`). When a batch leaves the index above it, entries are
             dropped until it is under 90 % of the bound and the tables are shrunk, in this
             order: unlinked blocks (oldest first), blocks not stored in the TTL's current
-            generation, then blocks in the block table's order (oldest first; the compact
+            generation, then blocks in the block table's order (oldest first; the native
             table reuses positions freed by removals; engine keying: the GPU tier's order,
             then the others'). A dropped block disappears from every source and tier.
         ttl_s: optional time to live (seconds) of a block after its last ``BlockStored``
@@ -201,11 +201,10 @@ class KVIndex(_IndexCore):
             and block size: the hasher of ``keying="engine"``; under token keying optional,
             for :meth:`engine_hashes` (matching by engine hashes).
         table: token keying: where the block table (``engine hash -> router key``) lives
-            (:mod:`kvstream.routing.table`): ``"dict"`` (default; a plain dict, ~150 bytes
-            per (block, source) entry at 10**6 entries, the fastest ingest), ``"compact"``
-            (arrays, <= 100 bytes per entry, for memory-bound deployments; ingest is slower
-            once more than ~8,192 blocks are live: ~0.75x the dict's with 65,536, see
-            ``docs/router.md``), or an empty
+            (:mod:`kvstream.routing.table`): ``"native"`` (default; the native core's
+            table, ~55 bytes per (block, source) entry at 10**6 entries with the GPU
+            tier's mask map, its common ingest cases applied in Rust; ``"dict"`` and
+            ``"compact"`` are its former names), or an empty
             :class:`~kvstream.routing.table.BlockTable` instance (any backend; driven
             through the protocol's methods only). Engine keying stores no block table
             and takes no ``table``.
