@@ -8,18 +8,8 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-create_exception!(
-    _native,
-    NativeLocalError,
-    PyValueError,
-    "A bad call into the native core (the caller's fault)."
-);
-create_exception!(
-    _native,
-    NativeRemoteError,
-    PyValueError,
-    "Malformed remote input seen by the native core."
-);
+create_exception!(_native, NativeLocalError, PyValueError, "A bad call into the native core (the caller's fault).");
+create_exception!(_native, NativeRemoteError, PyValueError, "Malformed remote input seen by the native core.");
 
 /// What can go wrong in the native core.
 #[derive(Debug, Clone, PartialEq, Eq)]
