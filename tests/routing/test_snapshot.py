@@ -222,3 +222,14 @@ def load(idx, data: bytes):
     if type(idx) is KVIndex and idx.keying.name != "engine":
         return KVIndex.load(data, table=idx._table.__class__())
     return type(idx).load(data)
+
+
+@pytest.mark.parametrize("keying", ["tokens", "generic"])
+def test_a_hash_sharing_its_last_key_with_another_of_its_source_loads_as_one_copy(keying) -> None:
+    """A source holds, in one medium, a hash of one router block and a hash of two whose
+    last router key is the same (an engine block of 32 tokens over two of 16): the mask of
+    that key has the source's bit once for both. Loading must not take the second for a
+    second copy of the first (hypothesis found it; the pure-Python index had it too)."""
+    idx, _chains = build(keying, [("store", 0, 45765), ("cpu", 1, 1494), ("bs32", 0, 24)])
+    again = load(idx, idx.dump())
+    assert again.state() == idx.state()
