@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-REFERENCE_COMMIT = "49446cb"
-"""The dict-layout index (``engine hash -> key`` and ``key -> source mask`` dicts), before
-the array-backed block table."""
+REFERENCE_COMMIT = "ac81aa3"
+"""The last pure-Python index: ``engine hash -> key`` and ``key -> source mask`` dicts
+(``table="dict"``, then the default) and their ingest loops, before the native table."""
 
-_FILES = ("index", "_core", "_compactmap")
+_FILES = ("index", "_core", "table", "keying")
 
 
 def load_reference_index(commit: str = REFERENCE_COMMIT) -> ModuleType:

@@ -1,46 +1,42 @@
 """Router index benchmarks: ingest rate, scoring latency, bytes per entry.
 
-    .venv/bin/python bench/bench_index.py [--quick] [--layout dict|compact|reference|engine|all]
+    .venv/bin/python bench/bench_index.py [--quick] [--layout native|reference|engine|all]
 
-Runs the token-keyed ``KVIndex`` with each in-memory block table (``table="dict"``, the
-default, and ``table="compact"``) and, in the same process, their reference: the previous
-layout (dict ``engine hash -> key`` and ``key -> mask``, read unmodified from git history by
-``bench/_reference.py``), then ``EngineKeyIndex``. Gates: the default table within 5 % of the
-reference on every ingest line (issue #11); the compact table <= 100 bytes per (block,
-source) entry (issue #13's memory goal), >= 1 M block events/s ingested (decode + apply),
-<= 200 us median to score 4,096 tokens x 64 sources.
+Runs the token-keyed ``KVIndex`` (its residency table native: ``kvstream._native``) and, in
+the same process, its reference: the last pure-Python index (dicts ``engine hash -> key``
+and ``key -> mask``, ``table="dict"``, read unmodified from git history by
+``bench/_reference.py``), then ``EngineKeyIndex``. Targets (issue #25): <= 48 bytes per
+(block, source) entry at 10**6 entries, in-process apply >= 5 M block events/s, score
+4,096 tokens x 64 sources <= 25 us median. Timings on a shared machine are noisy: the
+ratios against the reference measured in the same run are the numbers to read.
 
 1. Ingest: msgpack payloads of vLLM-shaped batches (runs of BlockStored with 16-token
    blocks, one BlockRemoved per evicted block) decoded with EventDecoder and applied to a
    KVIndex, on one core. Reports block events per second (stored + removed blocks), with
-   4,096 blocks live (a small pool: under ``table="compact"`` blocks are removed while
-   still in the block table's dict nursery) and with 65,536 (a pool larger than the
-   nursery: the compact table's array path; the dict table is one dict either way); the
-   interleaved run adds 262,144 (a larger pool: every table's lookups leave the CPU cache).
+   4,096, 65,536 and 262,144 blocks live, decode + apply and apply only (decoded up front).
 2. Score: a 4,096-token prompt (256 router blocks of 16) against 64 sources that hold
    prefixes of it of different lengths; key computation included. Reports p50/p99 of
-   ``match`` (prefixes only) and ``score`` (prefixes + default policy ranking).
-3. Memory: tracemalloc bytes per (block, source) residency at 10**6 entries, for
-   distinct blocks on one source and for blocks shared by 8 and by 64 sources.
+   ``match`` (prefixes only) and ``score`` (prefixes + default policy ranking), the prompt
+   as a list and as an ``array('I')`` (what ``kvstream serve`` parses a body into).
+3. Memory: bytes per (block, source) residency at 10**6 entries, for distinct blocks on
+   one source and for blocks shared by 8 and by 64 sources: tracemalloc's Python bytes plus
+   the bytes the native tables allocate (counted in Rust: tracemalloc cannot see them),
+   and the process's RSS growth as a check.
 4. Small batches: vLLM-shaped allocator batches of 1-8 events (kvstream's block pool
    serving requests that share system prompts, as ``bench_jetstream.py`` feeds its
    consumer), decoded up front and applied: batches/s and block events/s.
 5. Snapshots: ``dump()`` and ``load()`` of a 10**6-block index of 8 sources (a router
    replica's start), in seconds, and the snapshot's size.
 
-With ``--layout all`` (the default) the ingest cases run first with both tables and the
-reference alternating run by run (best of 3 each), so load drift on a shared machine hits
-all alike: those ratios are the gate's numbers; bytes per entry of the three follow.
-
-``engine`` runs the same three on :class:`kvstream.routing.engine_index.EngineKeyIndex`
-(keyed by engine hashes): scoring once per hasher (native, xxhash, sha256_cbor), the
-prompt's engine hashes computed inside the timed call; memory with random 64-bit hashes
-(the int objects real events carry).
+With ``--layout all`` (the default) the ingest cases run first with the native index and
+the reference alternating run by run (best of 3 each), so load drift on a shared machine
+hits both alike; then bytes per entry of both, then each layout's own lines.
 """
 
 from __future__ import annotations
 
 import argparse
+from array import array
 import gc
 import os
 import random
@@ -96,12 +92,10 @@ def _new_index(layout: str, hasher: str = "native"):
         return EngineKeyIndex(BlockHasher(hasher, BS, seed="0"))
     if layout == "reference":
         return reference_index.KVIndex()
-    if layout == "compact":
-        return KVIndex(table="compact")
-    return KVIndex()  # table="dict"
+    return KVIndex()  # the native table
 
 
-def bench_ingest(n_blocks: int, layout: str = "dict", live_blocks: int = 4096) -> None:
+def bench_ingest(n_blocks: int, layout: str = "native", live_blocks: int = 4096) -> None:
     payloads = _payloads(n_blocks, run=16, live_blocks=live_blocks)
     dec = EventDecoder()
     batches = [dec.decode(p) for p in payloads]
@@ -121,7 +115,7 @@ def bench_ingest(n_blocks: int, layout: str = "dict", live_blocks: int = 4096) -
               f"{n / dt / 1e6:.2f} M block events/s")
 
 
-def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000, layout: str = "dict",
+def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000, layout: str = "native",
                 hasher: str = "native") -> None:
     rnd = random.Random(2)
     prompt = [rnd.randrange(50_000) for _ in range(prompt_tokens)]
@@ -148,9 +142,12 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
     loads = {f"engine-{s:02d}": Load(queue=s % 5, running=s % 7, kv_usage=(s % 10) / 10) for s in range(n_sources)}
     holding = sum(1 for m in index.match(prompt).values() if m.blocks)
     print(f"({holding} of {n_sources} sources hold a prefix of the prompt)")
+    packed = array("I", prompt)
     for label, fn in (
         ("match", lambda: index.match(prompt)),
         ("score", lambda: index.score(prompt, loads=loads)),
+        ("match, array('I') prompt", lambda: index.match(packed)),
+        ("score, array('I') prompt", lambda: index.score(packed, loads=loads)),
     ):
         for _ in range(50):
             fn()
@@ -230,30 +227,41 @@ def bench_snapshot(n_blocks: int, layout: str, sources: int = 8) -> None:
 
 
 def bench_interleaved(n_blocks: int, n_small: int, rounds: int = 3) -> None:
-    """Both block tables against the reference, alternating run by run (best of ``rounds``
-    each), so machine load drifts hit all alike: decode + apply rates and their ratios."""
+    """The native index against the reference, alternating run by run (best of ``rounds``
+    each), so machine load drifts hit both alike: decode + apply and apply-only rates and
+    their ratios."""
     dec = EventDecoder()
-    cases = [(f"ingest decode+apply, {live:,} blocks live", _payloads(n_blocks, run=16, live_blocks=live), None)
+    cases = [(f"{live:,} blocks live", _payloads(n_blocks, run=16, live_blocks=live))
              for live in (4096, 65_536, 262_144)]
-    small = allocator_batches(n_small, algorithm="native")
-    cases.append(("small allocator batches, decode+apply", small, None))
-    for label, payloads, _ in cases:
-        n = sum(len(getattr(e, "block_hashes", ())) for p in payloads for e in dec.decode(p).events)
-        best = {"dict": 0.0, "compact": 0.0, "reference": 0.0}
-        for _ in range(rounds):
-            for layout in best:
-                index = _new_index(layout)
-                gc.collect()
-                t0 = time.perf_counter()
-                for p in payloads:
-                    index.apply_batch("e0", dec.decode(p), now=0.0)
-                best[layout] = max(best[layout], n / (time.perf_counter() - t0))
-        ref = best["reference"]
-        print(f"{label}: reference {ref / 1e6:.2f} M block events/s; kvstream table=\"dict\" (default) "
-              f"{best['dict'] / 1e6:.2f} M/s, ratio {best['dict'] / ref:.2f}; table=\"compact\" "
-              f"{best['compact'] / 1e6:.2f} M/s, ratio {best['compact'] / ref:.2f}"
-              + (f" (batches/s: reference {ref * len(payloads) / n:,.0f}, dict {best['dict'] * len(payloads) / n:,.0f}, "
-                 f"compact {best['compact'] * len(payloads) / n:,.0f})" if payloads is small else ""))
+    cases.append(("small allocator batches", allocator_batches(n_small, algorithm="native")))
+    for label, payloads in cases:
+        batches = [dec.decode(p) for p in payloads]
+        n = sum(len(getattr(e, "block_hashes", ())) for b in batches for e in b.events)
+        for how in ("decode+apply", "apply only"):
+            best = {"native": 0.0, "reference": 0.0}
+            for _ in range(rounds):
+                for layout in best:
+                    index = _new_index(layout)
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    if how == "apply only":
+                        for b in batches:
+                            index.apply_batch("e0", b, now=0.0)
+                    else:
+                        for p in payloads:
+                            index.apply_batch("e0", dec.decode(p), now=0.0)
+                    best[layout] = max(best[layout], n / (time.perf_counter() - t0))
+            ref = best["reference"]
+            print(f"ingest {how}, {label}: kvstream {best['native'] / 1e6:.2f} M block events/s, "
+                  f"reference {ref / 1e6:.2f} M/s, ratio {best['native'] / ref:.2f}"
+                  + (f" (batches/s: kvstream {best['native'] * len(payloads) / n:,.0f}, reference "
+                     f"{ref * len(payloads) / n:,.0f})" if label.startswith("small") else ""))
+
+
+def _rss() -> int:
+    """Resident set size of this process (bytes)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _time_ns(fn) -> int:
@@ -262,13 +270,14 @@ def _time_ns(fn) -> int:
     return time.perf_counter_ns() - t0
 
 
-def bench_memory(entries: int, sharers: int, layout: str = "dict") -> None:
+def bench_memory(entries: int, sharers: int, layout: str = "native") -> None:
     """`entries` (block, source) residencies: entries // sharers distinct blocks, each
     held by `sharers` sources."""
     rnd = random.Random(3)
     n_blocks = entries // sharers
     run = 64
     gc.collect()
+    rss0 = _rss()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     index = _new_index(layout)
@@ -290,12 +299,16 @@ def bench_memory(entries: int, sharers: int, layout: str = "dict") -> None:
         made += run
     del toks, hashes
     gc.collect()
-    used = tracemalloc.get_traced_memory()[0] - base
+    py = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
+    native = index.native_bytes() if hasattr(index, "native_bytes") else 0
+    used = py + native
+    rss = _rss() - rss0
     total = made * sharers
     print(
         f"memory: {total:,} (block, source) entries ({made:,} blocks x {sharers} sources): "
-        f"{used / total:.1f} bytes/entry ({used / 2**20:.0f} MiB)"
+        f"{used / total:.1f} bytes/entry ({used / 2**20:.0f} MiB: {py / 2**20:.0f} Python, "
+        f"{native / 2**20:.0f} native; RSS grew {rss / total:.1f} bytes/entry)"
     )
     del index
     gc.collect()
@@ -304,28 +317,25 @@ def bench_memory(entries: int, sharers: int, layout: str = "dict") -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    ap.add_argument("--layout", choices=("dict", "compact", "reference", "engine", "all"), default="all",
-                    help="KVIndex() (table='dict', the default), KVIndex(table='compact'), the "
-                         "previous layout (reference), EngineKeyIndex, or all four")
+    ap.add_argument("--layout", choices=("native", "reference", "engine", "all"), default="all",
+                    help="KVIndex() (the native table), the previous pure-Python layout "
+                         "(reference), EngineKeyIndex, or all three")
     a = ap.parse_args()
-    layouts = ("dict", "compact", "reference", "engine") if a.layout == "all" else (a.layout,)
+    layouts = ("native", "reference", "engine") if a.layout == "all" else (a.layout,)
     n_mem = 100_000 if a.quick else 1_000_000
     if a.layout == "all":
-        print("== KVIndex(table='dict'), KVIndex(table='compact') and the reference, interleaved run by run (best of 3)")
+        print("== KVIndex() and the reference, interleaved run by run (best of 3)")
         bench_interleaved(200_000 if a.quick else 1_000_000, 2_000 if a.quick else 20_000)
-        print("== bytes per (block, source) entry, 1 source: dict, compact, reference")
-        for layout in ("dict", "compact", "reference"):
+        print("== bytes per (block, source) entry, 1 source: native, reference")
+        for layout in ("native", "reference"):
             print(f"  {layout:9s}", end=" ", flush=True)
             bench_memory(n_mem, 1, layout)
     for layout in layouts:
-        title = {"dict": "KVIndex() = KVIndex(table='dict') (block table and key -> mask dicts)",
-                 "compact": "KVIndex(table='compact') (block table in arrays, key -> mask dicts)",
-                 "reference": "reference: the previous KVIndex() layout (dicts), same process",
+        title = {"native": "KVIndex() (native residency table)",
+                 "reference": "reference: the last pure-Python KVIndex() (dicts), same process",
                  "engine": "EngineKeyIndex"}[layout]
         print(f"== {title}")
         bench_ingest(200_000 if a.quick else 2_000_000, layout)
-        # A pool larger than the block table's nursery (kvstream.routing.table.NURSERY):
-        # blocks live long enough to move into the arrays before they are removed.
         bench_ingest(200_000 if a.quick else 2_000_000, layout, live_blocks=65_536)
         for hasher in (("native", "xxhash", "sha256_cbor") if layout == "engine" else ("native",)):
             if layout == "engine":

@@ -4,9 +4,9 @@
 once), ``keying`` (how blocks and prompts are keyed: :class:`TokenKeys`, router keys from
 tokens via ``keys``, or :class:`EngineHashes`, the engines' own hashes;
 :class:`EngineKeyIndex` in ``engine_index`` is the latter's named configuration),
-``table`` (the block table's storage interface, :class:`BlockTable`, and its two in-memory
-implementations, :class:`DictBlockTable`, the default, and the compact
-:class:`ArrayBlockTable`; ``KVIndex(table=...)`` picks one), ``_core`` (sources, the prefix walk, speculation),
+``table`` (the block table's storage interface, :class:`BlockTable`, and the default
+:class:`NativeBlockTable`, the native core's residency table; ``KVIndex(table=...)`` takes
+any ``BlockTable``), ``_core`` (sources, the prefix walk, speculation),
 ``snapshot`` (the ``dump``/``load`` format), ``scoring`` (policies) and ``router`` (the async
 :class:`Router` and :func:`apply_item`). The index and scoring are sans-IO and imported
 here; the async ``Router`` (which opens sockets) is loaded only when first used.
@@ -22,20 +22,19 @@ from kvstream.routing.index import KVIndex
 from kvstream.routing.keying import EngineHashes, TokenKeys
 from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch
 from kvstream.routing.snapshot import SnapshotError, SnapshotInfo, read_snapshot
-from kvstream.routing.table import ArrayBlockTable, BlockTable, DictBlockTable
+from kvstream.routing.table import BlockTable, NativeBlockTable
 
 if TYPE_CHECKING:
     from kvstream.routing.router import Router, apply_item
 
 __all__ = [
-    "ArrayBlockTable",
     "BlockTable",
-    "DictBlockTable",
     "EngineHashes",
     "EngineKeyIndex",
     "IndexUsageError",
     "KVIndex",
     "Load",
+    "NativeBlockTable",
     "Policy",
     "PrefixLoadPolicy",
     "Router",

@@ -15,13 +15,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from kvstream._native import NativeMap, walk_keys, walk_tokens
 from kvstream.errors import LocalProtocolError
+from kvstream.routing.keys import namespace
 from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
 
 __all__ = ["IndexUsageError", "SourceInfo"]
 
 _log = logging.getLogger("kvstream.routing")
 _MEDIA_WARNED: set[str] = set()
+_M64 = (1 << 64) - 1
+_BASE_NS = namespace()  # the chain root of a prompt without LoRA or salt
 
 
 class IndexUsageError(LocalProtocolError, ValueError):
@@ -108,6 +112,7 @@ class _IndexCore:
     # Set by subclasses (slots or class attributes). mypy checks assignments against this
     # class's empty __slots__, hence the [misc] ignores where the base rebinds _live.
     _R: int
+    _by_engine: bool
     _slot_of: dict[str, int]
     _src: list[_Source | None]
     _free_slots: list[int]
@@ -191,7 +196,7 @@ class _IndexCore:
         t = len(self._media)
         self._media.append(medium)
         self._tier_of[medium] = t
-        self._held.append({})
+        self._held.append(NativeMap())
         for s in getattr(self, "_src", ()):
             if s is not None:
                 s.count.append(0)
@@ -391,13 +396,37 @@ class _IndexCore:
             keys: precomputed :meth:`keys` (then the other arguments are ignored).
         """
         if keys is None:
+            pre = self._prompt_prefix(prompt_tokens, lora, salt, mm_items)
+            if pre is not None:
+                return self._walk((), *pre)
             keys = self.keys(prompt_tokens, lora, salt, mm_items)
         return self._walk(keys)
 
-    def _walk(self, keys: Sequence[int]) -> dict[str, SourceMatch]:
+    def _prompt_prefix(self, tokens: Sequence[int], lora: Any, salt: str | None,
+                       mm_items: Any) -> tuple[int, dict[int, int]] | None:
+        """A plain prompt's (key count, per-slot GPU prefix ends) from one native call
+        (``kvstream._native.walk_tokens``: keys chained and walked, the GIL released), when
+        only the GPU tier holds anything and nothing is speculative; else None."""
+        if lora is not None or salt or mm_items or self._by_engine or self._spec:
+            return None
+        held = self._held
+        gpu = held[0]
+        live = self._live
+        if type(gpu) is not NativeMap or not 0 <= live <= _M64 or any(held[t] for t in range(1, len(held))):
+            return None
+        r = walk_tokens(gpu, tokens, self._R, _BASE_NS, live)
+        if r is None:
+            return None
+        return r[0], dict(r[1])
+
+    def _walk(self, keys: Sequence[int], n: int | None = None,
+              pre: dict[int, int] | None = None) -> dict[str, SourceMatch]:
+        """Per source, the longest prefix of ``keys`` it holds; ``n``, ``pre``: the key
+        count and GPU prefix ends already walked (:meth:`_prompt_prefix`)."""
         live = self._live
         active = live
-        n = len(keys)
+        if n is None:
+            n = len(keys)
         held = self._held
         gpu = held[0]
         spec = self._spec
@@ -406,7 +435,9 @@ class _IndexCore:
         tier_end: list[dict[int, int]] = [{} for _ in held]
         served_low: dict[tuple[int, int], int] = {}
         spec_served: dict[int, int] = {}
-        if not others and not spec:
+        if pre is not None:
+            end = tier_end[0] = pre  # walked natively: GPU only, nothing speculative
+        elif not others and not spec:
             _gpu_prefix_ends(gpu, keys, active, end)
             tier_end[0] = end
         else:
@@ -520,16 +551,22 @@ class _IndexCore:
         (default :class:`~kvstream.routing.scoring.PrefixLoadPolicy`) and the caller's ``loads``
         (source name -> :class:`~kvstream.routing.scoring.Load`). Sources named only in ``loads``
         are ranked too (with no cached prefix)."""
-        if keys is None:
-            keys = self.keys(prompt_tokens, lora, salt, mm_items)
-        matches = self._walk(keys)
+        pre = None if keys is not None else self._prompt_prefix(prompt_tokens, lora, salt, mm_items)
+        if pre is not None:
+            n = pre[0]
+            matches = self._walk((), *pre)
+        else:
+            if keys is None:
+                keys = self.keys(prompt_tokens, lora, salt, mm_items)
+            n = len(keys)
+            matches = self._walk(keys)
         loads = loads or {}
         for name in loads:
             if name not in matches:
                 matches[name] = SourceMatch(name)
         pol = policy if policy is not None else _DEFAULT_POLICY
-        values = pol(list(matches.values()), loads, len(keys))
-        return ScoreResult(len(keys), self._R, matches, rank(values, loads), {s: v for v, s in values})
+        values = pol(list(matches.values()), loads, n)
+        return ScoreResult(n, self._R, matches, rank(values, loads), {s: v for v, s in values})
 
     def best(
         self,

@@ -8,8 +8,8 @@ engine hash each event carries instead of the router's own token keys. It needs 
 
 * ingest computes nothing per block: a ``BlockStored`` sets one bit per block in
   ``engine hash -> source bitmask`` (per medium), a ``BlockRemoved`` clears it;
-* memory is one dict entry and the hash's int object per distinct block and medium
-  (:data:`BYTES_PER_ENGINE_BLOCK`): there is no block table;
+* memory is one entry of the native ``hash -> source mask`` map per distinct block and
+  medium (:data:`BYTES_PER_ENGINE_BLOCK`): there is no block table;
 * parents, tokens and linking are not needed: a block stored with an unknown parent, or a
   CPU-tier event for a block never seen on the GPU, is matchable at once;
 * LoRA, cache salt, multimodal items and prompt-embedding digests are matched exactly as
@@ -39,12 +39,13 @@ from kvstream.routing.keying import EngineHashes
 
 __all__ = ["EngineKeyIndex", "EngineIndexStats", "BYTES_PER_ENGINE_BLOCK"]
 
-BYTES_PER_ENGINE_BLOCK = 82
+BYTES_PER_ENGINE_BLOCK = 28
 """Measured heap cost (bytes) of one distinct block held by one source in one medium: one
-dict entry (~42 bytes at 10**6 entries) plus the 64-bit hash's int object (40 bytes)
-(``bench/bench_index.py --layout engine``; tracemalloc at 10**6 blocks). Every further
-source holding the same block adds a bit of the shared mask (an int object of ~32 bytes
-per block once more than 8 sources share it). :meth:`KVIndex.estimated_bytes` uses it."""
+entry of the native ``hash -> source mask`` map (16 bytes of columns and 5 bytes per index
+bucket: 27.3 bytes at 10**6 entries, counted in Rust; ``bench/bench_index.py --layout
+engine``). Further sources holding the same block only set bits of its 64-bit mask (masks
+of more than 64 sources go to a side dict). :meth:`KVIndex.estimated_bytes` counts the
+real allocation."""
 
 EngineIndexStats = IndexStats
 """The counters (:class:`kvstream.routing.index.IndexStats`; ``foreign_block_size`` and

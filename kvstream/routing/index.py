@@ -17,11 +17,11 @@ Model
 * **Residency** is kept per (source, medium, KV cache group, engine block hash) as a count
   of physical copies: vLLM stores the same hash twice and removes it once while a copy
   remains, and stores one hash in several groups and media.
-* The scoring structure is, per medium, ``key -> bitmask of sources`` (``_held``). Scoring
-  a prompt walks its keys once and stops when no source remains; there is no per-source
-  loop per block. A lone holder's mask is its source's bit object (no int per block).
+* The scoring structure is, per medium, ``key -> bitmask of sources`` (``_held``, native
+  maps: ``kvstream._native.NativeMap``). Scoring a prompt walks its keys once and stops
+  when no source remains; there is no per-source loop per block.
 * **The block table** (:mod:`kvstream.routing.table`, the storage seam, chosen with
-  ``KVIndex(table=...)``: a dict by default, compact arrays, or any ``BlockTable``) maps
+  ``KVIndex(table=...)``: the native table by default, or any ``BlockTable``) maps
   each engine hash to its router key(s) under token keying. Under engine keying a hash is its own key
   and there is no table (:class:`_HeldKeys` reads the held maps instead).
 * **Router keys** (:mod:`kvstream.routing.keys`) are computed from each ``BlockStored``'s
@@ -69,7 +69,8 @@ from kvstream.routing._core import (
     _Source,
 )
 from kvstream.routing.keying import EngineHashes, TokenKeys
-from kvstream.routing.table import _EMPTY, _M64, _MAX_PROBE, _MIX, TABLES, ArrayBlockTable, BlockTable, DictBlockTable, dict_floor
+from kvstream._native import NativeMap, apply_engine as _apply_engine_native, apply_tokens as _apply_tokens
+from kvstream.routing.table import TABLES, BlockTable
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvstream.routing.keys import (
     KEY_MASK,
@@ -77,6 +78,7 @@ from kvstream.routing.keys import (
     chain_keys,
     event_block_extras,
     event_namespace,
+    namespace,
     pack_tokens,
 )
 
@@ -89,7 +91,8 @@ _BYTES_PER_UNLINKED = 640  # the record, its holds dict, one holder's group dict
 _BYTES_PER_HOLDER = 320  # each further (source, medium) holding an unlinked block
 _BYTES_PER_COPY_RECORD = 300
 _BYTES_PER_SOURCE = 600  # a source's record, name, counts and table slots
-_BYTES_PER_KEY = 32  # a router key's int object (60 bits)
+_M64 = (1 << 64) - 1
+_BASE_NS = namespace()  # the chain root of base-model, unsalted runs
 
 
 @dataclass(slots=True)
@@ -173,7 +176,7 @@ class KVIndex(_IndexCore):
             :meth:`estimated_bytes`). When a batch leaves the index above it, entries are
             dropped until it is under 90 % of the bound and the tables are shrunk, in this
             order: unlinked blocks (oldest first), blocks not stored in the TTL's current
-            generation, then blocks in the block table's order (oldest first; the compact
+            generation, then blocks in the block table's order (oldest first; the native
             table reuses positions freed by removals; engine keying: the GPU tier's order,
             then the others'). A dropped block disappears from every source and tier.
         ttl_s: optional time to live (seconds) of a block after its last ``BlockStored``
@@ -198,11 +201,10 @@ class KVIndex(_IndexCore):
             and block size: the hasher of ``keying="engine"``; under token keying optional,
             for :meth:`engine_hashes` (matching by engine hashes).
         table: token keying: where the block table (``engine hash -> router key``) lives
-            (:mod:`kvstream.routing.table`): ``"dict"`` (default; a plain dict, ~150 bytes
-            per (block, source) entry at 10**6 entries, the fastest ingest), ``"compact"``
-            (arrays, <= 100 bytes per entry, for memory-bound deployments; ingest is slower
-            once more than ~8,192 blocks are live: ~0.75x the dict's with 65,536, see
-            ``docs/router.md``), or an empty
+            (:mod:`kvstream.routing.table`): ``"native"`` (default; the native core's
+            table, ~55 bytes per (block, source) entry at 10**6 entries with the GPU
+            tier's mask map, its common ingest cases applied in Rust; ``"dict"`` and
+            ``"compact"`` are its former names), or an empty
             :class:`~kvstream.routing.table.BlockTable` instance (any backend; driven
             through the protocol's methods only). Engine keying stores no block table
             and takes no ``table``.
@@ -274,9 +276,9 @@ class KVIndex(_IndexCore):
         if self._by_engine and table is not None:
             raise IndexUsageError(
                 "engine keying stores no block table (a hash is its own key); leave table out")
-        # The ingest loop, picked once: one written against each in-memory table's layout,
-        # the generic one (protocol methods only) for any other backend.
-        self._kind = _KIND.get(type(self._table), _GENERIC)
+        # The ingest, picked once: the native core's for the native table, the generic one
+        # (protocol methods only) for any other backend.
+        self._kind = _NATIVE if type(self._table) is NativeMap else _GENERIC
         self._wide = False  # a bytes engine hash was seen (estimated_bytes: larger keys)
         self._touched: set[Any] | None = set() if ttl_s is not None else None  # stored this TTL generation
         self._unl_bytes = 0  # token and extra bytes held by unlinked blocks
@@ -346,10 +348,8 @@ class KVIndex(_IndexCore):
             self._tick(batch.ts if now is None else now)
         if self._by_engine:
             self._apply_engine(s, batch.events)  # type: ignore[arg-type]
-        elif self._kind == _DICT:
-            self._apply_tokens_dict(s, batch.events)  # type: ignore[arg-type]
-        elif self._kind == _COMPACT:
-            self._apply_tokens_compact(s, batch.events)  # type: ignore[arg-type]
+        elif self._kind == _NATIVE:
+            self._apply_tokens_native(s, batch.events)  # type: ignore[arg-type]
         else:
             self._apply_events(s, batch.events)  # type: ignore[arg-type]
         if self._max_bytes is not None and self.estimated_bytes() > self._max_bytes:
@@ -374,10 +374,8 @@ class KVIndex(_IndexCore):
         events = list(chain.from_iterable(map(_events_of, batches)))
         if self._by_engine:
             self._apply_engine(s, events)  # type: ignore[arg-type]
-        elif self._kind == _DICT:
-            self._apply_tokens_dict(s, events)  # type: ignore[arg-type]
-        elif self._kind == _COMPACT:
-            self._apply_tokens_compact(s, events)  # type: ignore[arg-type]
+        elif self._kind == _NATIVE:
+            self._apply_tokens_native(s, events)  # type: ignore[arg-type]
         else:
             self._apply_events(s, events)  # type: ignore[arg-type]
 
@@ -403,130 +401,74 @@ class KVIndex(_IndexCore):
             self.stats.rejected_events += 1
             _log.debug("source %s: skipped a malformed event: %s", s.name, exc)
 
-    def _apply_tokens_dict(self, s: _Source, events: Sequence[Any]) -> None:
-        """Token keying's ingest loop over a :class:`DictBlockTable` (used as the dict it is)."""
+    def _apply_tokens_native(self, s: _Source, events: Sequence[Any]) -> None:
+        """Token keying's ingest over the native table: the native core applies every
+        event its rules cover (``kvstream._native.apply_tokens``, a subset of the rules
+        below, exactly) and stops at the first it does not; that one is applied here and
+        the native core goes on from the next."""
+        if type(events) is not list:
+            events = list(events)
+        n = len(events)
+        slot = s.slot
+        if slot >= 64:  # masks wider than 64 sources: the rules below
+            for ev in events:
+                self._apply_event(s, ev)
+            return
+        st = self.stats
         table = self._table
-        gpu = self._held[0]
-        href = self._href
-        bit = s.bit
-        fast_removed = 0
-        copies = self._copies  # never rebound, only mutated
-        slot = s.slot
-        for ev in events:
-            if type(ev) is BlockRemoved:
-                # Inline the GPU pool's common case: one hash, group 0, one copy.
-                hs = ev.block_hashes
-                medium = ev.medium
-                if (len(hs) == 1 and not ev.group_idx and (medium == "GPU" or medium is None)
-                        and not (copies and (hs[0], slot, 0) in copies)):
-                    eh = hs[0]
-                    rk = table.get(eh)
-                    if type(rk) is int:
-                        m = gpu.get(rk, 0)
-                        if m & bit:
-                            if m == bit:
-                                del gpu[rk]
-                            else:
-                                gpu[rk] = m ^ bit
-                            fast_removed += 1
-                            if href and eh in href:
-                                n = href.pop(eh) - 1
-                                if n > 1:
-                                    href[eh] = n
-                            else:
-                                del table[eh]
-                            continue
-            self._apply_event(s, ev)
-        if fast_removed:
-            s.count[0] -= fast_removed
-            self.stats.removed_blocks += fast_removed
-
-    def _apply_tokens_compact(self, s: _Source, events: Sequence[Any]) -> None:
-        """Token keying's ingest loop over an :class:`ArrayBlockTable` (probed inline)."""
-        young = self._table
-        assert isinstance(young, ArrayBlockTable)
-        yidx, yks, yvs, ymask, ysh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
-        gpu = self._held[0]
-        href = self._href
-        bit = s.bit
-        fast_removed = 0
-        killed = 0
-        copies = self._copies  # never rebound, only mutated
-        slot = s.slot
-        MIX, M64, EMPTY = _MIX, _M64, _EMPTY
-        nursery = young.young  # never rebound
-        for ev in events:
-            cls = type(ev)
-            if cls is BlockRemoved:
-                # Inline the GPU pool's common case: one int hash, group 0, one copy, found
-                # in the block table's columns (probed here: a method call per block would
-                # cost more than the rest of the removal).
-                hs = ev.block_hashes
-                medium = ev.medium
-                if (len(hs) == 1 and not ev.group_idx and (medium == "GPU" or medium is None)
-                        and not (copies and (hs[0], slot, 0) in copies)):
-                    eh = hs[0]
-                    rk = nursery.get(eh) if nursery else None
-                    j = -2  # in the nursery (a dict): no array slot
-                    if rk is None and type(eh) is int:  # any int: one outside the u64 columns is not found
-                        h = ((eh * MIX) & M64) >> ysh
-                        j = yidx[h]
-                        while j >= 0:  # EMPTY is -1; deletion leaves no other marker
-                            if yks[j] == eh:
-                                break
-                            h = (h + 1) & ymask
-                            j = yidx[h]
-                        if j >= 0:
-                            rk = yvs[j]
-                    if rk is not None:
-                        m = gpu.get(rk, 0)
-                        if m & bit:
-                            if m == bit:
-                                del gpu[rk]
-                            else:
-                                gpu[rk] = m ^ bit
-                            fast_removed += 1
-                            if href and eh in href:
-                                n = href.pop(eh) - 1
-                                if n > 1:
-                                    href[eh] = n
-                            elif j == -2:
-                                del nursery[eh]
-                            else:
-                                # young._kill(h, j), inline; the counts are settled below.
-                                yks[j] = 0
-                                dead.append(j)
-                                killed += 1
-                                k = (h + 1) & ymask
-                                e = yidx[k]
-                                # young._close(h), inline: later entries of the cluster that
-                                # may not sit beyond the hole move back (no tombstones).
-                                while e >= 0:
-                                    home = ((yks[e] * MIX) & M64) >> ysh
-                                    if (home <= h or home > k) if h <= k else (home <= h and home > k):
-                                        yidx[h] = e
-                                        h = k
-                                    k = (k + 1) & ymask
-                                    e = yidx[k]
-                                yidx[h] = EMPTY
-                            continue
-            if killed:
-                young.n -= killed
-                young.used -= killed
-                killed = 0
-            self._apply_event(s, ev)
-            # The slow paths may have grown (rebuilt) the block table's columns.
-            yidx, yks, yvs, ymask, ysh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
-        if killed:
-            young.n -= killed
-            young.used -= killed
-        young.tune()
-        if fast_removed:
-            s.count[0] -= fast_removed
-            self.stats.removed_blocks += fast_removed
+        assert isinstance(table, NativeMap)
+        held = self._held
+        per_mask = self._per_mask
+        R = self._R
+        i = 0
+        while i < n:
+            i, added, removed = _apply_tokens(
+                events, i, BlockStored, BlockRemoved, table, held, slot, per_mask.get(1, 0) & _M64, R,
+                _BASE_NS, s.reannounce, s.per == 1, self._copies, self._href, self._unl, self._waiting,
+                self._touched)
+            if added:
+                s.count[0] += added
+                st.stored_blocks += added
+            if removed:
+                s.count[0] -= removed
+                st.removed_blocks += removed
+            if i < n:
+                self._apply_event(s, events[i])
+                i += 1
 
     def _apply_engine(self, s: _Source, events: Sequence[Any]) -> None:
-        """Engine keying's ingest loop: a block's key is its hash, nothing is computed."""
+        """Engine keying's ingest: the native core applies the common cases
+        (``kvstream._native.apply_engine``, exactly the rules below for them) and stops at
+        the first event it does not cover; that one goes through the rules below."""
+        if type(events) is not list:
+            events = list(events)
+        n = len(events)
+        if s.slot >= 64:
+            self._apply_engine_events(s, events)
+            return
+        st = self.stats
+        keying = self._keying
+        assert isinstance(keying, EngineHashes)
+        ints = keying.hash_type is int
+        gpu = self._held[0]
+        count = s.count
+        i = 0
+        while i < n:
+            i, added, removed = _apply_engine_native(
+                events, i, BlockStored, BlockRemoved, gpu, s.slot, self._R, s.reannounce,
+                ints and s.block_size is not None, self._copies, self._touched)
+            if added:
+                count[0] += added
+                st.stored_blocks += added
+            if removed:
+                count[0] -= removed
+                st.removed_blocks += removed
+            if i < n:
+                self._apply_engine_events(s, events[i:i + 1])
+                i += 1
+
+    def _apply_engine_events(self, s: _Source, events: Sequence[Any]) -> None:
+        """Engine keying's rules, event by event: a block's key is its hash, nothing is computed."""
         st = self.stats
         touched = self._touched
         held = self._held
@@ -694,7 +636,6 @@ class KVIndex(_IndexCore):
         else:
             salt, extras = None, None
         young: Any = self._table
-        kind = self._kind
         if parent is None:
             seed = event_namespace(ev.lora_name, ev.lora_id, salt)
             ra = s.reannounce
@@ -705,27 +646,7 @@ class KVIndex(_IndexCore):
                     self._touched.update(hashes)  # no copy, but the engine says it holds them now
                 return
         else:
-            pv = young.get(parent) if kind != _COMPACT else young.young.get(parent)
-            if pv is not None or kind != _COMPACT:
-                pass
-            elif type(parent) is int:
-                # young.get(parent), probed inline (one method call less per event).
-                yidx, yks = young.idx, young.ks
-                ymask = young.mask
-                h = ((parent * _MIX) & _M64) >> young.shift
-                while True:
-                    j = yidx[h]
-                    if j >= 0:
-                        if yks[j] == parent:
-                            pv = young.vs[j]
-                            break
-                    elif j == _EMPTY:
-                        other = young.other
-                        pv = other.get(parent) if other else None
-                        break
-                    h = (h + 1) & ymask
-            else:
-                pv = young.get(parent)
+            pv = young.get(parent)
             if pv is None:
                 self._store_unlinked_run(s, ev, pack_tokens(toks), per, extras, t, g)
                 return
@@ -747,129 +668,8 @@ class KVIndex(_IndexCore):
         fast = per == 1 and g == 0
         added = 0
         step = 4 * R * per
-        start = 0
         v: int | tuple[int, ...]  # a block's router key, or its keys when per > 1
-        if fast and kind == _DICT:
-            # The common case (one key per block, group 0): new blocks whose keys no other
-            # hash of the family holds are installed here; the general loop below takes
-            # over at the first block that is anything else (known, unlinked, a parent
-            # others wait for).
-            for eh, v in zip(hashes, keys):
-                if eh in young:
-                    break  # known already
-                m = held.get(v, 0)
-                if m & fam:
-                    break
-                if others:
-                    anym = 0
-                    for oh in others:
-                        anym |= oh.get(v, 0)
-                    if anym & fam:
-                        break
-                if (unl and eh in unl) or (waiting and eh in waiting):
-                    break
-                young[eh] = v
-                held[v] = m | bit if m else bit
-                start += 1
-            added = start
-        elif fast and kind == _COMPACT:
-            try:
-                fast = type(hashes[0]) is int and min(hashes) > 0 and max(hashes) <= _M64  # type: ignore[operator]
-            except TypeError:  # bytes among ints
-                fast = False
-        if fast and kind == _COMPACT and (young.direct or not young.cap):
-            # The same, with new blocks going straight to the columns (the nursery is off:
-            # see ArrayBlockTable.tune): the probe that finds a hash absent ends at the
-            # empty slot it is stored in.
-            young.reserve(n)  # room for the whole run: no rebuild inside the loop
-            nursery = young.young
-            idx, ks, vs, mask, sh, dead = young.idx, young.ks, young.vs, young.mask, young.shift, young.free
-            other = young.other
-            MIX, M64, MAXP, EMPTY = _MIX, _M64, _MAX_PROBE, _EMPTY
-            for eh, v in zip(hashes, keys):
-                if nursery and eh in nursery:
-                    break  # known already
-                h = ((eh * MIX) & M64) >> sh  # type: ignore[operator]
-                j = idx[h]
-                if j != EMPTY:
-                    h0 = h
-                    while j >= 0:
-                        if ks[j] == eh:
-                            break
-                        h = (h + 1) & mask
-                        j = idx[h]
-                    if j != EMPTY or (h - h0) & mask > MAXP:
-                        break  # known already, or a crowded slot: the general loop below
-                if other and eh in other:
-                    break
-                m = held.get(v, 0)
-                if m & fam:
-                    break
-                if others:
-                    anym = 0
-                    for oh in others:
-                        anym |= oh.get(v, 0)
-                    if anym & fam:
-                        break
-                if (unl and eh in unl) or (waiting and eh in waiting):
-                    break
-                if dead:
-                    j = dead.pop()
-                    ks[j] = eh
-                    vs[j] = v
-                else:
-                    j = len(ks)
-                    ks.append(eh)
-                    vs.append(v)
-                idx[h] = j
-                held[v] = m | bit if m else bit
-                start += 1
-            young.n += start
-            young.used += start
-            added = start
-        elif fast and kind == _COMPACT and young.cap:
-            # The common case (one key per block, group 0, int hashes): new blocks whose
-            # keys no other hash of the family holds are installed here, probing the block
-            # table's columns inline; the general loop below takes over at the first block
-            # that is anything else (known, crowded, unlinked, a parent others wait for).
-            nursery = young.young
-            probe = young.n  # the arrays hold entries: absence needs a probe there too
-            idx, ks, mask, sh = young.idx, young.ks, young.mask, young.shift
-            other = young.other
-            MIX, M64 = _MIX, _M64
-            for eh, v in zip(hashes, keys):
-                if eh in nursery:
-                    break  # known already
-                if probe:
-                    h = ((eh * MIX) & M64) >> sh  # type: ignore[operator]
-                    j = idx[h]
-                    while j >= 0:  # EMPTY is -1; deletion leaves no other marker
-                        if ks[j] == eh:
-                            break
-                        h = (h + 1) & mask
-                        j = idx[h]
-                    if j >= 0:
-                        break  # known already
-                if other and eh in other:
-                    break
-                m = held.get(v, 0)
-                if m & fam:
-                    break
-                if others:
-                    anym = 0
-                    for oh in others:
-                        anym |= oh.get(v, 0)
-                    if anym & fam:
-                        break
-                if (unl and eh in unl) or (waiting and eh in waiting):
-                    break
-                nursery[eh] = v
-                held[v] = m | bit if m else bit
-                start += 1
-            if len(nursery) > young.cap:
-                young.settle(len(nursery) - young.cap + 256)
-            added = start
-        for i in range(start, n):
+        for i in range(n):
             eh = hashes[i]
             k0 = i * per
             v = keys[k0] if per == 1 else tuple(keys[k0 : k0 + per])
@@ -1019,14 +819,19 @@ class KVIndex(_IndexCore):
             self.stats.key_conflicts += 1
         self._hold(s, eh, cur, t, g, fresh=False)
 
-    def _hold(self, s: _Source, eh: Any, v: Any, t: int, g: int, fresh: bool) -> None:
+    def _hold(self, s: _Source, eh: Any, v: Any, t: int, g: int, fresh: bool, new: bool = False) -> None:
+        """One more copy of ``eh`` (key(s) ``v``) for (``s``, tier ``t``, group ``g``).
+        ``new``: the caller knows ``s`` does not hold ``eh`` in ``t`` yet (a snapshot's
+        row), though its key's mask may have ``s``'s bit from another hash of ``s`` under
+        the same last key (an engine block of two router blocks over two of one)."""
         held = self._held[t]
         bit = s.bit
         tup = type(v) is tuple
         rk0 = v[-1] if tup else v
         m = held.get(rk0, 0)
         self.stats.stored_blocks += 1
-        if (m & bit or g) and not self._add_copy_record((eh, s.slot, t), g, bool(m & bit)):
+        had = bool(m & bit) and not new
+        if (had or g) and not self._add_copy_record((eh, s.slot, t), g, had):
             return
         if tup:
             self._sub_add(held, v, s.slot, t, bit)
@@ -1265,6 +1070,15 @@ class KVIndex(_IndexCore):
         self._gen += 1
         self._gen_start = now
 
+    def native_bytes(self) -> int:
+        """Bytes the native tables allocate (columns and indexes, counted in Rust; invisible
+        to ``tracemalloc``), included in :meth:`estimated_bytes`."""
+        n = sum(h.native_bytes() for h in self._held)
+        table = self._table
+        if isinstance(table, NativeMap):
+            n += table.native_bytes()
+        return n
+
     @property
     def table(self) -> BlockTable:
         """The block table (engine hash -> router key) this index stores into; under engine
@@ -1272,27 +1086,19 @@ class KVIndex(_IndexCore):
         return self._table
 
     def estimated_bytes(self) -> int:
-        """Heap bytes held by the index (an upper bound): every table as allocated
+        """Heap bytes held by the index (an upper bound): the native tables (the block
+        table and every medium's ``key -> mask`` map) as they really allocate, counted in
+        Rust (:meth:`native_bytes`), their side dicts (bytes hashes, tuples of keys, masks
+        of more than 64 sources) at measured sizes, and every Python table as allocated
         (``sys.getsizeof``, so a table that grew and emptied still counts) plus the objects
-        its entries own, at their measured sizes: a key int per ``key -> mask`` entry (a
-        router key: 32 bytes; an engine hash: 36, or 97 for bytes hashes), a mask int per
-        entry held by two or more sources (lone holders share their source's bit), tuples
-        of keys for engine blocks of several router blocks, copy records, unlinked blocks
-        with their tokens, the TTL's set of stored hashes. Costs O(sources x media);
-        ``max_bytes`` calls it once per batch."""
+        its entries own: copy records, unlinked blocks with their tokens, the TTL's set of
+        stored hashes. A generic :class:`~kvstream.routing.table.BlockTable` counts itself
+        (``nbytes``). Costs O(sources x media); ``max_bytes`` calls it once per batch."""
         gs = sys.getsizeof
         table = self._table
         b = table.nbytes()
-        entries = 0
         for h in self._held:
-            b += gs(h)
-            entries += len(h)
-        if self._by_engine:
-            form_int = self._keying.hash_form == "int"  # type: ignore[union-attr]
-            b += entries * (36 if form_int and not self.stats.foreign_hash_form else 97)
-        else:
-            b += _BYTES_PER_KEY * entries
-        hold = 0
+            b += h.nbytes()
         max_per = 1
         multi = 0  # holdings of engine blocks of several router blocks
         for s in self._src:
@@ -1300,18 +1106,11 @@ class KVIndex(_IndexCore):
                 per = s.per or 1
                 if per > max_per:
                     max_per = per
-                for c in s.count:
-                    hold += c * per
-                    if per > 1:
-                        multi += c
-        if hold > entries:  # at most this many entries have a mask of their own
-            b += (hold - entries) * (24 + 4 * (len(self._src) // 30 + 1))
-        if max_per > 1:  # tuples of router keys
-            if isinstance(table, ArrayBlockTable):
-                b += len(table.other) * (40 + 8 * max_per)
-            else:  # at most one tuple per such holding
-                b += min(multi, len(table)) * (40 + 8 * max_per)
-        if self._wide and not self._by_engine and not isinstance(table, ArrayBlockTable):
+                if per > 1:
+                    multi += sum(s.count)
+        if max_per > 1:  # tuples of router keys (in the table's side dict), their key ints
+            b += min(multi, len(table)) * (40 + 40 * max_per)
+        if self._wide and not self._by_engine and type(table) is not NativeMap:
             b += 61 * len(table)  # a bytes hash of up to 64 bytes (97) instead of an int (36)
         b += gs(self._href) + 32 * len(self._href)
         b += gs(self._copies) + _BYTES_PER_COPY_RECORD * len(self._copies)
@@ -1357,9 +1156,8 @@ class KVIndex(_IndexCore):
 
     def _shrink(self) -> None:
         self._table.shrink()
-        for t, h in enumerate(self._held):
-            if gs_dict(h) > 2 * _dict_floor(len(h)):
-                self._held[t] = dict(h)
+        for h in self._held:
+            h.shrink()
         for name in ("_href", "_copies", "_sub_n", "_unl", "_waiting"):
             d = getattr(self, name)
             if gs_dict(d) > 2 * _dict_floor(len(d)):
@@ -1563,7 +1361,7 @@ class KVIndex(_IndexCore):
                     others = [(h, h) for h, ok in zip(hs_all, u64) if not ok]
                 cols_k = array("Q")
             else:
-                ms = list(map(held.get, cols_k))  # None where not held in this medium
+                ms = held.get_many(cols_k)  # None where not held in this medium
                 a1 = allow[1]
                 if a1 != everyone:
                     ms = [m & a1 if m else 0 for m in ms]
@@ -1705,6 +1503,10 @@ class KVIndex(_IndexCore):
             self._load_prepared(snap, p)
         finally:
             self.stats = saved  # loading is not ingest
+        if self._max_bytes is not None and self.estimated_bytes() > self._max_bytes:
+            # The native tables' room depends on their history: a loaded index may hold
+            # more than the one that dumped it. The bound holds after a load too.
+            self._evict(int(self._max_bytes * 0.9))
 
     def _load_prepared(self, snap: Any, p: Any) -> None:
         ours: dict[int, _Source] = {}
@@ -1759,10 +1561,6 @@ class KVIndex(_IndexCore):
             else:
                 bulk = not held and not len(table)
                 if bulk:
-                    if self._kind == _DICT:
-                        # One int object per key, shared by the table's value and the
-                        # key -> mask dict (as ingest shares them).
-                        ks = ks.tolist()
                     held.update(zip(ks, masks))
                     if len(held) != len(ks):  # a key shared by two hashes: merge below
                         held.clear()
@@ -1801,7 +1599,7 @@ class KVIndex(_IndexCore):
                 fresh = eh not in table
                 if fresh:
                     table[eh] = v
-                self._hold(s, eh, v, t, 0, fresh)
+                self._hold(s, eh, v, t, 0, fresh, new=True)
             if touched is not None:
                 touched.add(eh)
         for slot, medium, eh, groups in p.copies:
@@ -1829,14 +1627,13 @@ class KVIndex(_IndexCore):
             self._link(parent)
 
 
-_DICT, _COMPACT, _GENERIC = 0, 1, 2
-_KIND = {DictBlockTable: _DICT, ArrayBlockTable: _COMPACT}
+_NATIVE, _GENERIC = 0, 2
 
 
 def _new_table(table: Any) -> BlockTable:
     """The block table ``KVIndex(table=...)`` names (see :class:`KVIndex`)."""
     if table is None:
-        table = "dict"
+        table = "native"
     if isinstance(table, str):
         cls = TABLES.get(table)
         if cls is None:
@@ -1931,7 +1728,14 @@ def _check_hash_sizes(hashes: Sequence[Any], parent: Any) -> None:
             raise RouterKeyError(f"a {len(h)}-byte block hash; digests are at most {MAX_HASH_BYTES} bytes")
 
 
-_dict_floor = dict_floor
+def _dict_floor(n: int) -> int:
+    """About ``sys.getsizeof`` of a dict sized for ``n`` entries (CPython's layout: a
+    power-of-two index of 1-8 byte slots, 2/3 of it usable 24-byte entries), in bytes."""
+    size = 8
+    while size * 2 // 3 < n:
+        size *= 2
+    ib = 1 if size <= 128 else 2 if size <= 1 << 15 else 4 if size <= 1 << 31 else 8
+    return 80 + size * ib + (size * 2 // 3) * 24
 
 
 def _perturb(v: Any, eh: Any) -> Any:

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from kvstream._native import router_keys
 from kvstream.hashing import BlockHasher, LoRA, MMItem, RequestBlockHasher, to_external_list
 from kvstream.routing._core import IndexUsageError
-from kvstream.routing.keys import prompt_keys
+from kvstream.routing.keys import namespace, prompt_keys
+
+_BASE_NS = namespace()
 
 __all__ = ["EngineHashes", "Keying", "TokenKeys"]
 
@@ -44,7 +47,12 @@ class TokenKeys:
 
     def prompt_keys(self, prompt_tokens: Sequence[int], lora: Any = None, salt: str | None = None,
                     mm_items: Sequence[Any] | None = None) -> list[int]:
-        """The router keys of a prompt's full router blocks."""
+        """The router keys of a prompt's full router blocks (chained by the native core when
+        there is no LoRA, salt or multimodal item: ``kvstream._native.router_keys``)."""
+        if lora is None and not salt and not mm_items:
+            keys = router_keys(prompt_tokens, self.block_size, _BASE_NS)
+            if keys is not None:
+                return keys
         return prompt_keys(prompt_tokens, self.block_size, lora, salt, mm_items)
 
     def __repr__(self) -> str:

@@ -6,9 +6,13 @@
 
 use pyo3::prelude::*;
 
+pub mod chain;
 pub mod error;
 pub mod hash;
 pub mod keys;
+pub mod ingest;
+pub mod query;
+pub mod table;
 
 /// The Python module `kvstream._native`.
 #[pymodule]
@@ -17,5 +21,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     error::register(m)?;
     hash::register(m)?;
     keys::register(m)?;
+    table::register(m)?;
+    ingest::register(m)?;
+    query::register(m)?;
     Ok(())
 }

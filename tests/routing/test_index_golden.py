@@ -14,6 +14,7 @@ import pytest
 
 from kvstream.routing.index import KVIndex
 
+from tests.routing.generic_table import BytesStoreTable
 from tests.routing.golden_index import (
     expected_prefix,
     golden_requests,
@@ -26,13 +27,13 @@ from tests.routing.golden_index import (
 VERSIONS = ["vllm-0.11.0", "vllm-0.33.0"]
 
 
-@pytest.mark.parametrize("table", ["dict", "compact"])
+@pytest.mark.parametrize("table", ["native", "generic"])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_index_equals_pool_snapshot_after_every_batch(golden_dir: Path, version: str, table: str) -> None:
     d = golden_dir / version
     stream = json.loads((d / "stream.json").read_text())
     batches = read_live_batches(d / "stream.bin")
-    index = KVIndex(table=table)
+    index = KVIndex() if table == "native" else KVIndex(table=BytesStoreTable())
     cpu_expected: Counter = Counter()
     published = 0
     for step in stream["steps"]:

@@ -1,103 +1,27 @@
 """Residency rules every keying strategy and every block table obeys (docs/router.md,
 "Index model"), one specification run over all: router token keys (``KVIndex``) with each
-block table (``table="dict"``, ``"compact"``, and :class:`BytesStoreTable`, a third backend
+block table (the native one, the default, and :class:`BytesStoreTable`, a second backend
 written here against the ``BlockTable`` protocol alone), and the engines' own hashes
 (``EngineKeyIndex``). Keying-specific behaviour stays in ``test_index.py`` and
 ``test_engine_index.py``."""
 
 from __future__ import annotations
 
-from array import array
-from typing import Any, Iterable, Iterator
-
-import msgspec
 import pytest
 
 from kvstream.hashing import BlockHasher, RequestBlockHasher, to_external_list
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.routing.index import KVIndex
 from kvstream.routing.keying import EngineHashes, TokenKeys
-from kvstream.routing.table import ArrayBlockTable, BlockTable
+from kvstream.routing.table import BlockTable, NativeBlockTable
 from kvstream.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tests.routing.generic_table import BytesStoreTable
 
 BS = 16
 HASHER = BlockHasher("xxhash", BS, seed="0")
 
 
-_MISSING: Any = object()
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder()
-
-
-class BytesStoreTable:
-    """A :class:`~kvstream.routing.table.BlockTable` over a ``bytes -> bytes`` store, the
-    way a remote key-value backend (Valkey, a JetStream KV bucket) would hold the block
-    table: keys and values serialized with msgpack, nothing kept as Python objects. Written
-    against the protocol alone: the index must drive it through its generic path."""
-
-    def __init__(self) -> None:
-        self.store: dict[bytes, bytes] = {}
-
-    @staticmethod
-    def _load(raw: bytes) -> Any:
-        v = _dec.decode(raw)
-        return tuple(v) if type(v) is list else v
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        raw = self.store.get(_enc.encode(key))
-        return default if raw is None else self._load(raw)
-
-    def __contains__(self, key: Any) -> bool:
-        return _enc.encode(key) in self.store
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.store[_enc.encode(key)] = _enc.encode(value)
-
-    def __delitem__(self, key: Any) -> None:
-        del self.store[_enc.encode(key)]
-
-    def pop(self, key: Any, default: Any = _MISSING) -> Any:
-        raw = self.store.pop(_enc.encode(key), None)
-        if raw is None:
-            if default is _MISSING:
-                raise KeyError(key)
-            return default
-        return self._load(raw)
-
-    def __len__(self) -> int:
-        return len(self.store)
-
-    def __iter__(self) -> Iterator[Any]:
-        return map(_dec.decode, list(self.store))
-
-    def items(self) -> Iterator[tuple[Any, Any]]:
-        return ((_dec.decode(k), self._load(v)) for k, v in list(self.store.items()))
-
-    def nbytes(self) -> int:
-        return 100 * len(self.store)
-
-    def shrink(self) -> None:
-        pass
-
-    def export_u64(self) -> tuple[array, array, dict[Any, Any]]:
-        ks, vs, other = array("Q"), array("Q"), {}
-        for k, v in self.items():
-            if type(k) is int and 0 < k < 2**64 and type(v) is int:
-                ks.append(k)
-                vs.append(v)
-            else:
-                other[k] = v
-        return ks, vs, other
-
-    def load_u64(self, keys: array, values: array, other: Iterable[tuple[Any, Any]] = ()) -> None:
-        new = [*zip(keys, values), *other]
-        if len({k for k, _ in new}) != len(new) or any(k in self or k == 0 for k, _ in new):
-            raise ValueError("a duplicate or zero key")
-        for k, v in new:
-            self[k] = v
-
-
-def test_the_third_table_is_a_block_table() -> None:
+def test_the_second_table_is_a_block_table() -> None:
     t: BlockTable = BytesStoreTable()  # mypy checks the protocol; the index checks the methods
     t[5] = (1, 2)
     t[b"h"] = 7
@@ -115,10 +39,8 @@ class Keying:
     def new(self, **kw):
         if self.name == "tokens":
             return KVIndex(**kw)
-        if self.name == "tokens, compact table":
-            return KVIndex(table="compact", **kw)
-        if self.name == "tokens, compact table, no nursery":
-            return KVIndex(table=ArrayBlockTable(nursery=0), **kw)  # every store probes the arrays
+        if self.name == "tokens, native table given":
+            return KVIndex(table=NativeBlockTable(), **kw)
         if self.name == "tokens, BytesStoreTable":
             return KVIndex(table=BytesStoreTable(), **kw)
         if self.name == "engine":
@@ -131,7 +53,7 @@ class Keying:
         return to_external_list(rh.block_hashes)
 
 
-KEYINGS = ["tokens", "tokens, compact table", "tokens, compact table, no nursery", "tokens, BytesStoreTable",
+KEYINGS = ["tokens", "tokens, native table given", "tokens, BytesStoreTable",
            "engine", "engine-keyed KVIndex"]
 
 
@@ -254,21 +176,23 @@ def test_a_snapshot_round_trip_keeps_the_state(keying) -> None:
     assert again.state() == idx.state() and again.match(p)["a"].tier_blocks == {"GPU": 1, "CPU": 1}  # group 1 stays
 
 
-@pytest.mark.parametrize("table", ["dict", "compact", "compact, small nursery", "BytesStoreTable"])
-def test_every_table_holds_the_same_state_through_churn(table) -> None:
-    """A pool larger than the compact table's nursery, with copies, a second source and a
-    clear: each table ends exactly where the default one does, and so do the scores. With
-    a small nursery the compact table stores straight into its arrays (they soon hold more
-    than twice the nursery), the path of a pool of many more blocks than 8,192."""
+@pytest.mark.parametrize("fillers", [0, 68])
+def test_the_native_table_holds_what_the_generic_path_holds_through_churn(fillers) -> None:
+    """A pool of 9,000 live blocks, with copies, a second source and a clear: the native
+    table (whose common cases the native core applies) ends exactly where a table driven
+    through the generic Python path does, and so do the scores. With 70 sources the two
+    churning ones sit beyond the 64 bits of a native mask (their masks go to the side
+    dict and their events to the Python rules)."""
     import random
 
     def new() -> KVIndex:
-        if table == "compact, small nursery":
-            return KVIndex(table=ArrayBlockTable(nursery=256))
-        return KVIndex(table=BytesStoreTable() if table == "BytesStoreTable" else table)
+        return KVIndex(table=BytesStoreTable()) if table == "BytesStoreTable" else KVIndex()
 
     rnd = random.Random(7)
-    ref, idx = KVIndex(), new()
+    ref, idx = KVIndex(table=BytesStoreTable()), KVIndex()
+    for x in (ref, idx):
+        for i in range(fillers):
+            x.add_source(f"filler{i}")
     live: list[int] = []
     h = 1
     prompts = []
@@ -295,5 +219,4 @@ def test_every_table_holds_the_same_state_through_churn(table) -> None:
     for p in prompts:
         assert idx.match(p) == ref.match(p)
     assert idx.stats == ref.stats
-    if table == "compact, small nursery":
-        assert idx.table.direct and not idx.table.young  # type: ignore[attr-defined]
+    assert type(idx.table) is NativeBlockTable

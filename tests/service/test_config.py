@@ -36,17 +36,18 @@ def test_bad_engines_are_config_errors_like_subscribe_refuses_them(text: str) ->
 
 
 def test_index_table_from_flag_and_file(tmp_path) -> None:
-    """`--index-table` / `index-table` choose the block table of every index serve builds."""
-    from kvstream.routing.table import ArrayBlockTable, DictBlockTable
+    """`--index-table` / `index-table` name the block table of every index serve builds
+    (both names are the native table now; a bad name is still an error)."""
+    from kvstream.routing.table import NativeBlockTable
     from kvstream.service.config import build_config
     from kvstream.service.core import ServiceCore
 
     default = ServiceCore(build_config({}, ["e0=tcp://127.0.0.1:1"], None))
-    assert type(default.new_index(16).table) is DictBlockTable
+    assert type(default.new_index(16).table) is NativeBlockTable
     f = tmp_path / "serve.toml"
     f.write_text('index-table = "compact"\n')
     cfg = build_config({}, ["e0=tcp://127.0.0.1:1"], str(f))
-    assert type(ServiceCore(cfg).new_index(16).table) is ArrayBlockTable
+    assert type(ServiceCore(cfg).new_index(16).table) is NativeBlockTable
     f.write_text('index-table = "btree"\n')
     with pytest.raises(ConfigError, match="index-table"):
         build_config({}, ["e0=tcp://127.0.0.1:1"], str(f))

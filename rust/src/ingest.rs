@@ -1,0 +1,529 @@
+//! Ingest: a run of decoded events applied to the residency table in one call.
+//!
+//! The index's common cases, exactly as `kvstream/routing/index.py` defines them, run
+//! here without a Python call per block:
+//!
+//! * a `BlockStored` run in the GPU tier, group 0, engine blocks of one router block, no
+//!   extra keys, whose blocks are all new (no hash known or unlinked or waited for, no key
+//!   held by another hash of the family) and whose parent is known (or None, base
+//!   namespace, not a re-announcement candidate): keys chained from the tokens, every
+//!   block installed;
+//! * a `BlockRemoved` in the GPU tier, group 0, of hashes held once (no copy record).
+//!
+//! Anything else (and any event that fails one check) is left to the Python rules: the
+//! call returns the position of the first event it did not apply, having changed nothing
+//! for that event, and the caller applies it and calls again from the next one. So the
+//! native path is an exact subset of the Python one; the tests compare both.
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PySet, PyTuple};
+
+use crate::chain::chain_into;
+use crate::table::{as_key, NativeMap, U64Map};
+
+/// What one call did: (next event to apply in Python, blocks stored, blocks removed).
+type Applied = (usize, usize, usize);
+
+/// One call's view of the index. The maps are locked once for the call: nothing it calls
+/// back into (dicts, sets of ints) can reach them.
+struct Ctx<'a, 'py> {
+    py: Python<'py>,
+    stored_cls: &'a Bound<'py, PyAny>,
+    removed_cls: &'a Bound<'py, PyAny>,
+    /// The side dicts of the table and the GPU map are empty (they cannot fill during a
+    /// call: only u64 entries are written here).
+    table_plain: bool,
+    gpu_plain: bool,
+    slot: u32,
+    bit: u64,
+    fam: u64,
+    r: usize,
+    base_ns: u64,
+    reannounce: u8,
+    stores_ok: bool,
+    copies: Option<&'a Bound<'py, PyDict>>,
+    href: &'a Bound<'py, PyDict>,
+    unl: Option<&'a Bound<'py, PyDict>>,
+    waiting: Option<&'a Bound<'py, PyDict>>,
+    touched: Option<&'a Bound<'py, PySet>>,
+}
+
+/// The maps one call works on, locked.
+struct Maps<'g> {
+    table: &'g mut U64Map,
+    gpu: &'g mut U64Map,
+    /// The other media's maps that hold anything, with their side dicts.
+    others: Vec<(&'g U64Map, Bound<'g, PyDict>)>,
+    table_side: Bound<'g, PyDict>,
+}
+
+fn none_if_empty<'a, 'py>(d: &'a Bound<'py, PyDict>) -> Option<&'a Bound<'py, PyDict>> {
+    if d.is_empty() {
+        None
+    } else {
+        Some(d)
+    }
+}
+
+/// Whether a run lists some value twice (runs are short: a linear scan beats hashing).
+fn has_dups(xs: &[u64]) -> bool {
+    if xs.len() <= 32 {
+        return xs.iter().enumerate().any(|(j, x)| xs[..j].contains(x));
+    }
+    let mut seen = hashbrown::HashSet::with_capacity(xs.len());
+    !xs.iter().all(|x| seen.insert(*x))
+}
+
+fn medium_is_gpu(ev: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let m = ev.getattr(intern!(ev.py(), "medium"))?;
+    if m.is_none() {
+        return Ok(true);
+    }
+    Ok(m.extract::<&str>().map(|s| s == "GPU").unwrap_or(false))
+}
+
+fn group_is_zero(ev: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let g = ev.getattr(intern!(ev.py(), "group_idx"))?;
+    Ok(g.is_none() || g.extract::<i64>().map(|x| x == 0).unwrap_or(false))
+}
+
+fn u64_hashes(hs: &Bound<'_, PyAny>, out: &mut Vec<u64>) -> PyResult<bool> {
+    let Ok(list) = hs.cast::<PyList>() else {
+        return Ok(false);
+    };
+    out.clear();
+    out.reserve(list.len());
+    for h in list.iter() {
+        match as_key(&h) {
+            Some(k) => out.push(k),
+            None => return Ok(false),
+        }
+    }
+    Ok(true)
+}
+
+/// The tokens of a run as u32s, or None (not a list of ints in range).
+fn u32_tokens(toks: &Bound<'_, PyAny>, out: &mut Vec<u32>) -> bool {
+    let Ok(list) = toks.cast::<PyList>() else {
+        return false;
+    };
+    out.clear();
+    out.reserve(list.len());
+    for t in list.iter() {
+        match t.extract::<u32>() {
+            Ok(x) => out.push(x),
+            Err(_) => return false,
+        }
+    }
+    true
+}
+
+/// The mask of `k` in a held map: Some(mask) from the columns (0 when absent), None when
+/// the key sits in the side dict (a mask of more than 64 sources: the Python rules).
+#[inline]
+fn mask_of(core: &U64Map, plain: bool, side: &Bound<'_, PyDict>, k: u64) -> PyResult<Option<u64>> {
+    if let Some(m) = core.get(k) {
+        return Ok(Some(m));
+    }
+    if !plain && side.contains(k)? {
+        return Ok(None);
+    }
+    Ok(Some(0))
+}
+
+impl Ctx<'_, '_> {
+    fn run(
+        &self,
+        maps: &mut Maps<'_>,
+        gpu_side: &Bound<'_, PyDict>,
+        events: &Bound<'_, PyList>,
+        start: usize,
+    ) -> PyResult<Applied> {
+        let mut stored = 0usize;
+        let mut removed = 0usize;
+        let mut hashes: Vec<u64> = Vec::new();
+        let mut toks: Vec<u32> = Vec::new();
+        let mut keys: Vec<u64> = Vec::new();
+        let mut masks: Vec<u64> = Vec::new();
+        let n = events.len();
+        let mut i = start;
+        while i < n {
+            let ev = events.get_item(i)?;
+            let cls = ev.get_type();
+            let done = if cls.is(self.removed_cls) {
+                self.removed(maps, gpu_side, &ev, &mut hashes, &mut keys)?
+                    .map(|k| removed += k)
+            } else if cls.is(self.stored_cls) {
+                self.stored(
+                    maps,
+                    gpu_side,
+                    &ev,
+                    &mut hashes,
+                    &mut toks,
+                    &mut keys,
+                    &mut masks,
+                )?
+                .map(|k| stored += k)
+            } else {
+                None
+            };
+            if done.is_none() {
+                return Ok((i, stored, removed));
+            }
+            i += 1;
+        }
+        Ok((n, stored, removed))
+    }
+
+    fn removed(
+        &self,
+        maps: &mut Maps<'_>,
+        gpu_side: &Bound<'_, PyDict>,
+        ev: &Bound<'_, PyAny>,
+        hashes: &mut Vec<u64>,
+        rks: &mut Vec<u64>,
+    ) -> PyResult<Option<usize>> {
+        let py = self.py;
+        if !medium_is_gpu(ev)? || !group_is_zero(ev)? {
+            return Ok(None);
+        }
+        if !u64_hashes(&ev.getattr(intern!(py, "block_hashes"))?, hashes)? {
+            return Ok(None);
+        }
+        // Check every hash first: the event is applied whole or not at all.
+        if has_dups(hashes) {
+            return Ok(None);
+        }
+        rks.clear();
+        for &eh in hashes.iter() {
+            let Some(rk) = maps.table.get(eh) else {
+                return Ok(None);
+            };
+            if let Some(copies) = self.copies {
+                if copies.contains(PyTuple::new(py, [eh, self.slot as u64, 0])?)? {
+                    return Ok(None);
+                }
+            }
+            match mask_of(maps.gpu, self.gpu_plain, gpu_side, rk)? {
+                Some(m) if m & self.bit != 0 => rks.push(rk),
+                _ => return Ok(None),
+            }
+        }
+        // Two hashes of one event under one key: the Python rules (they re-read masks).
+        if has_dups(rks) {
+            return Ok(None);
+        }
+        for (&eh, &rk) in hashes.iter().zip(rks.iter()) {
+            let m = maps.gpu.get(rk).unwrap_or(0) ^ self.bit;
+            if m == 0 {
+                maps.gpu.remove(rk);
+            } else {
+                maps.gpu.insert(rk, m);
+            }
+            let mut drop = true;
+            if !self.href.is_empty() {
+                if let Some(c) = self.href.get_item(eh)? {
+                    self.href.del_item(eh)?;
+                    let c: i64 = c.extract::<i64>()? - 1;
+                    if c > 1 {
+                        self.href.set_item(eh, c)?;
+                    }
+                    drop = c <= 0;
+                }
+            }
+            if drop {
+                maps.table.remove(eh);
+            }
+        }
+        Ok(Some(hashes.len()))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn stored(
+        &self,
+        maps: &mut Maps<'_>,
+        gpu_side: &Bound<'_, PyDict>,
+        ev: &Bound<'_, PyAny>,
+        hashes: &mut Vec<u64>,
+        toks: &mut Vec<u32>,
+        keys: &mut Vec<u64>,
+        masks: &mut Vec<u64>,
+    ) -> PyResult<Option<usize>> {
+        let py = self.py;
+        if !self.stores_ok || !medium_is_gpu(ev)? || !group_is_zero(ev)? {
+            return Ok(None);
+        }
+        if !u64_hashes(&ev.getattr(intern!(py, "block_hashes"))?, hashes)? {
+            return Ok(None);
+        }
+        let n = hashes.len();
+        if n == 0 {
+            return Ok(Some(0)); // the Python rules ignore an empty run too
+        }
+        let bsz = ev.getattr(intern!(py, "block_size"))?;
+        if bsz.extract::<usize>().ok() != Some(self.r) {
+            return Ok(None);
+        }
+        let extra = ev.getattr(intern!(py, "extra_keys"))?;
+        if !extra.is_none() {
+            let Ok(list) = extra.cast::<PyList>() else {
+                return Ok(None);
+            };
+            if !list.is_empty() && (list.len() != n || list.iter().any(|x| !x.is_none())) {
+                return Ok(None);
+            }
+        }
+        if !u32_tokens(&ev.getattr(intern!(py, "token_ids"))?, toks) || toks.len() != n * self.r {
+            return Ok(None);
+        }
+        let known = |m: &Maps<'_>, h: u64| -> PyResult<bool> {
+            Ok(m.table.contains(h) || (!self.table_plain && m.table_side.contains(h)?))
+        };
+        let parent = ev.getattr(intern!(py, "parent_block_hash"))?;
+        let seed = if parent.is_none() {
+            if !ev.getattr(intern!(py, "lora_name"))?.is_none()
+                || !ev.getattr(intern!(py, "lora_id"))?.is_none()
+            {
+                return Ok(None);
+            }
+            let ra = self.reannounce;
+            if ra != 0
+                && (ra == 1 || !ev.getattr(intern!(py, "session_id"))?.is_none())
+                && known(maps, hashes[0])?
+            {
+                return Ok(None); // a re-announcement candidate
+            }
+            self.base_ns
+        } else {
+            match as_key(&parent).and_then(|p| maps.table.get(p)) {
+                Some(pv) => pv,
+                None => return Ok(None), // unknown parent (unlinked), or a tuple of keys
+            }
+        };
+        keys.clear();
+        chain_into(toks, self.r, seed, keys);
+        if has_dups(hashes) || has_dups(keys) {
+            return Ok(None);
+        }
+        masks.clear();
+        for j in 0..n {
+            let (eh, v) = (hashes[j], keys[j]);
+            if known(maps, eh)? {
+                return Ok(None); // known already
+            }
+            let Some(m) = mask_of(maps.gpu, self.gpu_plain, gpu_side, v)? else {
+                return Ok(None);
+            };
+            if m & self.fam != 0 {
+                return Ok(None);
+            }
+            for (core, side) in &maps.others {
+                match mask_of(core, side.is_empty(), side, v)? {
+                    Some(x) if x & self.fam == 0 => {}
+                    _ => return Ok(None),
+                }
+            }
+            if self.unl.is_some_and(|d| d.contains(eh).unwrap_or(true))
+                || self.waiting.is_some_and(|d| d.contains(eh).unwrap_or(true))
+            {
+                return Ok(None);
+            }
+            masks.push(m);
+        }
+        if let Some(t) = self.touched {
+            for &eh in hashes.iter() {
+                t.add(eh)?;
+            }
+        }
+        maps.table.reserve(n);
+        maps.gpu.reserve(n);
+        for j in 0..n {
+            maps.table.insert(hashes[j], keys[j]);
+            maps.gpu.insert(keys[j], masks[j] | self.bit);
+        }
+        Ok(Some(n))
+    }
+}
+
+/// Apply ``events[start:]`` of one source (token keying) until the first event the native
+/// rules do not cover; returns ``(that event's position or len(events), blocks stored,
+/// blocks removed)``. See the module docs; the caller (``KVIndex``) passes its state.
+#[pyfunction]
+#[pyo3(signature = (events, start, stored_cls, removed_cls, table, held, slot, fam, r, base_ns,
+                    reannounce, stores_ok, copies, href, unl, waiting, touched))]
+#[allow(clippy::too_many_arguments)]
+pub fn apply_tokens<'py>(
+    py: Python<'py>,
+    events: &Bound<'py, PyList>,
+    start: usize,
+    stored_cls: &Bound<'py, PyAny>,
+    removed_cls: &Bound<'py, PyAny>,
+    table: PyRef<'py, NativeMap>,
+    held: &Bound<'py, PyList>,
+    slot: u32,
+    fam: u64,
+    r: usize,
+    base_ns: u64,
+    reannounce: u8,
+    stores_ok: bool,
+    copies: &Bound<'py, PyDict>,
+    href: &Bound<'py, PyDict>,
+    unl: &Bound<'py, PyDict>,
+    waiting: &Bound<'py, PyDict>,
+    touched: Option<Bound<'py, PySet>>,
+) -> PyResult<Applied> {
+    if slot >= 64 || r == 0 || held.is_empty() {
+        return Ok((start, 0, 0));
+    }
+    let gpu: PyRef<'py, NativeMap> = held.get_item(0)?.extract()?;
+    let mut others = Vec::new();
+    for h in held.iter().skip(1) {
+        others.push(h.extract::<PyRef<'py, NativeMap>>()?);
+    }
+    let gpu_side = gpu.other(py).clone();
+    let table_side = table.other(py).clone();
+    let ctx = Ctx {
+        py,
+        stored_cls,
+        removed_cls,
+        table_plain: table_side.is_empty(),
+        gpu_plain: gpu_side.is_empty(),
+        slot,
+        bit: 1u64 << slot,
+        fam,
+        r,
+        base_ns,
+        reannounce,
+        stores_ok,
+        copies: none_if_empty(copies),
+        href,
+        unl: none_if_empty(unl),
+        waiting: none_if_empty(waiting),
+        touched: touched.as_ref(),
+    };
+    let same = |a: &NativeMap, b: &NativeMap| std::ptr::eq(a, b);
+    if same(&table, &gpu) || others.iter().any(|o| same(o, &table) || same(o, &gpu)) {
+        return Ok((start, 0, 0)); // one map in two roles (never the index's layout): locked twice
+    }
+    let mut table_g = table.write();
+    let mut gpu_g = gpu.write();
+    let other_g: Vec<_> = others
+        .iter()
+        .map(|o| (o.read(), o.other(py).clone()))
+        .collect();
+    let mut maps = Maps {
+        table: &mut table_g,
+        gpu: &mut gpu_g,
+        others: other_g
+            .iter()
+            .filter(|(c, s)| !c.is_empty() || !s.is_empty())
+            .map(|(c, s)| (&**c, s.clone()))
+            .collect(),
+        table_side,
+    };
+    ctx.run(&mut maps, &gpu_side, events, start)
+}
+
+/// Engine keying's common cases (``_apply_engine``): a GPU, group-0 ``BlockStored`` of
+/// ``b``-token blocks whose int hashes this source holds none of (and not a
+/// re-announcement candidate) sets the source's bit per hash; a GPU, group-0
+/// ``BlockRemoved`` of hashes it holds once (no copy record) clears it. Returns like
+/// :func:`apply_tokens`.
+#[pyfunction]
+#[pyo3(signature = (events, start, stored_cls, removed_cls, gpu, slot, b, reannounce, stores_ok,
+                    copies, touched))]
+#[allow(clippy::too_many_arguments)]
+pub fn apply_engine<'py>(
+    py: Python<'py>,
+    events: &Bound<'py, PyList>,
+    start: usize,
+    stored_cls: &Bound<'py, PyAny>,
+    removed_cls: &Bound<'py, PyAny>,
+    gpu: PyRef<'py, NativeMap>,
+    slot: u32,
+    b: usize,
+    reannounce: u8,
+    stores_ok: bool,
+    copies: &Bound<'py, PyDict>,
+    touched: Option<Bound<'py, PySet>>,
+) -> PyResult<Applied> {
+    if slot >= 64 || !gpu.other(py).is_empty() {
+        return Ok((start, 0, 0));
+    }
+    let bit = 1u64 << slot;
+    let copies = none_if_empty(copies);
+    let mut g = gpu.write();
+    let mut hashes: Vec<u64> = Vec::new();
+    let (mut stored, mut removed) = (0usize, 0usize);
+    let n = events.len();
+    for i in start..n {
+        let ev = events.get_item(i)?;
+        let cls = ev.get_type();
+        let is_removed = cls.is(removed_cls);
+        if !(is_removed || (stores_ok && cls.is(stored_cls)))
+            || !medium_is_gpu(&ev)?
+            || !group_is_zero(&ev)?
+            || !u64_hashes(&ev.getattr(intern!(py, "block_hashes"))?, &mut hashes)?
+            || has_dups(&hashes)
+        {
+            return Ok((i, stored, removed));
+        }
+        if is_removed {
+            for &eh in &hashes {
+                if g.get(eh).unwrap_or(0) & bit == 0 {
+                    return Ok((i, stored, removed));
+                }
+                if let Some(c) = copies {
+                    if c.contains(PyTuple::new(py, [eh, slot as u64, 0])?)? {
+                        return Ok((i, stored, removed));
+                    }
+                }
+            }
+            for &eh in &hashes {
+                let m = g.get(eh).unwrap_or(0) ^ bit;
+                if m == 0 {
+                    g.remove(eh);
+                } else {
+                    g.insert(eh, m);
+                }
+            }
+            removed += hashes.len();
+            continue;
+        }
+        if hashes.is_empty() {
+            continue; // the Python rules skip an empty run
+        }
+        let bsz = ev.getattr(intern!(py, "block_size"))?;
+        if bsz.extract::<usize>().ok() != Some(b) {
+            return Ok((i, stored, removed));
+        }
+        if reannounce != 0
+            && ev.getattr(intern!(py, "parent_block_hash"))?.is_none()
+            && (reannounce == 1 || !ev.getattr(intern!(py, "session_id"))?.is_none())
+            && g.get(hashes[0]).unwrap_or(0) & bit != 0
+        {
+            return Ok((i, stored, removed)); // a re-announcement candidate
+        }
+        if hashes.iter().any(|&eh| g.get(eh).unwrap_or(0) & bit != 0) {
+            return Ok((i, stored, removed)); // another copy of a held hash
+        }
+        if let Some(t) = touched.as_ref() {
+            for &eh in &hashes {
+                t.add(eh)?;
+            }
+        }
+        g.reserve(hashes.len());
+        for &eh in &hashes {
+            let m = g.get(eh).unwrap_or(0);
+            g.insert(eh, m | bit);
+        }
+        stored += hashes.len();
+    }
+    Ok((n, stored, removed))
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(apply_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_engine, m)?)
+}

@@ -1,0 +1,637 @@
+//! The residency table's storage: `u64 -> u64` maps laid out as two columns and an index.
+//!
+//! [`U64Map`] keeps keys and values in two `Vec<u64>` columns (insertion order; a position
+//! freed by a removal is reused by the next insert) and a SwissTable of `u32` column
+//! positions over them (`hashbrown::HashTable`, seeded with a random `foldhash` state so
+//! crafted keys cannot pile up in one probe sequence). An entry costs 16 bytes of columns
+//! plus 5 bytes per index bucket: 27 bytes at 10**6 entries, where a CPython dict with an
+//! int object per key spends ~80. Key 0 marks a free column position, so 0 is not a column
+//! key.
+//!
+//! [`NativeMap`] is the Python face (`kvstream._native.NativeMap`): a mapping with a
+//! dict's behaviour for any key and value. Entries whose key is an int in `[1, 2**64)` and
+//! whose value is an int in `[0, 2**64)` live in the columns; anything else (bytes hashes,
+//! tuples of router keys, masks of more than 64 sources) in a plain dict beside them, so
+//! the index above needs no second code path. Every byte the columns and the index
+//! allocate is counted ([`U64Map::bytes`]): the index's memory bound holds on what the
+//! table really holds.
+
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use hashbrown::{DefaultHashBuilder, HashTable};
+use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyTuple};
+use std::hash::BuildHasher;
+
+/// An insertion-ordered `u64 -> u64` map (keys non-zero); see the module docs.
+#[derive(Default)]
+pub struct U64Map {
+    keys: Vec<u64>,
+    vals: Vec<u64>,
+    free: Vec<u32>,
+    index: HashTable<u32>,
+    hasher: DefaultHashBuilder,
+    live: usize,
+}
+
+impl U64Map {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    #[inline]
+    fn hash(&self, k: u64) -> u64 {
+        self.hasher.hash_one(k)
+    }
+
+    /// Entries held.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    /// The value of `k` (None for absent keys and for 0).
+    #[inline]
+    pub fn get(&self, k: u64) -> Option<u64> {
+        if k == 0 || self.live == 0 {
+            return None;
+        }
+        let keys = &self.keys;
+        self.index
+            .find(self.hash(k), |&j| keys[j as usize] == k)
+            .map(|&j| self.vals[j as usize])
+    }
+
+    #[inline]
+    pub fn contains(&self, k: u64) -> bool {
+        self.get(k).is_some()
+    }
+
+    /// Set `k` (non-zero) to `v`; returns the previous value.
+    pub fn insert(&mut self, k: u64, v: u64) -> Option<u64> {
+        debug_assert!(k != 0);
+        let h = self.hash(k);
+        let keys = &self.keys;
+        if let Some(&j) = self.index.find(h, |&j| keys[j as usize] == k) {
+            let old = self.vals[j as usize];
+            self.vals[j as usize] = v;
+            return Some(old);
+        }
+        let j = match self.free.pop() {
+            Some(j) => {
+                self.keys[j as usize] = k;
+                self.vals[j as usize] = v;
+                j
+            }
+            None => {
+                let j = self.keys.len() as u32;
+                self.keys.push(k);
+                self.vals.push(v);
+                j
+            }
+        };
+        let (keys, hasher) = (&self.keys, &self.hasher);
+        self.index
+            .insert_unique(h, j, |&x| hasher.hash_one(keys[x as usize]));
+        self.live += 1;
+        None
+    }
+
+    /// Remove `k`; returns its value.
+    pub fn remove(&mut self, k: u64) -> Option<u64> {
+        if k == 0 || self.live == 0 {
+            return None;
+        }
+        let h = self.hash(k);
+        let keys = &self.keys;
+        let entry = self.index.find_entry(h, |&j| keys[j as usize] == k).ok()?;
+        let (j, _) = entry.remove();
+        let v = self.vals[j as usize];
+        self.keys[j as usize] = 0;
+        self.free.push(j);
+        self.live -= 1;
+        if self.live == 0 {
+            // Nothing left: start the columns over (no free list to walk).
+            self.keys.clear();
+            self.vals.clear();
+            self.free.clear();
+        }
+        Some(v)
+    }
+
+    /// Make room for `extra` more entries without growing inside a loop.
+    pub fn reserve(&mut self, extra: usize) {
+        let (keys, hasher) = (&self.keys, &self.hasher);
+        self.index
+            .reserve(extra, |&x| hasher.hash_one(keys[x as usize]));
+        let more = extra.saturating_sub(self.free.len());
+        self.keys.reserve(more);
+        self.vals.reserve(more);
+    }
+
+    pub fn clear(&mut self) {
+        *self = Self {
+            hasher: self.hasher.clone(),
+            ..Self::default()
+        };
+    }
+
+    /// (key, value) pairs in column order.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.keys
+            .iter()
+            .zip(self.vals.iter())
+            .filter(|(k, _)| **k != 0)
+            .map(|(k, v)| (*k, *v))
+    }
+
+    /// Heap bytes allocated (bytes): both columns, the free list and the index, at capacity.
+    pub fn bytes(&self) -> usize {
+        self.keys.capacity() * 8
+            + self.vals.capacity() * 8
+            + self.free.capacity() * 4
+            + self.index.allocation_size()
+    }
+
+    /// Drop free positions and fit every allocation to the live entries, when at most half
+    /// of what is allocated is in use (after eviction).
+    pub fn shrink(&mut self) {
+        let cap = self.index.capacity().max(self.keys.capacity());
+        if 2 * self.live >= cap && self.free.is_empty() {
+            return;
+        }
+        let pairs: Vec<(u64, u64)> = self.iter().collect();
+        let hasher = self.hasher.clone();
+        *self = Self {
+            hasher,
+            ..Self::default()
+        };
+        self.keys.reserve_exact(pairs.len());
+        self.vals.reserve_exact(pairs.len());
+        self.reserve(pairs.len());
+        for (k, v) in pairs {
+            self.insert(k, v);
+        }
+    }
+}
+
+// -- the Python face ---------------------------------------------------------------------
+
+/// A key or value as the columns hold it: an exact int in range.
+#[inline]
+pub(crate) fn as_key(k: &Bound<'_, PyAny>) -> Option<u64> {
+    if !k.is_exact_instance_of::<PyInt>() {
+        return None;
+    }
+    match k.extract::<u64>() {
+        Ok(0) | Err(_) => None,
+        Ok(x) => Some(x),
+    }
+}
+
+#[inline]
+pub(crate) fn as_value(v: &Bound<'_, PyAny>) -> Option<u64> {
+    if !v.is_exact_instance_of::<PyInt>() {
+        return None;
+    }
+    v.extract::<u64>().ok()
+}
+
+/// A mapping with a dict's behaviour over [`U64Map`] columns plus a dict for the rest.
+///
+/// The block table of :class:`kvstream.routing.index.KVIndex` (``engine hash -> router
+/// key``) and each medium's ``key -> source mask`` map. Iteration is in insertion order,
+/// columns first (a position freed by a removal is reused), then the dict's entries.
+#[pyclass(module = "kvstream._native", frozen)]
+pub struct NativeMap {
+    pub(crate) core: Arc<RwLock<U64Map>>,
+    pub(crate) other: Py<PyDict>,
+}
+
+impl NativeMap {
+    #[inline]
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, U64Map> {
+        self.core.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    #[inline]
+    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, U64Map> {
+        self.core.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn other<'py>(&self, py: Python<'py>) -> &Bound<'py, PyDict> {
+        self.other.bind(py)
+    }
+
+    fn lookup<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = key.py();
+        if let Some(k) = as_key(key) {
+            if let Some(v) = self.read().get(k) {
+                return Ok(Some(v.into_pyobject(py)?.into_any()));
+            }
+        }
+        let other = self.other(py);
+        if other.is_empty() {
+            return Ok(None);
+        }
+        other.get_item(key)
+    }
+
+    fn set(&self, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let other = self.other(key.py());
+        match (as_key(key), as_value(value)) {
+            (Some(k), Some(v)) => {
+                if !other.is_empty() && other.contains(key)? {
+                    other.del_item(key)?;
+                }
+                self.write().insert(k, v);
+            }
+            (k, _) => {
+                if let Some(k) = k {
+                    self.write().remove(k);
+                }
+                other.set_item(key, value)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn take<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = key.py();
+        if let Some(k) = as_key(key) {
+            if let Some(v) = self.write().remove(k) {
+                return Ok(Some(v.into_pyobject(py)?.into_any()));
+            }
+        }
+        let other = self.other(py);
+        if other.is_empty() {
+            return Ok(None);
+        }
+        match other.get_item(key)? {
+            Some(v) => {
+                other.del_item(key)?;
+                Ok(Some(v))
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn snapshot_items<'py>(&self, py: Python<'py>, what: u8) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        {
+            let core = self.read();
+            for (k, v) in core.iter() {
+                match what {
+                    0 => out.append(k)?,
+                    1 => out.append(v)?,
+                    _ => out.append((k, v))?,
+                }
+            }
+        }
+        for (k, v) in self.other(py).iter() {
+            match what {
+                0 => out.append(k)?,
+                1 => out.append(v)?,
+                _ => out.append(PyTuple::new(py, [k, v])?)?,
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn u64_array<'py>(py: Python<'py>, xs: &[u64]) -> PyResult<Bound<'py, PyAny>> {
+    let mut raw = Vec::with_capacity(xs.len() * 8);
+    for x in xs {
+        raw.extend_from_slice(&x.to_le_bytes());
+    }
+    let a = py.import("array")?.getattr("array")?.call1(("Q",))?;
+    a.call_method1("frombytes", (PyBytes::new(py, &raw),))?;
+    Ok(a)
+}
+
+pub(crate) fn u64s_of(a: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    let b = a.call_method0("tobytes")?;
+    let b = b.cast::<PyBytes>()?;
+    let raw = b.as_bytes();
+    if raw.len() % 8 != 0 {
+        return Err(PyValueError::new_err(
+            "u64 columns must be array('Q') values",
+        ));
+    }
+    Ok(raw
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+        .collect())
+}
+
+#[pymethods]
+impl NativeMap {
+    #[new]
+    fn py_new(py: Python<'_>) -> Self {
+        NativeMap {
+            core: Arc::new(RwLock::new(U64Map::new())),
+            other: PyDict::new(py).unbind(),
+        }
+    }
+
+    #[pyo3(signature = (key, default=None))]
+    fn get<'py>(
+        &self,
+        key: &Bound<'py, PyAny>,
+        default: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        Ok(self.lookup(key)?.or(default))
+    }
+
+    fn __contains__(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.lookup(key)?.is_some())
+    }
+
+    fn __getitem__<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        self.lookup(key)?
+            .ok_or_else(|| PyKeyError::new_err(key.clone().unbind()))
+    }
+
+    fn __setitem__(&self, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.set(key, value)
+    }
+
+    fn __delitem__(&self, key: &Bound<'_, PyAny>) -> PyResult<()> {
+        match self.take(key)? {
+            Some(_) => Ok(()),
+            None => Err(PyKeyError::new_err(key.clone().unbind())),
+        }
+    }
+
+    /// ``dict.pop``: the value of ``key``, removed; ``default`` (or KeyError) when absent.
+    #[pyo3(signature = (key, *default))]
+    fn pop<'py>(
+        &self,
+        key: &Bound<'py, PyAny>,
+        default: &Bound<'py, PyTuple>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match self.take(key)? {
+            Some(v) => Ok(v),
+            None if !default.is_empty() => default.get_item(0),
+            None => Err(PyKeyError::new_err(key.clone().unbind())),
+        }
+    }
+
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.read().len() + self.other(py).len()
+    }
+
+    fn __bool__(&self, py: Python<'_>) -> bool {
+        !self.read().is_empty() || !self.other(py).is_empty()
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(self.snapshot_items(py, 0)?.as_any().try_iter()?.into_any())
+    }
+
+    /// The keys, a list (a snapshot: the map may change while it is walked).
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.snapshot_items(py, 0)
+    }
+
+    /// The values, a list.
+    fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.snapshot_items(py, 1)
+    }
+
+    /// The (key, value) pairs, a list.
+    fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.snapshot_items(py, 2)
+    }
+
+    /// ``dict.update`` from a mapping or an iterable of pairs.
+    fn update(&self, other: &Bound<'_, PyAny>) -> PyResult<()> {
+        let pairs = if other.hasattr("items")? {
+            other.call_method0("items")?
+        } else {
+            other.clone()
+        };
+        for kv in pairs.try_iter()? {
+            let kv = kv?;
+            let k = kv.get_item(0)?;
+            let v = kv.get_item(1)?;
+            self.set(&k, &v)?;
+        }
+        Ok(())
+    }
+
+    fn clear(&self, py: Python<'_>) {
+        self.write().clear();
+        self.other(py).clear();
+    }
+
+    /// Heap bytes held (bytes): the columns and index as allocated (counted in Rust) plus
+    /// the side dict and its objects (estimated at 136 bytes per entry beyond the dict: a
+    /// bytes hash of up to 64 bytes and an int or tuple value).
+    fn nbytes(&self, py: Python<'_>) -> PyResult<usize> {
+        let other = self.other(py);
+        let side = if other.is_empty() {
+            0
+        } else {
+            py.import("sys")?
+                .getattr("getsizeof")?
+                .call1((other,))?
+                .extract::<usize>()?
+                + 136 * other.len()
+        };
+        Ok(self.native_bytes() + side)
+    }
+
+    /// Bytes the columns and the index allocate (counted in Rust; tracemalloc cannot see them).
+    fn native_bytes(&self) -> usize {
+        self.read().bytes()
+    }
+
+    fn __sizeof__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(64 + self.nbytes(py)?)
+    }
+
+    /// Release memory left by removals (after eviction).
+    fn shrink(&self, py: Python<'_>) -> PyResult<()> {
+        self.write().shrink();
+        let other = self.other(py);
+        if other.is_empty() {
+            // A dict keeps its table until cleared.
+            other.clear();
+        }
+        Ok(())
+    }
+
+    /// Every entry in bulk: the column entries as two ``array('Q')`` (keys, values) and the
+    /// rest as a dict.
+    fn export_u64<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyDict>)> {
+        let (ks, vs): (Vec<u64>, Vec<u64>) = self.read().iter().unzip();
+        Ok((
+            u64_array(py, &ks)?,
+            u64_array(py, &vs)?,
+            self.other(py).copy()?,
+        ))
+    }
+
+    /// Add entries in bulk (keys absent, distinct, non-zero); ``ValueError`` for a
+    /// duplicate or zero key, with the map unchanged.
+    #[pyo3(signature = (keys, values, other=None))]
+    fn load_u64(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        other: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let ks = u64s_of(keys)?;
+        let vs = u64s_of(values)?;
+        if ks.len() != vs.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} keys but {} values",
+                ks.len(),
+                vs.len()
+            )));
+        }
+        if ks.contains(&0) {
+            return Err(PyValueError::new_err("key 0 in the u64 columns"));
+        }
+        {
+            let mut core = self.write();
+            let mut seen = hashbrown::HashSet::with_capacity(ks.len());
+            for &k in &ks {
+                if !seen.insert(k) || core.contains(k) {
+                    return Err(PyValueError::new_err(format!(
+                        "duplicate key {k} in the u64 columns"
+                    )));
+                }
+            }
+            drop(seen);
+            core.reserve(ks.len());
+            for (k, v) in ks.into_iter().zip(vs) {
+                core.insert(k, v);
+            }
+        }
+        if let Some(other) = other {
+            for kv in other.try_iter()? {
+                let kv = kv?;
+                let (k, v) = (kv.get_item(0)?, kv.get_item(1)?);
+                if self.lookup(&k)?.is_some() {
+                    return Err(PyValueError::new_err(format!(
+                        "duplicate key {:.40}",
+                        k.repr()?.to_string()
+                    )));
+                }
+                self.set(&k, &v)?;
+            }
+        }
+        let _ = py;
+        Ok(())
+    }
+
+    /// The values of ``keys`` (an ``array('Q')``), ``None`` where absent: a dump's masks
+    /// in one call.
+    fn get_many<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let ks = u64s_of(keys)?;
+        let other = self.other(py);
+        let out = PyList::empty(py);
+        let core = self.read();
+        for k in ks {
+            match core.get(k) {
+                Some(v) => out.append(v)?,
+                None if other.is_empty() => out.append(py.None())?,
+                None => out.append(other.get_item(k)?)?,
+            }
+        }
+        Ok(out)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "NativeMap({} entries, {} in the side dict)",
+            self.__len__(py),
+            self.other(py).len()
+        )
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<NativeMap>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn behaves_like_a_hashmap_through_churn() {
+        let mut m = U64Map::new();
+        let mut d: HashMap<u64, u64> = HashMap::new();
+        let mut x: u64 = 0x1234_5678;
+        for step in 0..200_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let k = 1 + x % 5000;
+            if x.is_multiple_of(3) {
+                assert_eq!(m.remove(k), d.remove(&k));
+            } else {
+                assert_eq!(m.insert(k, step), d.insert(k, step));
+            }
+            assert_eq!(m.len(), d.len());
+        }
+        for (k, v) in &d {
+            assert_eq!(m.get(*k), Some(*v));
+        }
+        assert_eq!(m.iter().count(), d.len());
+        let before = m.bytes();
+        m.shrink();
+        assert!(m.bytes() <= before);
+        for (k, v) in &d {
+            assert_eq!(m.get(*k), Some(*v));
+        }
+    }
+
+    #[test]
+    fn freed_positions_are_reused_and_an_empty_map_starts_over() {
+        let mut m = U64Map::new();
+        for k in 1..=100 {
+            m.insert(k, k);
+        }
+        for k in 1..=50 {
+            m.remove(k);
+        }
+        for k in 101..=150 {
+            m.insert(k, k);
+        }
+        assert_eq!(m.keys.len(), 100);
+        for k in 51..=150 {
+            m.remove(k);
+        }
+        assert!(m.is_empty() && m.keys.is_empty());
+        assert_eq!(m.get(0), None);
+    }
+
+    #[test]
+    fn bytes_per_entry_at_a_million() {
+        let mut m = U64Map::new();
+        for k in 1..=1_000_000u64 {
+            m.insert(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, k);
+        }
+        let per = m.bytes() as f64 / 1e6;
+        assert!(per < 30.0, "{per} bytes per entry");
+    }
+}
