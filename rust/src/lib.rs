@@ -9,8 +9,8 @@ use pyo3::prelude::*;
 pub mod chain;
 pub mod error;
 pub mod hash;
-pub mod keys;
 pub mod ingest;
+pub mod keys;
 pub mod query;
 pub mod table;
 
