@@ -1,8 +1,8 @@
 """Time to first byte through the KV-aware proxy vs calling the engine directly.
 
 Starts one emulated engine (``kvstream engine``) and the proxy in front of it (``kvstream
-serve --proxy``, or with ``--via proxy`` the standalone ``python -m kvstream.proxy``;
-KV-aware, following the engine's KV events). For each target (the engine
+serve --proxy``, KV-aware, following the engine's KV events; its client to the engine is
+aiohttp's pool). For each target (the engine
 directly, then the proxy, alternating over ``--rounds``), a background process keeps 64
 streams open against it (each client sends a streaming completion of 40 tokens at 20
 tokens/s, about 2 s, reads it to the end and sends the next: about 1,300 server-sent
@@ -13,6 +13,11 @@ tokens' timing is the engine's, not the proxy's). Prints p50/p90 for both and th
 proxy's added p50 (budget: <= 1 ms).
 
     python bench/bench_proxy.py [--streams 64] [--probes 200] [--rounds 2]
+    python bench/bench_proxy.py --clients    # the upstream client candidates alone (aiohttp, httpx)
+
+``--clients`` runs ``bench/bench_proxy_clients.py``: the two client libraries side by side
+against one engine with 64 streams open (CPU per event, time to first byte), the
+measurement the proxy's client was chosen by.
 
 Client, background load, proxy and engine share this machine's cores: on a small machine
 every hop also waits for CPU.
@@ -30,7 +35,7 @@ import time
 import anyio
 import httpx
 
-from kvstream.emulator.launch import start_engine, start_proxy, start_serve_proxy
+from kvstream.emulator.launch import start_engine, start_serve_proxy
 
 
 async def _load(url: str, streams: int, seconds: float, tokens: int) -> None:
@@ -92,10 +97,19 @@ def main() -> None:
     p.add_argument("--decode", type=float, default=20.0, help="engine decode tokens/s per sequence")
     p.add_argument("--seconds", type=float, default=8.0, help="background load per round (s)")
     p.add_argument("--ramp", type=float, default=2.0, help="seconds of background load before probing")
-    p.add_argument("--via", choices=("serve", "proxy"), default="serve",
-                   help="kvstream serve --proxy (default) or the standalone python -m kvstream.proxy")
+    p.add_argument("--clients", action="store_true", help="compare the upstream client libraries instead")
     p.add_argument("--background", metavar="URL", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args, rest = p.parse_known_args()
+    if args.clients:
+        import runpy
+
+        # the same flags (--streams, --seconds, --tokens, --rounds) mean the same there
+        sys.argv = [sys.argv[0].replace("bench_proxy.py", "bench_proxy_clients.py"),
+                    *(a for a in sys.argv[1:] if a != "--clients")]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        return
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.background:
         anyio.run(_load, args.background, args.streams, args.seconds, args.tokens)
         return
@@ -103,10 +117,7 @@ def main() -> None:
     engine = start_engine("engine-0", log_dir=logs, extra=[
         "--decode-tokens-per-s", str(args.decode), "--prefill-tokens-per-s", "1e9", "--max-num-seqs", "256",
         "--num-gpu-blocks", "65536"])
-    if args.via == "serve":
-        proxy = start_serve_proxy([engine], log_dir=logs, extra=["--log-level", "warning"])
-    else:
-        proxy = start_proxy([engine], log_dir=logs)
+    proxy = start_serve_proxy([engine], log_dir=logs, extra=["--log-level", "warning"])
     try:
         direct: list[float] = []
         proxied: list[float] = []
@@ -121,7 +132,7 @@ def main() -> None:
     print(f"TTFB of {len(direct)} probe requests per target, with {args.streams} streams open "
           f"({args.tokens} tokens at {args.decode:g} tokens/s each)")
     print(f"  {'':<24}{'p50 (ms)':>10}{'p90 (ms)':>10}{'mean (ms)':>11}")
-    via = "through serve --proxy" if args.via == "serve" else "through kvstream.proxy"
+    via = "through serve --proxy"
     for name, xs in (("engine directly", direct), (via, proxied)):
         print(f"  {name:<24}{1000 * _pct(xs, 0.5):>10.2f}{1000 * _pct(xs, 0.9):>10.2f}"
               f"{1000 * statistics.fmean(xs):>11.2f}")

@@ -44,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vLLM wire format of the events: 0.26+ maps (default) or 0.11 arrays")
     h.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="server log level (default warning)")
+    h.add_argument("--timeout-keep-alive", type=positive_int, default=5, metavar="SECONDS",
+                   help="close a kept-alive connection idle this long (default 5, as vLLM's server)")
     c = p.add_argument_group("KV cache")
     c.add_argument("--num-gpu-blocks", type=positive_int, metavar="N",
                    help="KV blocks (default 4096, or planned from --model-config)")
@@ -172,7 +174,8 @@ def _run(args: argparse.Namespace) -> int:
 
     server = EngineServer(config, tok, ev)
     try:
-        anyio.run(lambda: server.serve(args.host, args.port, ready, log_level=args.log_level), backend_options=_loop_options())
+        anyio.run(lambda: server.serve(args.host, args.port, ready, log_level=args.log_level,
+                                              timeout_keep_alive=args.timeout_keep_alive), backend_options=_loop_options())
     except OSError as exc:
         print(f"kvstream engine: {exc}", file=sys.stderr)
         return 2

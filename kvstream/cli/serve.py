@@ -91,6 +91,12 @@ def register(sub: Any) -> None:
                    help="engines tried per request on connection failures (default 3)")
     g.add_argument("--proxy-backoff", type=float, default=1.0, metavar="SECONDS",
                    help="first mark-down of an engine that failed (doubles per failure; default 1)")
+    g.add_argument("--proxy-max-held-bytes", type=int, default=128 << 20, metavar="BYTES",
+                   help="most bytes of non-streamed answers the proxy holds at once, all requests together "
+                        "(default 128 MiB); an answer that does not fit is a 503 with Retry-After")
+    g.add_argument("--access-log", nargs="?", const="-", metavar="PATH",
+                   help="one JSON line per proxied request (time, method, path, status, engine, predicted and "
+                        "realized cached tokens, ttfb_s, duration_s, request_id) on stdout, or appended to PATH")
     p.set_defaults(func=run)
 
 
@@ -168,18 +174,31 @@ def run(args: argparse.Namespace) -> int:
 def _proxy_options(args: argparse.Namespace, cfg: Any) -> dict[str, Any] | None | str:
     """The proxy mode's settings (None: off), or why they are wrong (a message)."""
     if not getattr(args, "proxy", False):
+        if getattr(args, "access_log", None) is not None:
+            return "--access-log logs proxied requests: it needs --proxy"
         return None
     from kvstream.proxy.tokenize import TokenizerError
     from kvstream.proxy.tokenize import load_tokenizer as load_chat_tokenizer
 
     if args.proxy_max_attempts < 1 or not args.proxy_backoff > 0:
         return "--proxy-max-attempts must be >= 1 and --proxy-backoff > 0"
+    if args.proxy_max_held_bytes < 1:
+        return f"--proxy-max-held-bytes must be at least 1, got {args.proxy_max_held_bytes}"
     try:
         tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     except TokenizerError as exc:
         return str(exc)
+    access = None
+    if args.access_log is not None:
+        from kvstream.service.logs import access_logger
+
+        try:
+            access = access_logger(args.access_log)
+        except OSError as exc:
+            return f"--access-log {args.access_log}: {exc.strerror or exc}"
     return {"tokenizer": tok, "policy": args.proxy_policy, "speculate": args.speculate,
-            "max_attempts": args.proxy_max_attempts, "backoff_s": args.proxy_backoff}
+            "max_attempts": args.proxy_max_attempts, "backoff_s": args.proxy_backoff,
+            "max_held_bytes": args.proxy_max_held_bytes, "access_log": access}
 
 
 def _loop_options() -> dict[str, Any]:

@@ -182,15 +182,16 @@ def start_engine(name: str, *, port: int = 0, events: str | None = "tcp://127.0.
 def start_proxy(engines: Sequence[Proc], *, port: int = 0, policy: str = "kv-aware", block_size: int = 16,
                 extra: Sequence[str] = (), log_dir: str | None = None, timeout_s: float = 30.0,
                 wait: bool = True) -> Proc:
-    """Start the KV-aware proxy in front of ``engines`` (their names, URLs and event
-    endpoints). Returns once it is ready (``wait=False``: at once)."""
-    argv = ["kvstream.proxy", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-            "--block-size", str(block_size), *extra]
+    """Start ``python -m kvstream.proxy`` (which is ``kvstream serve --proxy``) in front of
+    ``engines`` (their events, replay and ``http=`` URL each). Returns once it listens
+    (``wait=False``: at once)."""
+    argv = ["kvstream.proxy", "--host", "127.0.0.1", "--port", str(port), "--proxy-policy", policy,
+            "--router-block-size", str(block_size), *extra]
     for e in engines:
-        spec = ",".join(x for x in (e.url, e.events, e.replay) if x)
-        argv += ["--engine", f"{e.name}={spec}"]
+        parts = [x for x in (e.events, e.replay) if x]
+        argv.append(f"{e.name}={','.join(parts)},http={e.url}")
     proc = _spawn(f"proxy-{policy}", argv, log_dir)
-    proc._kind = "proxy"
+    proc._kind = "serve"
     if wait:
         proc.wait_ready(timeout_s)
     return proc

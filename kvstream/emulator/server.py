@@ -24,9 +24,10 @@ import anyio
 import msgspec
 
 from kvstream.emulator.core import EmulatedEngine, EmulatorConfig, Generation
+from kvstream.emulator.metrics import LatencyMetrics
 from kvstream.wire.events import KVEventBatch
-from kvstream.proxy.openai import (OpenAIError, error_body, parse_json_body, prompt_token_ids, read_body,
-                                    requested_model)
+from kvstream.proxy.openai import (OpenAIError, completion_prompts, error_body, parse_json_body, prompt_token_ids,
+                                    read_body, requested_model)
 from kvstream.proxy.tokenize import PromptTokenizer
 from kvstream.transport.config import KVEventsConfig
 from kvstream.transport.publisher import Publisher
@@ -157,6 +158,7 @@ class EngineServer:
         self._kick = anyio.Event()
         self._created = int(time.time())
         self.batches_published = 0
+        self.latency = LatencyMetrics(config.model)
         self.app = self._build_app()
 
     # -- the engine task ------------------------------------------------------------------
@@ -178,6 +180,8 @@ class EngineServer:
             events, touched = eng.step(self._clock())
             self._publish(events)
             for gen in touched:
+                if gen.finished:
+                    self.latency.finished(gen)
                 ev = gen.waker
                 if ev is not None:
                     gen.waker = None
@@ -189,9 +193,11 @@ class EngineServer:
         self._kick.set()
         return gen
 
-    async def _changed(self, gen: Generation) -> None:
+    async def _changed(self, *gens: Generation) -> None:
+        """Until the engine touches any of ``gens``."""
         ev = anyio.Event()
-        gen.waker = ev
+        for gen in gens:
+            gen.waker = ev
         await ev.wait()
 
     # -- HTTP -----------------------------------------------------------------------------
@@ -289,7 +295,7 @@ class EngineServer:
                    "# TYPE vllm:request_success_total counter\n")
         for reason, n in (("stop", 0), ("length", c["finished"]), ("abort", c["aborted"])):
             out.append(f'vllm:request_success_total{labels[:-1]},finished_reason="{reason}"}} {float(n)!r}\n')
-        return "".join(out).encode()
+        return "".join(out).encode() + self.latency.render()
 
     async def _tokenizer_call(self, request: Any, answer: Callable[[dict[str, Any]], Any]) -> Any:
         """One of the tokenizer routes: parse the body, check the model, answer JSON (an
@@ -350,19 +356,26 @@ class EngineServer:
     async def _generate(self, request: Any, kind: str) -> Any:
         from starlette.responses import Response, StreamingResponse
 
+        gens: list[Generation] = []
         try:
             body = parse_json_body(await read_body(request, MAX_BODY_BYTES), MAX_BODY_BYTES)
             model = requested_model(body, self.config.model)
-            prompt = prompt_token_ids(body, kind, self.tokenizer)
-            check_token_ids(prompt, self._vocab_size)
+            # A completion's prompt may be a batch (vLLM: one choice per prompt, in order).
+            prompts = [prompt_token_ids(body, kind, self.tokenizer)] if kind == "chat" else \
+                completion_prompts(body, self.tokenizer)
+            for prompt in prompts:
+                check_token_ids(prompt, self._vocab_size)
             check_sampling(body)
             if body.get("n", 1) != 1:
-                raise OpenAIError(400, "the emulated engine generates one choice per request (n must be 1)", "n")
+                raise OpenAIError(400, "the emulated engine generates one choice per prompt (n must be 1)", "n")
             max_tokens = body.get("max_tokens")
             if max_tokens is None:
                 max_tokens = body.get("max_completion_tokens")
-            gen = self._submit(prompt, max_tokens)
+            for prompt in prompts:
+                gens.append(self._submit(prompt, max_tokens))
         except OpenAIError as exc:
+            for gen in gens:  # a later prompt of the batch was refused: none of it runs
+                self.engine.abort(gen, self._clock())
             return Response(_enc.encode(exc.body()), status_code=exc.status, media_type="application/json")
         want_ids = bool(body.get("return_token_ids"))
         if body.get("stream"):
@@ -370,100 +383,121 @@ class EngineServer:
             usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
             # vLLM: usage on every chunk only with include_usage and continuous_usage_stats both set.
             continuous = usage and bool(opts.get("continuous_usage_stats"))
-            return StreamingResponse(self._stream(gen, kind, model, usage, want_ids, prompt, continuous),
+            return StreamingResponse(self._stream(gens, kind, model, usage, want_ids, prompts, continuous),
                                      media_type="text/event-stream")
         try:
-            while not gen.finished:
-                await self._changed(gen)
+            while not all(g.finished for g in gens):
+                await self._changed(*(g for g in gens if not g.finished))
         finally:
-            if not gen.finished:
-                self.engine.abort(gen, self._clock())
-        text = self.tokenizer.decode(gen.output)
-        choice: dict[str, Any]
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": "length", "stop_reason": None}
-            obj, rid = "chat.completion", f"chatcmpl-{gen.request_id}"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
-            obj, rid = "text_completion", f"cmpl-{gen.request_id}"
-        if want_ids:
-            choice["token_ids"] = gen.output
+            for gen in gens:
+                if not gen.finished:
+                    self.engine.abort(gen, self._clock())
+        choices: list[dict[str, Any]] = []
+        for i, gen in enumerate(gens):
+            text = self.tokenizer.decode(gen.output)
+            choice: dict[str, Any]
+            if kind == "chat":
+                choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                          "finish_reason": "length", "stop_reason": None}
+            else:
+                choice = {"index": i, "text": text, "logprobs": None, "finish_reason": "length",
+                          "stop_reason": None}
+            if want_ids:
+                choice["token_ids"] = gen.output
+                if len(gens) > 1:
+                    choice["prompt_token_ids"] = prompts[i]
+            choices.append(choice)
+        obj, rid = ("chat.completion", f"chatcmpl-{gens[0].request_id}") if kind == "chat" else \
+            ("text_completion", f"cmpl-{gens[0].request_id}")
         out: dict[str, Any] = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-                               "choices": [choice], "usage": self._usage(gen)}
-        if want_ids:
-            out["prompt_token_ids"] = prompt
+                               "choices": choices, "usage": self._usage(gens)}
+        if want_ids and len(gens) == 1:
+            out["prompt_token_ids"] = prompts[0]
         return Response(_enc.encode(out), media_type="application/json")
 
-    def _usage(self, gen: Generation) -> dict[str, Any]:
-        n_out = gen.delivered
-        return {"prompt_tokens": gen.prompt_tokens, "total_tokens": gen.prompt_tokens + n_out,
-                "completion_tokens": n_out,
-                "prompt_tokens_details": {"cached_tokens": gen.cached_tokens or 0}}
+    @staticmethod
+    def _usage(gens: list[Generation]) -> dict[str, Any]:
+        # vLLM's: token counts summed over the batch; prompt_tokens_details only when
+        # something was cached, and then the last prompt's count (what vLLM reports).
+        n_in = sum(g.prompt_tokens for g in gens)
+        n_out = sum(g.delivered for g in gens)
+        usage: dict[str, Any] = {"prompt_tokens": n_in, "total_tokens": n_in + n_out, "completion_tokens": n_out}
+        cached = gens[-1].cached_tokens or 0
+        if cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
-    async def _stream(self, gen: Generation, kind: str, model: str, include_usage: bool, want_ids: bool,
-                      prompt: list[int], continuous_usage: bool = False) -> AsyncIterator[bytes]:
+    async def _stream(self, gens: list[Generation], kind: str, model: str, include_usage: bool, want_ids: bool,
+                      prompts: list[list[int]], continuous_usage: bool = False) -> AsyncIterator[bytes]:
         created = int(time.time())
         chat = kind == "chat"
-        rid = f"chatcmpl-{gen.request_id}" if chat else f"cmpl-{gen.request_id}"
+        rid = f"chatcmpl-{gens[0].request_id}" if chat else f"cmpl-{gens[0].request_id}"
         obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = [0] * len(gens)
+        texts = [""] * len(gens)
 
         def chunk(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> bytes:
             body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
                                     "choices": [] if choice is None else [choice]}
             if usage is None and continuous_usage and choice is not None:
                 # stream_options.continuous_usage_stats: the counts so far on every chunk, as vLLM sends them.
-                n_out = sent if "delta" not in choice or choice["delta"].get("role") is None else 0
-                usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": n_out,
-                         "total_tokens": gen.prompt_tokens + n_out}
+                i = choice["index"]
+                n_out = sent[i] if "delta" not in choice or choice["delta"].get("role") is None else 0
+                usage = {"prompt_tokens": gens[i].prompt_tokens, "completion_tokens": n_out,
+                         "total_tokens": gens[i].prompt_tokens + n_out}
             if usage is not None:
                 body["usage"] = usage
             return b"data: " + _enc.encode(body) + b"\n\n"
 
-        sent = 0
-        text_so_far = ""
+        role_sent = not chat
         try:
-            if chat:
-                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
             while True:
-                if gen.delivered == sent and not gen.finished:
-                    await self._changed(gen)
+                ready = [i for i, g in enumerate(gens) if g.delivered > sent[i]]
+                if not ready:
+                    if all(g.finished for g in gens):
+                        break  # finished and everything sent
+                    await self._changed(*(g for g in gens if not g.finished))
                     continue
-                if gen.delivered > sent:
-                    new_ids = gen.output[sent:gen.delivered]
+                if not role_sent:  # vLLM sends the role chunk with the first output
+                    role_sent = True
+                    yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})
+                for i in ready:
+                    gen = gens[i]
+                    new_ids = gen.output[sent[i]:gen.delivered]
                     full = self.tokenizer.decode(gen.output[:gen.delivered])
-                    delta, text_so_far = full[len(text_so_far):], full
+                    delta, texts[i] = full[len(texts[i]):], full
                     last = gen.finished and gen.delivered == len(gen.output)
                     reason = "length" if last else None
                     choice: dict[str, Any]
                     if chat:
-                        choice = {"index": 0, "delta": {"content": delta}, "logprobs": None, "finish_reason": reason}
+                        choice = {"index": i, "delta": {"content": delta}, "logprobs": None, "finish_reason": reason}
                     else:
-                        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason,
+                        choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason,
                                   "stop_reason": None}
                     if want_ids:
                         choice["token_ids"] = new_ids
-                        if sent == 0:
-                            choice["prompt_token_ids"] = prompt
-                    sent = gen.delivered
+                        if sent[i] == 0:
+                            choice["prompt_token_ids"] = prompts[i]
+                    sent[i] = gen.delivered
                     yield chunk(choice)
-                    continue
-                break  # finished and everything sent
             if include_usage:
-                yield chunk(None, self._usage(gen))
+                yield chunk(None, self._usage(gens))
             yield b"data: [DONE]\n\n"
         finally:
-            if not gen.finished:
-                self.engine.abort(gen, self._clock())
+            for gen in gens:
+                if not gen.finished:
+                    self.engine.abort(gen, self._clock())
 
     # -- running --------------------------------------------------------------------------
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0,
                     on_ready: Callable[[EngineReady], None] | None = None,
-                    log_level: str = "warning") -> None:
+                    log_level: str = "warning", timeout_keep_alive: int = 5) -> None:
         """Bind HTTP on ``host:port`` (0: any free port) and the publisher's sockets, call
-        ``on_ready`` once both accept, and serve until SIGINT/SIGTERM (then return)."""
+        ``on_ready`` once both accept, and serve until SIGINT/SIGTERM (then return).
+        ``timeout_keep_alive``: seconds before an idle kept-alive connection is closed
+        (vLLM's server: 5)."""
         import uvicorn
 
         from kvstream.service.listen import listen_tcp
@@ -471,7 +505,7 @@ class EngineServer:
         sock = listen_tcp(host, port)
         bound_port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level=log_level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, timeout_keep_alive=timeout_keep_alive)
         server = uvicorn.Server(config)
         try:
             async with _maybe_publisher(self.events_config, self.engine) as pub, \

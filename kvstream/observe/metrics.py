@@ -139,6 +139,7 @@ class ServiceMetrics:
     * ``kvstream_load_scrapes_total{engine, outcome}``: load scrapes (``ok``, ``error``);
     * ``kvstream_registrations_total{action}``: Mooncake ``register``/``unregister`` calls
       that succeeded.
+    * ``kvstream_build_info{version,python}``: always 1; which build answers.
     """
 
     def __init__(self, engines: Callable[[], Iterable[EngineSnapshot]] = tuple,
@@ -169,6 +170,18 @@ class ServiceMetrics:
         self._mt = {a: self._matched.labels(a) for a in APIS}
         self._chosen_by: dict[str, Any] = {}
         r.register(_StateCollector(engines, indexes))
+        import platform
+        from importlib import metadata
+
+        from prometheus_client import Info
+
+        try:
+            version = metadata.version("kvstream")
+        except metadata.PackageNotFoundError:  # run from a source tree
+            version = "unknown"
+        # kvstream_build_info{version, python}: 1 (which build answers, for dashboards).
+        Info("kvstream_build", "The kvstream build serving.", registry=r).info(
+            {"version": version, "python": platform.python_version()})
 
     def routed(self, api: str, seconds: float, matched_tokens: int, engine: str | None = None) -> None:
         """Count one accepted request of ``api`` that took ``seconds`` and whose best

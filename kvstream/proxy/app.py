@@ -3,14 +3,16 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are tokenized locally
 (:mod:`kvstream.proxy.tokenize`; ``prompt`` token ids need no tokenizer), scored against
 every engine's cached prefixes and the requests in flight, and forwarded to the best
-engine over kept-alive HTTP/1.1 connections (:mod:`kvstream.proxy.upstream`). Streaming responses are passed through event by event as they arrive;
-other responses as they are; the engine's status code and error body come back unchanged.
-Every proxied response carries ``x-kvstream-engine: NAME``.
+engine over aiohttp's kept-alive connections (:mod:`kvstream.proxy.upstream`). Streaming
+responses are passed through event by event as they arrive; other responses whole (held
+within ``max_held_bytes`` across all requests); the engine's status code and error body
+come back unchanged. Every proxied response carries ``x-kvstream-engine: NAME`` and
+``x-request-id`` (the client's, or a new one; the engine gets it too).
 
 If an engine refuses or drops the connection before answering, the request goes to the
-next-best engine (at most ``max_attempts`` engines), the failed engine is marked down for
-an exponential backoff and its source is marked stale in the index (its cache is unknown
-until its stream resets it).
+next-best engine (at most ``max_attempts`` engines) and the failed engine is marked down
+for an exponential backoff. Its index is left alone: an HTTP failure says whether an
+engine answers, never which blocks it holds (only its KV event stream says that).
 
 Routing accuracy: for each answered request, the router's predicted cached tokens on the
 chosen engine against the engine's ``usage.prompt_tokens_details.cached_tokens``
@@ -20,13 +22,15 @@ and drops that extra usage chunk from what the client sees.
 
 Other routes: ``GET /v1/models`` (forwarded to an engine that is up), ``GET /v1/engines``,
 ``GET /metrics``, ``GET /health``. :class:`KVProxy` is an ``async with`` resource; its
-``app`` can be served alone (``python -m kvstream.proxy``) or mounted in another Starlette app.
+``app`` can be mounted in another Starlette app (``kvstream serve --proxy`` does).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, AsyncGenerator, Mapping, Sequence
+import uuid
+from typing import Any, AsyncGenerator, Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import anyio
@@ -34,18 +38,22 @@ import msgspec
 
 from kvstream.routing.index import KVIndex
 from kvstream.proxy.backends import RouterBackend, RoutingBackend, ServiceBackend
-from kvstream.proxy.core import ProxyCore, Upstream
-from kvstream.proxy.openai import OpenAIError, error_body, parse_json_body, prompt_token_ids
+from kvstream.proxy.core import ByteBudget, ProxyCore, Upstream
+from kvstream.proxy.openai import OpenAIError, completion_prompts, error_body, parse_json_body, prompt_token_ids
 from kvstream.proxy.tokenize import PromptTokenizer
 from kvstream.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvstream.routing.router import Router
-from kvstream.routing.scoring import PrefixLoadPolicy
+from kvstream.routing.scoring import PrefixLoadPolicy, rank
 from kvstream.transport.subscriber import SourceSpec
 
-__all__ = ["KVProxy", "POLICIES", "ENGINE_HEADER"]
+__all__ = ["KVProxy", "POLICIES", "ENGINE_HEADER", "REQUEST_ID_HEADER"]
+
+log = logging.getLogger("kvstream.proxy")
 
 ENGINE_HEADER = "x-kvstream-engine"
 """Response header naming the engine that served a proxied request."""
+REQUEST_ID_HEADER = "x-request-id"
+"""Request and response header with the request's id (the client's, else a new one)."""
 
 POLICIES = ("kv-aware", "round-robin")
 """Routing policies: by cached prefix and load, or the round-robin baseline."""
@@ -54,10 +62,14 @@ MAX_BODY_BYTES = 16 << 20
 """Largest request body the standalone proxy takes (bytes; ``serve --proxy``: ``--max-body-bytes``)."""
 MAX_ANSWER_BYTES = 64 << 20
 """Largest non-streamed engine answer the proxy holds to pass on (bytes; a 502 beyond)."""
+MAX_HELD_BYTES = 128 << 20
+"""Most bytes of non-streamed answers the proxy holds at once, all requests together (an
+answer that does not fit is a 503 with ``Retry-After``)."""
 _MAX_EVENT_BYTES = 1 << 20  # the most one SSE event may buffer before it is passed on as is
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
-_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
+_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server",
+        b"x-request-id"}
 
 
 def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> Any:
@@ -74,11 +86,20 @@ def _check_url(name: str, url: str) -> Any:
 
 
 def _cached_tokens(usage: Any) -> int | None:
-    if not isinstance(usage, dict):
+    """``usage.prompt_tokens_details.cached_tokens``; 0 when the usage has no details
+    (vLLM leaves them out when nothing was cached, or without
+    ``--enable-prompt-tokens-details``); None without a usage object."""
+    if not isinstance(usage, dict) or type(usage.get("prompt_tokens")) is not int:
         return None
     details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and type(details.get("cached_tokens")) is int:
-        return int(details["cached_tokens"])
+    if details is None:
+        return 0
+    if isinstance(details, dict):
+        cached = details.get("cached_tokens")
+        if cached is None:
+            return 0
+        if type(cached) is int:
+            return int(cached)
     return None
 
 
@@ -97,13 +118,22 @@ class KVProxy:
         backoff_s: first mark-down of a failed engine (seconds; doubles per failure).
         connect_timeout_s: seconds to open a connection to an engine.
         max_body_bytes: largest request body (bytes; 413 beyond).
+        max_answer_bytes: largest non-streamed answer passed on (bytes; 502 beyond).
+        max_held_bytes: most bytes of non-streamed answers held at once, across all
+            requests (bytes; an answer that does not fit is a 503).
+        access_log: called once per proxied request with its access-log record (a dict
+            of JSON values: ``time``, ``method``, ``path``, ``status``, ``engine``,
+            ``predicted_cached_tokens``, ``realized_cached_tokens``, ``ttfb_s``,
+            ``duration_s``, ``request_id``); None: no access log.
     """
 
     def __init__(self, upstreams: Sequence[Upstream], *, tokenizer: PromptTokenizer | None = None,
                  block_size: int = 16, policy: str = "kv-aware", speculate_s: float | None = None,
                  max_attempts: int = 3, backoff_s: float = 1.0, connect_timeout_s: float = 2.0,
                  subscriber_options: dict[str, Any] | None = None,
-                 backend: RoutingBackend | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 backend: RoutingBackend | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES, max_held_bytes: int = MAX_HELD_BYTES,
+                 access_log: Callable[[dict[str, Any]], None] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.core = ProxyCore(upstreams, backoff_s=backoff_s, max_attempts=max_attempts)
@@ -124,14 +154,19 @@ class KVProxy:
         self.backend = backend
         self._connect_timeout_s = connect_timeout_s
         self.max_body_bytes = max_body_bytes
+        self.max_answer_bytes = max_answer_bytes
+        self.held = ByteBudget(max_held_bytes)
+        self.access_log = access_log
         self._pools: dict[str, tuple[str, UpstreamPool, str]] = {}
+        self._retired: list[UpstreamPool] = []  # pools of engines whose URL changed: closed at the end
         self._metrics = _Metrics()
         self.app = self._build_app()
 
     @classmethod
     def for_service(cls, core: Any, *, tokenizer: PromptTokenizer | None = None, policy: str = "kv-aware",
                     speculate: bool = False, max_attempts: int = 3, backoff_s: float = 1.0,
-                    connect_timeout_s: float = 2.0) -> "KVProxy":
+                    connect_timeout_s: float = 2.0, max_held_bytes: int = MAX_HELD_BYTES,
+                    access_log: Callable[[dict[str, Any]], None] | None = None) -> "KVProxy":
         """The proxy mode of ``kvstream serve``: route with the service's core (its default
         index, weights and load board) and forward to its engines' ``http=`` URLs. The
         service runs the subscriber; mount :meth:`openai_routes` in its app, add
@@ -141,7 +176,8 @@ class KVProxy:
         proxy = cls([], tokenizer=tokenizer, block_size=core.config.router_block_size, policy=policy,
                     speculate_s=core.config.speculate_ttl if speculate else None, max_attempts=max_attempts,
                     backoff_s=backoff_s, connect_timeout_s=connect_timeout_s, backend=ServiceBackend(core),
-                    max_body_bytes=core.config.max_body_bytes)
+                    max_body_bytes=core.config.max_body_bytes, max_held_bytes=max_held_bytes,
+                    access_log=access_log)
         return proxy
 
     async def __aenter__(self) -> "KVProxy":
@@ -152,7 +188,7 @@ class KVProxy:
         try:
             await self.backend.__aexit__(*exc)
         finally:
-            for _, pool, _ in self._pools.values():
+            for pool in [p for _, p, _ in self._pools.values()] + self._retired:
                 await pool.aclose()
 
     @property
@@ -170,6 +206,8 @@ class KVProxy:
         url = self.core.engines[name].upstream.base_url
         hit = self._pools.get(name)
         if hit is None or hit[0] != url:
+            if hit is not None:
+                self._retired.append(hit[1])
             u = _check_url(name, url)
             pool = UpstreamPool(u.hostname or "", u.port or 80, connect_timeout_s=self._connect_timeout_s)
             hit = (url, pool, u.path.rstrip("/"))
@@ -178,19 +216,25 @@ class KVProxy:
 
     def engine_view(self, name: str) -> dict[str, Any]:
         """The proxy's part of ``name``'s ``/v1/engines`` entry (in flight, failures,
-        mark-down, routing accuracy): ``{"proxy": {...}}``, or ``{}`` if never proxied to."""
-        v = self.core.engine_view(name, time.monotonic())
-        return {"proxy": v} if v else {}
+        mark-down, routing accuracy): ``{"proxy": {...}}`` for every engine the proxy may
+        send to (proxied to yet or not), ``{}`` for the others."""
+        if name not in self.core.engines:
+            url = self.backend.upstreams().get(name)
+            if url is None:
+                return {}
+            self.core.ensure(name, url)
+        return {"proxy": self.core.engine_view(name, time.monotonic())}
 
     def metrics_text(self) -> bytes:
-        """The proxy's Prometheus metrics (accuracy histograms, in flight, requests, failovers)."""
-        return self._metrics.render(self.core)
+        """The proxy's Prometheus metrics (accuracy, duration and time-to-first-token
+        histograms, in flight, requests, failovers, bytes held)."""
+        self._sync_upstreams()
+        return self._metrics.render(self.core, self.held, self._pools)
 
     # -- routes ---------------------------------------------------------------------------
 
     def _build_app(self) -> Any:
         from starlette.applications import Starlette
-        from starlette.routing import Route
 
         return self.asgi(Starlette(routes=self.routes()))
 
@@ -206,7 +250,7 @@ class KVProxy:
         ]
 
     def routes(self) -> list[Any]:
-        """Every route of the standalone proxy: :meth:`openai_routes` plus ``/v1/engines``,
+        """Every route of the proxy on its own: :meth:`openai_routes` plus ``/v1/engines``,
         ``/metrics`` and ``/health``."""
         from starlette.routing import Route
 
@@ -239,7 +283,7 @@ class KVProxy:
             try:
                 r = await pool.request("GET", prefix + "/v1/models", b"", [])
                 try:
-                    content = await r.read()
+                    content = await r.read(self.max_answer_bytes)
                 finally:
                     await r.aclose()
             except UpstreamError as exc:
@@ -258,8 +302,9 @@ class KVProxy:
     # -- proxying -------------------------------------------------------------------------
 
     def _failed(self, name: str, exc: BaseException) -> None:
-        self.core.failed(name, f"{type(exc).__name__}: {exc}"[:300], time.monotonic())
-        self.backend.mark_failed(name)
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        if self.core.failed(name, reason, time.monotonic()):
+            log.warning("engine %s is down: %s", name, reason, extra={"engine": name, "state": "down"})
 
     def _started(self, name: str) -> None:
         self.core.started(name)
@@ -270,24 +315,38 @@ class KVProxy:
         self.backend.finished(name)
 
     def _route(self, body: dict[str, Any], kind: str) -> tuple[list[str], dict[str, int]]:
-        """Candidates best first, and per engine the predicted cached prompt tokens."""
-        tokens: list[int] | None
+        """Candidates best first, and per engine the predicted cached prompt tokens (of the
+        one prompt; of a batch's last, which is what vLLM reports cached for a batch)."""
+        prompts: list[list[int]] | None
         try:
-            tokens = prompt_token_ids(body, kind, self.tokenizer)
+            if kind == "chat":
+                prompts = [prompt_token_ids(body, kind, self.tokenizer)]
+            else:
+                prompts = completion_prompts(body, self.tokenizer)
         except OpenAIError:
             if self.tokenizer is not None:
                 raise
-            tokens = None  # a text prompt without a tokenizer: route by load only
+            prompts = None  # a text prompt without a tokenizer: route by load only
         urls = self._sync_upstreams()
         loads = self.backend.loads() or self.core.loads()
         predicted: dict[str, int] = {}
         ranking: list[str]
-        if tokens:
-            res = self.backend.score(tokens, loads, self.policy == "kv-aware" and self.speculate)
+        if prompts:
+            if len(prompts) == 1:
+                res = self.backend.score(prompts[0], loads, self.policy == "kv-aware" and self.speculate)
+                ranking = [n for n in res.ranking if n in urls]
+            else:
+                # A batch goes to one engine (vLLM answers it in one response): the one with
+                # the best value summed over the prompts.
+                total: dict[str, float] = {}
+                for p in prompts:
+                    res = self.backend.score(p, loads, False)
+                    for n, v in res.values.items():
+                        total[n] = total.get(n, 0.0) + v
+                ranking = [n for n in rank([(v, n) for n, v in total.items()], loads) if n in urls]
             # The engine never reuses the prompt's last token: its hit is capped below it.
-            cap = (len(tokens) - 1) // self.block_size * self.block_size
+            cap = (len(prompts[-1]) - 1) // self.block_size * self.block_size
             predicted = {n: min(m.tokens, cap) for n, m in res.matches.items()}
-            ranking = [n for n in res.ranking if n in urls]
         else:
             ranking = sorted(urls, key=lambda n: loads[n].running if n in loads else 0)
         if self.policy == "round-robin":
@@ -299,40 +358,72 @@ class KVProxy:
     async def _proxy(self, scope: Any, receive: Any, send: Any, path: str, kind: str) -> None:
         """Answer one OpenAI POST in raw ASGI: the engine's status and headers go out as soon
         as they arrive, then its body (streamed event by event, or whole)."""
-        try:
-            raw = await _asgi_body(scope, receive, self.max_body_bytes)
-            if raw is None:
-                return  # the client went away
-            body = parse_json_body(raw, self.max_body_bytes)
-            candidates, predicted = self._route(body, kind)
-        except OpenAIError as exc:
-            await _send_json(send, exc.status, exc.body())
-            return
-        stream = bool(body.get("stream"))
-        strip_usage = False
-        if stream:
-            opts = body.get("stream_options")
-            if not (isinstance(opts, dict) and opts.get("include_usage")):
-                body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-                strip_usage = True
-        payload = _enc.encode(body)
-        headers = [(b"content-type", b"application/json")]
+        rec = _Record(time.perf_counter(), path)
+        rid = b""
+        auth = b""
         for k, v in scope["headers"]:
-            if k == b"authorization":
-                if v:
-                    headers.append((b"authorization", v))
-                break
-        # The client may go away at any point (while the engine thinks, or mid-stream):
-        # then everything below is cancelled, the engine's connection closed (vLLM aborts
-        # the request) and its in-flight count goes back down.
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-            await self._forward(send, path, candidates, predicted, payload, headers, stream, strip_usage)
-            tg.cancel_scope.cancel()
+            if k == b"x-request-id":
+                if 0 < len(v) <= 200 and all(32 < c < 127 for c in v):  # visible ASCII; else a new one
+                    rid = v
+            elif k == b"authorization":
+                auth = v
+        if not rid:
+            rid = uuid.uuid4().hex.encode()
+        rec.request_id = rid.decode("ascii")
+        rid_header = (_REQUEST_ID_B, rid)
+        try:
+            try:
+                raw = await _asgi_body(scope, receive, self.max_body_bytes)
+                if raw is None:
+                    rec.status = 499  # the client went away
+                    return
+                body = parse_json_body(raw, self.max_body_bytes)
+                candidates, predicted = self._route(body, kind)
+            except OpenAIError as exc:
+                rec.status = exc.status
+                await _send_json(send, exc.status, exc.body(), [rid_header])
+                return
+            stream = bool(body.get("stream"))
+            batch = kind == "completions" and _is_batch(body.get("prompt"))
+            if batch and stream:
+                predicted = {}  # vLLM's usage then names no one prompt's cached tokens
+            strip_usage = False
+            if stream:
+                opts = body.get("stream_options")
+                if not (isinstance(opts, dict) and opts.get("include_usage")):
+                    body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+                    strip_usage = True
+            payload = _enc.encode(body)
+            headers = [(b"content-type", b"application/json"), rid_header]
+            if auth:
+                headers.append((b"authorization", auth))
+            # The client may go away at any point (while the engine thinks, or mid-stream):
+            # then everything below is cancelled, the engine's connection closed (vLLM aborts
+            # the request) and its in-flight count goes back down.
+            rec.status = 499
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+                await self._forward(send, path, candidates, predicted, payload, headers, stream, strip_usage, rec)
+                tg.cancel_scope.cancel()
+        finally:
+            self._done(rec)
+
+    def _done(self, rec: "_Record") -> None:
+        duration = time.perf_counter() - rec.t0
+        if rec.engine is not None:
+            self._metrics.duration.labels(rec.engine).observe(duration)
+        if self.access_log is not None:
+            self.access_log({
+                "time": round(time.time() - duration, 6), "method": "POST", "path": rec.path, "status": rec.status,
+                "engine": rec.engine, "predicted_cached_tokens": rec.predicted,
+                "realized_cached_tokens": rec.realized,
+                "ttfb_s": None if rec.ttfb is None else round(rec.ttfb, 6), "duration_s": round(duration, 6),
+                "request_id": rec.request_id})
 
     async def _forward(self, send: Any, path: str, candidates: list[str], predicted: dict[str, int], payload: bytes,
-                       headers: list[tuple[bytes, bytes]], stream: bool, strip_usage: bool) -> None:
+                       headers: list[tuple[bytes, bytes]], stream: bool, strip_usage: bool, rec: "_Record") -> None:
         errors: list[str] = []
+        rid_header = headers[1]
         for attempt, name in enumerate(candidates):
             pool, prefix = self._pool(name)
             self._started(name)
@@ -342,48 +433,95 @@ class KVProxy:
                 sent = True
             except UpstreamError as exc:
                 self._failed(name, exc)
-                errors.append(f"{name}: {type(exc).__name__}")
+                errors.append(f"{name}: {exc}")
                 if attempt + 1 < len(candidates):
                     self.core.failovers += 1
                 continue
             finally:
                 if not sent:
                     self._finished(name)
+            rec.engine = name
+            rec.predicted = predicted.get(name)
             engine = name.encode("latin-1")
-            out_headers = [(k.lower(), v) for k, v in resp.headers if k.lower().decode("latin-1") not in _HOP]
+            out_headers = [(k.lower(), v) for k, v in resp.headers if k.lower() not in _HOP]
             out_headers.append((_ENGINE_HEADER_B, engine))
+            out_headers.append(rid_header)
             self._metrics.requests.setdefault((name, resp.status_code), 0)
             self._metrics.requests[(name, resp.status_code)] += 1
             if not stream or resp.status_code != 200:
-                failed: UpstreamError | None = None
-                try:
-                    content = await resp.read(MAX_ANSWER_BYTES)
-                except UpstreamError as exc:
-                    failed = exc
-                finally:
-                    self._finished(name)  # first: the close below may be cancelled part way
-                    await resp.aclose()
-                if failed is not None:
-                    self._failed(name, failed)
-                    await _send_json(send, 502, error_body(502, f"engine {name} failed while answering: {failed}"),
-                                     [(_ENGINE_HEADER_B, engine)])
-                    return
-                realized = None
-                if resp.status_code == 200:
-                    try:
-                        realized = _cached_tokens(_dec.decode(content).get("usage"))
-                    except (msgspec.DecodeError, AttributeError, RecursionError):
-                        realized = None  # not JSON we can read: passed on as it is
-                self._answered(name, predicted.get(name), realized)
-                out_headers.append((b"content-length", str(len(content)).encode()))
-                await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
-                await send({"type": "http.response.body", "body": content})
+                await self._whole(send, name, resp, out_headers, rec)
                 return
+            rec.status = resp.status_code
             await self._stream(send, resp.status_code, out_headers,
-                               self._pass_through(name, resp, predicted.get(name), strip_usage))
+                               self._pass_through(name, resp, predicted.get(name), strip_usage, rec))
             return
         self.core.unroutable += 1
-        await _send_json(send, 503, error_body(503, "no engine could take the request (" + "; ".join(errors) + ")"))
+        rec.status = 503
+        await _send_json(send, 503, error_body(503, "no engine could take the request (" + "; ".join(errors) + ")"),
+                         [rid_header])
+
+    async def _whole(self, send: Any, name: str, resp: UpstreamResponse, out_headers: list[tuple[bytes, bytes]],
+                     rec: "_Record") -> None:
+        """Read a non-streamed answer whole (its usage is the accuracy's realized side; a
+        cut answer becomes a clean 502), within :attr:`held`, then pass it on."""
+        engine_header = (_ENGINE_HEADER_B, name.encode("latin-1"))
+        failed: str | None = None
+        busy = False
+        buf = bytearray()
+        taken = 0
+        try:
+            try:
+                length = resp.content_length
+                if length is not None and length > self.max_answer_bytes:
+                    failed = f"its answer of {length} bytes is over {self.max_answer_bytes} bytes"
+                elif length is not None and not self.held.take(length):
+                    busy = True
+                else:
+                    taken = length or 0
+                    async for chunk in resp.aiter_bytes():
+                        n = len(buf) + len(chunk)
+                        if n > self.max_answer_bytes:
+                            failed = f"its answer is over {self.max_answer_bytes} bytes"
+                            break
+                        if n > taken:  # no Content-Length (or a wrong one): take as it grows
+                            if not self.held.take(n - taken):
+                                busy = True
+                                break
+                            taken = n
+                        buf += chunk
+            except UpstreamError as exc:
+                failed = str(exc)
+                self._failed(name, exc)
+            finally:
+                self._finished(name)  # first: the close below may be cancelled part way
+                await resp.aclose()
+            if busy:
+                rec.status = 503
+                await _send_json(send, 503, error_body(503, "the proxy holds too many answers right now; retry"),
+                                 [engine_header, (b"retry-after", b"1"), out_headers[-1]])
+                return
+            if failed is not None:
+                rec.status = 502
+                await _send_json(send, 502, error_body(502, f"engine {name} failed while answering: {failed}"),
+                                 [engine_header, out_headers[-1]])
+                return
+            realized = None
+            if resp.status_code == 200:
+                try:
+                    obj = _dec.decode(buf)
+                    realized = _cached_tokens(obj.get("usage")) if isinstance(obj, dict) else None
+                except (msgspec.DecodeError, RecursionError):
+                    realized = None  # not JSON we can read: passed on as it is
+            self._answered(name, rec.predicted, realized)
+            rec.realized = realized
+            rec.status = resp.status_code
+            out_headers.append((b"content-length", str(len(buf)).encode()))
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
+            rec.ttfb = time.perf_counter() - rec.t0
+            await send({"type": "http.response.body", "body": bytes(buf) if len(buf) < 65536 else buf})
+        finally:
+            del buf
+            self.held.give(taken)
 
     @staticmethod
     async def _stream(send: Any, status: int, headers: list[tuple[bytes, bytes]],
@@ -401,14 +539,16 @@ class KVProxy:
             await chunks.aclose()
 
     def _answered(self, name: str, predicted: int | None, realized: int | None) -> None:
-        self.core.answered(name, predicted, realized)
+        if self.core.answered(name, predicted, realized):
+            log.warning("engine %s is up again", name, extra={"engine": name, "state": "up"})
         if predicted is not None and realized is not None:
             self._metrics.observe(name, predicted, realized)
 
-    async def _pass_through(self, name: str, resp: UpstreamResponse, predicted: int | None, strip_usage: bool
-                            ) -> AsyncGenerator[bytes, None]:
+    async def _pass_through(self, name: str, resp: UpstreamResponse, predicted: int | None, strip_usage: bool,
+                            rec: "_Record") -> AsyncGenerator[bytes, None]:
         buf = b""
         realized: int | None = None
+        first = True
         try:
             async for chunk in resp.aiter_bytes():
                 buf += chunk
@@ -434,6 +574,10 @@ class KVProxy:
                     out.append(buf)
                     buf = b""
                 if out:
+                    if first:
+                        first = False
+                        rec.ttfb = t = time.perf_counter() - rec.t0
+                        self._metrics.ttft.labels(name).observe(t)
                     yield b"".join(out)
             if buf:
                 yield buf
@@ -447,10 +591,32 @@ class KVProxy:
         finally:
             self._finished(name)  # first: the close below may be cancelled part way
             await resp.aclose()
+        rec.realized = realized
         self._answered(name, predicted, realized)
 
 
+class _Record:
+    """What the access log and the duration histogram learn of one proxied request."""
+
+    __slots__ = ("t0", "path", "status", "engine", "predicted", "realized", "ttfb", "request_id")
+
+    def __init__(self, t0: float, path: str) -> None:
+        self.t0 = t0
+        self.path = path
+        self.status = 0
+        self.engine: str | None = None
+        self.predicted: int | None = None
+        self.realized: int | None = None
+        self.ttfb: float | None = None
+        self.request_id = ""
+
+
+def _is_batch(prompt: Any) -> bool:
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(type(t) is int for t in prompt)
+
+
 _ENGINE_HEADER_B = ENGINE_HEADER.encode()
+_REQUEST_ID_B = REQUEST_ID_HEADER.encode()
 _HOT = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
@@ -546,6 +712,19 @@ class _Metrics:
         self.error = Histogram("kvstream_proxy_cached_tokens_error",
                                "Predicted minus realized cached prompt tokens, per request.",
                                ["engine"], buckets=diff, registry=self.registry)
+        # vLLM's own latency buckets (vllm:e2e_request_latency_seconds and
+        # vllm:time_to_first_token_seconds), so the two sides compare bucket by bucket.
+        e2e = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+        ttft = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+        self.duration = Histogram("kvstream_proxy_request_duration_seconds",
+                                  "Seconds from a proxied request's arrival to the end of its answer, per engine.",
+                                  ["engine"], buckets=e2e, registry=self.registry)
+        self.ttft = Histogram("kvstream_proxy_time_to_first_token_seconds",
+                              "Seconds from a streamed request's arrival to its first event passed on (vLLM "
+                              "sends the first event with the first token), per engine.",
+                              ["engine"], buckets=ttft, registry=self.registry)
         self.requests: dict[tuple[str, int], int] = {}
 
     def observe(self, engine: str, predicted: int, realized: int) -> None:
@@ -553,10 +732,28 @@ class _Metrics:
         self.realized.labels(engine).observe(realized)
         self.error.labels(engine).observe(predicted - realized)
 
-    def render(self, core: ProxyCore) -> bytes:
+    def render(self, core: ProxyCore, held: ByteBudget, pools: Mapping[str, tuple[str, UpstreamPool, str]]) -> bytes:
         from prometheus_client import generate_latest
 
-        lines = ["# HELP kvstream_proxy_in_flight Requests in flight per engine.",
+        now = time.monotonic()
+        lines = ["# HELP kvstream_proxy_engine_up Whether the proxy sends to the engine (0: marked down after "
+                 "a failure, for its backoff).", "# TYPE kvstream_proxy_engine_up gauge"]
+        lines += [f'kvstream_proxy_engine_up{{engine="{n}"}} {0 if core.is_down(n, now) else 1}' for n in core.engines]
+        lines += ["# HELP kvstream_proxy_held_bytes Bytes of non-streamed answers held now (all requests).",
+                  "# TYPE kvstream_proxy_held_bytes gauge", f"kvstream_proxy_held_bytes {held.held}",
+                  "# HELP kvstream_proxy_held_bytes_peak The most kvstream_proxy_held_bytes has been.",
+                  "# TYPE kvstream_proxy_held_bytes_peak gauge", f"kvstream_proxy_held_bytes_peak {held.peak}",
+                  "# HELP kvstream_proxy_held_bytes_limit The bound on kvstream_proxy_held_bytes.",
+                  "# TYPE kvstream_proxy_held_bytes_limit gauge", f"kvstream_proxy_held_bytes_limit {held.total}",
+                  "# HELP kvstream_proxy_held_bytes_refused_total Answers refused (503) because they did not "
+                  "fit under the bound.", "# TYPE kvstream_proxy_held_bytes_refused_total counter",
+                  f"kvstream_proxy_held_bytes_refused_total {held.refused}",
+                  "# HELP kvstream_proxy_fresh_connection_retries_total Requests sent again on a new connection "
+                  "after the engine closed a kept-alive one before answering.",
+                  "# TYPE kvstream_proxy_fresh_connection_retries_total counter"]
+        lines += [f'kvstream_proxy_fresh_connection_retries_total{{engine="{n}"}} {p.fresh_retries}'
+                  for n, (_, p, _) in sorted(pools.items())]
+        lines += ["# HELP kvstream_proxy_in_flight Requests in flight per engine.",
                  "# TYPE kvstream_proxy_in_flight gauge"]
         lines += [f'kvstream_proxy_in_flight{{engine="{n}"}} {s.in_flight}' for n, s in core.engines.items()]
         lines += ["# HELP kvstream_proxy_requests_total Proxied requests by engine and status.",

@@ -1,11 +1,12 @@
 """Where the proxy's routing decisions come from: its own router, or ``kvstream serve``'s core.
 
 The proxy (:mod:`kvstream.proxy.app`) needs, per request, the engines ranked for a prompt
-with each engine's cached prefix, the engines' HTTP base URLs, a way to mark an engine's
-index state stale when it stops answering, and a place to report requests in flight.
+with each engine's cached prefix, the engines' HTTP base URLs, and a place to report
+requests in flight. It never touches an index: an engine that stops answering HTTP is
+marked down by the proxy alone, while its index follows its KV event stream only.
 
 * :class:`RouterBackend` owns a :class:`~kvstream.routing.router.Router` (the standalone
-  proxy, ``python -m kvstream.proxy``); the load is the proxy's own in-flight count.
+  proxy as a library); the load is the proxy's own in-flight count.
 * :class:`ServiceBackend` reads ``kvstream serve``'s :class:`~kvstream.service.core.ServiceCore`
   (proxy mode of the service): its default index and scoring weights, its engines (those
   with an ``http=`` URL are proxied to), and its load board, which the proxy's in-flight
@@ -42,10 +43,6 @@ class RoutingBackend(Protocol):
 
     def finished(self, name: str) -> None:
         """A request to ``name`` ended."""
-        ...
-
-    def mark_failed(self, name: str) -> None:
-        """``name`` stopped answering: its cached state is unknown until its stream resets it."""
         ...
 
     def stream_view(self, name: str) -> dict[str, Any]:
@@ -88,9 +85,6 @@ class RouterBackend:
 
     def finished(self, name: str) -> None:
         pass
-
-    def mark_failed(self, name: str) -> None:
-        self.router.index.mark_stale(name, True)
 
     def stream_view(self, name: str) -> dict[str, Any]:
         h = self.router.health().get(name)
@@ -138,6 +132,7 @@ class ServiceBackend:
         ix.expire(now)
         keys = ix.keys(tokens)
         res: ScoreResult = ix.score(tokens, loads=loads, policy=self.core.policy, keys=keys)
+        res.ranking = self.core.loads.reachable_first(res.ranking)  # unreachable by scrape: last
         if speculate and res.best is not None:
             ix.speculate(res.best, tokens, now, self.core.config.speculate_ttl, keys=keys)
         return res
@@ -150,10 +145,6 @@ class ServiceBackend:
 
     def finished(self, name: str) -> None:
         self.core.loads.finished(name)
-
-    def mark_failed(self, name: str) -> None:
-        if name in self.core.engines:
-            self._index(name).mark_stale(name, True)
 
     def stream_view(self, name: str) -> dict[str, Any]:
         # The service's /v1/engines shows the stream already; the proxy adds its own part.

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from kvstream.routing.scoring import Load
 
-__all__ = ["Accuracy", "ProxyCore", "Upstream", "UpstreamState"]
+__all__ = ["Accuracy", "ByteBudget", "ProxyCore", "Upstream", "UpstreamState"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,40 @@ class Accuracy:
         return {"requests": n, "predicted_tokens": self.predicted_tokens, "realized_tokens": self.realized_tokens,
                 "exact": self.exact, "exact_rate": self.exact / n if n else None,
                 "mean_abs_error_tokens": self.abs_error_tokens / n if n else None}
+
+
+class ByteBudget:
+    """Bytes the proxy may hold at once across all requests (non-streamed answers read
+    whole before they are passed on): :meth:`take` before holding, :meth:`give` after.
+
+    ``total``: the bound (bytes). ``held`` and ``peak`` (bytes) and ``refused`` (takes
+    that did not fit) are for ``/metrics``.
+    """
+
+    __slots__ = ("total", "held", "peak", "refused")
+
+    def __init__(self, total: int) -> None:
+        if total < 1:
+            raise ValueError(f"the proxy's held-bytes bound must be at least 1 byte, got {total}")
+        self.total = total
+        self.held = 0
+        self.peak = 0
+        self.refused = 0
+
+    def take(self, n: int) -> bool:
+        """Hold ``n`` more bytes if they fit under :attr:`total` (False: they do not, and
+        nothing is taken)."""
+        if self.held + n > self.total:
+            self.refused += 1
+            return False
+        self.held += n
+        if self.held > self.peak:
+            self.peak = self.held
+        return True
+
+    def give(self, n: int) -> None:
+        """``n`` bytes taken earlier are no longer held."""
+        self.held = max(0, self.held - n)
 
 
 @dataclass
@@ -141,25 +175,30 @@ class ProxyCore:
         s = self.engines[name]
         s.in_flight = max(0, s.in_flight - 1)
 
-    def failed(self, name: str, reason: str, now: float) -> float:
-        """``name`` refused or dropped the connection: mark it down; returns until when."""
+    def failed(self, name: str, reason: str, now: float) -> bool:
+        """``name`` refused or dropped the connection: mark it down (for the backoff).
+        True if it was up until now (a state change worth one log line)."""
         s = self.engines[name]
+        was_up = s.down_until <= now
         s.failures += 1
         s.consecutive_failures += 1
         s.last_error = reason
         back = min(self.max_backoff_s, self.backoff_s * (2 ** (s.consecutive_failures - 1)))
         s.down_until = now + back
-        return s.down_until
+        return was_up
 
-    def answered(self, name: str, predicted: int | None, realized: int | None) -> None:
-        """``name`` answered (any status): it is up; count the accuracy if both are known."""
+    def answered(self, name: str, predicted: int | None, realized: int | None) -> bool:
+        """``name`` answered (any status): it is up; count the accuracy if both are known.
+        True if it had failed before (it is back: a state change worth one log line)."""
         s = self.engines[name]
+        back = s.consecutive_failures > 0
         s.served += 1
         s.consecutive_failures = 0
         s.down_until = 0.0
         if predicted is not None and realized is not None:
             s.accuracy.add(predicted, realized)
             self.total.add(predicted, realized)
+        return back
 
     def engine_view(self, name: str, now: float) -> dict[str, Any]:
         """The proxy's part of one engine's ``/v1/engines`` entry (empty if unknown)."""

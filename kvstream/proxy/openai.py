@@ -23,6 +23,7 @@ __all__ = [
     "parse_json_body",
     "read_body",
     "prompt_token_ids",
+    "completion_prompts",
     "requested_model",
 ]
 
@@ -161,6 +162,21 @@ def prompt_token_ids(body: Mapping[str, Any], kind: str, tokenizer: PromptTokeni
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
         prompt = prompt[0]
+    return _one_prompt(prompt, tokenizer)
+
+
+def completion_prompts(body: Mapping[str, Any], tokenizer: PromptTokenizer | None) -> list[list[int]]:
+    """The token ids of every prompt of a completion request, in order: ``prompt`` is one
+    prompt (text or token ids) or a batch (a list of texts or of token-id lists, as vLLM
+    takes them: one choice per prompt). Raises :class:`OpenAIError` 400 otherwise."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or (isinstance(p, list) and p and _is_ids(p))
+                                                   for p in prompt):
+        return [_one_prompt(p, tokenizer) for p in prompt]
+    return [_one_prompt(prompt, tokenizer)]
+
+
+def _one_prompt(prompt: Any, tokenizer: PromptTokenizer | None) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise OpenAIError(400, "text prompts need a tokenizer (start with --tokenizer) or send token ids",
@@ -169,7 +185,7 @@ def prompt_token_ids(body: Mapping[str, Any], kind: str, tokenizer: PromptTokeni
     elif isinstance(prompt, list) and _is_ids(prompt):
         ids = list(prompt)
     else:
-        raise OpenAIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
+        raise OpenAIError(400, "'prompt' must be a string, a list of token ids, or a list of either (a batch)",
                           "prompt")
     if not ids:
         raise OpenAIError(400, "the prompt is empty; give at least one token", "prompt")

@@ -1,13 +1,18 @@
-"""A small HTTP/1.1 client for the proxy's upstream calls: keep-alive pools with O(1) checkout.
+"""The proxy's HTTP client to its engines: aiohttp's connection pool, one per engine.
 
-The proxy sends every request to one of a few engines and streams the answer back. A
-general-purpose client's connection pool scans all its connections on every request and
-response (measured: the largest cost in the proxy at 64 open streams), so the proxy keeps
-one pool per engine: a stack of idle keep-alive connections, each an anyio byte stream with
-a small purpose-built response reader (:mod:`kvstream.proxy._http1`; a general-purpose
-parser cost more per passed-through event than the rest of the proxy). A connection the engine closed while idle is detected on reuse
-(no response byte arrives) and the request is sent again on a fresh connection, which is
-safe because the engine never saw it.
+Each engine gets an :class:`UpstreamPool`: an ``aiohttp.ClientSession`` whose connector
+keeps idle keep-alive connections for at most ``keepalive_s`` seconds, below the idle
+timeout engines close them after (vLLM and ``kvstream engine`` serve with uvicorn's
+5 s), so a connection is not reused when the engine is about to close it. aiohttp reads
+every idle connection, so one the engine closed anyway is dropped from the pool as soon as
+its FIN arrives.
+
+What remains is the race where the engine closes an idle connection just as the proxy
+sends on it: the request fails with no byte of an answer (aiohttp's
+``ServerDisconnectedError``, or a reset). The engine never took that request, so it is sent
+once more on a *new* connection (never another pooled one, which the engine may have
+closed too). Only if that fails as well is it an :class:`UpstreamError`; an engine that
+refuses the connection (nothing listens) is one at once.
 
 :class:`UpstreamError` means the engine could not be reached or dropped the connection;
 ``before_response`` says whether any of its answer had arrived (only then is a retry on
@@ -16,18 +21,19 @@ another engine safe).
 
 from __future__ import annotations
 
-import socket
-from collections import deque
-from typing import AsyncIterator
+import asyncio
+from typing import Any, AsyncIterator
 
-import anyio
-import anyio.abc
+import aiohttp
+from yarl import URL
 
-from kvstream.proxy._http1 import HTTPParseError, ResponseReader, request_bytes
+__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "KEEPALIVE_S"]
 
-__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse"]
+KEEPALIVE_S = 4.0
+"""Longest an idle connection to an engine is kept (seconds): under the 5 s after which
+vLLM's server (uvicorn's ``timeout_keep_alive``) closes it."""
 
-_READ = 65536
+_READ_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
 
 class UpstreamError(Exception):
@@ -38,165 +44,133 @@ class UpstreamError(Exception):
         self.before_response = before_response
 
 
-class _Conn:
-    __slots__ = ("stream", "reader", "reused")
-
-    def __init__(self, stream: anyio.abc.ByteStream) -> None:
-        self.stream = stream
-        self.reader = ResponseReader()
-        self.reused = False
-
-
 class UpstreamResponse:
     """A response whose status and headers have arrived; read the body with
-    :meth:`aiter_bytes` or :meth:`read`, then :meth:`aclose` (always)."""
+    :meth:`aiter_bytes` or :meth:`read`, then :meth:`aclose` (always).
 
-    __slots__ = ("status_code", "headers", "_pool", "_conn", "_done")
+    ``headers``: the engine's header lines as ``(name, value)`` bytes pairs, as sent.
+    """
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], pool: "UpstreamPool", conn: _Conn) -> None:
-        self.status_code = status
-        self.headers = headers
-        self._pool = pool
-        self._conn: _Conn | None = conn
+    __slots__ = ("status_code", "headers", "_resp", "_where", "_done")
+
+    def __init__(self, resp: aiohttp.ClientResponse, where: str) -> None:
+        self.status_code = resp.status
+        self.headers: tuple[tuple[bytes, bytes], ...] = resp.raw_headers
+        self._resp = resp
+        self._where = where
         self._done = False
 
+    @property
+    def content_length(self) -> int | None:
+        """The engine's ``Content-Length`` (bytes), None if it did not send one."""
+        return self._resp.content_length
+
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (chunk boundaries as the engine sent them)."""
-        conn = self._conn
-        if conn is None:
-            return
-        reader = conn.reader
-        pool = self._pool
-        while True:
-            try:
-                data = reader.body()
-            except HTTPParseError as exc:
-                raise UpstreamError(f"bad HTTP from {pool.host}:{pool.port}: {exc}", before_response=False) from None
-            if data is None:
-                await pool._receive(conn, before_response=False)
-                continue
-            if data:
+        """The body as it arrives (whatever the socket delivered since the last read)."""
+        content = self._resp.content
+        try:
+            while True:
+                data = await content.readany()
+                if not data:
+                    break
                 yield data
-            if reader.done:
-                self._done = True
-                return
+        except _READ_ERRORS as exc:
+            raise UpstreamError(f"{self._where} dropped the connection: {exc or type(exc).__name__}",
+                                before_response=False) from None
+        self._done = True
 
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body; :class:`UpstreamError` once it passes ``limit`` bytes (None: no
         limit), so an engine's endless answer is never held whole."""
-        parts = []
-        size = 0
+        buf = bytearray()
         async for chunk in self.aiter_bytes():
-            size += len(chunk)
-            if limit is not None and size > limit:
-                raise UpstreamError(f"the answer of {self._pool.host}:{self._pool.port} is over {limit} bytes",
-                                    before_response=False)
-            parts.append(chunk)
-        return b"".join(parts)
+            if limit is not None and len(buf) + len(chunk) > limit:
+                raise UpstreamError(f"the answer of {self._where} is over {limit} bytes", before_response=False)
+            buf += chunk
+        return bytes(buf)
 
     async def aclose(self) -> None:
-        """Return the connection to the pool if the exchange completed, else close it."""
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        if self._done and conn.reader.keep_alive and not conn.reader.pending:
-            conn.reader.reset()
-            if not self._pool._release(conn):
-                await self._pool._discard(conn)
+        """Return the connection to the pool if the whole body was read, else close it
+        (an engine closing a streamed request aborts it, as vLLM does)."""
+        if self._done:
+            self._resp.release()
         else:
-            await self._pool._discard(conn)
+            self._resp.close()
 
 
 class UpstreamPool:
-    """Keep-alive connections to one ``host:port`` (at most ``max_idle`` kept idle).
+    """Keep-alive connections to one engine at ``host:port``.
 
-    ``connect_timeout_s``: seconds to open a connection.
+    Args:
+        host, port: the engine's HTTP address.
+        connect_timeout_s: seconds to open a connection.
+        keepalive_s: seconds an idle connection is kept (see :data:`KEEPALIVE_S`).
     """
 
-    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 2.0, max_idle: int = 512) -> None:
+    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 2.0,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         self.host = host
         self.port = port
         self.connect_timeout_s = connect_timeout_s
-        self.max_idle = max_idle
-        self._idle: deque[_Conn] = deque()
-        self._host_header = f"{host}:{port}".encode()
+        self.keepalive_s = keepalive_s
+        self._where = f"{host}:{port}"
+        self._base = f"http://{host}:{port}"
+        self._urls: dict[str, URL] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
+        self.fresh_retries = 0
+        """Requests sent again on a new connection after the engine closed a pooled one."""
+
+    def _new_session(self, *, force_close: bool) -> aiohttp.ClientSession:
+        # No connection limit (the proxy's own bounds hold requests back); small writes
+        # (one SSE event) go out at once (aiohttp sets TCP_NODELAY); no cookies, no
+        # decompression (bodies pass through as the engine sent them).
+        if force_close:
+            conn = aiohttp.TCPConnector(limit=0, force_close=True, use_dns_cache=False)
+        else:
+            conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s, use_dns_cache=False)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s, sock_read=None)
+        return aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False,
+                                     cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",),
+                                     raise_for_status=False)
 
     async def aclose(self) -> None:
-        """Close every idle connection."""
-        while self._idle:
-            await self._discard(self._idle.pop())
-
-    def _release(self, conn: _Conn) -> bool:
-        """Keep ``conn`` for reuse; False (not kept) when ``max_idle`` are idle already."""
-        if len(self._idle) >= self.max_idle:
-            return False
-        conn.reused = True
-        self._idle.append(conn)
-        return True
-
-    async def _discard(self, conn: _Conn) -> None:
-        with anyio.CancelScope(shield=True):
-            try:
-                await conn.stream.aclose()
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
-
-    async def _connect(self) -> _Conn:
-        try:
-            with anyio.fail_after(self.connect_timeout_s):
-                stream = await anyio.connect_tcp(self.host, self.port)
-        except (OSError, TimeoutError) as exc:
-            raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc}", before_response=True) from None
-        sock = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
-        if sock is not None:  # small writes (one SSE event) must not wait for an ACK
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return _Conn(stream)
-
-    async def _receive(self, conn: _Conn, *, before_response: bool) -> None:
-        """Feed the next bytes from the engine (``b""``: it closed) to ``conn``'s reader."""
-        try:
-            data = await conn.stream.receive(_READ)
-        except anyio.EndOfStream:
-            data = b""
-        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            raise UpstreamError(f"{self.host}:{self.port} dropped the connection: {exc}",
-                                before_response=before_response) from None
-        if not data and before_response:
-            raise UpstreamError(f"{self.host}:{self.port} closed the connection before answering",
-                                before_response=True)
-        conn.reader.feed(data)
+        """Close every connection."""
+        for s in (self._session, self._fresh):
+            if s is not None:
+                await s.close()
+        self._session = self._fresh = None
 
     async def request(self, method: str, target: str, body: bytes, headers: list[tuple[bytes, bytes]]
                       ) -> UpstreamResponse:
         """Send one request; returns once the status line and headers arrived. Raises
         :class:`UpstreamError` (``before_response=True``) if that did not happen."""
-        hdrs = [(b"host", self._host_header), (b"content-length", str(len(body)).encode()), *headers]
-        for attempt in range(2):
-            conn = self._idle.pop() if self._idle else await self._connect()
+        session = self._session
+        if session is None or session.closed:
+            session = self._session = self._new_session(force_close=False)
+        url = self._urls.get(target)
+        if url is None:  # parsed once per path (a handful), not per request
+            if len(self._urls) > 64:
+                self._urls.clear()
+            url = self._urls[target] = URL(self._base + target)
+        hdrs = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+        try:
+            resp = await session.request(method, url, data=body or None, headers=hdrs, allow_redirects=False)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):  # nothing listens: a real failure
+                raise UpstreamError(f"cannot connect to {self._where}: {exc}", before_response=True) from None
+            # The engine closed the connection before any byte of an answer: it never took
+            # the request. Send it once more on a new connection.
+            self.fresh_retries += 1
+            fresh = self._fresh
+            if fresh is None or fresh.closed:
+                fresh = self._fresh = self._new_session(force_close=True)
             try:
-                conn.reader.no_body = method == "HEAD"
-                try:
-                    await conn.stream.send(request_bytes(method, target, hdrs, body))
-                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-                    raise UpstreamError(f"cannot send to {self.host}:{self.port}: {exc}",
-                                        before_response=True) from None
-                reader = conn.reader
-                while True:
-                    try:
-                        if reader.head():
-                            break
-                    except HTTPParseError as exc:
-                        raise UpstreamError(f"bad HTTP from {self.host}:{self.port}: {exc}",
-                                            before_response=True) from None
-                    await self._receive(conn, before_response=True)
-                return UpstreamResponse(reader.status, reader.headers, self, conn)
-            except UpstreamError:
-                stale = conn.reused
-                await self._discard(conn)
-                if stale and attempt == 0:
-                    continue  # an idle connection the engine had closed: try a fresh one
-                raise
-            except BaseException:
-                await self._discard(conn)
-                raise
-        raise AssertionError("unreachable")  # pragma: no cover
+                resp = await fresh.request(method, url, data=body or None, headers=hdrs, allow_redirects=False)
+            except _READ_ERRORS as exc2:
+                raise UpstreamError(f"{self._where} closed the connection before answering: "
+                                    f"{exc2 or type(exc2).__name__}", before_response=True) from None
+        except _READ_ERRORS as exc:
+            raise UpstreamError(f"cannot reach {self._where}: {exc or type(exc).__name__}",
+                                before_response=True) from None
+        return UpstreamResponse(resp, self._where)

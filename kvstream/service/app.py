@@ -121,6 +121,7 @@ def routes(core: ServiceCore) -> list[BaseRoute]:
         Route("/v1/engines", engines, methods=["GET"]),
         Route("/v1/dump", dump, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/health", healthz, methods=["GET"]),  # vLLM's name for the same liveness check
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/register", _post(core, mc.register, None, mc.check_token), methods=["POST"]),
@@ -261,7 +262,7 @@ def create_app(core: ServiceCore, *, runtime: bool = True, extra_routes: Sequenc
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
-            msg += "; paths: /v1/route, /v1/engines, /v1/dump, /healthz, /readyz, /metrics, /register, " \
+            msg += "; paths: /v1/route, /v1/engines, /v1/dump, /healthz (or /health), /readyz, /metrics, /register, " \
                    "/unregister, /query, /query_by_hash"
         return _error(core, ApiError(exc.status_code, code, msg), None)
 

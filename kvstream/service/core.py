@@ -441,6 +441,9 @@ class ServiceCore:
             raise ApiError(422, "bad_field", str(exc), "$.mm_hashes") from None
         loads = self.loads.effective(requested)
         res = ix.score(tokens, loads=loads, policy=self.policy, keys=keys)
+        # An engine its load scrape cannot reach is not named best (its stream may not
+        # have noticed yet that it is gone); see kvstream.service.load.
+        res.ranking = self.loads.reachable_first(res.ranking)
         best = res.best
         if req.speculate and best is not None:
             ix.speculate(best, tokens, now, self.config.speculate_ttl, keys=keys)

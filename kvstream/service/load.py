@@ -10,6 +10,12 @@ scrape (``waiting`` -> ``queue``, ``running``, KV usage), with ``running`` raise
 requests in flight when those are more (a proxy knows about requests the engine has not
 reported yet). A scrape older than ``3 * load_interval`` is *stale*: still used (the last
 thing known), and shown as stale in ``/v1/engines``.
+
+Availability: a scrape that cannot reach the engine (connection refused, reset or timed
+out) marks it *unreachable* until a scrape answers again; the router then ranks it after
+every reachable engine (:meth:`LoadBoard.reachable_first`), so a dead engine is not named
+best while its event stream has not noticed yet. An engine that answers ``/metrics`` with an
+error or text that does not parse is reachable (it answers); only its load is unknown.
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ class LoadBoard:
     ``stale_after_s``: a scrape older than this (seconds) is stale (default 3 intervals).
     """
 
-    __slots__ = ("stale_after_s", "_scrape", "_error", "_inflight", "_cache")
+    __slots__ = ("stale_after_s", "_scrape", "_error", "_inflight", "_cache", "_down")
 
     def __init__(self, stale_after_s: float = 6.0) -> None:
         self.stale_after_s = stale_after_s
@@ -92,18 +98,41 @@ class LoadBoard:
         self._error: dict[str, str] = {}
         self._inflight: dict[str, int] = {}
         self._cache: dict[str, Load] | None = None
+        self._down: dict[str, float] = {}
 
     # -- feeding ---------------------------------------------------------------------
 
-    def scraped(self, engine: str, scrape: Scrape) -> None:
-        """Record a successful scrape of ``engine``."""
+    def scraped(self, engine: str, scrape: Scrape) -> bool:
+        """Record a successful scrape of ``engine``. True if it was unreachable until now."""
         self._scrape[engine] = scrape
         self._error.pop(engine, None)
         self._cache = None
+        return self._down.pop(engine, None) is not None
 
-    def scrape_failed(self, engine: str, reason: str) -> None:
-        """Record a failed scrape (the previous one, if any, is kept and ages)."""
+    def scrape_failed(self, engine: str, reason: str, *, unreachable: bool = False, at: float = 0.0) -> bool:
+        """Record a failed scrape (the previous one, if any, is kept and ages);
+        ``unreachable``: the engine could not be reached at all (marked so from ``at``,
+        seconds), else it answered wrongly (it is reachable). True if its reachability
+        changed."""
         self._error[engine] = reason
+        if unreachable:
+            if engine in self._down:
+                return False
+            self._down[engine] = at
+            return True
+        return self._down.pop(engine, None) is not None
+
+    def reachable(self, engine: str) -> bool:
+        """False while the last scrape could not reach ``engine``."""
+        return engine not in self._down
+
+    def reachable_first(self, ranking: list[str]) -> list[str]:
+        """``ranking`` with the unreachable engines moved after the others (each group in
+        its order)."""
+        down = self._down
+        if not down or not any(n in down for n in ranking):
+            return ranking
+        return [n for n in ranking if n not in down] + [n for n in ranking if n in down]
 
     def started(self, engine: str, n: int = 1) -> None:
         """``n`` requests were sent to ``engine`` (the proxy's in-flight seam)."""
@@ -124,6 +153,7 @@ class LoadBoard:
         self._scrape.pop(engine, None)
         self._error.pop(engine, None)
         self._inflight.pop(engine, None)
+        self._down.pop(engine, None)
         self._cache = None
 
     # -- reading ---------------------------------------------------------------------
@@ -168,5 +198,7 @@ class LoadBoard:
             "age_s": None if s is None else round(now - s.at, 3),
             "stale": (now - s.at > self.stale_after_s) if s is not None else engine in self._error,
             "error": self._error.get(engine),
+            "reachable": engine not in self._down,
+            "unreachable_for_s": round(now - self._down[engine], 3) if engine in self._down else None,
         }
         return out

@@ -1,18 +1,23 @@
 """Structured logs for the service: ``text`` (one readable line) or ``json`` (one JSON object
-per line: ``ts``, ``level``, ``logger``, ``msg`` and any ``extra=`` fields)."""
+per line: ``ts``, ``level``, ``logger``, ``msg`` and any ``extra=`` fields), and the proxy's
+access log (:func:`access_logger`: one JSON object per proxied request).
+
+uvicorn passes ``color_message`` (the message with ANSI colour codes) as an ``extra=`` field
+for its own coloured formatter; it is the same message again, so it is never written."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
-__all__ = ["setup_logging", "JsonFormatter"]
+__all__ = ["setup_logging", "JsonFormatter", "access_logger"]
 
-_STD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName"}
+_STD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName",
+                                                                          "color_message"}
 _ENC = msgspec.json.Encoder(enc_hook=repr)
 
 
@@ -57,6 +62,35 @@ class _StderrHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, value: Any) -> None:
         pass
+
+
+class _LineFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return str(record.msg)
+
+
+def access_logger(target: str) -> Callable[[dict[str, Any]], None]:
+    """A writer of access-log records (dicts of JSON values), one JSON object per line, to
+    ``target``: ``"-"`` for stdout, else a file path (appended to; the file is opened here,
+    so a path that cannot be written raises ``OSError`` at start-up)."""
+    handler: logging.Handler
+    if target == "-":
+        handler = logging.StreamHandler(sys.stdout)
+    else:
+        handler = logging.FileHandler(target, mode="a", encoding="utf-8")
+    handler.setFormatter(_LineFormatter())
+    lg = logging.getLogger("kvstream.access")
+    lg.handlers[:] = [handler]
+    lg.setLevel(logging.INFO)
+    lg.propagate = False
+    lg.disabled = False
+    enc = _ENC.encode
+    info = lg.info
+
+    def write(record: dict[str, Any]) -> None:
+        info(enc(record).decode())
+
+    return write
 
 
 def setup_logging(fmt: str = "text", level: str = "info") -> None:

@@ -99,6 +99,7 @@ class ServiceRuntime:
             await life.start(self._pump, name="kvstream-serve-pump")
             if self.core.config.load_interval > 0:
                 await life.start(self._scrape_loop, name="kvstream-serve-scraper")
+            await life.start(self._watch_states, name="kvstream-serve-states")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -164,6 +165,24 @@ class ServiceRuntime:
                 yielded = clock()
                 await anyio.sleep(0)
 
+    async def _watch_states(self) -> None:
+        """One log line per change of an engine's stream state (``connecting``, ``live``,
+        ``recovering``, ``stale``), seen every 0.5 s: a state that lasts is said once."""
+        core = self.core
+        last: dict[str, str] = {}
+        while True:
+            await anyio.sleep(0.5)
+            health = self._sub.health()
+            for name in list(core.engines):
+                state = core.state_of(name, health.get(name))
+                prev = last.get(name, "connecting")  # where every engine starts
+                last[name] = state
+                if state != prev:
+                    log.log(logging.INFO if state == "live" else logging.WARNING, "engine %s: stream %s -> %s",
+                            name, prev, state, extra={"engine": name, "from": prev, "to": state})
+            for name in [n for n in last if n not in core.engines]:
+                del last[name]
+
     async def _scrape_loop(self) -> None:
         import httpx
 
@@ -190,12 +209,24 @@ class ServiceRuntime:
             scrape = await anyio.to_thread.run_sync(parse_vllm_metrics, text, at)
         except Exception as exc:  # noqa: BLE001 - any failure is a failed scrape, reported
             if name in core.engines:
-                core.loads.scrape_failed(name, f"{type(exc).__name__}: {exc}"[:300])
+                import httpx
+
+                # Not reached at all (refused, reset, timed out): the engine is ranked last
+                # until a scrape answers again. An error answer means it is there.
+                gone = isinstance(exc, (httpx.TransportError, TimeoutError, OSError))
+                reason = f"{type(exc).__name__}: {exc}"[:300]
+                if core.loads.scrape_failed(name, reason, unreachable=gone, at=core.clock()):
+                    if gone:  # one line per change, not one per scrape
+                        log.warning("engine %s is unreachable (%s): routed to last until it answers", name,
+                                    reason, extra={"engine": name, "reachable": False})
+                    else:
+                        log.warning("engine %s is reachable again", name, extra={"engine": name, "reachable": True})
                 core.metrics.scraped(name, False)
             log.debug("load scrape of %s failed: %s", name, exc)
             return
         if name in core.engines:
-            core.loads.scraped(name, scrape)
+            if core.loads.scraped(name, scrape):
+                log.warning("engine %s is reachable again", name, extra={"engine": name, "reachable": True})
             core.metrics.scraped(name, True)
 
 

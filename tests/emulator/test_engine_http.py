@@ -39,7 +39,7 @@ def test_completion_reports_cached_tokens_and_is_deterministic(engine: Proc) -> 
     a, b = first.json(), second.json()
     assert a["object"] == "text_completion" and a["choices"][0]["finish_reason"] == "length"
     assert a["usage"]["prompt_tokens"] == 40 and a["usage"]["completion_tokens"] == 5
-    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert "prompt_tokens_details" not in a["usage"]  # vLLM leaves it out when nothing was cached
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     assert a["choices"][0]["text"] == b["choices"][0]["text"] and len(a["choices"][0]["text"]) == 5
 
@@ -87,6 +87,44 @@ def test_models_health_and_vllm_metric_names(engine: Proc) -> None:
     for name in ("vllm:num_requests_running{", "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc{",
                  "vllm:prefix_cache_queries_total{", "vllm:prefix_cache_hits_total{", "vllm:num_preemptions_total{"):
         assert name in metrics
+
+
+def test_vllms_latency_histograms_count_finished_requests(engine: Proc) -> None:
+    # A vLLM dashboard reads these; the same names, labels and buckets as vLLM's.
+    import re
+
+    names = ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+             "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+             "inter_token_latency_seconds", "time_per_output_token_seconds")
+
+    def counts(text: str) -> dict[str, float]:
+        out = {}
+        for n in names:
+            m = re.search(rf'^vllm:{n}_count{{engine="0",model_name="kvstream-emulated"}} (\S+)$', text, re.M)
+            assert m, n
+            out[n] = float(m.group(1))
+        return out
+
+    with httpx.Client(base_url=engine.url) as c:
+        before = counts(c.get("/metrics").text)
+        assert c.post("/v1/completions", json={"prompt": [3] * 100, "max_tokens": 4}).status_code == 200
+        text = c.get("/metrics").text
+    after = counts(text)
+    for n in names[:6]:
+        assert after[n] == before[n] + 1, n
+    assert after["inter_token_latency_seconds"] == before["inter_token_latency_seconds"] + 3  # 4 tokens, 3 gaps
+    assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="kvstream-emulated"}' in text
+
+
+def test_batched_prompts_get_one_choice_each_and_usage_summed(engine: Proc) -> None:
+    with httpx.Client(base_url=engine.url) as c:
+        r = c.post("/v1/completions", json={"prompt": [[1, 2, 3], [4, 5, 6, 7]], "max_tokens": 2})
+        texts = c.post("/v1/completions", json={"prompt": ["ab", "cde"], "max_tokens": 1})
+    assert r.status_code == 200 and texts.status_code == 200
+    body = r.json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1]
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    assert [ch["index"] for ch in texts.json()["choices"]] == [0, 1]
 
 
 def test_time_to_first_token_skips_the_cached_prefix(engine: Proc) -> None:

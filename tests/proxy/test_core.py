@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstream.proxy.app import KVProxy
-from kvstream.proxy.core import ProxyCore, Upstream
+from kvstream.proxy.core import ByteBudget, ProxyCore, Upstream
 
 UPS = [Upstream("a", "http://a"), Upstream("b", "http://b"), Upstream("c", "http://c")]
 
@@ -13,12 +13,16 @@ UPS = [Upstream("a", "http://a"), Upstream("b", "http://b"), Upstream("c", "http
 def test_failed_engines_are_skipped_with_a_doubling_backoff_until_they_answer() -> None:
     core = ProxyCore(UPS, backoff_s=1.0, max_backoff_s=3.0, max_attempts=2)
     assert core.candidates(["a", "b", "c"], 0.0) == ["a", "b"]
-    assert core.failed("a", "refused", 10.0) == 11.0
+    assert core.failed("a", "refused", 10.0) is True  # up -> down: worth one log line
+    assert core.engines["a"].down_until == 11.0
     assert core.candidates(["a", "b", "c"], 10.5) == ["b", "c"]
-    assert core.failed("a", "refused", 11.0) == 13.0  # doubled
-    assert core.failed("a", "refused", 13.0) == 16.0  # capped at 3 s
+    assert core.failed("a", "refused", 10.5) is False  # still down: no new log line
+    assert core.engines["a"].down_until == 12.5  # doubled
+    core.failed("a", "refused", 13.0)
+    assert core.engines["a"].down_until == 16.0  # capped at 3 s
     assert core.candidates(["a", "b"], 16.0) == ["a", "b"]
-    core.answered("a", 32, 32)
+    assert core.answered("a", 32, 32) is True  # back up: one log line
+    assert core.answered("a", 32, 32) is False
     assert not core.is_down("a", 0.0) and core.engines["a"].consecutive_failures == 0
     # Everyone down: still try, soonest back first.
     core.failed("b", "x", 20.0)
@@ -49,6 +53,27 @@ def test_speculation_sends_a_burst_of_the_same_prefix_to_the_first_choice() -> N
     proxy.core.started(first[0])  # in flight: plain load balancing would pick another engine
     again, predicted = proxy._route(prompt, "completions")
     assert again[0] == first[0] and predicted[first[0]] == 64
+
+
+def test_the_held_bytes_bound_refuses_what_does_not_fit_and_counts_it() -> None:
+    budget = ByteBudget(100)
+    assert budget.take(60) and budget.take(40) and not budget.take(1)
+    budget.give(60)
+    assert budget.held == 40 and budget.peak == 100 and budget.refused == 1 and budget.take(60)
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        ByteBudget(0)
+
+
+def test_a_batch_of_prompts_goes_to_one_engine_by_its_summed_prefix_and_predicts_the_last() -> None:
+    proxy = KVProxy(UPS)
+    ix = proxy.router.index
+    a, b = list(range(1, 65)), list(range(100, 164))
+    ix.speculate("b", a, 0.0, 60.0)
+    ix.speculate("c", b, 0.0, 60.0)
+    ix.speculate("b", b[:32], 0.0, 60.0)
+    ranking, predicted = proxy._route({"prompt": [a, b]}, "completions")
+    assert ranking[0] == "b"  # 64 + 32 cached tokens beat c's 64
+    assert predicted["b"] == 32 and predicted["c"] == 48  # the last prompt's, capped below its end
 
 
 def test_round_robin_ignores_the_prefix_but_still_predicts() -> None:

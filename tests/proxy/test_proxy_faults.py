@@ -5,6 +5,8 @@ clean end, the service never a 500 of its own, and the in-flight load goes back 
 
 from __future__ import annotations
 
+import concurrent.futures
+import re
 import socket
 import socketserver
 import struct
@@ -94,6 +96,18 @@ class _Handler(socketserver.BaseRequestHandler):
                 continue
         self.mode_status500(sock)
 
+    def mode_big(self, sock: socket.socket) -> None:
+        """An 8 MiB answer (Content-Length first): half of it, then the rest once released."""
+        body = b'{"choices": [], "usage": {"prompt_tokens": 4}, "pad": "' + b"x" * (8 << 20) + b'"}'
+        half = len(body) // 2
+        try:
+            sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body[:half]))
+            self.server.release.wait(60)
+            sock.sendall(body[half:])
+        except OSError:
+            self.server.hung_up += 1  # refused by the proxy, which closed the connection
+
     def mode_endless(self, sock: socket.socket) -> None:
         """A non-streaming answer whose Content-Length says 1 GiB."""
         sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (1 << 30))
@@ -155,6 +169,7 @@ def _idle(srv: ServeProc) -> None:
 
 
 BODY = {"prompt": [1, 2, 3, 4], "max_tokens": 2}
+BIG = 8 * 2**20 + 57  # bytes of mode_big's answer
 
 
 @pytest.mark.parametrize("mode, stream, status", [
@@ -224,6 +239,41 @@ def test_an_engine_answer_over_the_limit_is_a_502_not_held_whole(setup) -> None:
     r = httpx.post(srv.url + "/v1/completions", json=BODY, timeout=60)
     assert r.status_code == 502 and "bytes" in r.json()["error"]["message"], r.text[:300]
     _idle(srv)
+
+
+def test_answers_held_whole_stay_under_one_bound_across_all_connections(setup) -> None:
+    # 8 concurrent 8 MiB answers against a 20 MiB bound: two are held (16 MiB), the six
+    # that do not fit are a 503 at once, and nothing else is held (the proxy used to hold
+    # up to 64 MiB per answer with no total).
+    _, eng = setup
+    eng.mode = "big"
+    eng.release.clear()
+    srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()},http={eng.url}", "--proxy", "--load-interval", "0",
+                    "--proxy-max-attempts", "1", "--proxy-max-held-bytes", str(20 << 20))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(httpx.post, srv.url + "/v1/completions", json=BODY, timeout=60) for _ in range(8)]
+            done = wait_for(lambda: [f for f in futs if f.done()] if sum(f.done() for f in futs) >= 6 else None,
+                            "six answers that did not fit")
+            refused = [f.result() for f in done]
+            assert [r.status_code for r in refused] == [503] * 6
+            assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == 503 for r in refused)
+            assert _metric(srv, r"^kvstream_proxy_held_bytes (\S+)$") == 2 * BIG  # by Content-Length, up front
+            eng.release.set()
+            held = [f.result() for f in futs if f not in done]
+        assert [r.status_code for r in held] == [200] * 2 and all(len(r.content) == BIG for r in held)
+        assert _metric(srv, r"^kvstream_proxy_held_bytes (\S+)$") == 0
+        assert _metric(srv, r"^kvstream_proxy_held_bytes_peak (\S+)$") <= 20 << 20
+        assert _metric(srv, r"^kvstream_proxy_held_bytes_refused_total (\S+)$") == 6
+    finally:
+        eng.release.set()
+        assert srv.close() == 0
+
+
+def _metric(srv: ServeProc, pattern: str) -> float:
+    m = re.search(pattern, srv.client.get("/metrics").text, re.M)
+    assert m, pattern
+    return float(m.group(1))
 
 
 def test_request_bodies_over_max_body_bytes_are_413(setup) -> None:

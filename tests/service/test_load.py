@@ -59,9 +59,21 @@ def test_request_loads_win_then_scrapes_then_in_flight() -> None:
     assert b.known()["e0"].running == 5 and "e1" not in b.known()
     assert b.view("e0", now=1.0)["stale"] is False
     assert b.view("e0", now=7.0)["stale"] is True
-    b.scrape_failed("e2", "ConnectError")
+    b.scrape_failed("e2", "ValueError: HTTP 500")  # it answered: reachable, load unknown
     assert b.view("e2", now=0.0) | {} == {"queue": 0, "running": 0, "kv_usage": 0.0, "in_flight": 0, "scraped": False,
-                                          "age_s": None, "stale": True, "error": "ConnectError"}
+                                          "age_s": None, "stale": True, "error": "ValueError: HTTP 500",
+                                          "reachable": True, "unreachable_for_s": None}
+
+
+def test_an_engine_its_scrape_cannot_reach_is_ranked_last_until_a_scrape_answers() -> None:
+    b = LoadBoard()
+    assert b.reachable_first(["e0", "e1", "e2"]) == ["e0", "e1", "e2"]
+    assert b.scrape_failed("e0", "ConnectError", unreachable=True, at=10.0) is True  # a change: one log line
+    assert b.scrape_failed("e0", "ConnectError", unreachable=True, at=12.0) is False  # still: no new line
+    assert b.reachable_first(["e0", "e1", "e2"]) == ["e1", "e2", "e0"]
+    assert b.view("e0", now=13.0)["reachable"] is False and b.view("e0", now=13.0)["unreachable_for_s"] == 3.0
+    assert b.scraped("e0", parse_vllm_metrics(VLLM_METRICS, at=14.0)) is True  # back
+    assert b.reachable("e0") and b.reachable_first(["e0", "e1"]) == ["e0", "e1"]
 
 
 def test_a_hanging_metrics_endpoint_is_shown_stale_and_never_stalls_routing(engines, serve) -> None:
