@@ -475,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=32, help="chat sessions")
     ap.add_argument("--trace", type=Path, default=None, help="Mooncake conversation trace (JSON lines)")
     ap.add_argument("--mooncake-requests", type=int, default=1200)
+    ap.add_argument("--mooncake-prefill-tokens-per-s", type=float, default=50000.0,
+                    help="the engines' prefill rate for the trace (its prompts are long)")
     ap.add_argument("--time-scale", type=float, default=4.0, help="mooncake arrivals compressed by this factor")
     ap.add_argument("--max-input", type=int, default=8192, help="mooncake prompts cut to this many tokens")
     ap.add_argument("--max-output", type=int, default=16, help="mooncake outputs cut to this many tokens")
@@ -520,7 +522,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if rnd == 0:
                         print(f"{kind} takes no token-id prompts; it runs chat-text and mooncake only", flush=True)
                     continue
-                engines = start_engines(args.engines, opts, logs)
+                eopts = opts if wl != "mooncake" else [
+                    *opts, "--prefill-tokens-per-s", str(args.mooncake_prefill_tokens_per_s)]
+                engines = start_engines(args.engines, eopts, logs)
                 router = None
                 try:
                     router = start_router(kind, engines, venv, logs)
