@@ -65,7 +65,7 @@ from kvstream.emulator.launch import Proc, start_engine, start_serve_proxy  # no
 from kvstream.emulator.loadgen import ChatWorkload, percentile  # noqa: E402
 
 PEERS = {"vllm-router": "0.1.17", "sglang-router": "0.3.2"}
-ROUTERS = ("kvstream", "vllm-kv", "vllm-cache", "sglang", "round-robin")
+ROUTERS = ("kvstream", "kvstream-prefix", "vllm-kv", "vllm-cache", "sglang", "round-robin")
 MODEL = "kvstream-emulated"
 # sglang-router 0.3.2 refuses a completion whose prompt is a list of token ids (HTTP 422,
 # "data did not match any variant of untagged enum StringOrArray"): it routes text only.
@@ -152,8 +152,9 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
 
 def start_router(kind: str, engines: Sequence[Proc], venv: Path | None, logs: Path) -> Router:
     """Start router ``kind`` (one of ROUTERS) in front of ``engines``."""
-    if kind == "kvstream":
-        p = start_serve_proxy(engines, policy="kv-aware", log_dir=str(logs))
+    if kind.startswith("kvstream"):
+        scoring = "prefix" if kind == "kvstream-prefix" else "cost"
+        p = start_serve_proxy(engines, policy="kv-aware", log_dir=str(logs), extra=["--scoring", scoring])
         return Router(kind, p.url or "", p)
     assert venv is not None
     port = _free_port()
@@ -492,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(routers) - set(ROUTERS)
     if unknown:
         ap.error(f"unknown router(s) {sorted(unknown)}; choose from {', '.join(ROUTERS)}")
-    venv = ensure_peers(args.cache) if any(r != "kvstream" for r in routers) else None
+    venv = ensure_peers(args.cache) if any(not r.startswith("kvstream") for r in routers) else None
     logs = Path(tempfile.mkdtemp(prefix="kvstream-bench-routers-"))
     print(f"logs in {logs}", flush=True)
     if args.overhead:

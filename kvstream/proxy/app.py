@@ -317,6 +317,31 @@ class KVProxy:
     def _route(self, body: dict[str, Any], kind: str) -> tuple[list[str], dict[str, int]]:
         """Candidates best first, and per engine the predicted cached prompt tokens (of the
         one prompt; of a batch's last, which is what vLLM reports cached for a batch)."""
+        candidates, predicted, _ = self._route_tokens(body, kind)
+        return candidates, predicted
+
+    def _prefill_begin(self, rec: "_Record", name: str, predicted: dict[str, int]) -> None:
+        """Count the prompt tokens ``name`` will have to compute for this request in its
+        load (:attr:`~kvstream.routing.scoring.Load.prefill_tokens`) until its first
+        answer byte."""
+        n = max(0, rec.prompt_tokens - predicted.get(name, 0))
+        if n:
+            rec.prefill_at, rec.prefill = name, n
+            self.core.prefill(name, n)
+            self.backend.prefill(name, n)
+
+    def _prefill_end(self, rec: "_Record") -> None:
+        """The engine answered (or the request ended): its prefill is no longer waiting."""
+        name = rec.prefill_at
+        if name is not None:
+            rec.prefill_at = None
+            if name in self.core.engines:
+                self.core.prefill(name, -rec.prefill)
+            self.backend.prefill(name, -rec.prefill)
+
+    def _route_tokens(self, body: dict[str, Any], kind: str) -> tuple[list[str], dict[str, int], int]:
+        """:meth:`_route`, and the prompt's length in tokens (all of a batch's; 0 when the
+        prompt could not be tokenized)."""
         prompts: list[list[int]] | None
         try:
             if kind == "chat":
@@ -353,7 +378,8 @@ class KVProxy:
             ranking = self.core.round_robin()
         else:
             ranking = ranking + [n for n in urls if n not in ranking]
-        return self.core.candidates(ranking, time.monotonic()), predicted
+        n_tokens = sum(len(p) for p in prompts) if prompts else 0
+        return self.core.candidates(ranking, time.monotonic()), predicted, n_tokens
 
     async def _proxy(self, scope: Any, receive: Any, send: Any, path: str, kind: str) -> None:
         """Answer one OpenAI POST in raw ASGI: the engine's status and headers go out as soon
@@ -378,7 +404,7 @@ class KVProxy:
                     rec.status = 499  # the client went away
                     return
                 body = parse_json_body(raw, self.max_body_bytes)
-                candidates, predicted = self._route(body, kind)
+                candidates, predicted, rec.prompt_tokens = self._route_tokens(body, kind)
             except OpenAIError as exc:
                 rec.status = exc.status
                 await _send_json(send, exc.status, exc.body(), [rid_header])
@@ -406,6 +432,7 @@ class KVProxy:
                 await self._forward(send, path, candidates, predicted, payload, headers, stream, strip_usage, rec)
                 tg.cancel_scope.cancel()
         finally:
+            self._prefill_end(rec)
             self._done(rec)
 
     def _done(self, rec: "_Record") -> None:
@@ -427,6 +454,7 @@ class KVProxy:
         for attempt, name in enumerate(candidates):
             pool, prefix = self._pool(name)
             self._started(name)
+            self._prefill_begin(rec, name, predicted)
             sent = False
             try:
                 resp = await pool.request("POST", prefix + path, payload, headers)
@@ -439,6 +467,7 @@ class KVProxy:
                 continue
             finally:
                 if not sent:
+                    self._prefill_end(rec)
                     self._finished(name)
             rec.engine = name
             rec.predicted = predicted.get(name)
@@ -493,6 +522,7 @@ class KVProxy:
                 failed = str(exc)
                 self._failed(name, exc)
             finally:
+                self._prefill_end(rec)
                 self._finished(name)  # first: the close below may be cancelled part way
                 await resp.aclose()
             if busy:
@@ -576,6 +606,7 @@ class KVProxy:
                 if out:
                     if first:
                         first = False
+                        self._prefill_end(rec)
                         rec.ttfb = t = time.perf_counter() - rec.t0
                         self._metrics.ttft.labels(name).observe(t)
                     yield b"".join(out)
@@ -589,6 +620,7 @@ class KVProxy:
             yield b"data: " + _enc.encode(error_body(502, f"engine {name} dropped the stream: {exc}")) + b"\n\n"
             return
         finally:
+            self._prefill_end(rec)
             self._finished(name)  # first: the close below may be cancelled part way
             await resp.aclose()
         rec.realized = realized
@@ -598,7 +630,8 @@ class KVProxy:
 class _Record:
     """What the access log and the duration histogram learn of one proxied request."""
 
-    __slots__ = ("t0", "path", "status", "engine", "predicted", "realized", "ttfb", "request_id")
+    __slots__ = ("t0", "path", "status", "engine", "predicted", "realized", "ttfb", "request_id", "prompt_tokens",
+                 "prefill_at", "prefill")
 
     def __init__(self, t0: float, path: str) -> None:
         self.t0 = t0
@@ -609,6 +642,9 @@ class _Record:
         self.realized: int | None = None
         self.ttfb: float | None = None
         self.request_id = ""
+        self.prompt_tokens = 0  # the prompt(s) in tokens; 0 when not tokenized (a text prompt, no tokenizer)
+        self.prefill_at: str | None = None  # the engine counting this request's prefill tokens
+        self.prefill = 0
 
 
 def _is_batch(prompt: Any) -> bool:
