@@ -32,7 +32,7 @@ def test_queued_prefill_outweighs_a_prefix_worth_less_than_it() -> None:
 
 
 def test_waiting_and_running_requests_count_as_their_token_equivalents() -> None:
-    pol = CostPolicy(queue_tokens=512, running_tokens=16, spread_tokens=0, spread_share=0)
+    pol = CostPolicy(queue_tokens=512, running_tokens=16, spread_tokens=0, spread_share=0)  # explicit weights
     c = pol.costs([m("a")], {"a": Load(queue=2, running=3)}, 10)
     assert c == {"a": 160 + 2 * 512 + 3 * 16}
 
