@@ -40,7 +40,7 @@ from kvstream.routing.index import KVIndex
 from kvstream.proxy.backends import RouterBackend, RoutingBackend, ServiceBackend
 from kvstream.proxy.core import ByteBudget, ProxyCore, Upstream
 from kvstream.proxy.openai import OpenAIError, completion_prompts, error_body, parse_json_body, prompt_token_ids
-from kvstream.proxy.tokenize import PromptTokenizer
+from kvstream.proxy.tokenize import ByteTokenizer, PromptTokenizer
 from kvstream.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvstream.routing.router import Router
 from kvstream.routing.scoring import PrefixLoadPolicy, rank
@@ -160,6 +160,9 @@ class KVProxy:
         self._pools: dict[str, tuple[str, UpstreamPool, str]] = {}
         self._retired: list[UpstreamPool] = []  # pools of engines whose URL changed: closed at the end
         self._metrics = _Metrics()
+        # Without a tokenizer, the engines are asked once how they tokenize (see
+        # _learn_tokenizer); until one answered, text prompts are routed by load.
+        self._tokenizer_probe_at = 0.0 if tokenizer is None else None
         self.app = self._build_app()
 
     @classmethod
@@ -182,6 +185,10 @@ class KVProxy:
 
     async def __aenter__(self) -> "KVProxy":
         await self.backend.__aenter__()
+        if self.tokenizer is None:
+            log.warning("no --tokenizer: token-id prompts are routed by cached prefix; text prompts and chat are too "
+                        "if the engines tokenize UTF-8 bytes (kvstream engine; asked at the first text request), "
+                        "else by load only (give --tokenizer MODEL_DIR)")
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -320,6 +327,44 @@ class KVProxy:
         candidates, predicted, _ = self._route_tokens(body, kind)
         return candidates, predicted
 
+    async def _learn_tokenizer(self) -> None:
+        """Without ``--tokenizer``: ask an engine's ``/tokenize`` how it tokenizes. An engine
+        that answers a probe text with its UTF-8 bytes (``kvstream engine`` without a
+        tokenizer) is tokenized locally the same way from then on, so text prompts and chat
+        are routed by prefix; any other answer (a real model's tokenizer) leaves text
+        routed by load, said once in the log with the fix. Asked again at most every 5 s
+        while no engine answers."""
+        now = time.monotonic()
+        if self._tokenizer_probe_at is None or now < self._tokenizer_probe_at:
+            return
+        self._tokenizer_probe_at = now + 5.0
+        probe = "kvstream: which tokens? \u00e9"
+        for name in list(self._sync_upstreams()):
+            pool, prefix = self._pool(name)
+            try:
+                resp = await pool.request("POST", prefix + "/tokenize", _enc.encode({"prompt": probe}),
+                                          [(b"content-type", b"application/json")])
+                try:
+                    raw = await resp.read(65536)
+                finally:
+                    await resp.aclose()
+            except UpstreamError:
+                continue
+            self._tokenizer_probe_at = None  # an engine answered: decided for good
+            try:
+                tokens = _dec.decode(raw).get("tokens") if resp.status_code == 200 else None
+            except (msgspec.DecodeError, AttributeError, RecursionError):
+                tokens = None
+            if tokens == list(probe.encode("utf-8")):
+                self.tokenizer = ByteTokenizer()
+                log.info("the engines tokenize text as UTF-8 bytes (kvstream engine): text prompts and chat are "
+                         "routed by cached prefix with the same tokenization")
+            else:
+                log.warning("no --tokenizer, and engine %s does not tokenize text as UTF-8 bytes: text prompts and "
+                            "chat are routed by load only; start serve with --tokenizer MODEL_DIR (the engines' "
+                            "tokenizer.json) to route them by cached prefix", name)
+            return
+
     def _prefill_begin(self, rec: "_Record", name: str, predicted: dict[str, int]) -> None:
         """Count the prompt tokens ``name`` will have to compute for this request in its
         load (:attr:`~kvstream.routing.scoring.Load.prefill_tokens`) until its first
@@ -404,6 +449,8 @@ class KVProxy:
                     rec.status = 499  # the client went away
                     return
                 body = parse_json_body(raw, self.max_body_bytes)
+                if self._tokenizer_probe_at is not None:
+                    await self._learn_tokenizer()
                 candidates, predicted, rec.prompt_tokens = self._route_tokens(body, kind)
             except OpenAIError as exc:
                 rec.status = exc.status
