@@ -478,6 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mooncake-requests", type=int, default=1200)
     ap.add_argument("--mooncake-prefill-tokens-per-s", type=float, default=50000.0,
                     help="the engines' prefill rate for the trace (its prompts are long)")
+    ap.add_argument("--mooncake-num-gpu-blocks", type=int, default=16384,
+                    help="per engine for the trace (262,144 tokens: some 30 of its prompts)")
     ap.add_argument("--time-scale", type=float, default=4.0, help="mooncake arrivals compressed by this factor")
     ap.add_argument("--max-input", type=int, default=8192, help="mooncake prompts cut to this many tokens")
     ap.add_argument("--max-output", type=int, default=16, help="mooncake outputs cut to this many tokens")
@@ -524,7 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"{kind} takes no token-id prompts; it runs chat-text and mooncake only", flush=True)
                     continue
                 eopts = opts if wl != "mooncake" else [
-                    *opts, "--prefill-tokens-per-s", str(args.mooncake_prefill_tokens_per_s)]
+                    *opts, "--prefill-tokens-per-s", str(args.mooncake_prefill_tokens_per_s),
+                    "--num-gpu-blocks", str(args.mooncake_num_gpu_blocks)]
                 engines = start_engines(args.engines, eopts, logs)
                 router = None
                 try:
