@@ -56,6 +56,11 @@ def register(sub: Any) -> None:
     p.add_argument("--index-ttl", type=float, metavar="SECONDS", help="drop blocks not stored again for this long")
     p.add_argument("--speculate-ttl", type=float, metavar="SECONDS",
                    help="life of a \"speculate\": true insert (default 2)")
+    p.add_argument("--scoring", choices=("prefix", "cost"),
+                   help="how engines are ranked: prefix (default: the cached share of the prompt minus a load "
+                        "penalty, the --*-weight flags) or cost (the placement model: the least work, uncached "
+                        "prompt tokens plus the prefill already sent to the engine, a seeded spread among "
+                        "near-equal engines)")
     # The weights' names are kvstream simulate's (Dynamo's --kv-overlap-score-weight); the
     # first spellings of serve stay as deprecated aliases.
     for flag, dest, old, what in (
@@ -142,7 +147,7 @@ def _process_count(text: str) -> int:
 
 _FLAGS = ("host", "port", "log_format", "log_level", "tokenizer", "load_interval", "max_prompt_tokens",
           "max_body_bytes", "router_block_size", "index_table", "index_max_bytes", "index_ttl", "speculate_ttl",
-          "prefix_weight", "queue_weight", "running_weight", "kv_weight", "register_token_file", "topic",
+          "scoring", "prefix_weight", "queue_weight", "running_weight", "kv_weight", "register_token_file", "topic",
           "replay_timeout", "mooncake_seed", "model_name", "peers", "max_dump_bytes", "peer_timeout",
           "request_timeout", "ext_proc_port", "max_engines", "insecure_open_admin")
 

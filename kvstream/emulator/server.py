@@ -3,7 +3,10 @@ uvicorn) over :class:`~kvstream.emulator.core.EmulatedEngine`, its KV events on 
 :class:`~kvstream.transport.publisher.Publisher`, vLLM's metric names on ``/metrics``.
 
 Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as
-server-sent events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+server-sent events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and the
+tokenizer's own routes that routers call to learn a prompt's token ids: ``POST /tokenize``,
+``POST /detokenize``, ``POST /v1/completions/render`` and ``POST /v1/chat/completions/render``
+(vLLM's request and answer shapes).
 
 One task runs the engine: it sleeps until the engine's next step is due (or a request
 arrives), runs the step, publishes its events as one batch and wakes the handlers whose
@@ -211,6 +214,10 @@ class EngineServer:
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/reset_prefix_cache", self._reset, methods=["POST"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/detokenize", self._detokenize, methods=["POST"]),
+            Route("/v1/completions/render", self._render_completions, methods=["POST"]),
+            Route("/v1/chat/completions/render", self._render_chat, methods=["POST"]),
         ])
 
     async def _reset(self, request: Any) -> Any:
@@ -289,6 +296,56 @@ class EngineServer:
         for reason, n in (("stop", 0), ("length", c["finished"]), ("abort", c["aborted"])):
             out.append(f'vllm:request_success_total{labels[:-1]},finished_reason="{reason}"}} {float(n)!r}\n')
         return "".join(out).encode() + self.latency.render()
+
+    async def _tokenizer_call(self, request: Any, answer: Callable[[dict[str, Any]], Any]) -> Any:
+        """One of the tokenizer routes: parse the body, check the model, answer JSON (an
+        :class:`OpenAIError` as vLLM's error shape)."""
+        from starlette.responses import Response
+
+        try:
+            body = parse_json_body(await read_body(request, MAX_BODY_BYTES), MAX_BODY_BYTES)
+            if body.get("model") is not None and body.get("model") != self.config.model:
+                raise OpenAIError(404, f"The model `{body.get('model')}` does not exist.", "model")
+            out = answer(body)
+        except OpenAIError as exc:
+            return Response(_enc.encode(exc.body()), status_code=exc.status, media_type="application/json")
+        return Response(_enc.encode(out), media_type="application/json")
+
+    def _prompts(self, body: dict[str, Any]) -> list[list[int]]:
+        """A completions body's prompts as token ids: one text or id list, or a list of them."""
+        p = body.get("prompt")
+        if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            return [prompt_token_ids({**body, "prompt": x}, "completions", self.tokenizer) for x in p]
+        return [prompt_token_ids(body, "completions", self.tokenizer)]
+
+    async def _tokenize(self, request: Any) -> Any:
+        def answer(body: dict[str, Any]) -> Any:
+            kind = "chat" if "messages" in body else "completions"
+            if kind == "completions" and not isinstance(body.get("prompt"), str):
+                raise OpenAIError(400, "'prompt' must be a string", "prompt")
+            ids = prompt_token_ids(body, kind, self.tokenizer)
+            return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": None}
+        return await self._tokenizer_call(request, answer)
+
+    async def _detokenize(self, request: Any) -> Any:
+        def answer(body: dict[str, Any]) -> Any:
+            ids = body.get("tokens")
+            if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+                raise OpenAIError(400, "'tokens' must be a list of token ids", "tokens")
+            check_token_ids(ids, self._vocab_size)
+            return {"prompt": self.tokenizer.decode(ids)}
+        return await self._tokenizer_call(request, answer)
+
+    async def _render_completions(self, request: Any) -> Any:
+        def answer(body: dict[str, Any]) -> Any:
+            return [{"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids)} for ids in self._prompts(body)]
+        return await self._tokenizer_call(request, answer)
+
+    async def _render_chat(self, request: Any) -> Any:
+        def answer(body: dict[str, Any]) -> Any:
+            ids = prompt_token_ids(body, "chat", self.tokenizer)
+            return [body["messages"], [{"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids)}]]
+        return await self._tokenizer_call(request, answer)
 
     async def _completions(self, request: Any) -> Any:
         return await self._generate(request, "completions")

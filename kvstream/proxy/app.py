@@ -41,7 +41,7 @@ from kvstream.routing.index import KVIndex
 from kvstream.proxy.backends import RouterBackend, RoutingBackend, ServiceBackend
 from kvstream.proxy.core import ByteBudget, ProxyCore, Upstream
 from kvstream.proxy.openai import OpenAIError, completion_prompts, error_body, parse_json_body, prompt_token_ids
-from kvstream.proxy.tokenize import PromptTokenizer
+from kvstream.proxy.tokenize import ByteTokenizer, PromptTokenizer
 from kvstream.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvstream.routing.router import Router
 from kvstream.routing.scoring import PrefixLoadPolicy, rank
@@ -162,6 +162,9 @@ class KVProxy:
         self._pools: dict[str, tuple[str, UpstreamPool, str]] = {}
         self._retired: list[UpstreamPool] = []  # pools of engines whose URL changed: closed at the end
         self._metrics = _Metrics()
+        # Without a tokenizer, the engines are asked once how they tokenize (see
+        # _learn_tokenizer); until one answered, text prompts are routed by load.
+        self._tokenizer_probe_at = 0.0 if tokenizer is None else None
         self.app = self._build_app()
 
     @classmethod
@@ -184,6 +187,10 @@ class KVProxy:
 
     async def __aenter__(self) -> "KVProxy":
         await self.backend.__aenter__()
+        if self.tokenizer is None:
+            log.warning("no --tokenizer: token-id prompts are routed by cached prefix; text prompts and chat are too "
+                        "if the engines tokenize UTF-8 bytes (kvstream engine; asked at the first text request), "
+                        "else by load only (give --tokenizer MODEL_DIR)")
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -360,6 +367,70 @@ class KVProxy:
         """Candidates best first, and per engine the predicted cached prompt tokens (of the
         one prompt; of a batch's last, which is what vLLM reports cached for a batch);
         ``kind`` None: by load only; ``allowed``: only these engines."""
+        candidates, predicted, _ = self._route_tokens(body, kind, allowed)
+        return candidates, predicted
+
+    async def _learn_tokenizer(self) -> None:
+        """Without ``--tokenizer``: ask an engine's ``/tokenize`` how it tokenizes. An engine
+        that answers a probe text with its UTF-8 bytes (``kvstream engine`` without a
+        tokenizer) is tokenized locally the same way from then on, so text prompts and chat
+        are routed by prefix; any other answer (a real model's tokenizer) leaves text
+        routed by load, said once in the log with the fix. Asked again at most every 5 s
+        while no engine answers."""
+        now = time.monotonic()
+        if self._tokenizer_probe_at is None or now < self._tokenizer_probe_at:
+            return
+        self._tokenizer_probe_at = now + 5.0
+        probe = "kvstream: which tokens? \u00e9"
+        for name in list(self._sync_upstreams()):
+            pool, prefix = self._pool(name)
+            try:
+                resp = await pool.request("POST", prefix + "/tokenize", _enc.encode({"prompt": probe}),
+                                          [(b"content-type", b"application/json")])
+                try:
+                    raw = await resp.read(65536)
+                finally:
+                    await resp.aclose()
+            except UpstreamError:
+                continue
+            self._tokenizer_probe_at = None  # an engine answered: decided for good
+            try:
+                tokens = _dec.decode(raw).get("tokens") if resp.status_code == 200 else None
+            except (msgspec.DecodeError, AttributeError, RecursionError):
+                tokens = None
+            if tokens == list(probe.encode("utf-8")):
+                self.tokenizer = ByteTokenizer()
+                log.info("the engines tokenize text as UTF-8 bytes (kvstream engine): text prompts and chat are "
+                         "routed by cached prefix with the same tokenization")
+            else:
+                log.warning("no --tokenizer, and engine %s does not tokenize text as UTF-8 bytes: text prompts and "
+                            "chat are routed by load only; start serve with --tokenizer MODEL_DIR (the engines' "
+                            "tokenizer.json) to route them by cached prefix", name)
+            return
+
+    def _prefill_begin(self, rec: "_Record", name: str, predicted: dict[str, int]) -> None:
+        """Count the prompt tokens ``name`` will have to compute for this request in its
+        load (:attr:`~kvstream.routing.scoring.Load.prefill_tokens`) until its first
+        answer byte."""
+        n = max(0, rec.prompt_tokens - predicted.get(name, 0))
+        if n:
+            rec.prefill_at, rec.prefill = name, n
+            self.core.prefill(name, n)
+            self.backend.prefill(name, n)
+
+    def _prefill_end(self, rec: "_Record") -> None:
+        """The engine answered (or the request ended): its prefill is no longer waiting."""
+        name = rec.prefill_at
+        if name is not None:
+            rec.prefill_at = None
+            if name in self.core.engines:
+                self.core.prefill(name, -rec.prefill)
+            self.backend.prefill(name, -rec.prefill)
+
+    def _route_tokens(self, body: dict[str, Any], kind: str | None,
+                      allowed: Container[str] | None = None) -> tuple[list[str], dict[str, int], int]:
+        """:meth:`_route`, and the prompt's length in tokens (all of a batch's; 0 when the
+        prompt could not be tokenized)."""
         prompts: list[list[int]] | None = None
         try:
             if kind == "chat":
@@ -398,7 +469,8 @@ class KVProxy:
             ranking = self.core.round_robin()
         else:
             ranking = ranking + [n for n in urls if n not in ranking]
-        return self.core.candidates(ranking, time.monotonic()), predicted
+        n_tokens = sum(len(p) for p in prompts) if prompts else 0
+        return self.core.candidates(ranking, time.monotonic()), predicted, n_tokens
 
     async def _proxy(self, scope: Any, receive: Any, send: Any, path: str, kind: str) -> None:
         """Answer one OpenAI POST in raw ASGI: the engine's status and headers go out as soon
@@ -423,7 +495,9 @@ class KVProxy:
                     rec.status = 499  # the client went away
                     return
                 body = parse_json_body(raw, self.max_body_bytes)
-                candidates, predicted = self._route(body, kind)
+                if self._tokenizer_probe_at is not None:
+                    await self._learn_tokenizer()
+                candidates, predicted, rec.prompt_tokens = self._route_tokens(body, kind)
             except OpenAIError as exc:
                 rec.status = exc.status
                 await _send_json(send, exc.status, exc.body(), [rid_header])
@@ -451,6 +525,7 @@ class KVProxy:
                 await self._forward(send, path, candidates, predicted, payload, headers, stream, strip_usage, rec)
                 tg.cancel_scope.cancel()
         finally:
+            self._prefill_end(rec)
             self._done(rec)
 
     def _done(self, rec: "_Record") -> None:
@@ -472,6 +547,7 @@ class KVProxy:
         for attempt, name in enumerate(candidates):
             pool, prefix = self._pool(name)
             self._started(name)
+            self._prefill_begin(rec, name, predicted)
             sent = False
             try:
                 resp = await pool.request("POST", prefix + path, payload, headers)
@@ -484,6 +560,7 @@ class KVProxy:
                 continue
             finally:
                 if not sent:
+                    self._prefill_end(rec)
                     self._finished(name)
             rec.engine = name
             rec.predicted = predicted.get(name)
@@ -538,6 +615,7 @@ class KVProxy:
                 failed = str(exc)
                 self._failed(name, exc)
             finally:
+                self._prefill_end(rec)
                 self._finished(name)  # first: the close below may be cancelled part way
                 await resp.aclose()
             if busy:
@@ -632,6 +710,7 @@ class KVProxy:
                 if out:
                     if first:
                         first = False
+                        self._prefill_end(rec)
                         rec.ttfb = t = time.perf_counter() - rec.t0
                         self._metrics.ttft.labels(name).observe(t)
                     yield b"".join(out)
@@ -646,6 +725,7 @@ class KVProxy:
             return
         finally:
             held.give(charged)
+            self._prefill_end(rec)
             self._finished(name)  # first: the close below may be cancelled part way
             await resp.aclose()
         rec.realized = realized
@@ -655,7 +735,8 @@ class KVProxy:
 class _Record:
     """What the access log and the duration histogram learn of one proxied request."""
 
-    __slots__ = ("t0", "path", "status", "engine", "predicted", "realized", "ttfb", "request_id")
+    __slots__ = ("t0", "path", "status", "engine", "predicted", "realized", "ttfb", "request_id", "prompt_tokens",
+                 "prefill_at", "prefill")
 
     def __init__(self, t0: float, path: str) -> None:
         self.t0 = t0
@@ -666,6 +747,9 @@ class _Record:
         self.realized: int | None = None
         self.ttfb: float | None = None
         self.request_id = ""
+        self.prompt_tokens = 0  # the prompt(s) in tokens; 0 when not tokenized (a text prompt, no tokenizer)
+        self.prefill_at: str | None = None  # the engine counting this request's prefill tokens
+        self.prefill = 0
 
 
 def _is_batch(prompt: Any) -> bool:

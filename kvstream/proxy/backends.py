@@ -45,6 +45,10 @@ class RoutingBackend(Protocol):
         """A request to ``name`` ended."""
         ...
 
+    def prefill(self, name: str, tokens: int) -> None:
+        """``tokens`` more (negative: fewer) uncached prompt tokens in flight to ``name``."""
+        ...
+
     def stream_view(self, name: str) -> dict[str, Any]:
         """What the router knows of ``name``'s event stream and index (JSON)."""
         ...
@@ -85,6 +89,9 @@ class RouterBackend:
 
     def finished(self, name: str) -> None:
         pass
+
+    def prefill(self, name: str, tokens: int) -> None:
+        pass  # the proxy's own core counts them (its loads are the backend's)
 
     def stream_view(self, name: str) -> dict[str, Any]:
         h = self.router.health().get(name)
@@ -145,6 +152,9 @@ class ServiceBackend:
 
     def finished(self, name: str) -> None:
         self.core.loads.finished(name)
+
+    def prefill(self, name: str, tokens: int) -> None:
+        self.core.loads.prefill(name, tokens)
 
     def stream_view(self, name: str) -> dict[str, Any]:
         # The service's /v1/engines shows the stream already; the proxy adds its own part.

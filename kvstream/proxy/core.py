@@ -96,6 +96,7 @@ class UpstreamState:
 
     upstream: Upstream
     in_flight: int = 0
+    prefill_tokens: int = 0
     served: int = 0
     failures: int = 0
     consecutive_failures: int = 0
@@ -144,7 +145,7 @@ class ProxyCore:
 
     def loads(self) -> dict[str, Load]:
         """Per engine, its load as the policy sees it (requests in flight as ``running``)."""
-        return {n: Load(running=s.in_flight) for n, s in self.engines.items()}
+        return {n: Load(running=s.in_flight, prefill_tokens=s.prefill_tokens) for n, s in self.engines.items()}
 
     def is_down(self, name: str, now: float) -> bool:
         """Marked down at ``now`` (seconds)?"""
@@ -169,6 +170,12 @@ class ProxyCore:
     def started(self, name: str) -> None:
         """A request was sent to ``name``."""
         self.engines[name].in_flight += 1
+
+    def prefill(self, name: str, tokens: int) -> None:
+        """``tokens`` more (negative: fewer) uncached prompt tokens sent to ``name`` and not
+        answered yet (see :attr:`kvstream.routing.scoring.Load.prefill_tokens`)."""
+        s = self.engines[name]
+        s.prefill_tokens = max(0, s.prefill_tokens + tokens)
 
     def finished(self, name: str) -> None:
         """A request to ``name`` ended (answered, failed or cancelled)."""

@@ -8,13 +8,17 @@ load the caller reports (:class:`Load`) into a ranking. A policy is any callable
         -> list[tuple[float, str]]          # (value, source), any order
 
 and :func:`rank` sorts its output deterministically: higher value first, then lower load,
-then source name. :class:`PrefixLoadPolicy` is the default.
+then source name. :class:`PrefixLoadPolicy` is the index's default: the cached share of the
+prompt minus a load penalty. :class:`CostPolicy` is the placement model: the work a request
+would really cost on each engine (its uncached prompt tokens plus the prefill work already
+queued there), with a seeded spread among near-equal engines.
 
 This module imports nothing of kvstream's.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -25,6 +29,7 @@ __all__ = [
     "ScoreResult",
     "Policy",
     "PrefixLoadPolicy",
+    "CostPolicy",
     "rank",
 ]
 
@@ -41,11 +46,15 @@ class Load:
         queue: requests waiting (count).
         running: requests running (count).
         kv_usage: fraction of the KV cache in use, 0.0 to 1.0.
+        prefill_tokens: prompt tokens the engine still has to compute for requests already
+            sent to it (uncached tokens of requests that have not produced their first token
+            yet), where the caller knows them (a proxy does); 0 when unknown.
     """
 
     queue: int = 0
     running: int = 0
     kv_usage: float = 0.0
+    prefill_tokens: int = 0
 
 
 _NO_LOAD = Load()
@@ -150,6 +159,104 @@ class PrefixLoadPolicy:
             if top is None or cand < top:
                 top = cand
         return None if top is None else top[2]
+
+
+class CostPolicy:
+    """The placement model: send a request where it costs the least work.
+
+    For each engine, in prompt tokens::
+
+        cost = (prompt_tokens - cached_tokens)         # what this request computes there
+             + prefill_weight * prefill_tokens          # prefill already queued there
+             + queue_tokens * queue + running_tokens * running + kv_tokens * kv_usage
+
+    where ``prompt_tokens`` is the prompt's full router blocks times ``block_size`` and
+    ``cached_tokens`` its cached prefix, each block weighted by the medium that holds it
+    (``tier_weights``: a CPU block costs a transfer). The value is ``-cost / prompt_tokens``
+    (higher is better). An engine's prefill work delays every request sent there, so a
+    cached prefix is worth taking only while the engine holding it is not busier by more
+    than the prefix saves: the trade a fixed load penalty cannot make.
+
+    ``queue_tokens`` stands in for the unknown size of a waiting request when the caller
+    only knows counts (loads scraped from engines' ``/metrics``); with ``prefill_tokens``
+    known (a proxy's own bookkeeping) keep it small. ``running_tokens`` is what one running
+    request costs the others (a decode batch slows with every sequence in it); the default
+    256 was tuned on ``bench/bench_routers.py``'s chat workload: 16 left the busiest engine
+    with 1.67x the mean of requests, 256 brought it to 1.08x at about the same hit rate, 1,024
+    lost a sixth of the hits.
+
+    **Spread.** Engines whose cost is within ``spread_tokens + spread_share * prompt_tokens``
+    of the cheapest are near-equal: one of them is drawn from a generator seeded with
+    ``seed``, so equal engines share the traffic (rather than the lowest name taking all of
+    it) and a run with the same seed and inputs makes the same choices.
+
+    Stateful (the generator): one instance per router.
+    """
+
+    __slots__ = ("block_size", "tier_weights", "other_tier_weight", "prefill_weight", "queue_tokens", "running_tokens",
+                 "kv_tokens", "spread_tokens", "spread_share", "seed", "_rng")
+
+    def __init__(self, *, block_size: int = 16, tier_weights: Mapping[str, float] | None = None,
+                 other_tier_weight: float = 0.5, prefill_weight: float = 1.0, queue_tokens: float = 512.0, running_tokens: float = 256.0,
+                 kv_tokens: float = 0.0, spread_tokens: float = 32.0, spread_share: float = 0.02,
+                 seed: int = 0) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 token, got {block_size}")
+        for name, v in (("prefill_weight", prefill_weight), ("queue_tokens", queue_tokens), ("running_tokens", running_tokens),
+                        ("kv_tokens", kv_tokens), ("spread_tokens", spread_tokens),
+                        ("spread_share", spread_share)):
+            if not v >= 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        self.block_size = block_size
+        self.tier_weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
+        self.other_tier_weight = other_tier_weight
+        self.prefill_weight = prefill_weight
+        self.queue_tokens = queue_tokens
+        self.running_tokens = running_tokens
+        self.kv_tokens = kv_tokens
+        self.spread_tokens = spread_tokens
+        self.spread_share = spread_share
+        self.seed = seed
+        self._rng = random.Random(f"kvstream-cost-{seed}")
+
+    def __repr__(self) -> str:
+        return (f"CostPolicy(block_size={self.block_size}, prefill_weight={self.prefill_weight}, queue_tokens={self.queue_tokens}, "
+                f"running_tokens={self.running_tokens}, kv_tokens={self.kv_tokens}, "
+                f"spread_tokens={self.spread_tokens}, spread_share={self.spread_share}, seed={self.seed})")
+
+    def costs(self, matches: Sequence[SourceMatch], loads: Mapping[str, Load], n_blocks: int) -> dict[str, float]:
+        """Per source, the cost in tokens (see the class docstring); no spread."""
+        bs = self.block_size
+        tw = self.tier_weights
+        ow = self.other_tier_weight
+        prompt = n_blocks * bs
+        out = {}
+        for m in matches:
+            cached = 0.0
+            for med, c in m.served.items():
+                cached += c * tw.get(med, ow)
+            ld = loads.get(m.source, _NO_LOAD)
+            out[m.source] = (prompt - cached * bs + self.prefill_weight * ld.prefill_tokens + self.queue_tokens * ld.queue
+                             + self.running_tokens * ld.running + self.kv_tokens * ld.kv_usage)
+        return out
+
+    def __call__(
+        self, matches: Sequence[SourceMatch], loads: Mapping[str, Load], n_blocks: int
+    ) -> list[tuple[float, str]]:
+        costs = self.costs(matches, loads, n_blocks)
+        if not costs:
+            return []
+        prompt = max(1, n_blocks * self.block_size)
+        best = min(costs.values())
+        near = sorted(s for s, c in costs.items() if c <= best + self.spread_tokens + self.spread_share * prompt)
+        pick = near[self._rng.randrange(len(near))] if len(near) > 1 else near[0]
+        # Near-equal engines all get the best value; the drawn one a hair more, so rank()
+        # puts it first and the rest follow in their usual order (the failover candidates).
+        out = []
+        for s, c in costs.items():
+            v = -best / prompt if s in near else -c / prompt
+            out.append((v + 1e-9 if s == pick else v, s))
+        return out
 
 
 def _load_key(ld: Load) -> tuple[float, float, float]:

@@ -162,6 +162,7 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_def
     max_body_bytes: int | UnsetType = UNSET
     router_block_size: int | UnsetType = UNSET
     index_table: Literal["dict", "compact"] | UnsetType = UNSET
+    scoring: Literal["prefix", "cost"] | UnsetType = UNSET
     index_max_bytes: int | UnsetType = UNSET
     index_ttl: float | UnsetType = UNSET
     speculate_ttl: float | UnsetType = UNSET
@@ -222,6 +223,9 @@ class ServeConfig:
         index_max_bytes: memory bound of each index, bytes (``--index-max-bytes``).
         index_ttl: seconds a block lives after its last store (``--index-ttl``).
         speculate_ttl: seconds a ``"speculate": true`` insert lives (``--speculate-ttl``).
+        scoring: how engines are ranked (``--scoring``): ``prefix`` (default,
+            :class:`~kvstream.routing.scoring.PrefixLoadPolicy` with the weights below) or
+            ``cost`` (:class:`~kvstream.routing.scoring.CostPolicy`, the placement model).
         prefix_weight, queue_weight, running_weight, kv_weight: the scoring weights of
             :class:`~kvstream.routing.scoring.PrefixLoadPolicy`.
         register_token_file: a file holding the bearer token that ``/register``,
@@ -268,6 +272,7 @@ class ServeConfig:
     index_max_bytes: int | None = None
     index_ttl: float | None = None
     speculate_ttl: float = 2.0
+    scoring: str = "prefix"
     prefix_weight: float = 1.0
     queue_weight: float = 0.1
     running_weight: float = 0.02
@@ -299,6 +304,7 @@ class ServeConfig:
         need(self.max_body_bytes >= 1024, "max-body-bytes", "at least 1024 bytes", self.max_body_bytes)
         need(self.router_block_size > 0, "router-block-size", "a positive token count", self.router_block_size)
         need(self.index_table in ("dict", "compact"), "index-table", "'dict' or 'compact'", self.index_table)
+        need(self.scoring in ("prefix", "cost"), "scoring", "'prefix' or 'cost'", self.scoring)
         need(self.index_max_bytes is None or self.index_max_bytes > 0, "index-max-bytes", "positive bytes",
              self.index_max_bytes)
         need(self.index_ttl is None or self.index_ttl > 0, "index-ttl", "positive seconds", self.index_ttl)

@@ -27,7 +27,7 @@ from kvstream.hashing import MMItem
 from kvstream.routing.index import KVIndex
 from kvstream.routing.keys import RouterKeyError
 from kvstream.routing.router import AnyIndex, apply_item
-from kvstream.routing.scoring import Load, PrefixLoadPolicy
+from kvstream.routing.scoring import CostPolicy, Load, PrefixLoadPolicy
 from kvstream.service.config import EngineSpec, ServeConfig, check_endpoint
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.service.load import LoadBoard
@@ -93,8 +93,12 @@ class ServiceCore:
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock
-        self.policy = PrefixLoadPolicy(prefix_weight=config.prefix_weight, queue_weight=config.queue_weight,
-                                       running_weight=config.running_weight, kv_weight=config.kv_weight)
+        self.policy: PrefixLoadPolicy | CostPolicy
+        if config.scoring == "cost":
+            self.policy = CostPolicy(block_size=config.router_block_size)
+        else:
+            self.policy = PrefixLoadPolicy(prefix_weight=config.prefix_weight, queue_weight=config.queue_weight,
+                                           running_weight=config.running_weight, kv_weight=config.kv_weight)
         self.indexes: dict[str, AnyIndex] = {DEFAULT_INDEX: self.new_index(config.router_block_size)}
         self.engines: dict[str, Engine] = {}
         self.loads = LoadBoard(stale_after_s=max(3 * config.load_interval, 1.0))

@@ -90,13 +90,14 @@ class LoadBoard:
     ``stale_after_s``: a scrape older than this (seconds) is stale (default 3 intervals).
     """
 
-    __slots__ = ("stale_after_s", "_scrape", "_error", "_inflight", "_cache", "_down")
+    __slots__ = ("stale_after_s", "_scrape", "_error", "_inflight", "_prefill", "_cache", "_down")
 
     def __init__(self, stale_after_s: float = 6.0) -> None:
         self.stale_after_s = stale_after_s
         self._scrape: dict[str, Scrape] = {}
         self._error: dict[str, str] = {}
         self._inflight: dict[str, int] = {}
+        self._prefill: dict[str, int] = {}
         self._cache: dict[str, Load] | None = None
         self._down: dict[str, float] = {}
 
@@ -139,6 +140,17 @@ class LoadBoard:
         self._inflight[engine] = self._inflight.get(engine, 0) + n
         self._cache = None
 
+    def prefill(self, engine: str, tokens: int) -> None:
+        """``tokens`` more (or, negative, fewer) prompt tokens ``engine`` has to compute for
+        requests sent to it and not answered yet: the proxy adds a request's uncached
+        tokens when it sends it and takes them back at its first answer byte."""
+        v = self._prefill.get(engine, 0) + tokens
+        if v > 0:
+            self._prefill[engine] = v
+        else:
+            self._prefill.pop(engine, None)
+        self._cache = None
+
     def finished(self, engine: str, n: int = 1) -> None:
         """``n`` requests sent to ``engine`` finished (never below zero)."""
         v = self._inflight.get(engine, 0) - n
@@ -153,6 +165,7 @@ class LoadBoard:
         self._scrape.pop(engine, None)
         self._error.pop(engine, None)
         self._inflight.pop(engine, None)
+        self._prefill.pop(engine, None)
         self._down.pop(engine, None)
         self._cache = None
 
@@ -168,12 +181,13 @@ class LoadBoard:
         c = self._cache
         if c is None:
             c = {}
+            pf = self._prefill
             for name, s in self._scrape.items():
                 c[name] = Load(queue=s.waiting, running=max(s.running, self._inflight.get(name, 0)),
-                               kv_usage=s.kv_usage)
+                               kv_usage=s.kv_usage, prefill_tokens=pf.get(name, 0))
             for name, n in self._inflight.items():
                 if name not in c:
-                    c[name] = Load(running=n)
+                    c[name] = Load(running=n, prefill_tokens=pf.get(name, 0))
             self._cache = c
         return c
 
@@ -192,7 +206,7 @@ class LoadBoard:
         s = self._scrape.get(engine)
         ld = self.known().get(engine, Load())
         out: dict[str, object] = {
-            "queue": ld.queue, "running": ld.running, "kv_usage": ld.kv_usage,
+            "queue": ld.queue, "running": ld.running, "kv_usage": ld.kv_usage, "prefill_tokens": ld.prefill_tokens,
             "in_flight": self._inflight.get(engine, 0),
             "scraped": s is not None,
             "age_s": None if s is None else round(now - s.at, 3),

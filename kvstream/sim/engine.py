@@ -235,6 +235,22 @@ class EngineModel:
         """Fraction of usable KV blocks held (0.0 to 1.0)."""
         return self.manager.usage
 
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute for the requests here that have not produced a
+        first token (a waiting request counts whole: its cache lookup comes at admission),
+        in simulated tokens: what a proxy knows of the prefill work it sent here."""
+        n = 0
+        for queue in (self.waiting, self.running):
+            for st in queue:
+                if st.first_token_at >= 0:
+                    continue
+                kv = st.kv
+                if kv is None:
+                    continue
+                n += len(kv.token_ids) - kv.num_computed_tokens
+        return n
+
     # -- driver API ------------------------------------------------------------------------
 
     def submit(self, state: SimRequestState, now: float, prepared: "Prepared | None" = None) -> bool:

@@ -3,6 +3,9 @@
 * ``kv-aware``: kvstream's router scoring as the router ships it: ``KVIndex.score`` with
   the default :class:`~kvstream.routing.scoring.PrefixLoadPolicy` (the cached-prefix share of the
   prompt, minus a small load penalty).
+* ``kv-cost``: the placement model, :class:`~kvstream.routing.scoring.CostPolicy`: the
+  engine where the request costs the least work (its uncached prompt tokens plus the prefill
+  work already waiting there), near-equal engines drawn from a seeded generator.
 * ``kv-load``: the same prefix score blended with a heavier load penalty (queue,
   running, KV usage weighted ~2.5x the defaults): trades hit rate for spread.
 * ``prefix-only`` (not in the default list): the prefix share alone, load only breaking
@@ -21,12 +24,12 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, Sequence
 
-from kvstream.routing.scoring import Load, PrefixLoadPolicy
+from kvstream.routing.scoring import CostPolicy, Load, PrefixLoadPolicy
 from kvstream.sim.workload import WorkloadError
 
 __all__ = ["POLICY_NAMES", "ALL_POLICY_NAMES", "RoutingPolicy", "make_policy"]
 
-POLICY_NAMES: tuple[str, ...] = ("kv-aware", "kv-load", "round-robin", "least-loaded", "random")
+POLICY_NAMES: tuple[str, ...] = ("kv-aware", "kv-cost", "kv-load", "round-robin", "least-loaded", "random")
 """The policies compared by default, in the order tables list them."""
 
 ALL_POLICY_NAMES: tuple[str, ...] = POLICY_NAMES + ("prefix-only",)
@@ -54,10 +57,14 @@ class RoutingPolicy:
     def __init__(self, name: str, seed: int = 0, *, scoring: PrefixLoadPolicy | None = None) -> None:
         if name not in ALL_POLICY_NAMES:
             raise WorkloadError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICY_NAMES)}")
-        if scoring is not None and name not in _SCORING:
+        if scoring is not None and name not in _SCORING and name != "kv-cost":
             raise WorkloadError(f"policy {name!r} uses no prefix scoring, so it takes no scoring weights")
         self.name = name
         self.scoring: Any = scoring if scoring is not None else _SCORING.get(name)
+        if name == "kv-cost" and scoring is None:
+            # The simulator knows every engine's pending prefill exactly, so a waiting request
+            # needs no stand-in size (queue_tokens 0). Stateful (its spread generator): one per run.
+            self.scoring = CostPolicy(queue_tokens=0.0, seed=seed)
         self.uses_index = self.scoring is not None
         self._rng = random.Random(f"kvstream-sim-{seed}")
         self._next = 0

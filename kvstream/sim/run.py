@@ -34,7 +34,7 @@ from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.wire.events import EventDecoder, EventEncoder, KVEventBatch
 from kvstream.hashing import to_external_list
 from kvstream.routing.index import KVIndex
-from kvstream.routing.scoring import Load
+from kvstream.routing.scoring import CostPolicy, Load
 from kvstream.sim.blocks import SegmentHasher
 from kvstream.sim.engine import EngineConfig, EngineModel, Prepared, SimRequestState
 from kvstream.sim.metrics import PolicyResult, RunMetrics
@@ -135,6 +135,8 @@ class SimRun:
         # Router keys can be memoized per engine block hash when a router block is an
         # engine block (the default).
         self._keys_memo = self._R == ec.sim_block_size
+        if isinstance(self.policy.scoring, CostPolicy):
+            self.policy.scoring.block_size = self._R  # costs in (simulated) tokens
         self.encoder = EventEncoder()
         self.decoder = EventDecoder()
         self._wire = config.wire
@@ -199,7 +201,7 @@ class SimRun:
             src = self._src
             for i in dirty:
                 e = self.engines[i]
-                ld = loads[i] = Load(len(e.waiting), len(e.running), e.usage)
+                ld = loads[i] = Load(len(e.waiting), len(e.running), e.usage, e.pending_prefill_tokens)
                 load_map[src[i]] = ld
             dirty.clear()
         return self._loads

@@ -1,0 +1,76 @@
+"""The placement model (CostPolicy): the cheapest engine in tokens of work, a seeded spread."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvstream.routing.scoring import CostPolicy, Load, SourceMatch, rank
+
+
+def m(source: str, blocks: int = 0, cpu: int = 0) -> SourceMatch:
+    served = {k: v for k, v in (("GPU", blocks), ("CPU", cpu)) if v}
+    return SourceMatch(source, blocks + cpu, (blocks + cpu) * 16, {}, served)
+
+
+def best(policy: CostPolicy, matches: list[SourceMatch], loads: dict[str, Load], n: int) -> str:
+    return rank(policy(matches, loads, n), loads)[0]
+
+
+def test_a_cached_prefix_wins_when_the_engines_are_equally_busy() -> None:
+    pol = CostPolicy(spread_tokens=0, spread_share=0)
+    assert best(pol, [m("a"), m("b", 50)], {}, 64) == "b"
+    assert pol.costs([m("a"), m("b", 50)], {}, 64) == {"a": 1024, "b": 1024 - 800}
+
+
+def test_queued_prefill_outweighs_a_prefix_worth_less_than_it() -> None:
+    pol = CostPolicy(spread_tokens=0, spread_share=0)
+    matches = [m("a"), m("b", 50)]  # b saves 800 tokens
+    assert best(pol, matches, {"b": Load(prefill_tokens=700)}, 64) == "b"
+    assert best(pol, matches, {"b": Load(prefill_tokens=900)}, 64) == "a"
+
+
+def test_waiting_and_running_requests_count_as_their_token_equivalents() -> None:
+    pol = CostPolicy(queue_tokens=512, running_tokens=16, spread_tokens=0, spread_share=0)  # explicit weights
+    c = pol.costs([m("a")], {"a": Load(queue=2, running=3)}, 10)
+    assert c == {"a": 160 + 2 * 512 + 3 * 16}
+
+
+def test_a_cpu_block_is_worth_its_tier_weight() -> None:
+    pol = CostPolicy(spread_tokens=0, spread_share=0)
+    assert pol.costs([m("a", cpu=10)], {}, 10) == {"a": pytest.approx(160 - 10 * 16 * 0.8)}
+
+
+def test_equal_engines_share_the_traffic_and_the_same_seed_repeats_the_choices() -> None:
+    matches = [m("e0"), m("e1"), m("e2"), m("e3")]
+
+    def run(seed: int) -> list[str]:
+        pol = CostPolicy(seed=seed)
+        return [best(pol, matches, {}, 64) for _ in range(400)]
+
+    picks = run(7)
+    assert picks == run(7) and picks != run(8)
+    counts = Counter(picks)
+    assert set(counts) == {"e0", "e1", "e2", "e3"} and min(counts.values()) > 60
+
+
+def test_the_spread_never_picks_an_engine_that_is_clearly_worse() -> None:
+    pol = CostPolicy(spread_tokens=32, spread_share=0.0)
+    matches = [m("a"), m("b", 2), m("c", 40)]  # c saves 640 tokens
+    assert {best(pol, matches, {}, 64) for _ in range(200)} == {"c"}
+    near = [m("a"), m("b", 1)]  # 16 tokens apart: within the spread
+    assert {best(pol, near, {}, 64) for _ in range(200)} == {"a", "b"}
+
+
+def test_the_failover_order_after_the_pick_is_by_cost() -> None:
+    pol = CostPolicy(spread_tokens=0, spread_share=0)
+    loads = {"a": Load(prefill_tokens=100), "b": Load(prefill_tokens=300), "c": Load(prefill_tokens=200)}
+    assert rank(pol([m("a"), m("b"), m("c")], loads, 8), loads) == ["a", "c", "b"]
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        CostPolicy(block_size=0)
+    with pytest.raises(ValueError, match="prefill_weight"):
+        CostPolicy(prefill_weight=-1)
