@@ -410,6 +410,19 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
     """Serve until told to stop: 0, or 1 if the event stream runtime failed (the service
     then stops rather than answer from an index that no longer follows the engines)."""
     import anyio
+
+    # The signals are taken over first thing: a Ctrl-C at any point of the start-up is then
+    # queued and asks uvicorn to stop once it runs, instead of cancelling the start-up
+    # mid-way (asyncio's own SIGINT handling), which uvicorn logs as a lifespan error with a
+    # traceback.
+    with anyio.open_signal_receiver(signal.SIGHUP, signal.SIGINT, signal.SIGTERM) as signals:
+        return await _serve_in(signals, cfg, tok, sock, flags, cli_engines, ready_fd, proxy_opts, sibling,
+                               gateway_opts)
+
+
+async def _serve_in(signals: Any, cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
+                    cli_engines: list[str], ready_fd: int | None, proxy_opts: dict[str, Any] | None,
+                    sibling: Any, gateway_opts: dict[str, Any] | None) -> int:
     import uvicorn
 
     from kvstream.service.app import create_app
@@ -479,17 +492,19 @@ async def _serve(cfg: Any, tok: Any, sock: socket.socket, flags: dict[str, Any],
                 print(f"kvstream serve: {exc}", file=sys.stderr)
                 return 2
             note = f", ext_proc on {extproc.address}"
-        await _run_server(server, sock, core, flags, cli_engines, ready_fd, sibling, note)
+        await _run_server(signals, server, sock, core, flags, cli_engines, ready_fd, sibling, note)
     if core.failure is not None:
         log.critical("stopped: %s", core.failure)
         return 1
     return 0
 
 
-async def _run_server(server: Any, sock: socket.socket, core: Any, flags: dict[str, Any], cli_engines: list[str],
-                      ready_fd: int | None, sibling: Any = None, note: str = "") -> None:
+async def _run_server(signals: Any, server: Any, sock: socket.socket, core: Any, flags: dict[str, Any],
+                      cli_engines: list[str], ready_fd: int | None, sibling: Any = None, note: str = "") -> None:
     import anyio
 
+    host, port = sock.getsockname()[:2]
+    stop = anyio.Event()  # asked to stop: done once uvicorn has started (a clean shutdown)
     async with anyio.create_task_group() as tg:
         async def serve_then_stop() -> None:
             try:
@@ -497,28 +512,36 @@ async def _run_server(server: Any, sock: socket.socket, core: Any, flags: dict[s
             finally:
                 tg.cancel_scope.cancel()
 
+        async def announce_then_stop() -> None:
+            while not server.started:  # uvicorn sets it once the lifespan ran and it accepts
+                await anyio.sleep(0.01)
+            if ready_fd is None:
+                shown = f"[{host}]" if ":" in host else host
+                print(f"kvstream serve: listening on http://{shown}:{port} ({len(core.engines)} engines{note})",
+                      flush=True)
+            else:  # a worker: tell the supervisor
+                import os
+
+                os.write(ready_fd, b"!")
+                os.close(ready_fd)
+            # A stop asked for during the start-up waits until here: uvicorn then shuts the
+            # lifespan down in order, where an earlier stop would leave it to be cancelled.
+            await stop.wait()
+            server.should_exit = True
+
         tg.start_soon(serve_then_stop)
         if sibling is not None:  # a worker: share registrations with the others
             core.mooncake.share = sibling.send
             tg.start_soon(sibling.run, core.mooncake.apply_shared)
-        while not server.started:  # uvicorn sets it once the lifespan ran and it accepts
-            await anyio.sleep(0.01)
-        if ready_fd is None:
-            host, port = sock.getsockname()[:2]
-            shown = f"[{host}]" if ":" in host else host
-            print(f"kvstream serve: listening on http://{shown}:{port} ({len(core.engines)} engines{note})", flush=True)
-        else:  # a worker: tell the supervisor
-            import os
-
-            os.write(ready_fd, b"!")
-            os.close(ready_fd)
-        with anyio.open_signal_receiver(signal.SIGHUP, signal.SIGINT, signal.SIGTERM) as signals:
-            async for sig in signals:
-                if sig == signal.SIGHUP:
-                    _reload(core, flags, cli_engines)
-                else:
-                    log.info("stopping on %s", signal.Signals(sig).name)
-                    server.should_exit = True
+        tg.start_soon(announce_then_stop)
+        async for sig in signals:
+            if sig == signal.SIGHUP:
+                _reload(core, flags, cli_engines)
+            else:
+                log.info("stopping on %s", signal.Signals(sig).name)
+                if stop.is_set():  # asked twice: now, without waiting for the start-up
+                    server.should_exit = server.force_exit = True
+                stop.set()
 
 
 def _reload(core: Any, flags: dict[str, Any], cli_engines: list[str]) -> None:
