@@ -67,6 +67,7 @@ SNAPSHOT = "snapshot"
 JOIN = "join"  # replay from 0 at startup or after a restart
 GAP = "gap"  # a seq is missing
 PROBE = "probe"  # quiet after traffic: anything lost at the tail?
+REPROBE = "reprobe"  # a probe nobody answered in time, asked again: no longer "live"
 VERIFY = "verify"  # a live seq below E whose bytes are unknown
 ANCHOR = "anchor"  # after a snapshot: fetch the bytes of R - 1
 
@@ -120,7 +121,7 @@ class SourceCounters:
 
     __slots__ = ("batches", "events", "gaps", "replays", "snapshots", "restarts", "stale_marks",
                  "duplicates", "decode_errors", "frame_errors", "held_dropped", "timeouts",
-                 "retries", "probes", "filtered", "unattributed", "overflows", "lag_s")
+                 "retries", "probes", "filtered", "unattributed", "overflows", "reordered", "lag_s")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -159,6 +160,9 @@ class SourceCounters:
         publisher's topic was not known yet (no live message, no ``SourceSpec.topic``)."""
         self.overflows = 0
         """Requests given up because an answer exceeded its bound (snapshot bytes, replies)."""
+        self.reordered = 0
+        """Live messages that arrived after a higher seq and filled a gap (a forwarder or
+        network reordering): held and checked by the replay that fills the gap."""
         self.lag_s = 0.0
         """Seconds between the arrival of the last batch the consumer took and its taking."""
 
@@ -191,7 +195,7 @@ class SourceTracker:
                  "topic", "expected", "live_high", "held", "held_bytes", "inflight", "stale",
                  "connected", "out", "counters", "generation", "_attempts", "_ring", "_ring_lo",
                  "_ring_hi", "_last_live", "_probe_armed", "_recheck", "probe_max_s", "_probe_gap",
-                 "_held_min")
+                 "_held_min", "_tail_lost")
 
     def __init__(self, name: str, *, has_replay: bool, max_held: int = 100_000,
                  max_held_bytes: int = 64 << 20, max_snapshot_bytes: int = 256 << 20,
@@ -241,6 +245,10 @@ class SourceTracker:
         self._last_live = 0.0
         self._probe_armed = False
         self._recheck = False
+        # A probe found batches the live socket never delivered (a PUB that reaches
+        # nobody, a forwarder losing messages): "recovering" until a live message arrives
+        # or a probe finds nothing new.
+        self._tail_lost = False
 
     # -- state -------------------------------------------------------------------------
 
@@ -250,10 +258,13 @@ class SourceTracker:
         request is outstanding), ``"stale"`` or ``"live"``."""
         if not self.connected:
             return "connecting"
+        if self.stale:
+            return "stale" if self.inflight is None or self.inflight.purpose in (PROBE, REPROBE) \
+                else "recovering"
         req = self.inflight
-        if req is not None and req.purpose != PROBE:
+        if (req is not None and req.purpose != PROBE) or self._tail_lost:
             return "recovering"
-        return "stale" if self.stale else "live"
+        return "live"
 
     def start(self, now: float = 0.0, start_seq: int = 0) -> None:
         """Ask for everything the publisher still buffers (joining mid-stream); ``now``
@@ -304,15 +315,17 @@ class SourceTracker:
         self._last_live = now
         self._probe_armed = True
         self._probe_gap = self.probe_after_s or 0.0
-        if seq <= self.live_high:
-            self._restart(seq)
-        self.live_high = seq
+        self._tail_lost = False  # the live socket delivers
         self.topic = topic
         e = self.expected
         if seq < e:
+            # Bytes first (the state table): the same bytes at a yielded seq are a copy
+            # (a duplicate or a late, reordered message), whatever live_high says.
             h = self._known(seq)
             if h is None:
                 # Bytes unknown (older than the window, or covered by a snapshot): ask.
+                if seq > self.live_high:
+                    self.live_high = seq
                 self._hold(seq, (seq, topic, payload, batch, False))
                 if self.inflight is None:
                     self._verify()
@@ -322,6 +335,29 @@ class SourceTracker:
                 return
             self._restart(seq)
             e = 0
+        elif seq <= self.live_high:
+            # Not yielded yet but at or below the highest live seq: a reordered message
+            # filling a gap (held copies are compared byte for byte), or a new instance.
+            held = self.held.get(seq)
+            if held is not None:
+                if held[2] == payload:
+                    self.counters.duplicates += 1
+                    return
+                self._restart(seq)
+                e = 0
+            elif not self.has_replay:
+                # Nobody to check it against: a restart must never be missed.
+                self._restart(seq)
+                e = 0
+            else:
+                # Held and checked like a gap: the anchored replay that fills the gap
+                # proves (or disproves) the instance, and replies are compared with it.
+                self.counters.reordered += 1
+                self._hold(seq, (seq, topic, payload, batch, False))
+                self._recover()
+                return
+        if seq > self.live_high:
+            self.live_high = seq
         if self.inflight is not None:
             self._hold(seq, (seq, topic, payload, batch, False))
             return
@@ -450,6 +486,13 @@ class SourceTracker:
     def _mark_stale(self, reason: str) -> None:
         e = self.expected
         resume = min(self.held) if self.held else max(e, self.live_high + 1)
+        if self.stale and resume == e:
+            # Already stale and nothing more skipped (a dead engine's probes failing one
+            # after another): no news, no second notice.
+            self._forget()
+            self._attempts = 0
+            self._recover()
+            return
         self.stale = True
         self.counters.stale_marks += 1
         self.out.append(SourceStale(self.name, reason, e, resume))
@@ -459,7 +502,8 @@ class SourceTracker:
         self._recover()
 
     def _live_again(self) -> None:
-        if self.inflight is None:
+        # Only a source that is live says so: a stale one stays stale until a reset.
+        if self.inflight is None and not self.stale and not self._tail_lost:
             self.out.append(SourceLive(self.name, self.expected - 1))
 
     def _connect(self) -> None:
@@ -588,6 +632,12 @@ class SourceTracker:
             self._yield(seq, topic, payload, batch, True)
             self._drain_held()
         else:
+            held = self.held.get(seq)
+            if held is not None and held[2] != payload:
+                # The publisher that proved itself with the anchor holds other bytes than
+                # a live message held for this seq: two instances; rebuild.
+                self._restart(seq)
+                return
             self._hold(seq, (seq, topic, payload, batch, True))
 
     def _overflow(self, req: Request, reason: str) -> None:
@@ -664,10 +714,21 @@ class SourceTracker:
             self.inflight = self._anchored(GAP, delay)
             return
         self._attempts = 0
-        if req.purpose in (PROBE, VERIFY) and e == req.e0:
+        probe = req.purpose in (PROBE, REPROBE)
+        if probe and e == req.e0:
+            # Nothing was missing: the state is exact now. No news for the consumer,
+            # unless the source was not "live" (a probe answered late, a lost tail).
+            if req.purpose == REPROBE or self._tail_lost:
+                self._tail_lost = False
+                self._live_again()
+            return
+        if req.purpose == VERIFY and e == req.e0:
             return  # nothing was missing: no news for the consumer
-        if req.purpose == PROBE:
-            # The probe found a lost tail: the channel is losing messages, look again soon.
+        if probe:
+            # The probe found a lost tail: the live channel is losing messages (or reaches
+            # nobody). Not "live" until a live message arrives or a probe finds nothing
+            # new; look again soon.
+            self._tail_lost = True
             self._probe_gap = self.probe_after_s or 0.0
         self._live_again()
 
@@ -733,10 +794,13 @@ class SourceTracker:
             c.retries += 1
             delay = min(self.backoff_s * (2 ** (self._attempts - 1)), _BACKOFF_CAP_S)
             e = self.expected
+            # A probe nobody answers is no evidence that the source is live: its retries
+            # are "recovering" (or "stale"), within replay_timeout_s of the probe.
+            purpose = REPROBE if req.purpose == PROBE else req.purpose
             if req.kind == SNAPSHOT or (req.purpose == ANCHOR and e == req.e0) or e == 0:
-                nxt = Request(req.kind, req.purpose, req.start, req.check, delay, req.e0)
+                nxt = Request(req.kind, purpose, req.start, req.check, delay, req.e0)
             else:
-                nxt = self._anchored(GAP if req.purpose in (JOIN, ANCHOR) else req.purpose, delay)
+                nxt = self._anchored(GAP if purpose in (JOIN, ANCHOR) else purpose, delay)
             self.inflight = nxt
             return
         self.inflight = None
