@@ -15,8 +15,10 @@ Rules (``E`` is the next seq to yield, ``H`` the highest seq seen on the live so
   of the payload of the last :data:`RECENT_WINDOW` yielded seqs. A live ``s < E`` is a
   duplicate only if its bytes match what was yielded for ``s``; other bytes mean a new
   engine (restart). If ``s`` is outside the window (or was covered by a snapshot), the
-  tracker asks the publisher (a *verify* request, below). A live ``s <= H`` is a restart
-  too: one publisher's live channel never goes backwards.
+  tracker asks the publisher (a *verify* request, below). Bytes come first: a copy is a
+  duplicate whatever ``H`` is (a forwarder duplicates and reorders). A live ``E <= s <= H``
+  not held is a reordered message: held like a gap, and checked against the anchored
+  replay that fills it (other bytes there: a restart).
 * **Anchored requests.** Every replay request after the join starts at ``E - 1`` (the
   *anchor*, whose hash is known) and the first reply must be the anchor with the same
   bytes: otherwise the publisher is a new engine (``SourceReset("restart")``, then a
@@ -44,8 +46,11 @@ Rules (``E`` is the next seq to yield, ``H`` the highest seq seen on the live so
   (counted ``unattributed``) and the source stays ``connecting``: nothing proves they pass
   the filter. A live message names the topic; the gap before it is then replayed.
 * **States.** ``connecting`` until the first live message or replay answer; ``recovering``
-  while a (non-probe) request is outstanding; ``stale`` after unrecoverable loss until a
-  reset; else ``live``.
+  while a (non-probe) request is outstanding, once a probe went unanswered for the shell's
+  timeout (no answer is no evidence of ``live``), and after a probe found batches the live
+  socket lost (until a live message arrives or a probe finds nothing new); ``stale`` after
+  unrecoverable loss until a reset (no ``SourceLive`` while stale, and a failing probe of a
+  stale source adds no second ``SourceStale``); else ``live``.
 * **Bounds.** Held live messages (``max_held`` messages, ``max_held_bytes``), a
   snapshot being received (``max_snapshot_bytes``, beyond: stale) and the replies of one
   request (``max_replies``, beyond: the request fails) are bounded.
@@ -200,7 +205,7 @@ class SourceTracker:
     def __init__(self, name: str, *, has_replay: bool, max_held: int = 100_000,
                  max_held_bytes: int = 64 << 20, max_snapshot_bytes: int = 256 << 20,
                  max_replies: int = 1_000_000, max_retries: int = 3, backoff_s: float = 0.05,
-                 probe_after_s: float | None = 0.5, probe_max_s: float | None = 10.0,
+                 probe_after_s: float | None = 0.5, probe_max_s: float | None = 2.0,
                  topic: bytes = b"",
                  source_topic: bytes | None = None) -> None:
         self.name = name

@@ -183,7 +183,7 @@ class Subscriber:
         max_retries: int = 3,
         backoff_s: float = 0.05,
         probe_after_s: float | None = 0.5,
-        probe_max_s: float | None = 10.0,
+        probe_max_s: float | None = 2.0,
         max_buffered_items: int = 10_000,
         max_buffered_bytes: int = 64 << 20,
         max_held: int = 100_000,
