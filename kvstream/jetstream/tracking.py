@@ -161,6 +161,12 @@ class RelaySource:
             return out
         raise TypeError(f"not a subscriber item: {item!r:.80}")
 
+    def gap_message(self, first_missing: int, reason: str) -> Message:
+        """The ``stale`` notice for batches ``first_missing .. pos`` that never reached the
+        stream (it refused them and the relay gave up), so that the stream says what it
+        lacks; the batches after ``pos`` follow it as usual."""
+        return self._control(SourceStale(self.source, reason, first_missing, self.pos + 1))
+
     def _batch(self, b: SourceBatch) -> list[Message]:
         q = b.seq
         snap = self._snap
@@ -368,6 +374,18 @@ class StreamSource:
         c.batches += k
         c.events += sum(map(len, map(_events_of, batches)))
         c.lag_s = now - batches[-1].ts
+
+    def on_blocked(self, reason: str) -> None:
+        """A relay said (out of band) that this source's messages do not reach the stream
+        any more: what the stream holds is not the engine's state. Stale at once (one
+        notice), until a reset; the relay's in-band ``stale`` notice follows once the stream
+        takes messages again."""
+        st = self.state
+        if st.stale:
+            return
+        st.stale = True
+        self.counters.stale_marks += 1
+        self.out.append(SourceStale(self.name, reason, st.expected, st.expected))
 
     def on_message(self, sseq: int, headers: Mapping[str, str] | None, payload: bytes, now: float) -> None:
         """One message of this source's subject, stream sequence ``sseq``."""
