@@ -14,7 +14,9 @@ replay replies dropped in the middle (vLLM 0.11's ROUTER over its HWM), replies 
 tail (no end marker), answers delayed beyond the timeout, engine restarts (seqs from 0,
 before or after a snapshot join), idling right after a loss, prefix-cache resets, late
 subscriber joins (snapshot joins when the buffer has rotated), reconnects without a
-restart (network blips), and several sources interleaved.
+restart (network blips), and several sources interleaved. A source may sit behind a
+*forwarder* (a ZMQ proxy in the live path): it duplicates and reorders live messages, and
+its downstream connection hides the engine's restarts and blips (no reconnect event).
 
 The checker runs whenever the world is quiet (no message in flight, no timer pending):
 every source must be exactly its engine's residency (block hash -> physical copies) or
@@ -39,7 +41,7 @@ from kvstream.transport.recovery import SourceTracker
 from kvstream.wire.events import KVEventBatch, decode_batch, encode_batch
 
 FAULTS = ("live_drop", "reply_hole", "reply_cut", "answer_delay", "restart", "idle_after_loss",
-          "reset_cache", "late_join", "reconnect")
+          "reset_cache", "late_join", "reconnect", "fwd_duplicate", "fwd_reorder", "hidden_restart")
 """Every kind of fault the nemesis injects (counted per run)."""
 
 BLOCK = 4
@@ -193,6 +195,10 @@ class World:
             name = f"e{i}"
             self.pubs[name] = Publisher(self, name, Engine(rng, self.blocks),
                                         buffer=rng.choice((4, 16, 1000)), snapshots=rng.random() < 0.7)
+        # Sources behind a forwarder (duplicates, reordering, restarts it hides).
+        self.forwarded = {name for name in self.pubs if rng.random() < 0.3}
+        self.p_dup = rng.choice((0.02, 0.1))
+        self.p_reorder = rng.choice((0.0, 0.02, 0.1))
         self._live_at: dict[str, float] = {}
         self._tick_at: dict[str, float] = {}
         self._sched: dict[str, Any] = {}
@@ -355,7 +361,7 @@ class World:
         if self.rng.random() < self.p_live_drop:
             self.stats.faults["live_drop"] += 1
             return
-        # One PUB connection: live messages arrive in order.
+        # One PUB connection: live messages arrive in order (a forwarder may reorder them).
         t = max(self._live_at.get(name, 0.0), self.now + 0.0005 + self.rng.random() * 0.001)
         self._live_at[name] = t
 
@@ -366,6 +372,13 @@ class World:
             tr.on_live(seq, b"kv", payload, decode_batch(payload), self.now)
             self._pump(name)
 
+        if name in self.forwarded:
+            if self.rng.random() < self.p_reorder:
+                self.stats.faults["fwd_reorder"] += 1
+                t += 0.002 + self.rng.random() * 0.002  # after the next one or two
+            if self.rng.random() < self.p_dup:
+                self.stats.faults["fwd_duplicate"] += 1
+                self.at(t + 0.0001 + self.rng.random() * 0.003, arrive)
         self.at(t, arrive)
 
     # -- the checker -----------------------------------------------------------------
@@ -409,11 +422,15 @@ class World:
                         self.stats.faults["restart"] += 1
                         pub.restart(rng, self.blocks)
                         self._pub_at[n] = self.now
-                        self._reconnect(n)
+                        if n in self.forwarded:
+                            self.stats.faults["hidden_restart"] += 1  # the forwarder's link stays up
+                        else:
+                            self._reconnect(n)
                     elif r < 0.04:
                         # A network blip: the connection drops and comes back, same engine.
                         self.stats.faults["reconnect"] += 1
-                        self._reconnect(n)
+                        if n not in self.forwarded:
+                            self._reconnect(n)
                         pub.publish(pub.engine.step())
                     elif r < 0.06:
                         self.stats.faults["reset_cache"] += 1
