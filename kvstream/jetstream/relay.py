@@ -113,6 +113,10 @@ class EnvelopeDecoder:
 
     __slots__ = ("_decode", "max_payload_bytes")
 
+    held_bytes_per_payload_byte: int = 3
+    """Bytes a decoded envelope holds per payload byte, at most: its events are views of
+    the payload (an object and a list slot each, a few dozen bytes per event of 20+)."""
+
     def __init__(self, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
         self._decode = msgspec.msgpack.Decoder(_Envelope).decode
         self.max_payload_bytes = max_payload_bytes

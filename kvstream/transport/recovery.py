@@ -126,7 +126,7 @@ class SourceCounters:
 
     __slots__ = ("batches", "events", "gaps", "replays", "snapshots", "restarts", "stale_marks",
                  "duplicates", "decode_errors", "frame_errors", "held_dropped", "timeouts",
-                 "retries", "probes", "filtered", "unattributed", "overflows", "reordered", "lag_s")
+                 "retries", "probes", "filtered", "unattributed", "overflows", "reordered", "shed", "lag_s")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -165,6 +165,8 @@ class SourceCounters:
         publisher's topic was not known yet (no live message, no ``SourceSpec.topic``)."""
         self.overflows = 0
         """Requests given up because an answer exceeded its bound (snapshot bytes, replies)."""
+        self.shed = 0
+        """Live messages dropped unread while the consumer's queue was full (replayed later)."""
         self.reordered = 0
         """Live messages that arrived after a higher seq and filled a gap (a forwarder or
         network reordering): held and checked by the replay that fills the gap."""
@@ -190,7 +192,9 @@ class SourceTracker:
     without progress before the loss is taken as final (``backoff_s`` seconds, doubling,
     between them). ``probe_after_s``: quiet seconds after live traffic before an idle probe
     (None: no probes); while the source stays quiet the wait doubles up to ``probe_max_s``
-    (None: a single probe per quiet period). ``topic``: the subscriber's topic filter (a prefix); ``source_topic``:
+    (None: a single probe per quiet period). ``held_factor``: bytes counted per payload byte
+    against the byte bounds (what a held message really holds, decoded form included).
+    ``topic``: the subscriber's topic filter (a prefix); ``source_topic``:
     the publisher's topic if known (labels vLLM 0.11 replies, which carry none, until a live
     message shows it).
     """
@@ -200,18 +204,21 @@ class SourceTracker:
                  "topic", "expected", "live_high", "held", "held_bytes", "inflight", "stale",
                  "connected", "out", "counters", "generation", "_attempts", "_ring", "_ring_lo",
                  "_ring_hi", "_last_live", "_probe_armed", "_recheck", "probe_max_s", "_probe_gap",
-                 "_held_min", "_tail_lost")
+                 "_held_min", "_tail_lost", "held_factor")
 
     def __init__(self, name: str, *, has_replay: bool, max_held: int = 100_000,
                  max_held_bytes: int = 64 << 20, max_snapshot_bytes: int = 256 << 20,
                  max_replies: int = 1_000_000, max_retries: int = 3, backoff_s: float = 0.05,
                  probe_after_s: float | None = 0.5, probe_max_s: float | None = 2.0,
                  topic: bytes = b"",
-                 source_topic: bytes | None = None) -> None:
+                 source_topic: bytes | None = None, held_factor: int = 1) -> None:
         self.name = name
         self.has_replay = has_replay
         self.max_held = max_held
         self.max_held_bytes = max_held_bytes
+        self.held_factor = held_factor
+        """Bytes counted against ``max_held_bytes`` / ``max_snapshot_bytes`` per payload byte
+        (the payload and its decoded form, as the shell estimates it)."""
         self.max_snapshot_bytes = max_snapshot_bytes
         self.max_replies = max_replies
         self.max_retries = max_retries
@@ -373,10 +380,36 @@ class SourceTracker:
         self._hold(seq, (seq, topic, payload, batch, False))
         self._recover()
 
+    def on_shed(self, seq: int, now: float) -> None:
+        """A live message (``seq``) was dropped unread because the consumer's queue was full
+        (the shell sheds rather than let ZMQ's queue grow): a gap, replayed once there is
+        room (the source is "recovering", or "stale" without a replay endpoint)."""
+        self.connected = True
+        self._last_live = now
+        self.counters.shed += 1
+        if seq > self.live_high:
+            self.live_high = seq
+        if self.inflight is None and seq >= self.expected:
+            self._recover()
+
+    def on_pause(self) -> None:
+        """The consumer's queue filled while replies of the outstanding replay arrived: the
+        shell drops the rest of the answer (it closes that socket) and the request is made
+        again from where the yielded batches reached, to be sent once there is room."""
+        req = self.inflight
+        if req is None or req.kind == SNAPSHOT or not req.sent:
+            return
+        self._abandon()
+        e = self.expected
+        if (req.purpose == ANCHOR and e == req.e0) or e == 0:
+            self.inflight = Request(req.kind, req.purpose, req.start, req.check, 0.0, req.e0)
+        else:
+            self.inflight = self._anchored(GAP if req.purpose in (JOIN, ANCHOR, PROBE, REPROBE) else req.purpose)
+
     def _hold(self, seq: int, entry: _Entry) -> None:
         if seq in self.held:
             return
-        n = len(entry[2])
+        n = len(entry[2]) * self.held_factor
         if len(self.held) >= self.max_held or self.held_bytes + n > self.max_held_bytes:
             self.counters.held_dropped += 1
             return
@@ -431,20 +464,20 @@ class SourceTracker:
         e = self.expected
         while e in held:
             seq, topic, payload, batch, replayed = held.pop(e)
-            self.held_bytes -= len(payload)
+            self.held_bytes -= len(payload) * self.held_factor
             self._yield(seq, topic, payload, batch, replayed)
             e += 1
         if self._held_min >= e:
             return True  # nothing held below E
         for s in [s for s in held if s < e]:
             entry = held.pop(s)
-            self.held_bytes -= len(entry[2])
+            self.held_bytes -= len(entry[2]) * self.held_factor
             h = self._known(s)
             if h is None:
                 if not entry[4]:
                     # A live message below E whose bytes are unknown: verify it.
                     held[s] = entry
-                    self.held_bytes += len(entry[2])
+                    self.held_bytes += len(entry[2]) * self.held_factor
                 continue
             if h == hash(entry[2]):
                 self.counters.duplicates += 1
@@ -596,7 +629,7 @@ class SourceTracker:
         if req.kind == SNAPSHOT:
             if req.snap_tag is None:
                 req.snap_tag = seq
-            req.snap_bytes += len(payload)
+            req.snap_bytes += len(payload) * self.held_factor
             if req.snap_bytes > self.max_snapshot_bytes:
                 self._overflow(req, f"snapshot larger than max_snapshot_bytes={self.max_snapshot_bytes}")
                 return
@@ -693,7 +726,7 @@ class SourceTracker:
             # The publisher is the instance we followed up to the anchor: held live
             # messages below E whose bytes were unknown are duplicates.
             for s in [s for s in self.held if s < req.e0]:
-                self.held_bytes -= len(self.held.pop(s)[2])
+                self.held_bytes -= len(self.held.pop(s)[2]) * self.held_factor
                 self.counters.duplicates += 1
         if not self._drain_held():
             return
@@ -771,7 +804,7 @@ class SourceTracker:
         self._forget()
         for s in [s for s in self.held if s < r]:
             # Held before the snapshot: covered by it (it was made after they were sent).
-            self.held_bytes -= len(self.held.pop(s)[2])
+            self.held_bytes -= len(self.held.pop(s)[2]) * self.held_factor
         if r > 0:
             # Fetch the bytes of R - 1: later live seqs below R are then checked against the
             # publisher, and a tag it cannot back (a restart since, or a lie) shows at once.
