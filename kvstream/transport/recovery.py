@@ -346,6 +346,10 @@ class SourceTracker:
                 self.counters.duplicates += 1
                 return
             self._restart(seq)
+            if self.has_replay:
+                # Which instance sent it is unknown (a forwarder may deliver an old copy
+                # late): the join fetches the truth from whoever answers now.
+                return
             e = 0
         elif seq <= self.live_high:
             # Not yielded yet but at or below the highest live seq: a reordered message
@@ -356,6 +360,8 @@ class SourceTracker:
                     self.counters.duplicates += 1
                     return
                 self._restart(seq)
+                if self.has_replay:
+                    return  # as above: the join fetches the truth
                 e = 0
             elif not self.has_replay:
                 # Nobody to check it against: a restart must never be missed.

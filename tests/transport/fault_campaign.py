@@ -450,14 +450,14 @@ class World:
                 pub.publish(pub.engine.step())
                 self.p_live_drop = saved
                 self.stats.faults["idle_after_loss"] += 1
-            for n in list(late):
+            for n in sorted(late):  # not set order: seeds must not depend on PYTHONHASHSEED
                 if rng.random() < 0.7:
                     late.discard(n)
                     self.stats.faults["late_join"] += 1
                     self.join(n)
             self.run_until_quiet()
             self.check()
-        for n in late:
+        for n in sorted(late):
             self.join(n)
         self.run_until_quiet()
         self.check()
