@@ -95,6 +95,7 @@ def _check_token_ids(request_id: Any, token_ids: list[Any]) -> list[Any]:
                 f"request {request_id!r}: token id {t!r} ({type(t).__name__}) at position {i} cannot "
                 "go on the wire; token ids are ints in [0, 2**64), as the tokenizer gives them"
             )
+    return token_ids
 
 
 class KVRequest:

@@ -16,7 +16,9 @@ before or after a snapshot join), idling right after a loss, prefix-cache resets
 subscriber joins (snapshot joins when the buffer has rotated), reconnects without a
 restart (network blips), and several sources interleaved. A source may sit behind a
 *forwarder* (a ZMQ proxy in the live path): it duplicates and reorders live messages, and
-its downstream connection hides the engine's restarts and blips (no reconnect event).
+its downstream connection hides the engine's restarts and blips (no reconnect event). It
+keeps one queue per upstream connection, so a message of an old engine instance never
+arrives after one of the new instance (duplicates and reordering stay within an instance).
 
 The checker runs whenever the world is quiet (no message in flight, no timer pending):
 every source must be exactly its engine's residency (block hash -> physical copies) or
@@ -200,6 +202,7 @@ class World:
         self.p_dup = rng.choice((0.02, 0.1))
         self.p_reorder = rng.choice((0.0, 0.02, 0.1))
         self._live_at: dict[str, float] = {}
+        self._fwd_tail: dict[str, float] = {}  # the latest arrival a forwarder scheduled
         self._tick_at: dict[str, float] = {}
         self._sched: dict[str, Any] = {}
         self._busy = 0  # events in the heap other than probe timers
@@ -378,9 +381,12 @@ class World:
             if self.rng.random() < self.p_reorder:
                 self.stats.faults["fwd_reorder"] += 1
                 t += 0.002 + self.rng.random() * 0.002  # after the next one or two
+            tail = t
             if self.rng.random() < self.p_dup:
                 self.stats.faults["fwd_duplicate"] += 1
-                self.at(t + 0.0001 + self.rng.random() * 0.003, arrive)
+                tail = t + 0.0001 + self.rng.random() * 0.003
+                self.at(tail, arrive)
+            self._fwd_tail[name] = max(self._fwd_tail.get(name, 0.0), tail)
         self.at(t, arrive)
 
     # -- the checker -----------------------------------------------------------------
@@ -426,6 +432,9 @@ class World:
                         self._pub_at[n] = self.now
                         if n in self.forwarded:
                             self.stats.faults["hidden_restart"] += 1  # the forwarder's link stays up
+                            # Its queue is FIFO per upstream connection: the new instance's
+                            # messages come after the old one's late copies.
+                            self._live_at[n] = max(self._live_at.get(n, 0.0), self._fwd_tail.get(n, 0.0))
                         else:
                             self._reconnect(n)
                     elif r < 0.04:
