@@ -91,7 +91,7 @@ async def test_a_stream_that_refuses_messages_makes_its_consumers_stale_not_live
             await _wait(lambda: sub.health()["e0"].last_seq == last, 20, "new batches")
             h = sub.health()["e0"]
             tg.cancel_scope.cancel()
-    assert took < 10, took
+    assert took < 20, took
     assert refused < 2_000, refused  # was tens of thousands of retries in ~50 s
     assert h.state == "stale"  # still: the lost batches are lost until a reset rebuilds it
     stale = [i for i in items if isinstance(i, SourceStale)]

@@ -40,7 +40,7 @@ async def test_ten_percent_duplicates_and_reordering_cost_no_restart(tmp_path):
     published = [_step(i) for i in range(n)]
     fwd = FaultyForwarder(cfg.endpoint, ipc(tmp_path, "f"), seed=7, p_dup=0.1, p_reorder=0.05)
     try:
-        with anyio.fail_after(60):
+        with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(fwd.serve)
                 async with Publisher(cfg) as pub:
@@ -78,10 +78,10 @@ async def test_a_restart_behind_a_forwarder_whose_batches_are_all_lost_is_found_
     old = [_step(i) for i in range(n)]
     new = [_step(5000 + i) for i in range(n)]
     timeout = 0.5
-    bound = 2.0 + timeout + 2.0  # probe_max_s (default) + replay_timeout_s + slack
+    bound = 2.0 + timeout + 4.0  # probe_max_s (default) + replay_timeout_s + slack for a loaded machine
     fwd = FaultyForwarder(cfg.endpoint, ipc(tmp_path, "f"), seed=1)
     try:
-        with anyio.fail_after(60):
+        with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(fwd.serve)
                 spec = SourceSpec(fwd.endpoint, cfg.replay_endpoint, name="s")
@@ -96,7 +96,7 @@ async def test_a_restart_behind_a_forwarder_whose_batches_are_all_lost_is_found_
                         await sub.wait_state("s", "live", timeout_s=10)
                         # Idle long enough for the probe wait to reach probe_max_s.
                         p0 = sub.counters("s").probes
-                        while sub.counters("s").probes < p0 + 6:
+                        while sub.counters("s").probes < p0 + 7:  # the old 10 s cap: waits reached 10 s
                             items += sub.get_nowait()
                             await anyio.sleep(0.05)
                     fwd.drop = lambda seq: True  # the new instance's live batches: all lost
