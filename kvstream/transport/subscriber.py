@@ -24,11 +24,12 @@ request cannot be mistaken for new ones), with exponential backoff; the tracker 
 when a loss is final. Idle probes ask the replay socket, ``probe_after_s`` after the last
 live message, whether the tail of a burst was lost.
 
-Every buffer is bounded: items waiting for the consumer (``max_buffered_items``,
-``max_buffered_bytes``; beyond them the tasks stop reading, ZMQ's receive HWM fills, the
-publisher drops for this subscriber and the gaps are recovered by replay once the consumer
-catches up), held messages (``max_held``, ``max_held_bytes``), snapshot answers
-(``max_snapshot_bytes``) and ZMQ's queues (HWM messages of at most ``max_payload_bytes``).
+Every buffer is bounded in the bytes it holds, decoded batches included (estimated
+conservatively, see :data:`~kvstream.wire.events.DECODED_BYTES_PER_PAYLOAD_BYTE`): items
+waiting for the consumer (``max_buffered_items``, ``max_buffered_bytes``; beyond them live
+messages are shed undecoded rather than left to pile up in ZMQ's queue, no replay is asked
+for, and the gaps are recovered by replay once the consumer catches up), held messages
+(``max_held``, ``max_held_bytes``) and snapshot answers (``max_snapshot_bytes``).
 """
 
 from __future__ import annotations
@@ -157,10 +158,10 @@ class Subscriber:
             asked whether anything was lost (vLLM sends no heartbeat); None: never.
         probe_max_s: while a source stays quiet the wait between probes doubles up to this
             many seconds (None: one probe per quiet period).
-        max_buffered_items / max_buffered_bytes: items (and their payload bytes) waiting
-            for the consumer before reading pauses (ZMQ then queues up to ``rcvhwm``
-            messages per source and the publisher drops beyond its HWM; the gaps are
-            recovered by replay once the consumer catches up).
+        max_buffered_items / max_buffered_bytes: items (and the bytes they hold, decoded
+            form included, see :attr:`ready_bytes`) waiting for the consumer; beyond them
+            live messages are shed undecoded (counted ``shed``) and no replay is asked for;
+            the gaps are recovered by replay once the consumer has taken half.
         max_held / max_held_bytes: live messages held per source while a request is
             outstanding (more are dropped and fetched again by replay).
         max_snapshot_bytes: payload bytes of one snapshot answer (beyond: the source is
@@ -397,7 +398,9 @@ class Subscriber:
 
     @property
     def ready_bytes(self) -> int:
-        """Payload bytes (plus 64 per item) waiting for the consumer right now."""
+        """Bytes held by the items waiting for the consumer right now: payloads and their
+        decoded form (estimated, ``held_bytes_per_payload_byte`` of the decoder, 12 for
+        vLLM batches), plus 64 per item; what ``max_buffered_bytes`` bounds."""
         return self._out_bytes
 
     def get_nowait(self) -> list[StreamItem]:
