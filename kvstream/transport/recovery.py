@@ -372,7 +372,8 @@ class SourceTracker:
                 # proves (or disproves) the instance, and replies are compared with it.
                 self.counters.reordered += 1
                 self._hold(seq, (seq, topic, payload, batch, False))
-                self._recover()
+                if self.inflight is None:
+                    self._recover()
                 return
         if seq > self.live_high:
             self.live_high = seq
