@@ -30,6 +30,8 @@ two counters.
 
 from __future__ import annotations
 
+import marshal
+import operator
 from array import array
 from collections import deque
 from typing import Any, Iterable, Sequence
@@ -52,8 +54,23 @@ class KVCacheManagerError(LocalProtocolError, ValueError):
 _WIRE_TOKEN_LIMIT = 1 << 64  # token ids travel as msgpack unsigned ints: [0, 2**64)
 
 
-def _check_token_ids(request_id: Any, token_ids: Sequence[Any]) -> None:
-    """Raise :class:`KVCacheManagerError` unless every id is an int in [0, 2**64).
+def _int_token(t: Any) -> Any:
+    """An integer token id of another type (numpy's int64, ...) as an ``int``; anything
+    else (a bool, a float, a str) unchanged, for the caller's check to refuse."""
+    if type(t) is int or isinstance(t, bool):
+        return t
+    try:
+        return operator.index(t)
+    except TypeError:
+        return t
+
+
+def _check_token_ids(request_id: Any, token_ids: list[Any]) -> list[Any]:
+    """``token_ids`` as exact ints in [0, 2**64), or raise :class:`KVCacheManagerError`.
+
+    Integers of other types (numpy's int64, what a tokenizer returning arrays gives) are
+    ids too: they come back as ``int`` s (hashers and the wire take only those). A
+    ``marshal`` pass (C-level) tells a list of exact ints from one holding others.
 
     One C-level pass (``array('Q').fromlist``, ~3 ns per id; building the array from the
     list instead goes through the generic iterator path, ~5 ns) in the common case; the
@@ -62,17 +79,23 @@ def _check_token_ids(request_id: Any, token_ids: Sequence[Any]) -> None:
     :meth:`KVCacheManager.decode` refuses them.
     """
     try:
-        array("Q").fromlist(token_ids if type(token_ids) is list else list(token_ids))
+        array("Q").fromlist(token_ids)
     except (TypeError, OverflowError):
         pass
     else:
-        return
+        m = marshal.dumps(token_ids, 2)
+        n = len(token_ids)
+        if len(m) == 5 + 5 * n and m[5::5] == b"i" * n:
+            return token_ids  # every id an exact int below 2**31 (see kvstream.hashing.blocks)
+        # Integers of other types, or ids >= 2**31: as exact ints (a C-level pass).
+        return array("Q", token_ids).tolist()
     for i, t in enumerate(token_ids):
         if type(t) is not int or not 0 <= t < _WIRE_TOKEN_LIMIT:
             raise KVCacheManagerError(
                 f"request {request_id!r}: token id {t!r} ({type(t).__name__}) at position {i} cannot "
                 "go on the wire; token ids are ints in [0, 2**64), as the tokenizer gives them"
             )
+    return token_ids
 
 
 class KVRequest:
@@ -242,7 +265,7 @@ class KVCacheManager:
                     f"request {request_id!r}: the prompt must be an iterable of token ids, got "
                     f"{type(prompt_token_ids).__name__}"
                 ) from None
-            _check_token_ids(request_id, tokens)
+            tokens = _check_token_ids(request_id, tokens)
         if not tokens:
             raise KVCacheManagerError(f"request {request_id!r} has an empty prompt; give at least one token")
         if kv_cache_report_mode not in (None, "delta", "full"):
@@ -386,6 +409,8 @@ class KVCacheManager:
         Returns False, changing nothing (the token is not appended), if a block is needed
         and none is free: preempt a request and retry.
         """
+        if type(token_id) is not int:
+            token_id = _int_token(token_id)  # numpy ints are ids too
         tokens = request.token_ids
         total = request.num_computed_tokens + 1
         # The common case, most tokens: the token lands inside the last block, neither
@@ -415,7 +440,7 @@ class KVCacheManager:
         precomputed hash chain would run out partway, where single decodes would have
         appended the tokens before it).
         """
-        toks = token_ids if type(token_ids) is list else list(token_ids)
+        toks = [t if type(t) is int else _int_token(t) for t in token_ids]
         limit = 1 << 32 if type(request.token_ids) is array else _WIRE_TOKEN_LIMIT
         for t in toks:  # a few ids per call: the exact test, bools included
             if type(t) is not int or not 0 <= t < limit:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from array import array
 from functools import partial
 from itertools import takewhile
+import operator
 from operator import is_not
 from typing import Any, Iterable, Literal, Sequence
 
@@ -64,6 +65,17 @@ class BlockPoolError(LocalProtocolError, ValueError):
 
     Raised before anything changed: the pool is exactly as it was before the call.
     """
+
+
+def _block_count(n: Any) -> int:
+    """``n`` as a block count: any integer (numpy's too), never a float, str or bool."""
+    if not isinstance(n, bool):
+        try:
+            return operator.index(n)
+        except TypeError:
+            pass
+    raise BlockPoolError(f"num_blocks must be an integer number of blocks, got {n!r} "
+                         f"({type(n).__name__}); round it yourself if it was computed")
 
 
 class NoFreeBlocksError(BlockPoolError):
@@ -446,6 +458,8 @@ class BlockPool:
         ``BlockRemoved`` per block, in queue order. Raises :class:`NoFreeBlocksError` if
         fewer than ``num_blocks`` are free (nothing changes).
         """
+        if type(num_blocks) is not int:
+            num_blocks = _block_count(num_blocks)
         q = self.free_block_queue
         if num_blocks > q.num_free_blocks or num_blocks < 0:
             if num_blocks < 0:

@@ -11,7 +11,11 @@ Size the cache with ``--num-gpu-blocks-override``, or from a model with ``--mode
 config.json --gpu-memory 80GiB`` (kvstream.planning, as ``kvstream plan`` does). Once both
 HTTP and the event sockets accept, one line is printed:
 
-    kvstream engine: ready http://127.0.0.1:8000 events tcp://*:5557 replay tcp://*:5558
+    kvstream engine: ready http://127.0.0.1:8000 events tcp://0.0.0.0:5557 (bind) replay tcp://0.0.0.0:5558 (bind) ...
+
+"(bind)": subscribers connect there. An events endpoint without ``*`` is *connected to*
+(vLLM's rule), shown "(connect)": only a subscriber that binds that address hears it
+(``SourceSpec(..., bind=True)``), and the engine warns once if none did within 5 s.
 """
 
 from __future__ import annotations
@@ -178,7 +182,14 @@ def _run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, output_vocab=(0, tok.vocab_size))
 
     def ready(info: EngineReady) -> None:
-        extra = f" events {info.events} replay {info.replay}" if info.events else " events off"
+        if info.events:
+            # Say which way the PUB goes: an endpoint without "*" connects (vLLM's rule), and
+            # then only a subscriber that binds there hears it.
+            mode = "bind" if info.events_binds else "connect"
+            replay = f"{info.replay} (bind)" if info.replay else "off"
+            extra = f" events {info.events} ({mode}) replay {replay}"
+        else:
+            extra = " events off"
         print(f"kvstream engine: ready {info.http}{extra} ({config.num_gpu_blocks} blocks x "
               f"{config.block_size} tokens)", flush=True)
 

@@ -84,9 +84,10 @@ class Proc:
         if self.url:
             return self
         if self._kind == "engine":
-            m = _wait_ready(self, r"ready (http://\S+)(?: events (\S+) replay (\S+))?", timeout_s)
+            m = _wait_ready(self, r"ready (http://\S+)(?: events (\S+)(?: \((?:bind|connect)\))? replay (\S+))?",
+                            timeout_s)
             self.events, self.replay = m.group(2), m.group(3)
-            if self.replay == "None":
+            if self.replay in ("None", "off"):
                 self.replay = None
         elif self._kind == "serve":
             m = _wait_ready(self, r"listening on (http://\S+)", timeout_s)

@@ -129,6 +129,9 @@ class EngineReady:
     http: str
     events: str | None
     replay: str | None
+    events_binds: bool = True
+    """True if the PUB socket binds ``events``, False if it connects to it (an endpoint
+    without ``*``: vLLM's rule)."""
 
 
 class EngineServer:
@@ -520,7 +523,8 @@ class EngineServer:
                         shown = f"[{host}]" if ":" in host else host
                         on_ready(EngineReady(f"http://{shown}:{bound_port}",
                                              pub.endpoint if pub is not None else None,
-                                             pub.replay_endpoint if pub is not None else None))
+                                             pub.replay_endpoint if pub is not None else None,
+                                             pub.binds if pub is not None else True))
 
                 tg.start_soon(announce)
                 await server.serve(sockets=[sock])

@@ -1,10 +1,10 @@
-"""The byte layout of a kvstream event log segment (format version 1), sans-IO.
+"""The byte layout of a kvstream event log segment (format version 2; 1 still reads), sans-IO.
 
 Every byte is documented in ``docs/eventlog.md``; in short (all integers little-endian)::
 
     segment header
       8 bytes  magic b"KVEVTLOG"
-      u16      format version (1)
+      u16      format version (2; version 1 has the same layout, without name repeats)
       u16      flags (bit 0: records are packed in zstd chunks)
       u32      segment index (0, 1, 2, ... within one log)
       u64      log id (random, shared by every segment of one log)
@@ -22,6 +22,12 @@ records of a few hundred bytes here (see ``bench/bench_eventlog.py``). Because i
 the length field too, a damaged length is caught like a damaged body, so a reader knows
 exactly where a damaged record starts, reports that offset, and finds the next record
 that verifies to read on from (a false match has a chance of about 2**-32 per offset).
+
+Names are recoverable (version 2): a source or topic name record precedes its first use
+in every *stretch* (each zstd chunk; every :data:`NAME_REPEAT_BYTES` of plain records), and a
+plain stretch ends with the name records of every name it used. So a damaged name record
+costs no other record: a message whose name id is undefined takes the name from the next
+repeat ahead (at most a stretch away), and a chunk never depends on another one.
 
 This module encodes and decodes bytes only: no files, no clocks. :mod:`.writer` and
 :mod:`.reader` put it on disk.
@@ -56,12 +62,17 @@ __all__ = [
     "SegmentCursor",
     "find_records_start",
     "MAX_CHUNK_BYTES",
+    "NAME_REPEAT_BYTES",
 ]
 
 MAGIC: Final = b"KVEVTLOG"
 """The first 8 bytes of every segment."""
-FORMAT_VERSION: Final = 1
-"""The format version this module writes and the highest it reads."""
+FORMAT_VERSION: Final = 2
+"""The format version this module writes and the highest it reads (1 and 2 share the
+layout; 2 repeats name records, see :data:`NAME_REPEAT_BYTES`)."""
+NAME_REPEAT_BYTES: Final = 256 << 10
+"""Plain records between name repeats (bytes): the names a stretch used are written again
+at its end, and again before their first use in the next one."""
 FLAG_ZSTD: Final = 1
 """Header flag: the segment's records are packed in zstd chunks (kind 4)."""
 NO_SEQ: Final = -(1 << 63)
@@ -241,25 +252,47 @@ def decode_header(buf: bytes | bytearray | memoryview, *, name: str = "segment")
 class RecordEncoder:
     """Encodes records into bytes, assigning per-segment ids to source and topic names.
 
-    A name record is emitted the first time a name is used in a segment, so every segment
-    can be read on its own. Call :meth:`reset_names` when a new segment starts.
+    A name record is emitted the first time a name is used in a *stretch* (ids stay the
+    same for the whole segment), so every segment can be read on its own and a damaged
+    name record costs no other record. Call :meth:`reset_names` when a new segment starts,
+    :meth:`new_stretch` when a zstd chunk starts and :meth:`end_stretch` every
+    :data:`NAME_REPEAT_BYTES` of plain records.
     """
 
-    __slots__ = ("_sources", "_topics")
+    __slots__ = ("_sources", "_topics", "_all_sources", "_all_topics")
 
     def __init__(self) -> None:
+        # This stretch's names (the hot path's lookups) and the segment's (ids).
         self._sources: dict[str, int] = {}
         self._topics: dict[bytes, int] = {}
+        self._all_sources: dict[str, int] = {}
+        self._all_topics: dict[bytes, int] = {}
 
     def reset_names(self) -> None:
         """Forget every name id (a new segment starts)."""
         self._sources.clear()
         self._topics.clear()
+        self._all_sources.clear()
+        self._all_topics.clear()
+
+    def new_stretch(self) -> None:
+        """Names are declared again before their next use (a zstd chunk starts)."""
+        self._sources.clear()
+        self._topics.clear()
+
+    def end_stretch(self, out: bytearray) -> None:
+        """Append the name records of every name this stretch used, then start another."""
+        for name, ident in self._sources.items():
+            self._name(out, NAME_SOURCE, ident, name.encode())
+        for topic, ident in self._topics.items():
+            self._name(out, NAME_TOPIC, ident, topic)
+        self.new_stretch()
 
     def preload_names(self, sources: dict[int, str], topics: dict[int, bytes]) -> None:
         """Adopt the names an existing segment already defined (to resume appending)."""
-        self._sources = {v: k for k, v in sources.items()}
-        self._topics = {v: k for k, v in topics.items()}
+        self._all_sources = {v: k for k, v in sources.items()}
+        self._all_topics = {v: k for k, v in topics.items()}
+        self.new_stretch()
 
     def _name(self, out: bytearray, table: int, ident: int, raw: bytes) -> None:
         if ident >= MAX_NAMES:
@@ -272,10 +305,21 @@ class RecordEncoder:
     def _source_id(self, out: bytearray, source: str) -> int:
         sid = self._sources.get(source)
         if sid is None:
-            sid = len(self._sources)
+            sid = self._all_sources.get(source)
+            if sid is None:
+                sid = self._all_sources[source] = len(self._all_sources)
             self._name(out, NAME_SOURCE, sid, source.encode())
             self._sources[source] = sid
         return sid
+
+    def _topic_id(self, out: bytearray, topic: bytes) -> int:
+        topic = bytes(topic)
+        tid = self._all_topics.get(topic)
+        if tid is None:
+            tid = self._all_topics[topic] = len(self._all_topics)
+        self._name(out, NAME_TOPIC, tid, topic)
+        self._topics[topic] = tid
+        return tid
 
     def message(self, out: bytearray, recv_ns: int, source: str, topic: bytes, seq: int,
                 payload: bytes | bytearray | memoryview, replayed: bool = False) -> None:
@@ -285,9 +329,7 @@ class RecordEncoder:
             sid = self._source_id(out, source)
         tid = self._topics.get(topic)
         if tid is None:
-            tid = len(self._topics)
-            self._name(out, NAME_TOPIC, tid, bytes(topic))
-            self._topics[bytes(topic)] = tid
+            tid = self._topic_id(out, topic)
         flags = 1 if replayed else 0
         if seq < 0:
             flags |= FLAG_NEGATIVE_SEQ
@@ -340,6 +382,33 @@ def _plausible(buf: Any, mv: memoryview, p: int, end: int) -> int:
     if stop > end:
         return -1
     return stop if (_xxh3(mv[p + 4:stop]) & _M32) == crc else 0
+
+
+def _find_name(buf: Any, mv: memoryview, p: int, end: int, table: int, ident: int) -> tuple[bytes | None, bool]:
+    """The name record ``(table, ident)`` among the records from ``p`` on: a repeat of a
+    name whose earlier record is damaged (version 2 repeats names at least every
+    :data:`NAME_REPEAT_BYTES`). Walks record lengths (checking only name records) up to
+    that far, then over the name records right after. Returns ``(raw name or None,
+    ran_out)``: ``ran_out`` when ``buf`` ended first (more bytes may hold it)."""
+    limit = p + 2 * NAME_REPEAT_BYTES
+    while True:
+        if end - p < 9:
+            return None, True
+        crc, n = _REC.unpack_from(buf, p)
+        if n == 0 or n > MAX_BODY:
+            return None, False
+        stop = p + 8 + n
+        if stop > end:
+            return None, True
+        kind = buf[p + 8]
+        if kind == KIND_NAME:
+            if n >= 4 and (_xxh3(mv[p + 4:stop]) & _M32) == crc:
+                t, i = _NAME_BODY.unpack_from(buf, p + 9)
+                if t == table and i == ident:
+                    return bytes(buf[p + 12:stop]), False
+        elif p > limit:
+            return None, False
+        p = stop
 
 
 def find_records_start(buf: Any, *, limit: int = 1 << 20) -> int | None:
@@ -576,6 +645,21 @@ class SegmentCursor:
                         seq -= _TWO64
                     src = sources.get(sid)
                     top = topics.get(tid)
+                    if src is None or top is None:
+                        # Its name record is damaged: take the name from a repeat ahead.
+                        ran_out = False
+                        if src is None:
+                            raw, ran_out = _find_name(buf, mv, stop, end, NAME_SOURCE, sid)
+                            if raw is not None:
+                                src = sources[sid] = raw.decode("utf-8", "replace")
+                        if top is None and not ran_out:
+                            top, ran_out = _find_name(buf, mv, stop, end, NAME_TOPIC, tid)
+                            if top is not None:
+                                topics[tid] = top
+                        if (src is None or top is None) and ran_out and outer and not final:
+                            # The repeat may be in the next bytes: ask for them first.
+                            self.next_pos, self.need = base + pos, (end - pos) + 2 * NAME_REPEAT_BYTES
+                            return
                     if src is not None and top is not None:
                         pos = stop
                         valid = pos
@@ -595,6 +679,13 @@ class SegmentCursor:
                 elif kind == KIND_CONTROL:
                     code, sid, ts, a, b = _CTL_BODY.unpack_from(buf, body + 1)
                     cname = _CONTROL_NAMES.get(code)
+                    if cname is not None and sid not in sources:
+                        raw, ran_out = _find_name(buf, mv, stop, end, NAME_SOURCE, sid)
+                        if raw is not None:
+                            sources[sid] = raw.decode("utf-8", "replace")
+                        elif ran_out and outer and not final:
+                            self.next_pos, self.need = base + pos, (end - pos) + 2 * NAME_REPEAT_BYTES
+                            return
                     if cname is not None and sid in sources:
                         reason = bytes(buf[body + 1 + _CTL_BODY.size:stop]).decode("utf-8", "replace")
                         if cname == "stale":

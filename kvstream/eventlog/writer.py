@@ -18,6 +18,7 @@ from typing import Any, Literal
 from kvstream.eventlog.format import (
     FLAG_ZSTD,
     MAX_CHUNK_BYTES,
+    NAME_REPEAT_BYTES,
     LogDamage,
     LogFormatError,
     RecordEncoder,
@@ -103,7 +104,7 @@ class LogWriter:
                  "_buf_records", "_file", "_seg_index", "_seg_bytes", "_seg_start", "_seg_records",
                  "_log_id", "_last_flush", "_dir", "_closed", "tap_source", "recovered",
                  "records", "bytes_written", "segments_opened", "flags", "_clock", "moved_aside",
-                 "resumed")
+                 "resumed", "_stretch_at")
 
     def __init__(
         self,
@@ -149,6 +150,7 @@ class LogWriter:
         self._level = zstd_level
         self.flags = FLAG_ZSTD if compression else 0
         self._enc = RecordEncoder()
+        self._stretch_at = 0  # segment offset where the current stretch of plain records began
         self._buf = bytearray()
         self._buf_records = 0
         self._clock = time.monotonic
@@ -204,7 +206,7 @@ class LogWriter:
         self._write_all(head)
         if self._fsync:
             os.fsync(self._file.fileno())
-        self._seg_bytes = len(head)
+        self._seg_bytes = self._stretch_at = len(head)
         self._seg_records = 0
         self._seg_start = self._clock()
         self.bytes_written += len(head)
@@ -354,6 +356,11 @@ class LogWriter:
         self.write_message(self.tap_source, topic, seq, payload)
 
     def _after_write(self) -> None:
+        if self._compressor is None and self._seg_bytes + len(self._buf) - self._stretch_at >= NAME_REPEAT_BYTES:
+            # Names again (see kvstream.eventlog.format): a damaged name record then costs
+            # no other record.
+            self._enc.end_stretch(self._buf)
+            self._stretch_at = self._seg_bytes + len(self._buf)
         policy = self._flush_policy
         n = len(self._buf)
         if policy == "record" or n >= _MAX_BUFFER:
@@ -387,6 +394,7 @@ class LogWriter:
                 out = bytearray()
                 RecordEncoder.chunk(out, self._compressor.compress(raw), len(raw), self._buf_records)
                 data: bytes | bytearray = out
+                self._enc.new_stretch()  # each chunk declares the names it uses
             else:
                 # Readers refuse chunks that declare more than MAX_CHUNK_BYTES (zstd bombs),
                 # so a bigger flush goes out as plain records, which every reader accepts.

@@ -120,10 +120,11 @@ def current_url(nc: Any, configured: str) -> str:
     return f"nats://{auth}{cur.hostname}:{cur.port or 4222}"
 
 
-async def open_data_connection(url: str, name: str, reader: Any, subject: str) -> Any:
+async def open_data_connection(url: str, name: str, reader: Any, subject: str, also: tuple[str, ...] = ()) -> Any:
     """A plain TCP connection to the server of ``url`` for a hot data path, subscribed to
-    ``subject`` (sid 1): INFO, CONNECT, PING/PONG, SUB, PING/PONG (so the server holds the
-    subscription before anything is asked of it). ``reader`` is a
+    ``subject`` (sid 1) and the subjects in ``also`` (sids 2, 3, ...): INFO, CONNECT,
+    PING/PONG, SUB, PING/PONG (so the server holds the subscription before anything is
+    asked of it). ``reader`` is a
     :class:`~kvstream.jetstream._proto.ProtocolReader`. Raises ``OSError`` (a
     ``ConnectionError`` when the connection closes during the handshake), ``TimeoutError``
     or :class:`~kvstream.jetstream._proto.NatsProtocolError`."""
@@ -142,7 +143,8 @@ async def open_data_connection(url: str, name: str, reader: Any, subject: str) -
             await stream.send(connect_op(name, parts.username, parts.password) + b"PING\r\n")
             while reader.pongs < 1:
                 reader.feed(await stream.receive())
-            await stream.send(sub_op(subject, 1) + b"PING\r\n")
+            subs = b"".join(sub_op(s, i) for i, s in enumerate((subject, *also), 1))
+            await stream.send(subs + b"PING\r\n")
             while reader.pongs < 2:
                 reader.feed(await stream.receive())
     except (anyio.EndOfStream, anyio.BrokenResourceError) as exc:

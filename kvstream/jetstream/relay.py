@@ -12,7 +12,17 @@ Messages are published with asynchronous acks: up to ``max_inflight`` messages (
 (and the subscriber's own back-pressure takes over). A message whose ack is an error or
 does not come while the server stays silent for ``ack_timeout_s`` (or the connection is
 lost) is sent again together with every later unacked
-one, in order (go-back-N); its message id makes JetStream drop copies it already stored.
+one, in order (go-back-N), after a backoff (50 ms doubling to 1 s); its message id makes
+JetStream drop copies it already stored.
+
+A stream that *refuses* messages (full: ``discard=new`` at its limits, a full file store)
+answers with error acks. After ``max_refused_s`` of refusals without one success the relay
+gives up on what it holds (counted ``dropped``) and says so where consumers hear it: a
+notice on the core NATS subject :func:`~kvstream.jetstream.wire.status_subject` (outside
+the stream), repeated while the stream refuses, makes every consumer mark the sources
+stale. Meanwhile the relay drops their messages and tries, with backoff (up to 2 s), to
+store a ``stale`` notice for the batches the stream lacks; once one is stored, the stream
+says so itself (for consumers that come later) and the sources' batches follow again.
 What is published per item, and how two relays of one engine agree, is
 :class:`~kvstream.jetstream.tracking.RelaySource`'s business.
 """
@@ -66,6 +76,14 @@ class RelayStats:
     """Times the stream was found deleted (publishes refused) and made again."""
     too_large: int = 0
     """Batches over the server's ``max_payload``, published as a gap (a ``stale`` notice) instead."""
+    refused: int = 0
+    """Error acks saying the stream refuses the message (full, ``discard=new``)."""
+    dropped: int = 0
+    """Messages given up on because the stream kept refusing (their sources were told stale)."""
+    blocked: int = 0
+    """Times the relay gave up and told consumers (status notices) it cannot publish."""
+    notices: int = 0
+    """Status notices sent (repeated while the stream refuses)."""
     inflight: int = 0
     by_source: dict[str, int] = field(default_factory=dict)
     """Batches published per source."""
@@ -74,7 +92,8 @@ class RelayStats:
         """A one-line summary."""
         return (f"items={self.items} published={self.published} acked={self.acked} dup={self.duplicates} "
                 f"skipped={self.skipped} inflight={self.inflight} errors={self.ack_errors} "
-                f"retransmits={self.retransmits} too_large={self.too_large}")
+                f"retransmits={self.retransmits} too_large={self.too_large} refused={self.refused} "
+                f"dropped={self.dropped}")
 
 
 class _Envelope(msgspec.Struct, array_like=True, gc=False):
@@ -93,6 +112,10 @@ class EnvelopeDecoder:
     ``max_payload_bytes``."""
 
     __slots__ = ("_decode", "max_payload_bytes")
+
+    held_bytes_per_payload_byte: int = 3
+    """Bytes a decoded envelope holds per payload byte, at most: its events are views of
+    the payload (an object and a list slot each, a few dozen bytes per event of 20+)."""
 
     def __init__(self, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
         self._decode = msgspec.msgpack.Decoder(_Envelope).decode
@@ -113,14 +136,25 @@ class EnvelopeDecoder:
 
 
 class _Pending:
-    __slots__ = ("subject", "payload", "headers", "sent", "written")
+    __slots__ = ("subject", "payload", "headers", "sent", "written", "source", "probe")
 
-    def __init__(self, subject: str, payload: bytes, headers: dict[str, str], sent: float) -> None:
+    def __init__(self, subject: str, payload: bytes, headers: dict[str, str], sent: float, source: str,
+                 probe: bool = False) -> None:
         self.subject = subject
         self.payload = payload
         self.headers = headers
         self.sent = sent
         self.written = False
+        self.source = source
+        self.probe = probe  # the stale notice of a blocked source: never resent
+
+
+def _first_seq(headers: dict[str, str]) -> int:
+    """The first engine seq a message stands for (a batch's seq; a notice's position + 1)."""
+    v = headers.get(wire.H_SEQ)
+    if v is not None:
+        return int(v)
+    return int(headers.get(wire.H_POS, "-1")) + 1
 
 
 class Relay:
@@ -129,7 +163,9 @@ class Relay:
     ``sources``: :class:`SourceSpec` s (or PUB endpoint strings) to follow. ``nats``: the
     server URL(s). ``stream``: the stream to create or check (``update_stream``: apply
     changed retention/replicas to an existing one). ``connect_timeout_s``: seconds to wait
-    for a first NATS connection. ``subscriber_options``: passed to
+    for a first NATS connection. ``max_refused_s``: seconds of refusals (error acks, no
+    success) before the relay gives up on its unacked messages and tells consumers the
+    sources are stale (see the module docstring). ``subscriber_options``: passed to
     :class:`~kvstream.transport.subscriber.Subscriber`.
     """
 
@@ -137,7 +173,10 @@ class Relay:
                  stream: StreamSettings | None = None, *, max_inflight: int = 8192,
                  max_inflight_bytes: int = 64 << 20, ack_timeout_s: float = 5.0,
                  update_stream: bool = False, name: str = "kvstream-relay", connect_timeout_s: float = 10.0,
-                 **subscriber_options: Any) -> None:
+                 max_refused_s: float = 2.0, **subscriber_options: Any) -> None:
+        if max_refused_s <= 0:
+            raise ValueError(f"max_refused_s must be > 0 seconds, got {max_refused_s}")
+        self.max_refused_s = max_refused_s
         self.specs = [SourceSpec(s) if isinstance(s, str) else s for s in sources]
         self.servers = nats
         self.settings = stream if stream is not None else StreamSettings()
@@ -175,6 +214,20 @@ class Relay:
         """The last data-connection error (None: none yet)."""
         self._subjects = {s.source: f"{self.settings.subject_prefix}.{wire.subject_token(s.source)}"
                           for s in self.specs}
+        self._backoff = 0.05  # before resending refused or unanswered messages (doubling)
+        self._refused_since: float | None = None  # first refusal since the last success
+        self._refusal = ""
+        self._blocked: dict[str, int] = {}  # source -> first seq the stream lacks
+        self._blocked_next: dict[str, int] = {}  # dropped while the source's notice was out
+        self._probing: set[str] = set()
+        self._next_probe = 0.0
+        self._probe_backoff = 0.05
+        self._status_subject = wire.status_subject(self.settings.name)
+
+    @property
+    def blocked(self) -> dict[str, int]:
+        """Sources whose messages the stream refuses (name -> first seq it lacks)."""
+        return dict(self._blocked)
 
     @property
     def subscriber(self) -> Subscriber:
@@ -337,11 +390,15 @@ class Relay:
             ev = self._space = anyio.Event()
             await ev.wait()
 
-    def _publish(self, subject: str, payload: bytes, headers: dict[str, str], source: str) -> None:
+    def _publish(self, subject: str, payload: bytes, headers: dict[str, str], source: str,
+                 probe: bool = False) -> None:
         """Queue one message (the caller made room: :meth:`_wait_space`). A plain function,
         not a coroutine: one per message would cost as much as the rest of this."""
+        if self._blocked and source in self._blocked and not probe:
+            self._drop(source, _first_seq(headers))
+            return
         self._token = t = self._token + 1
-        self._pending[t] = p = _Pending(subject, payload, headers, time.monotonic())
+        self._pending[t] = p = _Pending(subject, payload, headers, time.monotonic(), source, probe)
         self._bytes += len(payload)
         st = self.stats
         st.inflight = len(self._pending)
@@ -364,9 +421,10 @@ class Relay:
         p = self._pending.pop(t, None)
         if p is None:
             return
-        self._last_ack = time.monotonic()
+        self._last_ack = now = time.monotonic()
         st = self.stats
         ok = False
+        refused = False
         if data[:1] == b"{" and b'"seq":' in data and b'"error"' not in data and b'"duplicate"' not in data:
             # A plain PubAck ({"stream":..,"seq":..}): no JSON parse (a third of the ack
             # path); anything else (errors, duplicates) is parsed below.
@@ -379,8 +437,11 @@ class Relay:
                 resp = {"error": {"description": f"unreadable ack {bytes(data[:80])!r}"}}
             if "error" in resp:
                 st.ack_errors += 1
+                refused = True
+                err = resp["error"] if isinstance(resp["error"], dict) else {}
+                self._refusal = str(err.get("description", resp["error"]))
                 self._rlog.warning("ackerr", "relay: JetStream refused %s: %s (will resend)",
-                                   p.headers.get(wire.H_MSG_ID), resp["error"].get("description"))
+                                   p.headers.get(wire.H_MSG_ID), self._refusal)
             else:
                 ok = True
                 st.acked += 1
@@ -388,11 +449,24 @@ class Relay:
                     st.duplicates += 1
         else:  # a status-only reply: 503 no responders while the stream is unavailable
             st.ack_errors += 1
-        if not ok:
+        if ok:
+            self._refused_since = None
+            self._backoff = 0.05
+            self._bytes -= len(p.payload)
+            if p.probe:
+                self._unblock(p.source, now)
+        elif p.probe:
+            # The stale notice of a blocked source was refused too: dropped, tried again later.
+            self._bytes -= len(p.payload)
+            self._probing.discard(p.source)
+            self._blocked_next.pop(p.source, None)
+        else:
+            if refused:
+                st.refused += 1
+                if self._refused_since is None:
+                    self._refused_since = now
             self._failed[t] = p
             self._resend.set()
-        else:
-            self._bytes -= len(p.payload)
         self._after_ack()
 
     def _after_ack(self) -> None:
@@ -405,11 +479,18 @@ class Relay:
             self._idle.set()
 
     async def _watch_acks(self) -> None:
-        """Resend, in order, everything unacked after an error or an ack timeout."""
-        tick = min(0.25, self.ack_timeout_s / 4)
+        """Resend, in order, everything unacked after an error or an ack timeout; give up
+        on a stream that keeps refusing, and try the blocked sources' notices."""
+        tick = min(0.25, self.ack_timeout_s / 4, self.max_refused_s / 4)
         while True:
             with anyio.move_on_after(tick):
                 await self._resend.wait()
+            now = time.monotonic()
+            if self._refused_since is not None and now - self._refused_since > self.max_refused_s \
+                    and (self._failed or self._pending):
+                self._give_up(now)
+            if self._blocked and now >= self._next_probe and self._conn is not None:
+                self._probe_blocked(now)
             # Silence, not age: a long queue that is being acked is not a timeout.
             oldest = next(iter(self._pending.values()), None)
             timed_out = oldest is not None and \
@@ -418,9 +499,76 @@ class Relay:
                 continue
             self._resend = anyio.Event()
             if self._failed:
-                await anyio.sleep(0.05)  # the stream was unavailable: give it a moment
+                # Refused or unavailable: give it a moment (longer each time, up to 1 s).
+                await anyio.sleep(self._backoff)
+                self._backoff = min(self._backoff * 2, 1.0)
                 await self._check_stream()
+                if self._refused_since is not None and \
+                        time.monotonic() - self._refused_since > self.max_refused_s:
+                    continue  # given up on at the top of the loop, not sent again
             self._resend_all()
+
+    def _drop(self, source: str, seq: int) -> None:
+        """A message of a blocked source is not published: the stream lacks its seq."""
+        self.stats.dropped += 1
+        book = self._blocked_next if source in self._probing else self._blocked
+        if source not in book or seq < book[source]:
+            book[source] = seq
+
+    def _give_up(self, now: float) -> None:
+        """The stream refused everything for max_refused_s: drop what is unacked, block its
+        sources, and tell the consumers."""
+        held = sorted({**self._pending, **self._failed}.items())
+        self._pending.clear()
+        self._failed.clear()
+        self._bytes = 0
+        for _, p in held:
+            if p.probe:
+                self._probing.discard(p.source)
+                continue
+            seq = _first_seq(p.headers)
+            self.stats.dropped += 1
+            if p.source not in self._blocked or seq < self._blocked[p.source]:
+                self._blocked[p.source] = seq
+        self._refused_since = None
+        self.stats.blocked += 1
+        log.warning("relay: stream %s refused every message for %.1f s (%s): gave up on %d; consumers are told "
+                    "that %s are stale until it takes messages again", self.settings.name, self.max_refused_s,
+                    self._refusal, len(held), sorted(self._blocked))
+        self._next_probe = now
+        self._probe_backoff = 0.05
+        self._after_ack()
+
+    def _probe_blocked(self, now: float) -> None:
+        """Tell the consumers (a status notice, out of the stream) and try to store each
+        blocked source's stale notice (in the stream)."""
+        from kvstream.jetstream._proto import pub_op
+
+        self.stats.notices += 1
+        self._wbuf += pub_op(self._status_subject,
+                             wire.blocked_notice(self.name, self.settings.name, self._blocked, self._refusal))
+        self._wake.set()
+        for source, first in list(self._blocked.items()):
+            if source in self._probing:
+                continue
+            rs = self.sources[source]
+            payload, headers = rs.gap_message(first, f"the stream refused these batches ({self._refusal})")
+            self._probing.add(source)
+            self._publish(self._subjects[source], payload, headers, source, probe=True)
+        self._next_probe = now + self._probe_backoff
+        self._probe_backoff = min(self._probe_backoff * 2, 2.0)
+
+    def _unblock(self, source: str, now: float) -> None:
+        """The stream stored ``source``'s stale notice: it says itself what it lacks."""
+        self._probing.discard(source)
+        nxt = self._blocked_next.pop(source, None)
+        if nxt is not None:
+            self._blocked[source] = nxt  # dropped more while the notice was out: another one
+            self._next_probe = now
+            return
+        if self._blocked.pop(source, None) is not None and not self._blocked:
+            self._probe_backoff = 0.05
+            log.warning("relay: stream %s takes messages again", self.settings.name)
 
     async def _check_stream(self) -> None:
         """After refused publishes: make the stream again if it was deleted (what is

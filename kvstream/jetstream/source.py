@@ -162,6 +162,10 @@ class JetStreamSource:
         self._gen = 0
         self._stream_created: str | None = None
         self._new_streams = 0
+        self._status_subject = wire.status_subject(self.spec.stream)
+        self.relay_notices = 0
+        """Status notices of relays that cannot publish into the stream (see
+        :func:`kvstream.jetstream.wire.status_subject`)."""
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -313,6 +317,9 @@ class JetStreamSource:
     def _on_raw(self, subject: str, reply: str, hblock: bytes | None, payload: bytes) -> None:
         """One delivery on the data connection (called by the protocol reader); what it
         yields waits in ``_pending_out`` until the reader's chunk is done (:meth:`_flush`)."""
+        if subject == self._status_subject:
+            self._on_status(payload)
+            return
         if hblock is not None and hblock[8:9] == b" ":  # an inline status: flow control, heartbeat
             h = parse_headers(hblock)
             status = h.get("Status")
@@ -350,6 +357,22 @@ class JetStreamSource:
         if s is None:
             return
         s.on_message(sseq, parse_headers(hblock) if hblock is not None else None, payload, self._now)
+
+    def _on_status(self, payload: bytes) -> None:
+        """A relay cannot publish into the stream: its sources go stale (never ``live`` while
+        the stream lacks their batches)."""
+        try:
+            blocked, error = wire.decode_blocked_notice(payload)
+        except wire.WireError:
+            return
+        self.relay_notices += 1
+        reason = f"the relay cannot publish into stream {self.spec.stream}: {error}"
+        for name in blocked:
+            if self._filter and name not in self._filter:
+                continue
+            s = self._source_for(f"{self._prefix}.{wire.subject_token(name)}")
+            if s is not None:
+                s.on_blocked(reason)
 
     def _on_fast(self, m: "re.Match[bytes]", payload: bytes) -> None:
         """One batch delivery in the relay's exact layout (see ``_BATCH_DELIVERY``)."""
@@ -522,7 +545,8 @@ class JetStreamSource:
                 self._reader = reader = ProtocolReader(self._on_raw, (_BATCH_DELIVERY, self._on_fast_run))
                 self._inbox = self._nc.new_inbox()
                 url = current_url(self._nc, self.spec.url)
-                async with await open_data_connection(url, self.name + "-data", reader, self._inbox) as stream:
+                async with await open_data_connection(url, self.name + "-data", reader, self._inbox,
+                                                      (self._status_subject,)) as stream:
                     self._wire_out = bytearray()
                     self._wire_wake = anyio.Event()
                     async with anyio.create_task_group() as tg:

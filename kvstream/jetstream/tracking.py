@@ -59,6 +59,7 @@ class RelaySource:
     """
 
     __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped", "max_message_bytes",
+                 "_doubted",
                  "too_large", "_near_limit", "_digest", "_digest_pos", "_lb_payload", "_held", "_held_bytes", "max_held",
                  "max_held_bytes", "_jump")
 
@@ -80,6 +81,7 @@ class RelaySource:
         self._topics: dict[bytes, str] = {}
         self._snap: list[int] | None = None  # [R, next index] while a snapshot's batches flow
         self.skipped = 0
+        self._doubted = False  # the subscriber reported a restart this relay has not confirmed
         """Items not published because the stream already held them."""
         self.max_message_bytes = max_message_bytes
         """The server's ``max_payload`` (bytes, headers included; set at construction): a
@@ -130,17 +132,33 @@ class RelaySource:
                 # it (the start-up rules: a seq at or below pos with other bytes or a newer
                 # timestamp, or a newest seq below pos), else go on in this instance.
                 self.synced = False
+                self._doubted = True
                 return []
             self.synced = True
+            self._doubted = False
             self._digest = None  # of the batch at a position this reset voids
             self._lb_payload = None
-            self.pos = (item.seq if item.seq is not None else 0) - 1
+            r = item.seq if item.seq is not None else 0
+            if r - 1 < self.pos:
+                # A snapshot behind what was published: another engine (one engine's seqs
+                # only grow; its snapshot is tagged with its next seq). A new instance, so
+                # that consumers do not take the reset for a late copy.
+                self.instance += 1
+            self.pos = r - 1
             self._snap = [self.pos + 1, 0]
             return [self._control(item)]
         if cls is SourceStale:
             if not self.synced:
                 self.skipped += 1
-                return []  # the next batch decides what the stream is missing
+                if not self._doubted:
+                    return []  # joining: the next batch decides what the stream is missing
+                # The subscriber could not rule a restart out and has now lost what follows:
+                # nothing says whether the stream still shows this engine (it may never
+                # publish again). The next batch decides what the stream is missing; until
+                # then the stream must not look exact: a notice that the state is
+                # unverified from pos + 1 on (a consumer that another relay already took
+                # beyond it reads it as covered).
+                return [self._control(SourceStale(self.source, item.reason, self.pos + 1, self.pos + 1))]
             self._lb_payload = None
             self._jump = (item.first_missing_seq, item.resume_seq)
             self.pos = item.resume_seq - 1
@@ -156,10 +174,17 @@ class RelaySource:
                     # the timestamps said of the batches skipped so far.
                     out = self._new_engine(self._held[0].seq if self._held else item.seq + 1)
             self.synced = True
+            self._doubted = False
             self._drop_held()
             out.append(self._control(SourceLive(self.source, self.pos)))
             return out
         raise TypeError(f"not a subscriber item: {item!r:.80}")
+
+    def gap_message(self, first_missing: int, reason: str) -> Message:
+        """The ``stale`` notice for batches ``first_missing .. pos`` that never reached the
+        stream (it refused them and the relay gave up), so that the stream says what it
+        lacks; the batches after ``pos`` follow it as usual."""
+        return self._control(SourceStale(self.source, reason, first_missing, self.pos + 1))
 
     def _batch(self, b: SourceBatch) -> list[Message]:
         q = b.seq
@@ -190,11 +215,13 @@ class RelaySource:
                     if q == self.pos and last is not None:
                         self._drop_held()  # the same engine: the stream has them all
                         self.synced = True
+                        self._doubted = False
                     else:
                         self._hold(b)
                     return out  # the stream has it
                 out = self._new_engine(self._held[0].seq if self._held else q)
             self.synced = True
+            self._doubted = False
             self._drop_held()
         if q > self.pos + 1:
             out.append(self._control(SourceStale(
@@ -227,6 +254,7 @@ class RelaySource:
         self._digest = None
         self._lb_payload = None
         self.synced = True
+        self._doubted = False
         held = self._held
         self._drop_held()
         self.skipped -= len(held)
@@ -369,6 +397,18 @@ class StreamSource:
         c.events += sum(map(len, map(_events_of, batches)))
         c.lag_s = now - batches[-1].ts
 
+    def on_blocked(self, reason: str) -> None:
+        """A relay said (out of band) that this source's messages do not reach the stream
+        any more: what the stream holds is not the engine's state. Stale at once (one
+        notice), until a reset; the relay's in-band ``stale`` notice follows once the stream
+        takes messages again."""
+        st = self.state
+        if st.stale:
+            return
+        st.stale = True
+        self.counters.stale_marks += 1
+        self.out.append(SourceStale(self.name, reason, st.expected, st.expected))
+
     def on_message(self, sseq: int, headers: Mapping[str, str] | None, payload: bytes, now: float) -> None:
         """One message of this source's subject, stream sequence ``sseq``."""
         st = self.state
@@ -479,7 +519,8 @@ class StreamSource:
             st.stale = False
             out.append(item)
         elif type(item) is SourceStale:
-            if item.resume_seq <= st.expected:
+            if item.resume_seq < st.expected or (item.resume_seq == st.expected and st.stale):
+                # Covered: later batches are applied already (another relay's), or it is stale.
                 c.duplicates += 1
                 return
             item.first_missing_seq = max(item.first_missing_seq, st.expected)

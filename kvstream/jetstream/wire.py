@@ -34,7 +34,8 @@ from kvstream.transport.items import SourceLive, SourceReset, SourceStale
 __all__ = [
     "H_SEQ", "H_INSTANCE", "H_TOPIC", "H_KIND", "H_POS", "H_MSG_ID", "H_REPLAYED", "H_TS", "H_LAST", "payload_digest",
     "subject_token", "source_from_token", "batch_headers", "message_size", "control_message", "decode_control",
-    "StreamPosition", "position_from_headers", "WireError",
+    "StreamPosition", "position_from_headers", "WireError", "status_subject", "blocked_notice",
+    "decode_blocked_notice",
 ]
 
 H_SEQ = "Kv-Seq"
@@ -58,6 +59,30 @@ _TOPIC_CHARS = [chr(c) if 32 <= c < 127 and chr(c) != "%" else f"%{c:02X}" for c
 
 class WireError(RemoteProtocolError, ValueError):
     """A message on the stream does not follow this layout (missing or bad header)."""
+
+
+def status_subject(stream: str) -> str:
+    """The core NATS subject (outside the stream) on which relays say they cannot publish
+    into ``stream``: consumers of the stream listen there, because a stream that refuses
+    messages (full, ``discard=new``) cannot carry the news itself."""
+    return f"_kvstream.status.{stream}"
+
+
+def blocked_notice(relay: str, stream: str, blocked: Mapping[str, int], error: str) -> bytes:
+    """A relay's status notice: the ``blocked`` sources (name -> first seq that did not
+    reach the stream) and the stream's refusal."""
+    return json.dumps({"relay": relay, "stream": stream, "blocked": dict(blocked),
+                       "error": error[:300]}).encode()
+
+
+def decode_blocked_notice(payload: bytes) -> tuple[dict[str, int], str]:
+    """``(blocked sources, error)`` of a status notice; :class:`WireError` if malformed."""
+    try:
+        d = json.loads(payload)
+        blocked = {str(k): int(v) for k, v in d["blocked"].items()}
+        return blocked, str(d.get("error", ""))[:300]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise WireError(f"malformed relay status notice: {exc}") from None
 
 
 def subject_token(source: str) -> str:

@@ -60,6 +60,10 @@ SnapshotProvider = Callable[[], "Sequence[AnyEvent]"]
 _MAX_SUBSCRIPTION_BYTES = 4096
 """Longest subscription message accepted from a SUB (a topic prefix plus one byte)."""
 
+_NO_PEER_WARN_S = 5.0
+"""A connecting PUB that has reached no subscriber after this many seconds is warned about
+(one log line): what it publishes until one connects reaches nobody live."""
+
 _SUBSCRIPTION_POLL_S = 0.1
 """Sends on the XPUB can consume the wake-up of its edge-triggered FD: look this often."""
 
@@ -211,6 +215,10 @@ class Publisher:
         """Counters (:class:`PublisherStats`)."""
         self.endpoint: str = self._pub_ep
         """The PUB endpoint in use (the bound address once open, e.g. the real port of ``:*``)."""
+        self.binds: bool = bool(bind) or (bind is None and should_bind(self._pub_ep))
+        """True if the PUB socket binds :attr:`endpoint` (subscribers connect to it), False
+        if it connects to it (vLLM's rule for an endpoint without ``*``: a subscriber must
+        bind there, e.g. ``SourceSpec(bind=True)``)."""
         self.replay_endpoint: str | None = self._replay_ep
         """The replay ROUTER endpoint in use (bound address once open), or None."""
 
@@ -241,6 +249,8 @@ class Publisher:
             if self._zap is not None:
                 tg.start_soon(self._zap.run)
             tg.start_soon(self._watch_subscriptions)
+            if not self.binds:
+                tg.start_soon(self._warn_if_nobody_reached)
         except BaseException:
             await stack.aclose()
             self._close_sockets(0)
@@ -287,7 +297,7 @@ class Publisher:
         pub.linger = int(cfg.linger_s * 1000)
         if curve is not None:
             _curve.apply_server(pub, curve)
-        if self._bind or (self._bind is None and should_bind(self._pub_ep)):
+        if self.binds:
             pub.bind(self._pub_ep)
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
@@ -342,6 +352,22 @@ class Publisher:
                 raise PublisherClosedError("wait_subscribed() needs an open publisher")
             ev = self._subscribed = self._subscribed or anyio.Event()
             await ev.wait()
+
+    async def _warn_if_nobody_reached(self) -> None:
+        """One warning if a connecting PUB has reached no subscriber in _NO_PEER_WARN_S."""
+        with anyio.move_on_after(_NO_PEER_WARN_S):
+            await anyio.lowlevel.checkpoint()
+            try:
+                await self.wait_subscribed(1)
+            except PublisherClosedError:
+                pass
+            return
+        self._log.warning(
+            "the KV event PUB socket connects to %s (an endpoint without '*' is connected to, "
+            "vLLM's rule) and has reached no subscriber in %.0f s: batches published until one "
+            "binds there reach nobody live (replay still has them). To let subscribers connect, "
+            "bind instead: write the endpoint as tcp://*:PORT",
+            self.endpoint, _NO_PEER_WARN_S)
 
     async def _watch_subscriptions(self) -> None:
         pub = self._pub

@@ -15,8 +15,10 @@ Rules (``E`` is the next seq to yield, ``H`` the highest seq seen on the live so
   of the payload of the last :data:`RECENT_WINDOW` yielded seqs. A live ``s < E`` is a
   duplicate only if its bytes match what was yielded for ``s``; other bytes mean a new
   engine (restart). If ``s`` is outside the window (or was covered by a snapshot), the
-  tracker asks the publisher (a *verify* request, below). A live ``s <= H`` is a restart
-  too: one publisher's live channel never goes backwards.
+  tracker asks the publisher (a *verify* request, below). Bytes come first: a copy is a
+  duplicate whatever ``H`` is (a forwarder duplicates and reorders). A live ``E <= s <= H``
+  not held is a reordered message: held like a gap, and checked against the anchored
+  replay that fills it (other bytes there: a restart).
 * **Anchored requests.** Every replay request after the join starts at ``E - 1`` (the
   *anchor*, whose hash is known) and the first reply must be the anchor with the same
   bytes: otherwise the publisher is a new engine (``SourceReset("restart")``, then a
@@ -44,8 +46,11 @@ Rules (``E`` is the next seq to yield, ``H`` the highest seq seen on the live so
   (counted ``unattributed``) and the source stays ``connecting``: nothing proves they pass
   the filter. A live message names the topic; the gap before it is then replayed.
 * **States.** ``connecting`` until the first live message or replay answer; ``recovering``
-  while a (non-probe) request is outstanding; ``stale`` after unrecoverable loss until a
-  reset; else ``live``.
+  while a (non-probe) request is outstanding, once a probe went unanswered for the shell's
+  timeout (no answer is no evidence of ``live``), and after a probe found batches the live
+  socket lost (until a live message arrives or a probe finds nothing new); ``stale`` after
+  unrecoverable loss until a reset (no ``SourceLive`` while stale, and a failing probe of a
+  stale source adds no second ``SourceStale``); else ``live``.
 * **Bounds.** Held live messages (``max_held`` messages, ``max_held_bytes``), a
   snapshot being received (``max_snapshot_bytes``, beyond: stale) and the replies of one
   request (``max_replies``, beyond: the request fails) are bounded.
@@ -67,6 +72,7 @@ SNAPSHOT = "snapshot"
 JOIN = "join"  # replay from 0 at startup or after a restart
 GAP = "gap"  # a seq is missing
 PROBE = "probe"  # quiet after traffic: anything lost at the tail?
+REPROBE = "reprobe"  # a probe nobody answered in time, asked again: no longer "live"
 VERIFY = "verify"  # a live seq below E whose bytes are unknown
 ANCHOR = "anchor"  # after a snapshot: fetch the bytes of R - 1
 
@@ -124,7 +130,7 @@ class SourceCounters:
 
     __slots__ = ("batches", "events", "gaps", "replays", "snapshots", "restarts", "stale_marks",
                  "duplicates", "decode_errors", "frame_errors", "held_dropped", "timeouts",
-                 "retries", "probes", "filtered", "unattributed", "overflows", "lag_s")
+                 "retries", "probes", "filtered", "unattributed", "overflows", "reordered", "shed", "lag_s")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -163,6 +169,11 @@ class SourceCounters:
         publisher's topic was not known yet (no live message, no ``SourceSpec.topic``)."""
         self.overflows = 0
         """Requests given up because an answer exceeded its bound (snapshot bytes, replies)."""
+        self.shed = 0
+        """Live messages dropped unread while the consumer's queue was full (replayed later)."""
+        self.reordered = 0
+        """Live messages that arrived after a higher seq and filled a gap (a forwarder or
+        network reordering): held and checked by the replay that fills the gap."""
         self.lag_s = 0.0
         """Seconds between the arrival of the last batch the consumer took and its taking."""
 
@@ -185,7 +196,9 @@ class SourceTracker:
     without progress before the loss is taken as final (``backoff_s`` seconds, doubling,
     between them). ``probe_after_s``: quiet seconds after live traffic before an idle probe
     (None: no probes); while the source stays quiet the wait doubles up to ``probe_max_s``
-    (None: a single probe per quiet period). ``topic``: the subscriber's topic filter (a prefix); ``source_topic``:
+    (None: a single probe per quiet period). ``held_factor``: bytes counted per payload byte
+    against the byte bounds (what a held message really holds, decoded form included).
+    ``topic``: the subscriber's topic filter (a prefix); ``source_topic``:
     the publisher's topic if known (labels vLLM 0.11 replies, which carry none, until a live
     message shows it).
     """
@@ -195,18 +208,21 @@ class SourceTracker:
                  "topic", "expected", "live_high", "held", "held_bytes", "inflight", "stale",
                  "connected", "out", "counters", "generation", "_attempts", "_ring", "_ring_lo",
                  "_ring_hi", "_last_live", "_probe_armed", "_recheck", "probe_max_s", "_probe_gap",
-                 "_held_min")
+                 "_held_min", "_tail_lost", "held_factor")
 
     def __init__(self, name: str, *, has_replay: bool, max_held: int = 100_000,
                  max_held_bytes: int = 64 << 20, max_snapshot_bytes: int = 256 << 20,
                  max_replies: int = 1_000_000, max_retries: int = 3, backoff_s: float = 0.05,
-                 probe_after_s: float | None = 0.5, probe_max_s: float | None = 10.0,
+                 probe_after_s: float | None = 0.5, probe_max_s: float | None = 2.0,
                  topic: bytes = b"",
-                 source_topic: bytes | None = None) -> None:
+                 source_topic: bytes | None = None, held_factor: int = 1) -> None:
         self.name = name
         self.has_replay = has_replay
         self.max_held = max_held
         self.max_held_bytes = max_held_bytes
+        self.held_factor = held_factor
+        """Bytes counted against ``max_held_bytes`` / ``max_snapshot_bytes`` per payload byte
+        (the payload and its decoded form, as the shell estimates it)."""
         self.max_snapshot_bytes = max_snapshot_bytes
         self.max_replies = max_replies
         self.max_retries = max_retries
@@ -245,6 +261,10 @@ class SourceTracker:
         self._last_live = 0.0
         self._probe_armed = False
         self._recheck = False
+        # A probe found batches the live socket never delivered (a PUB that reaches
+        # nobody, a forwarder losing messages): "recovering" until a live message arrives
+        # or a probe finds nothing new.
+        self._tail_lost = False
 
     # -- state -------------------------------------------------------------------------
 
@@ -254,10 +274,13 @@ class SourceTracker:
         request is outstanding), ``"stale"`` or ``"live"``."""
         if not self.connected:
             return "connecting"
+        if self.stale:
+            return "stale" if self.inflight is None or self.inflight.purpose in (PROBE, REPROBE) \
+                else "recovering"
         req = self.inflight
-        if req is not None and req.purpose != PROBE:
+        if (req is not None and req.purpose != PROBE) or self._tail_lost:
             return "recovering"
-        return "stale" if self.stale else "live"
+        return "live"
 
     def start(self, now: float = 0.0, start_seq: int = 0) -> None:
         """Ask for everything the publisher still buffers (joining mid-stream); ``now``
@@ -308,15 +331,17 @@ class SourceTracker:
         self._last_live = now
         self._probe_armed = True
         self._probe_gap = self.probe_after_s or 0.0
-        if seq <= self.live_high:
-            self._restart(seq)
-        self.live_high = seq
+        self._tail_lost = False  # the live socket delivers
         self.topic = topic
         e = self.expected
         if seq < e:
+            # Bytes first (the state table): the same bytes at a yielded seq are a copy
+            # (a duplicate or a late, reordered message), whatever live_high says.
             h = self._known(seq)
             if h is None:
                 # Bytes unknown (older than the window, or covered by a snapshot): ask.
+                if seq > self.live_high:
+                    self.live_high = seq
                 self._hold(seq, (seq, topic, payload, batch, False))
                 if self.inflight is None:
                     self._verify()
@@ -325,7 +350,37 @@ class SourceTracker:
                 self.counters.duplicates += 1
                 return
             self._restart(seq)
+            if self.has_replay:
+                # Which instance sent it is unknown (a forwarder may deliver an old copy
+                # late): the join fetches the truth from whoever answers now.
+                return
             e = 0
+        elif seq <= self.live_high:
+            # Not yielded yet but at or below the highest live seq: a reordered message
+            # filling a gap (held copies are compared byte for byte), or a new instance.
+            held = self.held.get(seq)
+            if held is not None:
+                if held[2] == payload:
+                    self.counters.duplicates += 1
+                    return
+                self._restart(seq)
+                if self.has_replay:
+                    return  # as above: the join fetches the truth
+                e = 0
+            elif not self.has_replay:
+                # Nobody to check it against: a restart must never be missed.
+                self._restart(seq)
+                e = 0
+            else:
+                # Held and checked like a gap: the anchored replay that fills the gap
+                # proves (or disproves) the instance, and replies are compared with it.
+                self.counters.reordered += 1
+                self._hold(seq, (seq, topic, payload, batch, False))
+                if self.inflight is None:
+                    self._recover()
+                return
+        if seq > self.live_high:
+            self.live_high = seq
         if self.inflight is not None:
             self._hold(seq, (seq, topic, payload, batch, False))
             return
@@ -336,10 +391,36 @@ class SourceTracker:
         self._hold(seq, (seq, topic, payload, batch, False))
         self._recover()
 
+    def on_shed(self, seq: int, now: float) -> None:
+        """A live message (``seq``) was dropped unread because the consumer's queue was full
+        (the shell sheds rather than let ZMQ's queue grow): a gap, replayed once there is
+        room (the source is "recovering", or "stale" without a replay endpoint)."""
+        self.connected = True
+        self._last_live = now
+        self.counters.shed += 1
+        if seq > self.live_high:
+            self.live_high = seq
+        if self.inflight is None and seq >= self.expected:
+            self._recover()
+
+    def on_pause(self) -> None:
+        """The consumer's queue filled while replies of the outstanding replay arrived: the
+        shell drops the rest of the answer (it closes that socket) and the request is made
+        again from where the yielded batches reached, to be sent once there is room."""
+        req = self.inflight
+        if req is None or req.kind == SNAPSHOT or not req.sent:
+            return
+        self._abandon()
+        e = self.expected
+        if (req.purpose == ANCHOR and e == req.e0) or e == 0:
+            self.inflight = Request(req.kind, req.purpose, req.start, req.check, 0.0, req.e0)
+        else:
+            self.inflight = self._anchored(GAP if req.purpose in (JOIN, ANCHOR, PROBE, REPROBE) else req.purpose)
+
     def _hold(self, seq: int, entry: _Entry) -> None:
         if seq in self.held:
             return
-        n = len(entry[2])
+        n = len(entry[2]) * self.held_factor
         if len(self.held) >= self.max_held or self.held_bytes + n > self.max_held_bytes:
             self.counters.held_dropped += 1
             return
@@ -394,20 +475,20 @@ class SourceTracker:
         e = self.expected
         while e in held:
             seq, topic, payload, batch, replayed = held.pop(e)
-            self.held_bytes -= len(payload)
+            self.held_bytes -= len(payload) * self.held_factor
             self._yield(seq, topic, payload, batch, replayed)
             e += 1
         if self._held_min >= e:
             return True  # nothing held below E
         for s in [s for s in held if s < e]:
             entry = held.pop(s)
-            self.held_bytes -= len(entry[2])
+            self.held_bytes -= len(entry[2]) * self.held_factor
             h = self._known(s)
             if h is None:
                 if not entry[4]:
                     # A live message below E whose bytes are unknown: verify it.
                     held[s] = entry
-                    self.held_bytes += len(entry[2])
+                    self.held_bytes += len(entry[2]) * self.held_factor
                 continue
             if h == hash(entry[2]):
                 self.counters.duplicates += 1
@@ -454,6 +535,13 @@ class SourceTracker:
     def _mark_stale(self, reason: str) -> None:
         e = self.expected
         resume = min(self.held) if self.held else max(e, self.live_high + 1)
+        if self.stale and resume == e:
+            # Already stale and nothing more skipped (a dead engine's probes failing one
+            # after another): no news, no second notice.
+            self._forget()
+            self._attempts = 0
+            self._recover()
+            return
         self.stale = True
         self.counters.stale_marks += 1
         self.out.append(SourceStale(self.name, reason, e, resume))
@@ -463,7 +551,8 @@ class SourceTracker:
         self._recover()
 
     def _live_again(self) -> None:
-        if self.inflight is None:
+        # Only a source that is live says so: a stale one stays stale until a reset.
+        if self.inflight is None and not self.stale and not self._tail_lost:
             self.out.append(SourceLive(self.name, self.expected - 1))
 
     def _connect(self) -> None:
@@ -551,7 +640,7 @@ class SourceTracker:
         if req.kind == SNAPSHOT:
             if req.snap_tag is None:
                 req.snap_tag = seq
-            req.snap_bytes += len(payload)
+            req.snap_bytes += len(payload) * self.held_factor
             if req.snap_bytes > self.max_snapshot_bytes:
                 self._overflow(req, f"snapshot larger than max_snapshot_bytes={self.max_snapshot_bytes}")
                 return
@@ -592,6 +681,12 @@ class SourceTracker:
             self._yield(seq, topic, payload, batch, True)
             self._drain_held()
         else:
+            held = self.held.get(seq)
+            if held is not None and held[2] != payload:
+                # The publisher that proved itself with the anchor holds other bytes than
+                # a live message held for this seq: two instances; rebuild.
+                self._restart(seq)
+                return
             self._hold(seq, (seq, topic, payload, batch, True))
 
     def _overflow(self, req: Request, reason: str) -> None:
@@ -642,7 +737,7 @@ class SourceTracker:
             # The publisher is the instance we followed up to the anchor: held live
             # messages below E whose bytes were unknown are duplicates.
             for s in [s for s in self.held if s < req.e0]:
-                self.held_bytes -= len(self.held.pop(s)[2])
+                self.held_bytes -= len(self.held.pop(s)[2]) * self.held_factor
                 self.counters.duplicates += 1
         if not self._drain_held():
             return
@@ -668,10 +763,21 @@ class SourceTracker:
             self.inflight = self._anchored(GAP, delay)
             return
         self._attempts = 0
-        if req.purpose in (PROBE, VERIFY) and e == req.e0:
+        probe = req.purpose in (PROBE, REPROBE)
+        if probe and e == req.e0:
+            # Nothing was missing: the state is exact now. No news for the consumer,
+            # unless the source was not "live" (a probe answered late, a lost tail).
+            if req.purpose == REPROBE or self._tail_lost:
+                self._tail_lost = False
+                self._live_again()
+            return
+        if req.purpose == VERIFY and e == req.e0:
             return  # nothing was missing: no news for the consumer
-        if req.purpose == PROBE:
-            # The probe found a lost tail: the channel is losing messages, look again soon.
+        if probe:
+            # The probe found a lost tail: the live channel is losing messages (or reaches
+            # nobody). Not "live" until a live message arrives or a probe finds nothing
+            # new; look again soon.
+            self._tail_lost = True
             self._probe_gap = self.probe_after_s or 0.0
         self._live_again()
 
@@ -709,7 +815,7 @@ class SourceTracker:
         self._forget()
         for s in [s for s in self.held if s < r]:
             # Held before the snapshot: covered by it (it was made after they were sent).
-            self.held_bytes -= len(self.held.pop(s)[2])
+            self.held_bytes -= len(self.held.pop(s)[2]) * self.held_factor
         if r > 0:
             # Fetch the bytes of R - 1: later live seqs below R are then checked against the
             # publisher, and a tag it cannot back (a restart since, or a lie) shows at once.
@@ -738,10 +844,13 @@ class SourceTracker:
             cap = _BACKOFF_CAP_S if self.connected else UNANSWERED_RETRY_MAX_S
             delay = min(self.backoff_s * (2 ** (self._attempts - 1)), cap)
             e = self.expected
+            # A probe nobody answers is no evidence that the source is live: its retries
+            # are "recovering" (or "stale"), within replay_timeout_s of the probe.
+            purpose = REPROBE if req.purpose == PROBE else req.purpose
             if req.kind == SNAPSHOT or (req.purpose == ANCHOR and e == req.e0) or e == 0:
-                nxt = Request(req.kind, req.purpose, req.start, req.check, delay, req.e0)
+                nxt = Request(req.kind, purpose, req.start, req.check, delay, req.e0)
             else:
-                nxt = self._anchored(GAP if req.purpose in (JOIN, ANCHOR) else req.purpose, delay)
+                nxt = self._anchored(GAP if purpose in (JOIN, ANCHOR) else purpose, delay)
             self.inflight = nxt
             return
         self.inflight = None

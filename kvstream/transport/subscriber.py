@@ -24,11 +24,12 @@ request cannot be mistaken for new ones), with exponential backoff; the tracker 
 when a loss is final. Idle probes ask the replay socket, ``probe_after_s`` after the last
 live message, whether the tail of a burst was lost.
 
-Every buffer is bounded: items waiting for the consumer (``max_buffered_items``,
-``max_buffered_bytes``; beyond them the tasks stop reading, ZMQ's receive HWM fills, the
-publisher drops for this subscriber and the gaps are recovered by replay once the consumer
-catches up), held messages (``max_held``, ``max_held_bytes``), snapshot answers
-(``max_snapshot_bytes``) and ZMQ's queues (HWM messages of at most ``max_payload_bytes``).
+Every buffer is bounded in the bytes it holds, decoded batches included (estimated
+conservatively, see :data:`~kvstream.wire.events.DECODED_BYTES_PER_PAYLOAD_BYTE`): items
+waiting for the consumer (``max_buffered_items``, ``max_buffered_bytes``; beyond them live
+messages are shed undecoded rather than left to pile up in ZMQ's queue, no replay is asked
+for, and the gaps are recovered by replay once the consumer catches up), held messages
+(``max_held``, ``max_held_bytes``) and snapshot answers (``max_snapshot_bytes``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ import anyio.lowlevel
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvstream.wire.events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecodeError, EventDecoder
+from itertools import repeat
+
+from kvstream.wire.events import (DECODED_BYTES_PER_PAYLOAD_BYTE, DEFAULT_MAX_PAYLOAD_BYTES, EventDecodeError,
+                                  EventDecoder)
 from kvstream.errors import LocalProtocolError
 from kvstream.wire.framing import SNAPSHOT_REQUEST, FrameError, encode_seq, parse_replay_reply, split_live
 from kvstream.transport._ratelog import RateLimitedLog
@@ -134,8 +138,10 @@ class _Source:
         self.endpoint = spec.endpoint  # the bound address once bound (port 0 resolved)
 
 
-def _item_bytes(item: Any) -> int:
-    return len(item.payload) + 64 if type(item) is SourceBatch else 64
+def _item_bytes(item: Any, factor: int) -> int:
+    """Bytes an item holds, at most: its payload and its decoded batch (``factor`` bytes
+    per payload byte, the decoder's conservative estimate) plus 64."""
+    return len(item.payload) * (factor + 1) + 64 if type(item) is SourceBatch else 64
 
 
 class Subscriber:
@@ -152,10 +158,10 @@ class Subscriber:
             asked whether anything was lost (vLLM sends no heartbeat); None: never.
         probe_max_s: while a source stays quiet the wait between probes doubles up to this
             many seconds (None: one probe per quiet period).
-        max_buffered_items / max_buffered_bytes: items (and their payload bytes) waiting
-            for the consumer before reading pauses (ZMQ then queues up to ``rcvhwm``
-            messages per source and the publisher drops beyond its HWM; the gaps are
-            recovered by replay once the consumer catches up).
+        max_buffered_items / max_buffered_bytes: items (and the bytes they hold, decoded
+            form included, see :attr:`ready_bytes`) waiting for the consumer; beyond them
+            live messages are shed undecoded (counted ``shed``) and no replay is asked for;
+            the gaps are recovered by replay once the consumer has taken half.
         max_held / max_held_bytes: live messages held per source while a request is
             outstanding (more are dropped and fetched again by replay).
         max_snapshot_bytes: payload bytes of one snapshot answer (beyond: the source is
@@ -183,7 +189,7 @@ class Subscriber:
         max_retries: int = 3,
         backoff_s: float = 0.05,
         probe_after_s: float | None = 0.5,
-        probe_max_s: float | None = 10.0,
+        probe_max_s: float | None = 2.0,
         max_buffered_items: int = 10_000,
         max_buffered_bytes: int = 64 << 20,
         max_held: int = 100_000,
@@ -224,6 +230,10 @@ class Subscriber:
         self._ctx = context
         self._decoder = decoder if decoder is not None else EventDecoder(
             max_payload_bytes=max_payload_bytes, unknown_events=unknown_events)  # type: ignore[arg-type]
+        # Byte bounds count what is held, decoded form included (estimated conservatively).
+        self._factor = int(getattr(self._decoder, "held_bytes_per_payload_byte", DECODED_BYTES_PER_PAYLOAD_BYTE))
+        # A burst of live messages is handed over (and space checked) after this many bytes.
+        self._burst_bytes = max(1, max_buffered_bytes // 8)
         self._specs = [SourceSpec(s) if isinstance(s, str) else s for s in sources]
         names = [s.source for s in self._specs]
         if len(set(names)) != len(names):
@@ -362,7 +372,7 @@ class Subscriber:
             ev = self._out_wait = anyio.Event()
             await ev.wait()
         item = out.popleft()
-        self._out_bytes -= _item_bytes(item)
+        self._out_bytes -= _item_bytes(item, self._factor)
         self._taken += 1
         marks = self._marks
         if marks and marks[0][0] <= self._taken:
@@ -388,7 +398,9 @@ class Subscriber:
 
     @property
     def ready_bytes(self) -> int:
-        """Payload bytes (plus 64 per item) waiting for the consumer right now."""
+        """Bytes held by the items waiting for the consumer right now: payloads and their
+        decoded form (estimated, ``held_bytes_per_payload_byte`` of the decoder, 12 for
+        vLLM batches), plus 64 per item; what ``max_buffered_bytes`` bounds."""
         return self._out_bytes
 
     def get_nowait(self) -> list[StreamItem]:
@@ -406,7 +418,7 @@ class Subscriber:
 
     def _push(self, items: list[Any], received: float | None = None, c: SourceCounters | None = None) -> None:
         self._out.extend(items)
-        self._out_bytes += sum(map(_item_bytes, items))
+        self._out_bytes += sum(map(_item_bytes, items, repeat(self._factor)))
         self._pushed += len(items)
         if received is not None and c is not None:
             self._marks.append((self._pushed, received, c))
@@ -438,6 +450,7 @@ class Subscriber:
         tracker = SourceTracker(name, has_replay=spec.replay_endpoint is not None,
                                 max_held=self.max_held, max_held_bytes=self.max_held_bytes,
                                 max_snapshot_bytes=self.max_snapshot_bytes, max_retries=self.max_retries,
+                                held_factor=self._factor + 1,
                                 backoff_s=self.backoff_s, probe_after_s=self.probe_after_s,
                                 probe_max_s=self.probe_max_s,
                                 topic=self.topic, source_topic=st)
@@ -538,9 +551,12 @@ class Subscriber:
         split = split_live
         now = time.monotonic
         drain_monitor = self._drain_monitor
+        full = self._full
+        factor = self._factor + 1
+        burst_bytes = self._burst_bytes
         while True:
             drain_monitor(src)
-            n = ev = 0
+            n = ev = nbytes = 0
             gen = t.generation
             received = now()
             while True:
@@ -559,6 +575,13 @@ class Subscriber:
                     c.frame_errors += 1
                     rlog.warning("frame:" + name, "%s: dropped a live message: %s", name, exc)
                     continue
+                if n == 0 and full():
+                    # The consumer's queue is full: shed what arrives, undecoded, rather than
+                    # stop reading (ZMQ's queue would hold up to rcvhwm messages of any size,
+                    # then drop too). A gap, replayed once there is room.
+                    t.on_shed(seq, received)
+                    del frames, payload
+                    continue
                 try:
                     batch = decode(payload)
                 except EventDecodeError as exc:
@@ -569,15 +592,16 @@ class Subscriber:
                 t.on_live(seq, topic, payload, batch, received)
                 n += 1
                 ev += len(batch.events)
-                if n >= _DRAIN_BURST or ev >= _EVENT_BURST:
+                nbytes += len(payload)
+                if n >= _DRAIN_BURST or ev >= _EVENT_BURST or nbytes * factor >= burst_bytes:
+                    # Handed over by count, events or bytes held (decoded form included), so
+                    # the queue never passes max_buffered_bytes by more than one burst.
                     self._after(src, gen, received)
                     gen = t.generation
-                    n = ev = 0
-                    await self._wait_space()
+                    n = ev = nbytes = 0
                     await anyio.lowlevel.checkpoint()
                     received = now()
             self._after(src, gen, received)
-            await self._wait_space()
             await anyio.wait_readable(sock.FD)
 
     def _drain_monitor(self, src: _Source) -> None:
@@ -667,6 +691,12 @@ class Subscriber:
             await anyio.sleep(req.delay_s)
             if t.inflight is not req:
                 return
+        if self._full():
+            # No answer is asked for while the consumer's queue is full: its replies would
+            # wait in ZMQ's queue, unbounded in bytes.
+            await self._wait_space()
+            if t.inflight is not req:
+                return
         d = self._dealer(src)
         start = req.frame()
         gen = t.generation
@@ -705,6 +735,8 @@ class Subscriber:
         c = t.counters
         decode = self._decoder.decode
         name = t.name
+        factor = self._factor + 1
+        nbytes = 0
         while True:
             n = 0
             while d.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]  # an int option
@@ -733,12 +765,18 @@ class Subscriber:
                     continue
                 t.on_reply(r.seq, r.topic, r.payload, batch)
                 n += 1
-                if n >= _DRAIN_BURST:
+                nbytes += len(r.payload)
+                if n >= _DRAIN_BURST or nbytes * factor >= self._burst_bytes:
                     self._after(src, gen, time.monotonic())
-                    n = 0
+                    n = nbytes = 0
                     if t.generation != gen:
                         return "abandoned"
-                    await self._wait_space()
+                    if self._full():
+                        # Drop the rest of this answer with its socket (closed by the next
+                        # request's fresh DEALER) and ask again from E once there is room.
+                        t.on_pause()
+                        self._after(src, gen)
+                        return "abandoned"
                     await anyio.lowlevel.checkpoint()
             self._after(src, gen, time.monotonic())
             if t.generation != gen or t.inflight is None:

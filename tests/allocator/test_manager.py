@@ -368,3 +368,25 @@ def test_hit_rate_window_read_at_any_moment_equals_one_fed_every_admission(windo
             assert (m.aggregated_requests, m.aggregated_query_total, m.aggregated_query_hit) == (
                 eager.aggregated_requests, eager.aggregated_query_total, eager.aggregated_query_hit)
             assert m.hit_rate == eager.hit_rate
+
+
+def test_numpy_token_ids_are_token_ids_with_the_same_hashes_and_events() -> None:
+    np = pytest.importorskip("numpy")
+    ids = list(range(1, 41))
+    runs = []
+    for toks, out in ((ids, [7, 8, 9]), (list(np.array(ids, dtype=np.int64)), [np.int64(7), np.int32(8), np.uint16(9)])):
+        pool = BlockPool(32, enable_caching=True, enable_kv_cache_events=True)
+        m = KVCacheManager(pool, BlockHasher("sha256_cbor", block_size=16))
+        r = m.new_request("r", toks)
+        assert all(type(t) is int for t in r.token_ids)
+        assert m.admit(r)
+        assert m.decode(r, out[0]) and m.decode_many(r, out[1:])
+        runs.append((r.block_hashes, pool.take_events()))
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("bad", [1.5, "3", None])
+def test_a_token_id_that_is_not_an_integer_is_a_typed_error(bad: object) -> None:
+    m = KVCacheManager(BlockPool(32, enable_caching=True), BlockHasher("sha256_cbor", block_size=16))
+    with pytest.raises(KVCacheManagerError, match="cannot go on the wire"):
+        m.new_request("r", [1, 2, bad])  # type: ignore[list-item]

@@ -448,3 +448,18 @@ def test_a_cached_blocks_ext_hash_is_its_hash_as_events_carry_it(form: str) -> N
     assert blk[0].ext_hash is None
     cache(pool, blk, digests("e"))
     assert [blk[0].ext_hash] == pool.take_events()[0].block_hashes
+
+
+@pytest.mark.parametrize("bad", [2.5, "3", True, None])
+def test_a_block_count_that_is_not_an_integer_is_a_typed_error_and_changes_nothing(bad: object) -> None:
+    pool = BlockPool(8, enable_caching=True)
+    free = pool.get_num_free_blocks()
+    with pytest.raises(BlockPoolError, match="integer number of blocks"):
+        pool.get_new_blocks(bad)  # type: ignore[arg-type]
+    assert pool.get_num_free_blocks() == free
+
+
+def test_a_numpy_integer_block_count_is_a_count() -> None:
+    np = pytest.importorskip("numpy")
+    pool = BlockPool(8, enable_caching=True)
+    assert len(pool.get_new_blocks(np.int64(3))) == 3

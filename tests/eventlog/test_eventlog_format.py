@@ -68,7 +68,7 @@ def test_messages_and_controls_round_trip_in_order_with_metadata(tmp_path):
     assert list(r) == recs
     assert r.damage == []
     assert r.metadata == {"endpoints": ["tcp://x:1"], "topic": "kv"}
-    assert r.headers[0].version == 1 and not r.headers[0].compressed
+    assert r.headers[0].version == 2 and not r.headers[0].compressed
 
 
 def test_rotation_by_size_reads_back_as_one_stream_and_each_segment_names_its_sources(tmp_path):

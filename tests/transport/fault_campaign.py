@@ -14,7 +14,11 @@ replay replies dropped in the middle (vLLM 0.11's ROUTER over its HWM), replies 
 tail (no end marker), answers delayed beyond the timeout, engine restarts (seqs from 0,
 before or after a snapshot join), idling right after a loss, prefix-cache resets, late
 subscriber joins (snapshot joins when the buffer has rotated), reconnects without a
-restart (network blips), and several sources interleaved.
+restart (network blips), and several sources interleaved. A source may sit behind a
+*forwarder* (a ZMQ proxy in the live path): it duplicates and reorders live messages, and
+its downstream connection hides the engine's restarts and blips (no reconnect event). It
+keeps one queue per upstream connection, so a message of an old engine instance never
+arrives after one of the new instance (duplicates and reordering stay within an instance).
 
 The checker runs whenever the world is quiet (no message in flight, no timer pending):
 every source must be exactly its engine's residency (block hash -> physical copies) or
@@ -39,7 +43,7 @@ from kvstream.transport.recovery import SourceTracker
 from kvstream.wire.events import KVEventBatch, decode_batch, encode_batch
 
 FAULTS = ("live_drop", "reply_hole", "reply_cut", "answer_delay", "restart", "idle_after_loss",
-          "reset_cache", "late_join", "reconnect")
+          "reset_cache", "late_join", "reconnect", "fwd_duplicate", "fwd_reorder", "hidden_restart")
 """Every kind of fault the nemesis injects (counted per run)."""
 
 BLOCK = 4
@@ -193,7 +197,12 @@ class World:
             name = f"e{i}"
             self.pubs[name] = Publisher(self, name, Engine(rng, self.blocks),
                                         buffer=rng.choice((4, 16, 1000)), snapshots=rng.random() < 0.7)
+        # Sources behind a forwarder (duplicates, reordering, restarts it hides).
+        self.forwarded = {name for name in self.pubs if rng.random() < 0.3}
+        self.p_dup = rng.choice((0.02, 0.1))
+        self.p_reorder = rng.choice((0.0, 0.02, 0.1))
         self._live_at: dict[str, float] = {}
+        self._fwd_tail: dict[str, float] = {}  # the latest arrival a forwarder scheduled
         self._tick_at: dict[str, float] = {}
         self._sched: dict[str, Any] = {}
         self._busy = 0  # events in the heap other than probe timers
@@ -240,8 +249,10 @@ class World:
     # -- the subscriber side -----------------------------------------------------------
 
     def join(self, name: str) -> None:
+        # probe_max_s 10 s (not the 2 s default): with answers delayed past the timeout,
+        # 2 s probes of a few sources overlap and the world is never quiet to be checked.
         t = SourceTracker(name, has_replay=True, max_retries=3, backoff_s=0.05, probe_after_s=PROBE,
-                          topic=self.topic_filter)
+                          probe_max_s=10.0, topic=self.topic_filter)
         self.trackers[name] = t
         t.start(self.now)
         self._pump(name)
@@ -355,7 +366,7 @@ class World:
         if self.rng.random() < self.p_live_drop:
             self.stats.faults["live_drop"] += 1
             return
-        # One PUB connection: live messages arrive in order.
+        # One PUB connection: live messages arrive in order (a forwarder may reorder them).
         t = max(self._live_at.get(name, 0.0), self.now + 0.0005 + self.rng.random() * 0.001)
         self._live_at[name] = t
 
@@ -366,6 +377,16 @@ class World:
             tr.on_live(seq, b"kv", payload, decode_batch(payload), self.now)
             self._pump(name)
 
+        if name in self.forwarded:
+            if self.rng.random() < self.p_reorder:
+                self.stats.faults["fwd_reorder"] += 1
+                t += 0.002 + self.rng.random() * 0.002  # after the next one or two
+            tail = t
+            if self.rng.random() < self.p_dup:
+                self.stats.faults["fwd_duplicate"] += 1
+                tail = t + 0.0001 + self.rng.random() * 0.003
+                self.at(tail, arrive)
+            self._fwd_tail[name] = max(self._fwd_tail.get(name, 0.0), tail)
         self.at(t, arrive)
 
     # -- the checker -----------------------------------------------------------------
@@ -409,11 +430,18 @@ class World:
                         self.stats.faults["restart"] += 1
                         pub.restart(rng, self.blocks)
                         self._pub_at[n] = self.now
-                        self._reconnect(n)
+                        if n in self.forwarded:
+                            self.stats.faults["hidden_restart"] += 1  # the forwarder's link stays up
+                            # Its queue is FIFO per upstream connection: the new instance's
+                            # messages come after the old one's late copies.
+                            self._live_at[n] = max(self._live_at.get(n, 0.0), self._fwd_tail.get(n, 0.0))
+                        else:
+                            self._reconnect(n)
                     elif r < 0.04:
                         # A network blip: the connection drops and comes back, same engine.
                         self.stats.faults["reconnect"] += 1
-                        self._reconnect(n)
+                        if n not in self.forwarded:
+                            self._reconnect(n)
                         pub.publish(pub.engine.step())
                     elif r < 0.06:
                         self.stats.faults["reset_cache"] += 1
@@ -433,14 +461,14 @@ class World:
                 pub.publish(pub.engine.step())
                 self.p_live_drop = saved
                 self.stats.faults["idle_after_loss"] += 1
-            for n in list(late):
+            for n in sorted(late):  # not set order: seeds must not depend on PYTHONHASHSEED
                 if rng.random() < 0.7:
                     late.discard(n)
                     self.stats.faults["late_join"] += 1
                     self.join(n)
             self.run_until_quiet()
             self.check()
-        for n in late:
+        for n in sorted(late):
             self.join(n)
         self.run_until_quiet()
         self.check()

@@ -45,6 +45,10 @@ def test_under_a_topic_filter_with_topicless_replies_no_source_is_live_and_wrong
     (247, "a probe that found a lost tail looks again soon"),
     (5389, "a probe is a short answer: vLLM's HWM cannot hole it"),
     (95764, "a join after a restart that never gets an answer is stale, not live at -1"),
+    (12874, "a live message below the highest seq, not held, while the join is out: held, not "
+            "drained unverified (found after bytes-first, issue 23 item 7)"),
+    (14811, "the same, behind a forwarder"),
+    (30674, "the same, behind a forwarder"),
 ])
 def test_regression_seed(seed, case):
     assert run_seed(seed).silent_wrong == 0, case

@@ -60,6 +60,13 @@ async def _sent_to_nobody(pub: Publisher) -> None:
             await anyio.lowlevel.checkpoint()
 
 
+def _settled_at(sub: Subscriber, seq: int, source: str = "s"):
+    """Items until the source is settled (live, or stale: a stale source says nothing
+    more) with every batch up to ``seq`` taken."""
+    return lambda items: (sub.state(source) in ("live", "stale") and not sub.ready
+                          and sub.health()[source].last_seq == seq)
+
+
 def _caught_up(seq: int, source: str = "s"):
     return lambda items: any(isinstance(i, SourceBatch) and i.source == source and i.seq == seq for i in items[-8:])
 
@@ -158,7 +165,7 @@ async def test_a_gap_older_than_the_replay_buffer_uses_a_snapshot_or_marks_stale
                 model.apply(b)
             await _sent_to_nobody(pub)
             async with Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")]) as sub:
-                items = await collect(sub, lambda it: isinstance(it[-1], SourceLive))
+                items = await collect(sub, _settled_at(sub, 999))
                 for b in published[1000:]:
                     pub.publish(b)
                     model.apply(b)
@@ -332,26 +339,45 @@ async def test_a_restart_after_a_snapshot_join_is_detected_and_rebuilt(tmp_path)
     first = [_step(i) for i in range(100)]
     second = [_step(1000 + i) for i in range(60)]
     model = StateModel()
-    with anyio.fail_after(15):
-        async with Subscriber([SourceSpec(cfg.endpoint, cfg.replay_endpoint, name="s")],
-                              replay_timeout_s=0.5, backoff_s=0.02) as sub:
-            async with Publisher(cfg, snapshot_provider=model.snapshot_events) as pub:
-                for b in first:
-                    pub.publish(b)
-                    model.apply(b)
-                # A snapshot join (the buffer holds only the last 20 batches).
-                items = await collect(sub, lambda it: any(isinstance(i, SourceReset) for i in it))
-                await sub.wait_state("s", "live")
-            model2 = StateModel()
-            # The engine restarts on the same endpoints (and its buffer rotates too).
-            async with Publisher(cfg, snapshot_provider=model2.snapshot_events) as pub2:
-                for b in second:
-                    pub2.publish(b)
-                    model2.apply(b)
-                items += await collect(sub, _until_seq(59))
-                await sub.wait_state("s", "live")
-                items += sub.get_nowait()
-                health = sub.health()["s"]
+    with anyio.fail_after(30):
+        # The first engine publishes its 100 batches before the subscriber exists (sent
+        # live to nobody): the subscriber can only join by snapshot, whatever the timing.
+        sent, stop, stopped = anyio.Event(), anyio.Event(), anyio.Event()
+
+        async def first_engine() -> None:
+            try:
+                async with Publisher(cfg, snapshot_provider=model.snapshot_events) as pub:
+                    for b in first:
+                        pub.publish(b)
+                        model.apply(b)
+                    await _sent_to_nobody(pub)
+                    sent.set()
+                    await stop.wait()
+            finally:
+                stopped.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first_engine)
+            await sent.wait()
+            async with Subscriber([SourceSpec(cfg.endpoint, cfg.replay_endpoint, name="s")],
+                                  replay_timeout_s=0.5, backoff_s=0.02) as sub:
+                try:
+                    # A snapshot join (the buffer holds only the last 20 batches).
+                    items = await collect(sub, lambda it: any(isinstance(i, SourceReset) for i in it))
+                    await sub.wait_state("s", "live")
+                finally:
+                    stop.set()
+                await stopped.wait()
+                model2 = StateModel()
+                # The engine restarts on the same endpoints (and its buffer rotates too).
+                async with Publisher(cfg, snapshot_provider=model2.snapshot_events) as pub2:
+                    for b in second:
+                        pub2.publish(b)
+                        model2.apply(b)
+                    items += await collect(sub, _until_seq(59), timeout=20)
+                    await sub.wait_state("s", "live")
+                    items += sub.get_nowait()
+                    health = sub.health()["s"]
     resets = [i.reason for i in items if isinstance(i, SourceReset)]
     assert resets[0] == "snapshot" and "restart" in resets[1:]
     final, stale = apply_items(items)

@@ -98,13 +98,48 @@ def test_live_duplicate_of_a_replayed_batch_is_dropped_but_different_bytes_mean_
     assert t.inflight is not None and t.inflight.start == 0  # rebuild from the new engine's 0
 
 
-def test_seq_going_backwards_on_the_live_socket_is_a_restart():
+def test_seq_going_backwards_on_the_live_socket_with_other_bytes_is_a_restart():
     t = SourceTracker("s", has_replay=False)
     for s in range(3):
         _live(t, s)
-    _live(t, 0)
+    _live(t, 0, h=100)
     assert _kinds(t.out)[-2:] == [("SourceReset", 0), ("SourceBatch", 0)]
     assert t.counters.restarts == 1 and t.state == "live"
+
+
+def test_a_duplicated_or_late_live_message_with_the_same_bytes_is_a_duplicate_not_a_restart():
+    """Bytes first (issue 23 item 7): a copy of a yielded seq is dropped, whatever seq
+    the live socket reached since."""
+    for has_replay in (False, True):
+        t = SourceTracker("s", has_replay=has_replay)
+        for s in range(5):
+            _live(t, s)
+            if s:
+                _live(t, s - 1)  # a late copy of the previous one
+        _live(t, 2)
+        assert t.counters.restarts == 0 and t.counters.duplicates == 5 and t.state == "live"
+        assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 1, 2, 3, 4]
+
+
+def test_a_reordered_live_message_fills_its_gap_checked_by_the_replay():
+    t = SourceTracker("s", has_replay=True)
+    _live(t, 0)
+    _live(t, 2)  # 1 comes later (a forwarder reordered them): a gap for now
+    assert t.state == "recovering"
+    _live(t, 1)
+    assert t.counters.reordered == 1 and t.counters.restarts == 0
+    _serve(t, {0: 0, 1: 1, 2: 2})
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 1, 2]
+    assert t.counters.restarts == 0 and t.state == "live"
+
+
+def test_a_reordered_live_message_that_the_replay_contradicts_is_a_restart():
+    t = SourceTracker("s", has_replay=True)
+    _live(t, 0)
+    _live(t, 2)
+    _live(t, 1, h=100)  # held: the publisher's replay says otherwise
+    _serve(t, {0: 0, 1: 1, 2: 2})
+    assert t.counters.restarts == 1
 
 
 def test_replay_that_starts_late_falls_back_to_snapshot_then_stale_when_unsupported():
@@ -408,11 +443,48 @@ def test_an_idle_probe_after_a_quiet_period_finds_a_lost_tail_and_a_clean_one_sa
     assert (t.inflight.purpose, t.inflight.start) == ("probe", 0) and t.state == "live"
     _serve(t, {0: 0, 1: 1, 2: 2})  # 1 and 2 were lost: found
     assert [i.seq for i in t.out if isinstance(i, SourceBatch)] == [0, 1, 2]
+    # The live socket lost what the probe found: not "live" until it delivers again or a
+    # probe finds nothing new.
+    assert t.state == "recovering"
     n = len(t.out)
     assert t.probe_at() == 11.0  # found something: look again soon
     t.on_tick(11.0)
-    _serve(t, {0: 0, 1: 1, 2: 2})  # clean: no item at all
-    assert len(t.out) == n and t.probe_at() == 12.0
+    _serve(t, {0: 0, 1: 1, 2: 2})  # clean: live again, said once
+    assert _kinds(t.out[n:]) == [("SourceLive", 2)] and t.state == "live" and t.probe_at() == 12.0
+    n = len(t.out)
+    t.on_tick(12.0)
+    _serve(t, {0: 0, 1: 1, 2: 2})  # clean again: no item at all
+    assert len(t.out) == n and t.probe_at() == 14.0
+
+
+def test_a_probe_nobody_answers_leaves_live_within_the_replay_timeout_and_stale_says_so_once():
+    """Issue 24 item 1, issue 29 defect 7: an engine that stopped answering is not "live"
+    once its probe timed out, and a dead engine's failing probes give one stale notice,
+    never a "live" one."""
+    t = SourceTracker("s", has_replay=True, probe_after_s=0.5, probe_max_s=4.0, max_retries=2)
+    t.start(0.0)
+    _serve(t, {})
+    _live(t, 0)
+    t.on_tick(2.5)
+    assert t.inflight.purpose == "probe" and t.state == "live"
+    _sent(t)
+    t.on_timeout()  # replay_timeout_s of silence
+    assert t.state == "recovering"
+    for _ in range(2):
+        _sent(t)
+        t.on_timeout()
+    assert t.state == "stale" and t.inflight is None
+    for k in range(5):  # the engine stays dead: probe after probe fails
+        at = t.probe_at()
+        assert at is not None
+        t.on_tick(at)
+        assert t.state == "stale"
+        for _ in range(3):
+            _sent(t)
+            t.on_timeout()
+            assert t.state == "stale"
+    notices = [type(i).__name__ for i in t.out if not isinstance(i, SourceBatch)]
+    assert notices == ["SourceLive", "SourceStale"]
 
 
 def test_a_start_seq_asks_from_its_anchor_and_yields_only_what_follows():

@@ -261,3 +261,69 @@ class ScriptedPublisher:
                         r.send_multipart([ident, *frames])
                 self.served += 1
             await anyio.wait_readable(r.FD)
+
+
+class FaultyForwarder:
+    """A live-channel forwarder on real sockets (a ZMQ proxy between engines and routers,
+    as deployments put one): an XSUB connected to the engine's PUB, an XPUB bound for the
+    subscribers, subscriptions passed upstream. Seeded faults on the messages it forwards:
+    ``p_dup`` sends a message twice, ``p_reorder`` holds one back until after the next,
+    ``drop`` (a callable on the seq frame's int) drops it. Its downstream connection
+    survives an engine restart: the subscriber sees no reconnect."""
+
+    def __init__(self, upstream: str, downstream: str, *, seed: int = 0, p_dup: float = 0.0,
+                 p_reorder: float = 0.0) -> None:
+        import random
+
+        ctx = zmq.Context.instance()
+        self.up = ctx.socket(zmq.XSUB)
+        self.down = ctx.socket(zmq.XPUB)
+        self.up.linger = self.down.linger = 0
+        self.up.rcvhwm = self.down.sndhwm = 100_000
+        self.down.bind(downstream)
+        self.endpoint = self.down.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.up.connect(upstream)
+        self.rng = random.Random(seed)
+        self.p_dup, self.p_reorder = p_dup, p_reorder
+        self.drop: Callable[[int], bool] = lambda seq: False
+        self.forwarded = self.duplicated = self.reordered = self.dropped = 0
+        self.subscribed = anyio.Event()
+
+    async def serve(self) -> None:
+        held: list[bytes] | None = None
+        while True:
+            moved = False
+            while self.down.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator]
+                msg = self.down.recv(zmq.NOBLOCK)
+                self.up.send(msg)  # a subscription (or unsubscription) goes upstream
+                if msg[:1] == b"\x01":
+                    self.subscribed.set()
+                moved = True
+            while self.up.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator]
+                frames = self.up.recv_multipart(zmq.NOBLOCK)
+                moved = True
+                if len(frames) == 3 and self.drop(decode_seq(frames[1])):
+                    self.dropped += 1
+                    continue
+                if held is None and self.rng.random() < self.p_reorder:
+                    held = frames
+                    self.reordered += 1
+                    continue
+                self.down.send_multipart(frames)
+                self.forwarded += 1
+                if self.rng.random() < self.p_dup:
+                    self.down.send_multipart(frames)
+                    self.duplicated += 1
+                if held is not None:
+                    self.down.send_multipart(held)
+                    held = None
+            if not moved:
+                if held is not None:
+                    self.down.send_multipart(held)  # nothing followed: send it late
+                    held = None
+                with anyio.move_on_after(0.05):
+                    await anyio.wait_readable(self.up.FD)
+
+    def close(self) -> None:
+        self.up.close(0)
+        self.down.close(0)

@@ -1,0 +1,29 @@
+"""The fault campaign through a relay and a stream that fills up (see
+``stream_campaign.py``; ``bench/soak_faults.py --stream`` runs 100,000+ seeds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.jetstream.stream_campaign import FAULTS, run_seed
+from tests.transport.fault_campaign import Stats
+
+
+def test_a_few_hundred_seeds_through_a_full_stream_never_leave_a_consumer_live_and_wrong():
+    total = Stats()
+    for seed in range(300):
+        total.add(run_seed(seed))
+    assert total.silent_wrong == 0
+    assert set(FAULTS) <= set(total.faults), total.faults
+    assert total.faults["relay_gave_up"] > 20 and total.states["js_live"] > total.states["js_stale"] > 0
+
+
+@pytest.mark.parametrize("seed,case", [
+    (4, "a snapshot join of a restarted engine tagged below the relay's position is a new instance "
+        "(in the old one, consumers took its reset for a late copy and stayed live with the old blocks)"),
+    (54, "a restart the relay could not confirm, then a stale notice: the stream says the state is "
+         "unverified (it said nothing, and consumers stayed live with the old engine's blocks)"),
+    (26, "the same, with a full stream"),
+])
+def test_regression_seed(seed, case):
+    assert run_seed(seed).silent_wrong == 0, case

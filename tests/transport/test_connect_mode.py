@@ -1,0 +1,180 @@
+"""A publisher whose PUB *connects* (vLLM's rule for an endpoint without ``*``), on real
+loopback sockets: it says so, it warns once when it reaches nobody, and a router that
+hears it only through replay probes never says ``live`` while it is wrong (issue 24
+item 1, issue 29 defect 7)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import anyio
+import pytest
+
+from kvstream.routing.router import Router
+from kvstream.transport import KVEventsConfig, Publisher, SourceLive, SourceSpec, SourceStale, Subscriber
+from kvstream.transport import publisher as publisher_module
+from kvstream.wire.events import BlockStored, KVEventBatch
+
+pytestmark = pytest.mark.anyio
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _batch(i: int) -> KVEventBatch:
+    return KVEventBatch(float(i), [BlockStored([1000 + i], None, list(range(16)), 16, None, "GPU", None)])
+
+
+async def test_a_publisher_says_whether_it_binds_or_connects():
+    cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    async with Publisher(cfg) as pub:
+        assert pub.binds is True
+    cfg = KVEventsConfig(endpoint=f"tcp://127.0.0.1:{_free_port()}", replay_endpoint="tcp://127.0.0.1:*")
+    async with Publisher(cfg) as pub:
+        assert pub.binds is False
+
+
+async def test_a_connecting_publisher_that_reaches_nobody_is_warned_about_once(monkeypatch, caplog):
+    monkeypatch.setattr(publisher_module, "_NO_PEER_WARN_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="kvstream.transport.publisher")
+    ep = f"tcp://127.0.0.1:{_free_port()}"
+    with anyio.fail_after(20):
+        async with Publisher(KVEventsConfig(endpoint=ep, replay_endpoint="tcp://127.0.0.1:*")) as pub:
+            pub.publish(_batch(0))
+            while not any("reached no subscriber" in r.getMessage() for r in caplog.records):
+                await anyio.sleep(0.05)
+            # Once only, however long it stays unheard.
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                await anyio.sleep(0.05)
+    warned = [r.getMessage() for r in caplog.records if "reached no subscriber" in r.getMessage()]
+    assert len(warned) == 1 and ep in warned[0] and "tcp://*:PORT" in warned[0]
+
+
+async def test_a_connecting_publisher_heard_by_a_binding_subscriber_warns_nothing(monkeypatch, caplog):
+    monkeypatch.setattr(publisher_module, "_NO_PEER_WARN_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="kvstream.transport.publisher")
+    ep = f"tcp://127.0.0.1:{_free_port()}"
+    with anyio.fail_after(20):
+        async with Subscriber([SourceSpec(ep, name="e", bind=True)]) as sub:
+            async with Publisher(KVEventsConfig(endpoint=ep)) as pub:
+                await pub.wait_subscribed()
+                pub.publish(_batch(0))
+                await sub.wait_state("e", "live")
+                deadline = time.monotonic() + 1.0  # past the warning's delay
+                while time.monotonic() < deadline:
+                    await anyio.sleep(0.05)
+    assert not [r for r in caplog.records if "reached no subscriber" in r.getMessage()]
+
+
+class _Engine:
+    """A connecting publisher in a task of its own: publishes batch 0, then (``stop``) 5
+    more that nobody hears live, then closes (the engine is gone)."""
+
+    def __init__(self, cfg: KVEventsConfig) -> None:
+        self.cfg = cfg
+        self.replay: str | None = None
+        self.started, self.stop, self.stopped = anyio.Event(), anyio.Event(), anyio.Event()
+
+    async def run(self) -> None:
+        try:
+            async with Publisher(self.cfg) as pub:
+                self.replay = pub.replay_endpoint
+                pub.publish(_batch(0))
+                self.started.set()
+                await self.stop.wait()
+                for i in range(1, 6):
+                    pub.publish(_batch(i))
+        finally:
+            self.stopped.set()
+
+
+_PROBE_AFTER, _TIMEOUT = 0.2, 0.5
+
+
+def _subscriber(ep: str, replay: str | None) -> Subscriber:
+    # max_retries=8: a probe retried as "probe" stayed live for 9 timeouts (and their
+    # backoff, ~10 s) before, well past the bound the test allows under load.
+    return Subscriber([SourceSpec(ep, replay, name="e")], probe_after_s=_PROBE_AFTER, probe_max_s=1.0,
+                      replay_timeout_s=_TIMEOUT, max_retries=8, backoff_s=0.02)
+
+
+async def test_a_router_that_hears_a_connecting_engine_only_by_replay_leaves_live_within_the_bound():
+    """The engine publishes 6 batches; its PUB connects to an address nobody binds, so the
+    router (which connects too) gets batch 0 from its join and nothing live. Once the
+    engine is gone its probes go unanswered: the source leaves ``live`` within
+    probe_max_s + replay_timeout_s (+ scheduling slack) and never says ``live`` again."""
+    bound = 1.0 + _TIMEOUT + 4.5  # probe_max_s + replay_timeout_s + slack for a loaded machine
+    ep = f"tcp://127.0.0.1:{_free_port()}"
+    eng = _Engine(KVEventsConfig(endpoint=ep, replay_endpoint="tcp://127.0.0.1:*"))
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(eng.run)
+            await eng.started.wait()
+            sub = _subscriber(ep, eng.replay)
+            async with Router(subscriber=sub) as router:
+                await sub.wait_state("e", "live", timeout_s=10)
+                assert router.health()["e"].last_seq == 0
+                eng.stop.set()
+                await eng.stopped.wait()  # 5 more batches, none heard live; the engine is gone
+                t0 = time.monotonic()
+                while router.health()["e"].state == "live":
+                    assert time.monotonic() - t0 < bound, router.health()["e"]
+                    await anyio.sleep(0.02)
+                # From now on never live: nothing can prove the state any more.
+                deadline = time.monotonic() + 4 * (_PROBE_AFTER + _TIMEOUT) + 1.0
+                while time.monotonic() < deadline:
+                    h = router.health()["e"]
+                    assert h.state != "live", h
+                    await anyio.sleep(0.02)
+                await sub.wait_state("e", "stale", timeout_s=60)
+                h = router.health()["e"]
+            tg.cancel_scope.cancel()
+    assert h.state == "stale" and h.last_seq < 5
+
+
+async def test_a_dead_engine_gives_one_stale_notice_and_no_live_one():
+    """Issue 29 defect 7: subscribe/record printed a live notice after every stale one."""
+    ep = f"tcp://127.0.0.1:{_free_port()}"
+    eng = _Engine(KVEventsConfig(endpoint=ep, replay_endpoint="tcp://127.0.0.1:*"))
+    items: list = []
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(eng.run)
+            await eng.started.wait()
+            async with _subscriber(ep, eng.replay) as sub:
+                await sub.wait_state("e", "live", timeout_s=10)
+                eng.stop.set()
+                await eng.stopped.wait()
+                await sub.wait_state("e", "stale", timeout_s=60)
+                # Several more probe rounds against the dead engine.
+                probes = sub.counters("e").probes
+                while sub.counters("e").probes < probes + 3:
+                    items += sub.get_nowait()
+                    await anyio.sleep(0.05)
+                    assert sub.state("e") in ("stale", "recovering")
+                items += sub.get_nowait()
+            tg.cancel_scope.cancel()
+    notices = [type(i).__name__ for i in items if isinstance(i, (SourceLive, SourceStale))]
+    assert notices == ["SourceLive", "SourceStale"], notices
+
+
+def test_the_engine_ready_line_says_bind_or_connect():
+    """Issue 24 item 1: ``events tcp://127.0.0.1:P replay None`` hid that the PUB
+    connects. Real ``kvstream engine`` processes."""
+    from kvstream.emulator.launch import start_engine
+
+    with start_engine("bound") as e:
+        line = e.ready_line
+        assert e.events is not None and e.replay is not None
+    assert "(bind) replay" in line and " (connect)" not in line
+    ep = f"tcp://127.0.0.1:{_free_port()}"
+    with start_engine("connecting", events=ep, replay=None) as e:
+        line = e.ready_line
+        assert e.events == ep and e.replay is None
+    assert f"events {ep} (connect) replay off" in line
