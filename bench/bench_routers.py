@@ -329,8 +329,12 @@ async def chat_run(url: str, seed: int, text: bool, w: ChatWorkload) -> Run:
 
 def load_trace(path: Path, n: int) -> list[dict[str, Any]]:
     """The first ``n`` requests of a Mooncake trace."""
+    import gzip
+    import lzma
+
     out = []
-    with open(path) as f:
+    opener: Any = lzma.open if path.suffix == ".xz" else gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
         for line in f:
             if line.strip():
                 out.append(json.loads(line))
@@ -474,7 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--decode-tokens-per-s", type=float, default=50.0)
     ap.add_argument("--hash-algo", default="sha256", help="the engines' --prefix-caching-hash-algo")
     ap.add_argument("--sessions", type=int, default=32, help="chat sessions")
-    ap.add_argument("--trace", type=Path, default=None, help="Mooncake conversation trace (JSON lines)")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="Mooncake trace, JSON lines (.xz/.gz read too; default: the conversation trace that ships "
+                         "in examples/traces/)")
     ap.add_argument("--mooncake-requests", type=int, default=1200)
     ap.add_argument("--mooncake-prefill-tokens-per-s", type=float, default=50000.0,
                     help="the engines' prefill rate for the trace (its prompts are long)")
@@ -501,14 +507,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overhead:
         return overhead(args, routers, venv, logs)
 
-    trace = args.trace or next((p for p in (REPO / "examples" / "traces" / "mooncake_conversation.jsonl",
-                                            REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl")
-                                if p.exists()), None)
+    trace = args.trace or REPO / "examples" / "traces" / "mooncake_conversation.jsonl.xz"  # ships with kvstream
     workloads = [w for w in args.workloads.split(",") if w]
     reqs: list[dict[str, Any]] = []
     if "mooncake" in workloads:
-        if trace is None:
-            ap.error("the mooncake workload needs --trace mooncake_conversation.jsonl")
+        if not trace.exists():
+            ap.error(f"no trace at {trace}; give --trace FILE")
         reqs = load_trace(trace, args.mooncake_requests)
         print(f"mooncake: {len(reqs)} requests from {trace}; ideal hit rate of the window "
               f"{ideal_hit_rate(reqs, args.max_input) * 100:.1f} %", flush=True)

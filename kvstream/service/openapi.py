@@ -77,6 +77,9 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("GET", "/healthz"): Op(
         "Liveness", "200 while the service follows its engines; 503 once its event stream runtime failed.",
         answers={200: S.HealthResponse, 503: S.HealthResponse}, tags=("health",)),
+    ("GET", "/health"): Op(
+        "Liveness (vLLM's name for /healthz)", "The same answer as /healthz.",
+        answers={200: S.HealthResponse, 503: S.HealthResponse}, tags=("health",)),
     ("GET", "/readyz"): Op(
         "Readiness", "200 when at least one engine is live, else 503.",
         answers={200: S.ReadyResponse, 503: S.ReadyResponse}, tags=("health",)),

@@ -114,18 +114,23 @@ class ErrorResponse(Struct):
 
 class EngineLoadView(Struct):
     """An engine's load as ``/v1/route`` scores with it: requests waiting (``queue``),
-    running, KV cache usage (0..1), requests in flight through this process; whether a
-    scrape of its ``/metrics`` ever succeeded, its age (seconds), whether it is stale and
-    the last scrape error."""
+    running, KV cache usage (0..1), the uncached prompt tokens of the requests this process
+    sent it that have not answered yet (``prefill_tokens``, proxy mode), requests in flight
+    through this process; whether a scrape of its ``/metrics`` ever succeeded, its age
+    (seconds), whether it is stale, the last scrape error; whether its last scrape reached
+    it and, if not, for how long (seconds) it has not."""
 
     queue: int
     running: int
     kv_usage: float
+    prefill_tokens: int
     in_flight: int
     scraped: bool
     age_s: float | None
     stale: bool
     error: str | None
+    reachable: bool
+    unreachable_for_s: float | None
 
 
 class RoutingAccuracy(Struct):

@@ -60,7 +60,8 @@ def test_request_loads_win_then_scrapes_then_in_flight() -> None:
     assert b.view("e0", now=1.0)["stale"] is False
     assert b.view("e0", now=7.0)["stale"] is True
     b.scrape_failed("e2", "ValueError: HTTP 500")  # it answered: reachable, load unknown
-    assert b.view("e2", now=0.0) | {} == {"queue": 0, "running": 0, "kv_usage": 0.0, "in_flight": 0, "scraped": False,
+    assert b.view("e2", now=0.0) | {} == {"queue": 0, "running": 0, "kv_usage": 0.0, "prefill_tokens": 0,
+                                          "in_flight": 0, "scraped": False,
                                           "age_s": None, "stale": True, "error": "ValueError: HTTP 500",
                                           "reachable": True, "unreachable_for_s": None}
 
