@@ -146,7 +146,11 @@ def events_config(text: str | None, wire_version: str) -> Any:
         d.setdefault("replay_topic_frame", False)
         d.setdefault("vllm_version", "0.11")  # 0.11's endpoint rules and publisher default
     cfg = KVEventsConfig.from_dict(d)
-    if not cfg.enable_kv_cache_events and "publisher" not in d:
+    if not cfg.enable_kv_cache_events:
+        # vLLM's publisher factory gives a null publisher then, whatever "publisher" says.
+        if "publisher" in d or "endpoint" in d:
+            print('kvstream engine: note: "enable_kv_cache_events" is false in --kv-events-config: no KV events '
+                  "are published (as vLLM); set it to true to publish them", file=sys.stderr)
         return None
     if cfg.enable_kv_cache_events and cfg.publisher == "null" and "publisher" not in d:
         # vLLM 0.11 publishes nothing then, silently; say so once.

@@ -177,3 +177,25 @@ def test_event_port_in_use_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[
         cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"})
         assert main(["engine", "--port", "0", "--kv-events-config", cfg]) == 2
     assert "cannot open the KV event sockets" in capsys.readouterr().err
+
+
+def test_events_disabled_in_the_config_publish_nothing_whatever_the_publisher_says(tmp_path: Path) -> None:
+    """vLLM gives a null publisher when ``enable_kv_cache_events`` is false; so does the
+    emulator (it used to bind and publish anyway), and it says so in one line."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = {"enable_kv_cache_events": False, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"}
+    with start_engine("off", events=None, extra=["--kv-events-config", json.dumps(cfg)],
+                      log_dir=str(tmp_path)) as proc:
+        assert " events off " in proc.ready_line, proc.ready_line
+        r = httpx.post(proc.url + "/v1/completions", json={"prompt": list(range(1, 40)), "max_tokens": 1})
+        assert r.status_code == 200
+        text = httpx.get(proc.url + "/metrics").text
+        assert "kvstream:kv_event_batches_published_total" in text and \
+            'kvstream:kv_event_batches_published_total{engine="0",model_name="kvstream-emulated"} 0.0' in text
+        with socket.socket() as s:  # nothing bound the endpoint
+            s.bind(("127.0.0.1", port))
+        assert '"enable_kv_cache_events" is false' in proc.log_tail()
