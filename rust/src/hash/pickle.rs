@@ -357,25 +357,7 @@ mod tests {
 
     #[test]
     fn the_block_loop_writes_what_the_per_value_writer_writes() {
-        let mut vals: Vec<i64> = vec![
-            0, 1, 23, 24, 255, 256, 65535, 65536, -1, -24, -25, -256, -257,
-        ];
-        vals.extend([
-            i32::MAX as i64,
-            i32::MIN as i64,
-            1 << 31,
-            -(1 << 31) - 1,
-            1 << 32,
-            i64::MAX,
-            i64::MIN,
-        ]);
-        let mut x: u64 = 7;
-        for _ in 0..2000 {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            vals.push((x as i64) >> (x % 64));
-        }
+        let vals = super::super::sample_ids();
         for chunk in vals.chunks(17) {
             let mut fast = vec![0xaa];
             write_ids(&mut fast, chunk);
