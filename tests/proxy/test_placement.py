@@ -11,7 +11,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from kvstream.emulator.launch import Proc, start_engine, start_serve_proxy
+from kvstream.emulator.launch import Proc
+from tests.proxy.stack import engines_and_proxy
 from tests.proxy.test_full_stack import wait_for
 
 # 2,000 prompt tokens/s: a 3,000-token prompt keeps an engine prefilling for 1.5 s.
@@ -21,19 +22,8 @@ ENGINE_OPTS = ["--num-gpu-blocks", "1024", "--prefill-tokens-per-s", "2000", "--
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, list[Proc]]]:
-    logs = str(tmp_path_factory.mktemp("logs"))
-    engines = [start_engine(f"e{i}", extra=ENGINE_OPTS, log_dir=logs, wait=False) for i in range(2)]
-    try:
-        for e in engines:
-            e.wait_ready(60)
-        proxy = start_serve_proxy(engines, log_dir=logs, extra=["--scoring", "cost"])
-        try:
-            yield proxy, engines
-        finally:
-            proxy.stop()
-    finally:
-        for e in engines:
-            e.stop()
+    with engines_and_proxy(str(tmp_path_factory.mktemp("logs")), ENGINE_OPTS, ["--scoring", "cost"]) as stack:
+        yield stack
 
 
 def loads(proxy: Proc) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from kvstream.emulator.launch import Proc, start_engine, start_serve_proxy
+from kvstream.emulator.launch import Proc
+from tests.proxy.stack import engines_and_proxy
 from tests.proxy.test_full_stack import wait_for
 from tests.proxy.test_tokenize import CHATML, _model_dir
 
@@ -20,16 +21,8 @@ OPTS = ["--num-gpu-blocks", "512", "--max-model-len", "4096"]
 
 @pytest.fixture(scope="module")
 def byte_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, list[Proc]]]:
-    logs = str(tmp_path_factory.mktemp("logs"))
-    engines = [start_engine(f"e{i}", extra=OPTS, log_dir=logs, wait=False) for i in range(2)]
-    try:
-        for e in engines:
-            e.wait_ready(60)
-        with start_serve_proxy(engines, log_dir=logs, extra=["--log-level", "info"]) as proxy:
-            yield proxy, engines
-    finally:
-        for e in engines:
-            e.stop()
+    with engines_and_proxy(str(tmp_path_factory.mktemp("logs")), OPTS, ["--log-level", "info"]) as stack:
+        yield stack
 
 
 def test_a_repeated_text_prompt_goes_where_its_prefix_is_and_is_predicted_exactly(
@@ -69,19 +62,11 @@ def test_chat_without_a_tokenizer_is_routed_by_prefix_too(byte_stack: tuple[Proc
 
 def test_engines_with_a_real_tokenizer_leave_text_routed_by_load_and_say_how_to_fix_it(tmp_path: Path) -> None:
     model = _model_dir(tmp_path, "m", CHATML, bos=False)
-    engines = [start_engine(f"t{i}", extra=[*OPTS, "--tokenizer", str(model)], log_dir=str(tmp_path), wait=False)
-               for i in range(2)]
-    try:
-        for e in engines:
-            e.wait_ready(60)
-        with start_serve_proxy(engines, log_dir=str(tmp_path)) as proxy:
-            r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hello world", "max_tokens": 1}, timeout=60)
-            assert r.status_code == 200
-            wait_for(lambda: "routed by load only" in proxy.log_tail(20000), "the warning")
-            assert "--tokenizer MODEL_DIR" in proxy.log_tail(20000)
-            assert proxy.log_tail(20000).count("routed by load only") == 1
-            httpx.post(proxy.url + "/v1/completions", json={"prompt": "hello again", "max_tokens": 1}, timeout=60)
-            assert proxy.log_tail(20000).count("routed by load only") == 1
-    finally:
-        for e in engines:
-            e.stop()
+    with engines_and_proxy(str(tmp_path), [*OPTS, "--tokenizer", str(model)], prefix="t") as (proxy, _):
+        r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hello world", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        wait_for(lambda: "routed by load only" in proxy.log_tail(20000), "the warning")
+        assert "--tokenizer MODEL_DIR" in proxy.log_tail(20000)
+        assert proxy.log_tail(20000).count("routed by load only") == 1
+        httpx.post(proxy.url + "/v1/completions", json={"prompt": "hello again", "max_tokens": 1}, timeout=60)
+        assert proxy.log_tail(20000).count("routed by load only") == 1
