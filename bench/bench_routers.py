@@ -35,7 +35,9 @@ Per router and workload: realized hit rate (sum of ``cached_tokens`` over sum of
 
 ``--overhead`` instead starts fast engines and measures each router's added time to first
 byte over calling an engine directly (1 and 64 concurrent streams), and the most
-requests/s each carries (64 clients, short non-streamed completions).
+requests/s each carries (64 clients, short non-streamed completions). Its load runs in
+this process with httpx: at 64 streams and for requests/s it measures this client more than
+the routers (see bench/results/routers.md); only its 1-stream figures are meaningful yet.
 """
 
 from __future__ import annotations
