@@ -13,7 +13,7 @@ same way (for example new captures being checked before they are committed). A s
 file that is missing is a failure, never a skip: a checkout without it is broken.
 
 Every skip the suite can still make (an optional tool such as nginx that is not
-installed) is listed with its reason at the end of the run (``-rs`` in ``addopts``).
+installed) is listed with its reason at the end of the run (``-rfEs`` in ``addopts``: failures and errors too).
 """
 
 from __future__ import annotations
