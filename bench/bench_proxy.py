@@ -15,6 +15,10 @@ proxy's added p50 (budget: <= 1 ms).
     python bench/bench_proxy.py [--streams 64] [--probes 200] [--rounds 2]
     python bench/bench_proxy.py --clients    # the upstream client candidates alone (aiohttp, httpx)
 
+``--watchers`` times the proxy's per-request disconnect watcher alone: an anyio task group
+(start a task, cancel the scope) against the plain asyncio task the proxy uses
+(``kvstream.proxy.app._until_disconnect``), same run, same loop.
+
 ``--clients`` runs ``bench/bench_proxy_clients.py``: the two client libraries side by side
 against one engine with 64 streams open (CPU per event, time to first byte), the
 measurement the proxy's client was chosen by.
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import anyio
 import httpx
@@ -85,6 +90,52 @@ def _measure(url: str, args: argparse.Namespace, offset: int) -> list[float]:
         bg.wait()
 
 
+def _watchers(n: int = 20000) -> None:
+    """Per-request cost of watching for a disconnect: anyio task group vs one asyncio task."""
+    import asyncio
+
+    from kvstream.proxy.app import _until_disconnect
+
+    async def main() -> None:
+        gate = asyncio.Event()
+
+        async def receive() -> dict[str, str]:
+            await gate.wait()
+            return {"type": "http.disconnect"}
+
+        async def work() -> None:
+            await asyncio.sleep(0)
+
+        async def with_anyio() -> None:
+            async with anyio.create_task_group() as tg:
+                async def watch() -> None:
+                    await receive()
+                    tg.cancel_scope.cancel()
+                tg.start_soon(watch)
+                await work()
+                tg.cancel_scope.cancel()
+
+        async def with_task() -> None:
+            await _until_disconnect(receive, work())
+
+        for rnd in range(2):
+            for name, f in (("anyio task group", with_anyio), ("asyncio task (kvstream)", with_task)):
+                t = time.perf_counter()
+                for _ in range(n):
+                    await f()
+                print(f"  round {rnd + 1} {name:<24} {1e6 * (time.perf_counter() - t) / n:7.1f} us per request")
+
+    try:
+        import uvloop
+        loop = "uvloop"
+        runner: Any = uvloop.run
+    except ImportError:
+        loop = "asyncio"
+        runner = asyncio.run
+    print(f"disconnect watcher per request ({loop} loop, {n} requests per row)")
+    runner(main())
+
+
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -113,6 +164,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="background load per round (s)")
     p.add_argument("--ramp", type=float, default=2.0, help="seconds of background load before probing")
     p.add_argument("--clients", action="store_true", help="compare the upstream client libraries instead")
+    p.add_argument("--watchers", action="store_true", help="time the per-request disconnect watcher alone")
     p.add_argument("--background", metavar="URL", help=argparse.SUPPRESS)
     args, rest = p.parse_known_args()
     if args.clients:
@@ -122,6 +174,9 @@ def main() -> None:
         sys.argv = [sys.argv[0].replace("bench_proxy.py", "bench_proxy_clients.py"),
                     *(a for a in sys.argv[1:] if a != "--clients")]
         runpy.run_path(sys.argv[0], run_name="__main__")
+        return
+    if args.watchers:
+        _watchers()
         return
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
