@@ -31,7 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
+import itertools
+import os
 from typing import Any, AsyncGenerator, Callable, Container, Coroutine, Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -485,7 +486,7 @@ class KVProxy:
             elif k == b"authorization":
                 auth = v
         if not rid:
-            rid = uuid.uuid4().hex.encode()
+            rid = b"%s%016x" % (_RID_PREFIX, next(_rid_numbers))
         rec.request_id = rid.decode("ascii")
         rid_header = (_REQUEST_ID_B, rid)
         try:
@@ -507,12 +508,13 @@ class KVProxy:
             if batch and stream:
                 predicted = {}  # vLLM's usage then names no one prompt's cached tokens
             strip_usage = False
+            payload = raw  # the client's bytes as they came, unless the proxy must add to them
             if stream:
                 opts = body.get("stream_options")
                 if not (isinstance(opts, dict) and opts.get("include_usage")):
                     body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
                     strip_usage = True
-            payload = _enc.encode(body)
+                    payload = _enc.encode(body)
             headers = [(b"content-type", b"application/json"), rid_header]
             if auth:
                 headers.append((b"authorization", auth))
@@ -754,6 +756,18 @@ def _is_batch(prompt: Any) -> bool:
     return isinstance(prompt, list) and len(prompt) > 1 and not all(type(t) is int for t in prompt)
 
 
+# A new request id: this process's random 64 bits, then a count (32 hex digits, as unique as
+# a uuid4 and without a getrandom() call per request).
+_RID_PREFIX = os.urandom(8).hex().encode()
+_rid_numbers = itertools.count()
+
+
+def _new_rid_prefix() -> None:  # a forked worker (serve --processes) draws its own
+    global _RID_PREFIX
+    _RID_PREFIX = os.urandom(8).hex().encode()
+
+
+os.register_at_fork(after_in_child=_new_rid_prefix)
 _ENGINE_HEADER_B = ENGINE_HEADER.encode()
 _REQUEST_ID_B = REQUEST_ID_HEADER.encode()
 _HOT = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
