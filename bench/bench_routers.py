@@ -33,11 +33,14 @@ Per router and workload: realized hit rate (sum of ``cached_tokens`` over sum of
 (the busiest engine's requests over the mean, from the engines' own
 ``vllm:request_success_total``) and failures.
 
-``--overhead`` instead starts fast engines and measures each router's added time to first
-byte over calling an engine directly (1 and 64 concurrent streams), and the most
-requests/s each carries (64 clients, short non-streamed completions). Its load runs in
-this process with httpx: at 64 streams and for requests/s it measures this client more than
-the routers (see bench/results/routers.md); only its 1-stream figures are meaningful yet.
+``--overhead`` instead measures each router's own cost: time to first byte added over
+calling an engine directly (every router up at once in front of the same engines; at 1
+stream one probe per target in turn, then beside 63 background streams of 40 tokens at
+20 tokens/s), and the most requests/s each carries in front of 4 fast engines (short
+non-streamed completions, 64 connections, one router at a time, rounds in alternating
+order). Its load runs in other processes (bench/_loadgen.py: aiohttp workers for the
+streams, ``wrk`` for requests/s when installed, Debian's ``wrk`` package), so the routers,
+not the bench's client, are what is measured.
 """
 
 from __future__ import annotations
@@ -163,7 +166,8 @@ def start_router(kind: str, engines: Sequence[Proc], venv: Path | None, logs: Pa
     urls = [e.url or "" for e in engines]
     if kind == "sglang":
         argv = [str(venv / "bin" / "sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port),
-                "--policy", "cache_aware", "--worker-urls", *urls, "--log-level", "warn"]
+                "--policy", "cache_aware", "--worker-urls", *urls, "--log-level", "warn",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]  # not its fixed 29000
     else:
         policy = {"vllm-kv": "kv_aware", "vllm-cache": "cache_aware", "round-robin": "round_robin"}[kind]
         argv = [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
@@ -400,64 +404,71 @@ async def mooncake_run(url: str, reqs: Sequence[dict[str, Any]], time_scale: flo
 
 
 # --- overhead -------------------------------------------------------------------------------
+# The load runs in processes of its own (bench/_loadgen.py): this process only probes, one
+# request at a time, so what it measures is the router's hop, not this client.
 
-async def _ttfb(url: str, streams: int, probes: int) -> list[float]:
-    """Time to first byte of ``probes`` sequential streamed requests while ``streams`` - 1
-    other streams keep the router busy."""
-    stop = anyio.Event()
-    out: list[float] = []
-
-    async def background(client: httpx.AsyncClient, i: int) -> None:
-        k = 0
-        while not stop.is_set():
-            body = {"model": MODEL, "prompt": f"background {i} {k} " + "x" * 200, "max_tokens": 40, "stream": True}
-            k += 1
-            try:
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    async for _ in r.aiter_raw():
-                        if stop.is_set():
-                            break
-            except httpx.HTTPError:
-                pass
-
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=None)) as client:
-        async with anyio.create_task_group() as tg:
-            for i in range(streams - 1):
-                tg.start_soon(background, client, i)
-            async with httpx.AsyncClient(base_url=url, timeout=60) as probe:
-                for k in range(probes):
-                    body = {"model": MODEL, "prompt": f"probe {k} " + "y" * 200, "max_tokens": 4, "stream": True}
-                    t = time.perf_counter()
-                    async with probe.stream("POST", "/v1/completions", json=body) as r:
-                        out.append(time.perf_counter() - t)
-                        await r.aread()
-            stop.set()
-    return out
+def _probe_once(client: httpx.Client, run: str, k: int) -> float:
+    """Time to the first byte of the body (the first event, which carries the first token)
+    of one streamed text completion (s). Not to the headers: sglang-router sends its
+    status line before the engine has answered."""
+    body = {"model": MODEL, "prompt": f"probe {run} {k} " + "y" * 200, "max_tokens": 1, "stream": True}
+    t = time.perf_counter()
+    took = float("nan")
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        for chunk in r.iter_raw():
+            if chunk and took != took:
+                took = time.perf_counter() - t
+    return took
 
 
-async def _max_rps(url: str, clients: int, seconds: float) -> tuple[float, int]:
-    done = failed = 0
-    end = time.perf_counter() + seconds
+def _ttfb_alone(targets: dict[str, str], probes: int) -> dict[str, list[float]]:
+    """1 stream: one probe per target in turn, so the machine's drifting load falls on all alike."""
+    run = str(time.time_ns())
+    clients = {n: httpx.Client(base_url=u, timeout=60) for n, u in targets.items()}
+    got: dict[str, list[float]] = {n: [] for n in targets}
+    try:
+        for n, c in clients.items():  # warm-up: connections open, tokenizer probes done
+            for k in range(5):
+                _probe_once(c, run + "w", k)
+        for k in range(probes):
+            for n, c in clients.items():
+                got[n].append(_probe_once(c, f"{run}-{n}", k))
+    finally:
+        for c in clients.values():
+            c.close()
+    return got
 
-    async def worker(client: httpx.AsyncClient, i: int) -> None:
-        nonlocal done, failed
-        k = 0
-        while time.perf_counter() < end:
-            body = {"model": MODEL, "prompt": f"rps {i} {k} " + "z" * 100, "max_tokens": 1}
-            k += 1
-            try:
-                r = await client.post("/v1/completions", json=body)
-                done += r.status_code == 200
-                failed += r.status_code != 200
-            except httpx.HTTPError:
-                failed += 1
 
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=clients)) as client:
-        async with anyio.create_task_group() as tg:
-            for i in range(clients):
-                tg.start_soon(worker, client, i)
-    return done / (time.perf_counter() - t0), failed
+def _tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its descendants so far (Linux /proc)."""
+    total = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def _router_pid(router: Router) -> int:
+    return int(router.proc.pid if isinstance(router.proc, Proc) else router.proc.pid)
+
+
+def _ttfb_loaded(url: str, background_urls: Sequence[str], streams: int, probes: int, tokens: int) -> list[float]:
+    """Probes while ``streams`` - 1 streams (other processes) run through ``background_urls``."""
+    import _loadgen
+
+    run = str(time.time_ns())
+    with _loadgen.BackgroundStreams(background_urls, streams=streams - 1, tokens=tokens, processes=2):
+        with httpx.Client(base_url=url, timeout=60) as c:
+            return [_probe_once(c, run, k) for k in range(probes)]
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -493,6 +504,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-output", type=int, default=16, help="mooncake outputs cut to this many tokens")
     ap.add_argument("--overhead", action="store_true", help="measure added TTFB and most req/s instead")
     ap.add_argument("--probes", type=int, default=200)
+    ap.add_argument("--overhead-streams", type=int, default=64, help="--overhead: concurrent streams in its loaded runs")
+    ap.add_argument("--overhead-tokens", type=int, default=40, help="--overhead: tokens per background stream")
+    ap.add_argument("--overhead-decode", type=float, default=20.0,
+                    help="--overhead: the TTFB engines' decode tokens/s per sequence")
+    ap.add_argument("--overhead-connections", type=int, default=64, help="--overhead: connections for req/s")
+    ap.add_argument("--overhead-seconds", type=float, default=10.0, help="--overhead: seconds per req/s run")
+    ap.add_argument("--overhead-processes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2],
+                    help="--overhead: kvstream --processes counts for req/s (comma list)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "kvstream-bench")
     ap.add_argument("--verbose", action="store_true", help="print the peers' own KV routing counters")
     ap.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (kept anyway on failures)")
@@ -584,27 +603,96 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def overhead(args: argparse.Namespace, routers: list[str], venv: Path | None, logs: Path) -> int:
-    """Added TTFB over the engine at 1 and 64 streams, and the most req/s, per router."""
-    opts = ["--prefill-tokens-per-s", "10000000", "--decode-tokens-per-s", "1000", "--num-gpu-blocks", "8192"]
-    engines = start_engines(args.engines, opts, logs)
+    """Added TTFB over the engine at 1 and ``--overhead-streams`` streams, and the most req/s
+    in front of ``--engines`` fast engines, per router, with the load in other processes."""
+    import _loadgen
+
+    if args.routers == ",".join(ROUTERS):  # not chosen: kvstream against the two Rust routers
+        routers = ["kvstream", "vllm-kv", "sglang"]
+    streams = args.overhead_streams
+    print(f"load average {open('/proc/loadavg').read().split()[0]} at the start; the machine's other work "
+          "shares these cores", flush=True)
+    # Time to first byte: engines that stream slowly (bench_proxy.py's load: 40 tokens at
+    # 20 tokens/s a stream), every router up at once in front of them.
+    slow = ["--prefill-tokens-per-s", "10000000", "--decode-tokens-per-s", str(args.overhead_decode),
+            "--num-gpu-blocks", "65536", "--max-num-seqs", "512"]
+    engines = start_engines(args.engines, slow, logs)
+    up: list[Router] = []
+    alone: dict[str, list[float]] = {}
+    loaded: dict[str, list[float]] = {}
     try:
-        rows: list[tuple[str, float, float, float, int]] = []
-        base = {s: statistics.median(anyio.run(_ttfb, engines[0].url, s, args.probes)) for s in (1, 64)}
-        print(f"engine directly: TTFB p50 {base[1] * 1000:.2f} ms (1 stream), {base[64] * 1000:.2f} ms (64 streams)")
+        targets = {"engine directly": engines[0].url or ""}
         for kind in routers:
-            router = start_router(kind, engines, venv, logs)
-            try:
-                t1 = statistics.median(anyio.run(_ttfb, router.url, 1, args.probes))
-                t64 = statistics.median(anyio.run(_ttfb, router.url, 64, args.probes))
-                rps, failed = anyio.run(_max_rps, router.url, 64, 10.0)
-            finally:
-                router.stop()
-            rows.append((kind, t1 - base[1], t64 - base[64], rps, failed))
-            print(f"{kind:12} added TTFB p50 {(t1 - base[1]) * 1000:+.2f} ms (1), {(t64 - base[64]) * 1000:+.2f} ms (64);"
-                  f" {rps:.0f} req/s at 64 clients, {failed} failed", flush=True)
+            up.append(start_router(kind, engines, venv, logs))
+            targets[kind] = up[-1].url
+        alone = _ttfb_alone(targets, args.probes)
+        loaded = {n: [] for n in targets}
+        for rnd in range(args.rounds):
+            for n in (list(targets) if rnd % 2 == 0 else list(targets)[::-1]):
+                # The engine directly: the background spread over every engine, as a router spreads it.
+                bg = [e.url or "" for e in engines] if n == "engine directly" else [targets[n]]
+                loaded[n] += _ttfb_loaded(targets[n], bg, streams, args.probes, args.overhead_tokens)
+    finally:
+        for r in up:
+            r.stop()
+        for e in engines:
+            e.stop()
+    print(f"\ntime to first byte of the body (the first event), p50 (p90) in ms: {args.probes} probes at 1 "
+          f"stream (targets in turn), {args.rounds} x {args.probes} beside {streams - 1} background streams")
+    base1, base64 = percentile(alone["engine directly"], 0.5), percentile(loaded["engine directly"], 0.5)
+    for n in alone:
+        a1, a64 = percentile(alone[n], 0.5), percentile(loaded[n], 0.5)
+        added = "" if n == "engine directly" else f"   added {1000 * (a1 - base1):+.2f} / {1000 * (a64 - base64):+.2f}"
+        print(f"  {n:16} 1 stream {1000 * a1:6.2f} ({1000 * percentile(alone[n], 0.9):6.2f})   {streams} streams "
+              f"{1000 * a64:6.2f} ({1000 * percentile(loaded[n], 0.9):6.2f}){added}", flush=True)
+
+    # Most requests/s: fast engines, one router at a time, a closed loop of connections.
+    fast = ["--prefill-tokens-per-s", "1e9", "--decode-tokens-per-s", "1e6", "--num-gpu-blocks", "65536",
+            "--max-num-seqs", "512"]
+    kinds = list(routers)
+    for n in args.overhead_processes:
+        if n > 1 and "kvstream" in routers:
+            kinds.append(f"kvstream --processes {n}")
+    engines = start_engines(args.engines, fast, logs)
+    rps: dict[str, list[dict[str, Any]]] = {}
+    try:
+        for rnd in range(args.rounds):
+            for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
+                if kind.startswith("kvstream --processes"):
+                    p = start_serve_proxy(engines, policy="kv-aware", log_dir=str(logs),
+                                          extra=["--scoring", "cost", "--processes", kind.rsplit(" ", 1)[1]])
+                    router = Router(kind, p.url or "", p)
+                else:
+                    router = start_router(kind, engines, venv, logs)
+                try:
+                    _loadgen.max_rps(router.url, connections=args.overhead_connections, seconds=2)  # warm-up
+                    c0 = _tree_cpu_s(_router_pid(router))
+                    e0 = sum(_tree_cpu_s(e.pid) for e in engines)
+                    got = _loadgen.max_rps(router.url, connections=args.overhead_connections,
+                                           seconds=args.overhead_seconds)
+                    # CPU per request: what a loaded machine's fair share does not change much.
+                    got["cpu_us"] = 1e6 * (_tree_cpu_s(_router_pid(router)) - c0) / max(got["ok"], 1)
+                    got["engine_cpu_us"] = 1e6 * (sum(_tree_cpu_s(e.pid) for e in engines) - e0) / max(got["ok"], 1)
+                finally:
+                    router.stop()
+                rps.setdefault(kind, []).append(got)
+                print(f"round {rnd + 1} {kind:24} {got['rps']:7.0f} req/s ({got['non_200']} non-200, "
+                      f"{got['errors']} socket errors; {got['generator']}, {args.overhead_connections} connections); "
+                      f"router CPU {got['cpu_us']:.0f} us/request, engines {got['engine_cpu_us']:.0f}; load average "
+                      f"{open('/proc/loadavg').read().split()[0]}", flush=True)
+        one = _loadgen.max_rps(engines[0].url or "", connections=args.overhead_connections,
+                               seconds=args.overhead_seconds)
     finally:
         for e in engines:
             e.stop()
+    print(f"\nmost requests/s in front of {args.engines} fast engines (median of {args.rounds} rounds); one engine "
+          f"alone, no router: {one['rps']:.0f}")
+    for kind, runs in rps.items():
+        print(f"  {kind:24} {statistics.median(r['rps'] for r in runs):7.0f} req/s, router CPU "
+              f"{statistics.median(r['cpu_us'] for r in runs):5.0f} us/request (engines "
+              f"{statistics.median(r['engine_cpu_us'] for r in runs):.0f}), "
+              f"{sum(r['non_200'] + r['errors'] for r in runs)} failed")
+    print(f"load average {open('/proc/loadavg').read().split()[0]} at the end")
     shutil.rmtree(logs, ignore_errors=True)
     return 0
 
