@@ -234,8 +234,8 @@ def max_rps(url: str, *, connections: int = 64, seconds: float = 10.0, processes
     t0 = time.perf_counter()
     for i, n in enumerate(share):
         procs.append(subprocess.Popen([sys.executable, __file__, "rps", url, "--connections", str(n), "--seconds",
-                                       str(seconds), "--base", str(time.time_ns() // 1000 + 10**6 * i)], stdout=subprocess.PIPE,
-                                      text=True))
+                                       str(seconds), "--base", str(time.time_ns() // 1000 + 10**6 * i)],
+                                      stdout=subprocess.PIPE, text=True))
     total = {"ok": 0, "non_200": 0, "errors": 0}
     for p in procs:
         out, _ = p.communicate(timeout=seconds + 120)

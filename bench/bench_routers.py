@@ -407,25 +407,26 @@ async def mooncake_run(url: str, reqs: Sequence[dict[str, Any]], time_scale: flo
 # The load runs in processes of its own (bench/_loadgen.py): this process only probes, one
 # request at a time, so what it measures is the router's hop, not this client.
 
-def _probe_once(client: httpx.Client, run: str, k: int) -> float:
-    """Time to the first byte of the body (the first event, which carries the first token)
-    of one streamed text completion (s). Not to the headers: sglang-router sends its
-    status line before the engine has answered."""
+def _probe_once(client: httpx.Client, run: str, k: int) -> tuple[float, float]:
+    """Time to the response headers and to the first byte of the body (the first event,
+    which carries the first token) of one streamed text completion (s). Both: a router may
+    send its status line before the engine has answered."""
     body = {"model": MODEL, "prompt": f"probe {run} {k} " + "y" * 200, "max_tokens": 1, "stream": True}
     t = time.perf_counter()
-    took = float("nan")
+    first = float("nan")
     with client.stream("POST", "/v1/completions", json=body) as r:
+        head = time.perf_counter() - t
         for chunk in r.iter_raw():
-            if chunk and took != took:
-                took = time.perf_counter() - t
-    return took
+            if chunk and first != first:
+                first = time.perf_counter() - t
+    return head, first
 
 
-def _ttfb_alone(targets: dict[str, str], probes: int) -> dict[str, list[float]]:
+def _ttfb_alone(targets: dict[str, str], probes: int) -> dict[str, list[tuple[float, float]]]:
     """1 stream: one probe per target in turn, so the machine's drifting load falls on all alike."""
     run = str(time.time_ns())
     clients = {n: httpx.Client(base_url=u, timeout=60) for n, u in targets.items()}
-    got: dict[str, list[float]] = {n: [] for n in targets}
+    got: dict[str, list[tuple[float, float]]] = {n: [] for n in targets}
     try:
         for n, c in clients.items():  # warm-up: connections open, tokenizer probes done
             for k in range(5):
@@ -461,7 +462,8 @@ def _router_pid(router: Router) -> int:
     return int(router.proc.pid if isinstance(router.proc, Proc) else router.proc.pid)
 
 
-def _ttfb_loaded(url: str, background_urls: Sequence[str], streams: int, probes: int, tokens: int) -> list[float]:
+def _ttfb_loaded(url: str, background_urls: Sequence[str], streams: int, probes: int,
+                 tokens: int) -> list[tuple[float, float]]:
     """Probes while ``streams`` - 1 streams (other processes) run through ``background_urls``."""
     import _loadgen
 
@@ -504,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-output", type=int, default=16, help="mooncake outputs cut to this many tokens")
     ap.add_argument("--overhead", action="store_true", help="measure added TTFB and most req/s instead")
     ap.add_argument("--probes", type=int, default=200)
-    ap.add_argument("--overhead-streams", type=int, default=64, help="--overhead: concurrent streams in its loaded runs")
+    ap.add_argument("--overhead-streams", type=int, default=64,
+                    help="--overhead: concurrent streams in its loaded runs")
     ap.add_argument("--overhead-tokens", type=int, default=40, help="--overhead: tokens per background stream")
     ap.add_argument("--overhead-decode", type=float, default=20.0,
                     help="--overhead: the TTFB engines' decode tokens/s per sequence")
@@ -618,8 +621,8 @@ def overhead(args: argparse.Namespace, routers: list[str], venv: Path | None, lo
             "--num-gpu-blocks", "65536", "--max-num-seqs", "512"]
     engines = start_engines(args.engines, slow, logs)
     up: list[Router] = []
-    alone: dict[str, list[float]] = {}
-    loaded: dict[str, list[float]] = {}
+    alone: dict[str, list[tuple[float, float]]] = {}
+    loaded: dict[str, list[tuple[float, float]]] = {}
     try:
         targets = {"engine directly": engines[0].url or ""}
         for kind in routers:
@@ -637,14 +640,18 @@ def overhead(args: argparse.Namespace, routers: list[str], venv: Path | None, lo
             r.stop()
         for e in engines:
             e.stop()
-    print(f"\ntime to first byte of the body (the first event), p50 (p90) in ms: {args.probes} probes at 1 "
-          f"stream (targets in turn), {args.rounds} x {args.probes} beside {streams - 1} background streams")
-    base1, base64 = percentile(alone["engine directly"], 0.5), percentile(loaded["engine directly"], 0.5)
-    for n in alone:
-        a1, a64 = percentile(alone[n], 0.5), percentile(loaded[n], 0.5)
-        added = "" if n == "engine directly" else f"   added {1000 * (a1 - base1):+.2f} / {1000 * (a64 - base64):+.2f}"
-        print(f"  {n:16} 1 stream {1000 * a1:6.2f} ({1000 * percentile(alone[n], 0.9):6.2f})   {streams} streams "
-              f"{1000 * a64:6.2f} ({1000 * percentile(loaded[n], 0.9):6.2f}){added}", flush=True)
+    for i, what in enumerate(("the response headers", "the first byte of the body (the first event)")):
+        print(f"\ntime to {what}, p50 (p90) in ms: {args.probes} probes at 1 stream (targets in turn), "
+              f"{args.rounds} x {args.probes} beside {streams - 1} background streams")
+        one = {n: [x[i] for x in v] for n, v in alone.items()}
+        many = {n: [x[i] for x in v] for n, v in loaded.items()}
+        base1, base64 = percentile(one["engine directly"], 0.5), percentile(many["engine directly"], 0.5)
+        for n in one:
+            a1, a64 = percentile(one[n], 0.5), percentile(many[n], 0.5)
+            added = ("" if n == "engine directly"
+                     else f"   added {1000 * (a1 - base1):+.2f} / {1000 * (a64 - base64):+.2f}")
+            print(f"  {n:16} 1 stream {1000 * a1:6.2f} ({1000 * percentile(one[n], 0.9):6.2f})   {streams} streams "
+                  f"{1000 * a64:6.2f} ({1000 * percentile(many[n], 0.9):6.2f}){added}", flush=True)
 
     # Most requests/s: fast engines, one router at a time, a closed loop of connections.
     fast = ["--prefill-tokens-per-s", "1e9", "--decode-tokens-per-s", "1e6", "--num-gpu-blocks", "65536",
