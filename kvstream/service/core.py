@@ -398,7 +398,9 @@ class ServiceCore:
             if len(prompt) > 16 * self.config.max_prompt_tokens:
                 raise ApiError(413, "too_large", f"prompt is {len(prompt)} characters; the limit is "
                                f"{16 * self.config.max_prompt_tokens} (16 per max-prompt-tokens)", "$.prompt")
-            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+            # As vLLM tokenizes a completion's text prompt (and the proxy does): with the
+            # special tokens the post-processor adds (a BOS), or no block would ever match.
+            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
         elif type(token_ids) is array and token_ids.typecode == "I":
             packed = token_ids  # packed by the request's decoder (kvstream.service.tokenjson)
         else:
