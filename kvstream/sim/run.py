@@ -34,7 +34,7 @@ from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.wire.events import EventDecoder, EventEncoder, KVEventBatch
 from kvstream.hashing import to_external_list
 from kvstream.routing.index import KVIndex
-from kvstream.routing.scoring import CostPolicy, Load
+from kvstream.routing.scoring import CostPolicy, Load, RecentPlacements
 from kvstream.sim.blocks import SegmentHasher
 from kvstream.sim.engine import EngineConfig, EngineModel, Prepared, SimRequestState
 from kvstream.sim.metrics import PolicyResult, RunMetrics
@@ -135,8 +135,12 @@ class SimRun:
         # Router keys can be memoized per engine block hash when a router block is an
         # engine block (the default).
         self._keys_memo = self._R == ec.sim_block_size
+        # Where the router sent its recent requests (Load.recent), as a proxy counts them.
+        self._recent: RecentPlacements | None = None
         if isinstance(self.policy.scoring, CostPolicy):
             self.policy.scoring.block_size = self._R  # costs in (simulated) tokens
+            if self.policy.scoring.placed_weight:
+                self._recent = RecentPlacements()
         self.encoder = EventEncoder()
         self.decoder = EventDecoder()
         self._wire = config.wire
@@ -199,9 +203,11 @@ class SimRun:
             loads = self._loads
             load_map = self._load_map
             src = self._src
+            recent = self._recent
             for i in dirty:
                 e = self.engines[i]
-                ld = loads[i] = Load(len(e.waiting), len(e.running), e.usage, e.pending_prefill_tokens)
+                ld = loads[i] = Load(len(e.waiting), len(e.running), e.usage, e.pending_prefill_tokens,
+                                     recent.get(src[i]) if recent is not None else 0.0)
                 load_map[src[i]] = ld
             dirty.clear()
         return self._loads
@@ -239,7 +245,13 @@ class SimRun:
         def score(scoring: Any) -> str | None:
             return index.best(keys, load_map, scoring)
 
-        return pol.choose(loads, score, self.names)
+        target = pol.choose(loads, score, self.names)
+        if self._recent is not None:
+            name = self._src[target]
+            m = index.match(tokens, keys=keys).get(name)
+            self._recent.placed(name, len(tokens) - (m.tokens if m is not None else 0))
+            self._dirty.update(range(len(self._src)))  # every sum aged
+        return target
 
     # -- the loop ----------------------------------------------------------------------
 
