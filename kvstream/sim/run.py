@@ -82,6 +82,11 @@ class SimConfig:
     kv_scoring: Any = None
     """The ``kv-aware`` policy's :class:`~kvstream.routing.scoring.PrefixLoadPolicy`
     (weights of the prefix and of each load term); None: the router's defaults."""
+    speculate_ttl_s: float | None = None
+    """If set, a KV-aware router pretends the engine it chose holds the routed prompt for
+    this many simulated seconds, or until that engine's events arrive (``serve --speculate``;
+    :meth:`~kvstream.routing.index.KVIndex.speculate`). It matters where requests sharing a
+    new prefix come faster than ``router_lag_s``."""
 
     def __post_init__(self) -> None:
         if self.router_index not in ("engine", "token"):
@@ -96,6 +101,8 @@ class SimConfig:
             raise WorkloadError(f"engines must be >= 1, got {self.engines}")
         if self.router_lag_s < 0:
             raise WorkloadError(f"router_lag_s must be >= 0 seconds, got {self.router_lag_s}")
+        if self.speculate_ttl_s is not None and not self.speculate_ttl_s > 0:
+            raise WorkloadError(f"speculate_ttl_s must be > 0 seconds or None, got {self.speculate_ttl_s}")
 
 
 class SimRun:
@@ -155,6 +162,7 @@ class SimRun:
         self._loads: list[Load] = [Load() for _ in self.engines]
         self._load_map: dict[str, Load] = dict(zip(self._src, self._loads))
         self._dirty: set[int] = set(range(config.engines))
+        self.predicted_hit = 0  # simulated tokens the last route() expected cached on its choice
 
     # -- events ------------------------------------------------------------------------
 
@@ -241,16 +249,24 @@ class SimRun:
         else:
             keys = index.keys(tokens)
         load_map = self._load_map
+        ttl = self.config.speculate_ttl_s
+        if ttl is not None:
+            index.expire(req.arrival)
 
         def score(scoring: Any) -> str | None:
             return index.best(keys, load_map, scoring)
 
         target = pol.choose(loads, score, self.names)
-        if self._recent is not None:
-            name = self._src[target]
-            m = index.match(tokens, keys=keys).get(name)
-            self._recent.placed(name, len(tokens) - (m.tokens if m is not None else 0))
-            self._dirty.update(range(len(self._src)))  # every sum aged
+        if isinstance(pol.scoring, CostPolicy):
+            # What a proxy counts for the chosen engine: the prompt less the prefix the
+            # router expects cached there (its prefill work, and its new work placed).
+            m = index.match(tokens, keys=keys).get(self._src[target])
+            self.predicted_hit = m.tokens if m is not None else 0
+            if self._recent is not None:
+                self._recent.placed(self._src[target], len(tokens) - self.predicted_hit)
+                self._dirty.update(range(len(self._src)))  # every sum aged
+        if ttl is not None:
+            index.speculate(self._src[target], tokens, req.arrival, ttl, keys=keys)
         return target
 
     # -- the loop ----------------------------------------------------------------------
@@ -311,6 +327,7 @@ class SimRun:
             target = self.route(req, prep.prompt_tokens, prep)
             e = engines[target]
             st = SimRequestState(req, target, now)
+            st.predicted_hit = self.predicted_hit
             states.append(st)
             before = e.wakeup
             if e.submit(st, now, prep):
