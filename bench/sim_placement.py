@@ -8,12 +8,13 @@
 the same allocator and scheduler model), so the routing policies can be compared here in
 virtual time, in seconds, before a real run confirms them:
 
-* ``chat``: ``bench_routers.py``'s chat shape (``ChatWorkload``: 24 sessions of 4 turns, 4
-  system prompts of 600 tokens, a 600-1,400-token document per session, 40-120-token user
-  messages, 12-24-token answers; a turn follows the last one's answer after 0.2-0.8 s).
-  Open loop: a turn's arrival assumes the answer took its decode time. Engines: 1,500
-  blocks of 16 tokens, 10,000 prompt tokens/s, 50 tokens/s per sequence. Averaged over
-  ``--seeds`` workloads (and policy seeds).
+* ``chat``: ``bench_routers.py``'s chat sessions, round by round (``ChatWorkload``: 24
+  sessions of 4 turns, 4 system prompts of 600 tokens, a 600-1,400-token document per
+  session, 40-120-token user messages, 12-24-token answers; a turn follows the last one's
+  answer after 0.2-0.8 s; the same random draws as ``chat_run``). Open loop: a turn's
+  arrival assumes the answer took its decode time. Engines: 1,500 blocks of 16 tokens,
+  10,000 prompt tokens/s, 50 tokens/s per sequence. Averaged over ``--seeds`` rounds
+  (round ``i`` with policy seed ``i``).
 * ``mooncake``: the first 600 requests of the shipped trace, 4x faster, prompts cut to
   8,192 tokens and outputs to 16 (as ``bench_routers.py`` sends them); engines: 16,384
   blocks of 16 tokens (simulated as 64-token blocks, granularity 16), 50,000 tokens/s.
@@ -49,7 +50,12 @@ BURST_ENGINE = EngineConfig(num_blocks=4096, block_size=16, prefill_rate=20000, 
 
 
 def chat_workload(seed: int, sessions: int = 24) -> list[SimRequest]:
-    """bench_routers.py's chat, open loop (see the module docstring)."""
+    """``bench_routers.py``'s chat sessions for round ``seed`` (``chat_run``: the same random
+    draws, so the same system prompt, document, message and answer lengths per session),
+    open loop (see the module docstring)."""
+    rng = random.Random(seed)
+    for _ in range(4 * 600):
+        rng.randrange(1000, 30000)  # the system prompts' tokens, drawn as chat_run draws them
     key = [1 << 40]
 
     def new() -> int:
@@ -61,10 +67,18 @@ def chat_workload(seed: int, sessions: int = 24) -> list[SimRequest]:
     for s in range(sessions):
         r = random.Random(seed * 1000 + s)
         t = r.uniform(0, 6.0)
-        history: tuple[tuple[int, int], ...] = (systems[r.randrange(4)], (new(), r.randint(600, 1400)))
+        doc = r.randint(600, 1400)
+        system = systems[r.randrange(4)]
+        for _ in range(doc):
+            r.randrange(1000, 30000)
+        history: tuple[tuple[int, int], ...] = (system, (new(), doc))
         for _ in range(4):
-            prompt = history + ((new(), r.randint(40, 120)),)
-            out, out_len = new(), r.randint(12, 24)
+            n_user = r.randint(40, 120)
+            for _ in range(n_user):
+                r.randrange(1000, 30000)
+            out_len = r.randint(12, 24)
+            prompt = history + ((new(), n_user),)
+            out = new()
             raw.append((t, prompt, out, out_len, s))
             history = prompt + ((out, out_len),)
             t += 0.1 + out_len / 50 + r.uniform(0.2, 0.8)
@@ -111,7 +125,7 @@ def report(label: str, runs: list[dict[str, float]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=8, help="chat workloads (and policy seeds) averaged")
+    ap.add_argument("--seeds", type=int, default=8, help="chat rounds (and policy seeds) averaged")
     ap.add_argument("--grid", action="store_true", help="also CostPolicy weights around the defaults")
     args = ap.parse_args(argv)
 
@@ -120,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("prefix (PrefixLoadPolicy, --scoring prefix)", lambda sd: PrefixLoadPolicy()),
         ("cost (CostPolicy defaults, --scoring cost)", lambda sd: CostPolicy(queue_tokens=0.0, seed=sd)),
         ("cost, no balance term (placed_weight 0)", lambda sd: CostPolicy(queue_tokens=0.0, placed_weight=0.0, seed=sd)),
+        ("cost, waiting requests priced twice", lambda sd: CostPolicy(queue_tokens=512.0, seed=sd)),
         ("cost, last round's weights", lambda sd: CostPolicy(queue_tokens=0.0, prefill_weight=1.0, running_tokens=256,
                                                              placed_weight=0.0, seed=sd)),
     ]
@@ -131,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      lambda sd, pw=pw, w=w, ss=ss: CostPolicy(
                                          queue_tokens=0.0, prefill_weight=pw, placed_weight=w, stick_share=ss, seed=sd)))
 
-    print(f"chat (bench_routers.py's shape, {args.seeds} workloads):")
+    print(f"chat (bench_routers.py's sessions of rounds 0-{args.seeds - 1}):")
     chat = [chat_workload(sd) for sd in range(args.seeds)]
     ccfg = SimConfig(engines=4, engine=CHAT_ENGINE)
     for label, mk in policies:
