@@ -22,6 +22,9 @@ Workloads:
   real answers), streamed.
 * ``chat-text``: the same conversations as text prompts (ASCII; the engines' byte
   tokenizer makes one byte one token), so routers that read text see text.
+* ``burst``: ``--bursts`` groups of ``--burst-size`` token-id requests sharing a new
+  ``--burst-prefix``-token prefix, each group sent at once (faster than the engines' KV
+  events reach a router): where ``kvstream-spec`` (``serve --speculate``) should help.
 * ``mooncake``: the first ``--mooncake-requests`` requests of the Mooncake conversation
   trace (kvcache-ai/Mooncake, FAST'25; ``--trace``), each ``hash_id`` expanded into a fixed
   512-character text segment (512 byte tokens, the trace's block), prompts cut to
@@ -70,11 +73,12 @@ from kvstream.emulator.launch import Proc, start_engine, start_serve_proxy  # no
 from kvstream.emulator.loadgen import ChatWorkload, percentile  # noqa: E402
 
 PEERS = {"vllm-router": "0.1.17", "sglang-router": "0.3.2"}
-ROUTERS = ("kvstream", "kvstream-prefix", "vllm-kv", "vllm-cache", "sglang", "round-robin")
+ROUTERS = ("kvstream", "kvstream-prefix", "kvstream-spec", "vllm-kv", "vllm-cache", "sglang", "round-robin")
 MODEL = "kvstream-emulated"
 # sglang-router 0.3.2 refuses a completion whose prompt is a list of token ids (HTTP 422,
 # "data did not match any variant of untagged enum StringOrArray"): it routes text only.
 TEXT_ONLY = {"sglang"}
+ID_WORKLOADS = {"chat", "burst"}
 SEGMENT = 512  # the Mooncake trace's block: one hash id = 512 tokens
 
 
@@ -159,7 +163,8 @@ def start_router(kind: str, engines: Sequence[Proc], venv: Path | None, logs: Pa
     """Start router ``kind`` (one of ROUTERS) in front of ``engines``."""
     if kind.startswith("kvstream"):
         scoring = "prefix" if kind == "kvstream-prefix" else "cost"
-        p = start_serve_proxy(engines, policy="kv-aware", log_dir=str(logs), extra=["--scoring", scoring])
+        extra = ["--scoring", scoring, *(["--speculate"] if kind == "kvstream-spec" else [])]
+        p = start_serve_proxy(engines, policy="kv-aware", log_dir=str(logs), extra=extra)
         return Router(kind, p.url or "", p)
     assert venv is not None
     port = _free_port()
@@ -403,6 +408,32 @@ async def mooncake_run(url: str, reqs: Sequence[dict[str, Any]], time_scale: flo
     return run
 
 
+async def burst_run(url: str, seed: int, groups: int, size: int, prefix_tokens: int) -> Run:
+    """``groups`` bursts, one after the other: ``size`` requests sharing a new
+    ``prefix_tokens``-token prefix (token ids; 32 tokens of their own each), sent at once,
+    faster than an engine's KV events can reach a router. Only a router that remembers
+    where it sent a burst's first request (kvstream ``--speculate``; sglang-router's tree,
+    updated at send time) finds the prefix for the others; the best hit rate is
+    ``(size - 1) / size`` of the prefix share."""
+    run = Run()
+    rng = random.Random(seed + 7331)
+    t0 = time.perf_counter()
+
+    async def one(prompt: list[int], client: httpx.AsyncClient) -> None:
+        turn, _ = await _stream_completion(client, {"prompt": prompt, "max_tokens": 4}, 60.0)
+        run.turns.append(turn)
+
+    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=None)) as client:
+        for _ in range(groups):
+            prefix = [rng.randrange(1000, 30000) for _ in range(prefix_tokens)]
+            async with anyio.create_task_group() as tg:
+                for _ in range(size):
+                    tg.start_soon(one, prefix + [rng.randrange(1000, 30000) for _ in range(32)], client)
+            await anyio.sleep(0.3)  # the workload's pacing between bursts, not a wait for a peer
+    run.wall_s = time.perf_counter() - t0
+    return run
+
+
 # --- overhead -------------------------------------------------------------------------------
 # The load runs in processes of its own (bench/_loadgen.py): this process only probes, one
 # request at a time, so what it measures is the router's hop, not this client.
@@ -485,7 +516,7 @@ def _fmt(v: float, kind: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--routers", default=",".join(ROUTERS), help=f"comma list of {', '.join(ROUTERS)}")
-    ap.add_argument("--workloads", default="chat,mooncake", help="comma list of chat, chat-text, mooncake")
+    ap.add_argument("--workloads", default="chat,mooncake", help="comma list of chat, chat-text, mooncake, burst")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--engines", type=int, default=4)
     ap.add_argument("--num-gpu-blocks", type=int, default=1500, help="per engine (the demo's size)")
@@ -504,6 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=4.0, help="mooncake arrivals compressed by this factor")
     ap.add_argument("--max-input", type=int, default=8192, help="mooncake prompts cut to this many tokens")
     ap.add_argument("--max-output", type=int, default=16, help="mooncake outputs cut to this many tokens")
+    ap.add_argument("--bursts", type=int, default=20, help="burst: groups of requests sharing a new prefix")
+    ap.add_argument("--burst-size", type=int, default=8, help="burst: requests per group, sent at once")
+    ap.add_argument("--burst-prefix", type=int, default=1024, help="burst: tokens of each group's new prefix")
     ap.add_argument("--overhead", action="store_true", help="measure added TTFB and most req/s instead")
     ap.add_argument("--probes", type=int, default=200)
     ap.add_argument("--overhead-streams", type=int, default=64,
@@ -549,9 +583,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         order = routers if rnd % 2 == 0 else routers[::-1]
         for wl in workloads:
             for kind in order:
-                if wl == "chat" and kind in TEXT_ONLY:
+                if wl in ID_WORKLOADS and kind in TEXT_ONLY:
                     if rnd == 0:
-                        print(f"{kind} takes no token-id prompts; it runs chat-text and mooncake only", flush=True)
+                        print(f"{kind} takes no token-id prompts; it skips {wl}", flush=True)
                     continue
                 eopts = opts if wl != "mooncake" else [
                     *opts, "--prefill-tokens-per-s", str(args.mooncake_prefill_tokens_per_s),
@@ -564,6 +598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if wl == "mooncake":
                         run = anyio.run(mooncake_run, router.url, reqs, args.time_scale, args.max_input,
                                         args.max_output)
+                    elif wl == "burst":
+                        run = anyio.run(burst_run, router.url, rnd, args.bursts, args.burst_size, args.burst_prefix)
                     else:
                         w = ChatWorkload(sessions=args.sessions, seed=rnd)
                         run = anyio.run(chat_run, router.url, rnd, wl == "chat-text", w)

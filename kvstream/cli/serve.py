@@ -434,6 +434,7 @@ async def _serve_in(signals: Any, cfg: Any, tok: Any, sock: socket.socket, flags
         from kvstream.proxy.app import KVProxy
 
         proxy = KVProxy.for_service(core, **proxy_opts)
+        core.proxy_counts_prefill()
         core.engine_view_extras.append(proxy.engine_view)
         core.metrics_extras.append(proxy.metrics_text)
     extproc: Any = None

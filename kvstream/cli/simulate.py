@@ -41,6 +41,10 @@ examples:
   kvstream simulate --trace t.jsonl --engines 4,8,16 --json out.json --plot out.svg
   kvstream simulate --requests 5000 --policies kv-aware,round-robin --seed 3
   kvstream simulate --kv-overlap-score-weight 2 --queue-weight 0.2
+  kvstream simulate --trace examples/traces/mooncake_conversation.jsonl.xz --limit 600 --engines 4 \
+      --arrival-scale 4 --max-input 8192 --max-output 16 --block-size 64 --token-granularity 16 \
+      --num-gpu-blocks-override 4096 --prefill-tokens-per-s 50000 --decode-step 0.02
+      (bench/bench_routers.py's Mooncake run, simulated)
 
 Trace defaults: 512-token engine blocks (one Mooncake hash id per block) and token
 granularity 32 (a 512-token block is simulated as 32 tokens; see docs/simulator.md).
@@ -75,6 +79,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="round-trip every batch through the wire codec before the router (slower; same results)")
     p.add_argument("--router-lag", type=non_negative_float, default=0.0, metavar="S",
                    help="simulated seconds between a batch's publication and its application (default 0)")
+    p.add_argument("--speculate", action="store_true",
+                   help="KV-aware routers assume the chosen engine holds the routed prompt until its events "
+                        "arrive or --speculate-ttl passes (as serve --speculate)")
+    p.add_argument("--speculate-ttl", type=positive_float, default=2.0, metavar="S",
+                   help="life of a speculative entry with --speculate (simulated seconds, default 2)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="plot hit rate and TTFT by policy (.png/.svg/.pdf; needs kvstream[plot])")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
@@ -95,6 +104,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         f"{SYNTHETIC_RATE_PER_ENGINE:g} requests/s per engine of the smallest --engines count)")
     g.add_argument("--arrival-scale", type=positive_float, default=1.0, metavar="X",
                    help="offer the workload X times faster (divides arrival times; default 1)")
+    g.add_argument("--max-input", type=positive_int, metavar="TOKENS",
+                   help="cut every prompt to its first TOKENS tokens (as bench/bench_routers.py does)")
+    g.add_argument("--max-output", type=positive_int, metavar="TOKENS",
+                   help="cut every output to TOKENS tokens")
     g.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload and the random policy (default 0)")
     g.add_argument("--policies", default=",".join(POLICY_NAMES),
                    help=f"comma list of policies (default: {','.join(POLICY_NAMES)}; also: prefix-only)")
@@ -180,6 +193,7 @@ def load_workload(args: argparse.Namespace, *, default_requests: int = 2000, eng
         SyntheticConfig,
         WorkloadError,
         compress_arrivals,
+        cut_lengths,
         load_mooncake,
         synthetic_workload,
     )
@@ -199,6 +213,9 @@ def load_workload(args: argparse.Namespace, *, default_requests: int = 2000, eng
         )
         reqs = synthetic_workload(cfg)
         meta = {"synthetic": {"requests": cfg.requests, "duration": cfg.duration, "seed": cfg.seed}}
+    if getattr(args, "max_input", None) or getattr(args, "max_output", None):
+        reqs = cut_lengths(reqs, args.max_input, args.max_output)
+        meta.update(max_input=args.max_input, max_output=args.max_output)
     if args.arrival_scale != 1.0:
         reqs = compress_arrivals(reqs, args.arrival_scale)
     meta["arrival_scale"] = args.arrival_scale
@@ -340,7 +357,8 @@ def _run(args: argparse.Namespace) -> int:
                            "use fewer engines or blocks (--num-gpu-blocks-override)")
         reqs, meta = load_workload(args, engines=min(counts))
         cfg = SimConfig(engines=counts[0], engine=ec, router_lag_s=args.router_lag, seed=args.seed,
-                        wire=args.wire, router_index=args.router_index, kv_scoring=scoring)
+                        wire=args.wire, router_index=args.router_index, kv_scoring=scoring,
+                        speculate_ttl_s=args.speculate_ttl if args.speculate else None)
     except (WorkloadError, KVCachePlanningError, PlotUnavailableError, OSError, ValueError) as exc:
         print(f"kvstream simulate: {exc}", file=sys.stderr)
         return 2
@@ -404,6 +422,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{len(reqs)} requests x {len(results)} runs in {wall:.2f}s wall "
           f"(block {ec.block_size} tokens, granularity {ec.token_granularity})")
     meta.update(engine=_engine_meta(ec), seed=args.seed, router_lag_s=args.router_lag, wire=args.wire,
+                speculate_ttl_s=args.speculate_ttl if args.speculate else None,
                 router_index=args.router_index, reuse_ceiling=_struct_dict(ceiling),
                 kv_scoring=_scoring_meta(scoring))
     try:

@@ -329,8 +329,9 @@ class _IndexCore:
         mm_items: Sequence[Any] | None = None,
         keys: Sequence[Any] | None = None,
     ) -> int:
-        """Pretend ``source`` holds the prompt's blocks (GPU) until ``now + ttl_s`` seconds,
-        or until its own events confirm or contradict them. Returns the router blocks added.
+        """Pretend ``source`` holds the prompt's blocks (GPU) until ``now + ttl_s`` seconds
+        (its own events hold the truth after that; they do not end the pretence earlier).
+        Returns the router blocks added.
         Call :meth:`expire` (the :class:`kvstream.routing.router.Router` does) to drop old ones.
         ``keys``: the prompt's precomputed :meth:`keys` (then the prompt arguments are
         ignored), so a caller that just scored the prompt does not compute them twice."""

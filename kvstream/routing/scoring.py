@@ -30,6 +30,7 @@ __all__ = [
     "Policy",
     "PrefixLoadPolicy",
     "CostPolicy",
+    "RecentPlacements",
     "rank",
 ]
 
@@ -55,6 +56,7 @@ class Load:
     running: int = 0
     kv_usage: float = 0.0
     prefill_tokens: int = 0
+    placed_tokens: float = 0.0
 
 
 _NO_LOAD = Load()
@@ -169,21 +171,40 @@ class CostPolicy:
         cost = (prompt_tokens - cached_tokens)         # what this request computes there
              + prefill_weight * prefill_tokens          # prefill already queued there
              + queue_tokens * queue + running_tokens * running + kv_tokens * kv_usage
+             + balance * placed_weight * placed_tokens  # new work the engine got lately
 
     where ``prompt_tokens`` is the prompt's full router blocks times ``block_size`` and
     ``cached_tokens`` its cached prefix, each block weighted by the medium that holds it
     (``tier_weights``: a CPU block costs a transfer). The value is ``-cost / prompt_tokens``
     (higher is better). An engine's prefill work delays every request sent there, so a
-    cached prefix is worth taking only while the engine holding it is not busier by more
-    than the prefix saves: the trade a fixed load penalty cannot make.
+    cached prefix is worth taking only while the engine holding it is not much busier than
+    the prefix saves: the trade a fixed load penalty cannot make.
+
+    **A miss costs more than its tokens.** Computing a prefix that another engine holds
+    delays this request and every request queued behind it on the new engine, and the copy
+    pushes other prefixes out of that engine's cache. ``prefill_weight`` (default 0.25)
+    prices queued prefill at a quarter of the tokens a request would compute itself, so a
+    request leaves the engine holding its prefix only when that engine is far busier.
+
+    **Balance by new work.** ``placed_tokens`` (:class:`RecentPlacements`, kept by the
+    caller) is the uncached work each engine got over the last placements. It is what
+    decides where *new* content goes: ``balance`` is 1 while the best cached share of the
+    prompt on any engine is at most half of ``stick_share`` and falls linearly to 0 at
+    ``stick_share`` (default 0.8). A new conversation (a shared system prompt at most) goes
+    to the engine that got the least new work lately, the system prompt breaking near-ties;
+    a conversation whose history is cached somewhere stays there, whatever the balance. A
+    prompt shorter than one block adds no cache content and gets no balance term.
+    ``running`` alone cannot balance conversations: between two turns a conversation runs
+    nowhere, yet its next turn will land where its history is.
 
     ``queue_tokens`` stands in for the unknown size of a waiting request when the caller
     only knows counts (loads scraped from engines' ``/metrics``); with ``prefill_tokens``
-    known (a proxy's own bookkeeping) keep it small. ``running_tokens`` is what one running
-    request costs the others (a decode batch slows with every sequence in it); the default
-    256 was tuned on ``bench/bench_routers.py``'s chat workload: 16 left the busiest engine
-    with 1.67x the mean of requests, 256 brought it to 1.08x at about the same hit rate, 1,024
-    lost a sixth of the hits.
+    known (a proxy's own bookkeeping) keep it small. ``running_tokens`` (default 32) is what
+    one running request costs the others (a decode batch slows with every sequence in it).
+
+    The defaults were tuned in the simulator (``kvstream.sim``, the same engines as
+    ``bench/bench_routers.py``'s chat and Mooncake workloads) and checked on the real bench;
+    see ``docs/performance.md``.
 
     **Spread.** Engines whose cost is within ``spread_tokens + spread_share * prompt_tokens``
     of the cheapest are near-equal: one of them is drawn from a generator seeded with
@@ -194,16 +215,17 @@ class CostPolicy:
     """
 
     __slots__ = ("block_size", "tier_weights", "other_tier_weight", "prefill_weight", "queue_tokens", "running_tokens",
-                 "kv_tokens", "spread_tokens", "spread_share", "seed", "_rng")
+                 "kv_tokens", "placed_weight", "stick_share", "spread_tokens", "spread_share", "seed", "_rng")
 
     def __init__(self, *, block_size: int = 16, tier_weights: Mapping[str, float] | None = None,
-                 other_tier_weight: float = 0.5, prefill_weight: float = 1.0, queue_tokens: float = 512.0, running_tokens: float = 256.0,
-                 kv_tokens: float = 0.0, spread_tokens: float = 32.0, spread_share: float = 0.02,
+                 other_tier_weight: float = 0.5, prefill_weight: float = 0.25, queue_tokens: float = 512.0,
+                 running_tokens: float = 32.0, kv_tokens: float = 0.0, placed_weight: float = 0.5,
+                 stick_share: float = 0.8, spread_tokens: float = 32.0, spread_share: float = 0.02,
                  seed: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
         for name, v in (("prefill_weight", prefill_weight), ("queue_tokens", queue_tokens), ("running_tokens", running_tokens),
-                        ("kv_tokens", kv_tokens), ("spread_tokens", spread_tokens),
+                        ("kv_tokens", kv_tokens), ("placed_weight", placed_weight), ("spread_tokens", spread_tokens),
                         ("spread_share", spread_share)):
             if not v >= 0:
                 raise ValueError(f"{name} must be >= 0, got {v}")
@@ -214,6 +236,10 @@ class CostPolicy:
         self.queue_tokens = queue_tokens
         self.running_tokens = running_tokens
         self.kv_tokens = kv_tokens
+        self.placed_weight = placed_weight
+        if not 0 < stick_share <= 1:
+            raise ValueError(f"stick_share must be in (0, 1], got {stick_share}")
+        self.stick_share = stick_share
         self.spread_tokens = spread_tokens
         self.spread_share = spread_share
         self.seed = seed
@@ -221,7 +247,7 @@ class CostPolicy:
 
     def __repr__(self) -> str:
         return (f"CostPolicy(block_size={self.block_size}, prefill_weight={self.prefill_weight}, queue_tokens={self.queue_tokens}, "
-                f"running_tokens={self.running_tokens}, kv_tokens={self.kv_tokens}, "
+                f"running_tokens={self.running_tokens}, kv_tokens={self.kv_tokens}, placed_weight={self.placed_weight}, stick_share={self.stick_share}, "
                 f"spread_tokens={self.spread_tokens}, spread_share={self.spread_share}, seed={self.seed})")
 
     def costs(self, matches: Sequence[SourceMatch], loads: Mapping[str, Load], n_blocks: int) -> dict[str, float]:
@@ -230,14 +256,25 @@ class CostPolicy:
         tw = self.tier_weights
         ow = self.other_tier_weight
         prompt = n_blocks * bs
+        cached: dict[str, float] = {}
+        for m in matches:
+            c = 0.0
+            for med, k in m.served.items():
+                c += k * tw.get(med, ow)
+            cached[m.source] = c * bs
+        rw = 0.0
+        if self.placed_weight and prompt:
+            # The balance term fades as the best cached share of the prompt grows: a request
+            # with its history cached somewhere stays there (its load terms still apply).
+            # A prompt without a full block adds no cache content: no balance term.
+            best = max(cached.values(), default=0.0) / prompt
+            rw = self.placed_weight * min(1.0, max(0.0, 2.0 * (1.0 - best / self.stick_share)))
         out = {}
         for m in matches:
-            cached = 0.0
-            for med, c in m.served.items():
-                cached += c * tw.get(med, ow)
             ld = loads.get(m.source, _NO_LOAD)
-            out[m.source] = (prompt - cached * bs + self.prefill_weight * ld.prefill_tokens + self.queue_tokens * ld.queue
-                             + self.running_tokens * ld.running + self.kv_tokens * ld.kv_usage)
+            out[m.source] = (prompt - cached[m.source] + self.prefill_weight * ld.prefill_tokens
+                             + self.queue_tokens * ld.queue + self.running_tokens * ld.running
+                             + self.kv_tokens * ld.kv_usage + rw * ld.placed_tokens)
         return out
 
     def __call__(
@@ -257,6 +294,47 @@ class CostPolicy:
             v = -best / prompt if s in near else -c / prompt
             out.append((v + 1e-9 if s == pick else v, s))
         return out
+
+
+class RecentPlacements:
+    """The new work a caller sent each engine lately: an exponentially decayed sum.
+
+    Every :meth:`placed` call ages all sums by a factor ``1 - 1 / horizon`` and adds the
+    request's uncached prompt tokens to the engine chosen, so a sum is about the prefill
+    work (and the new cache content) the engine got over the last ``horizon`` placements
+    (requests, not seconds: no clock; the same calls give the same sums). A conversation
+    placed on an engine keeps its turns there, so this shows the conversations an engine
+    holds between their turns, when neither ``running`` nor the KV usage does;
+    :attr:`Load.placed_tokens` carries it to :class:`CostPolicy`.
+
+    Args:
+        horizon: placements a sum remembers, >= 1.
+    """
+
+    __slots__ = ("horizon", "_keep", "_n")
+
+    def __init__(self, horizon: float = 64.0) -> None:
+        if not horizon >= 1:
+            raise ValueError(f"horizon must be >= 1 placement, got {horizon}")
+        self.horizon = horizon
+        self._keep = 1.0 - 1.0 / horizon
+        self._n: dict[str, float] = {}
+
+    def placed(self, source: str, tokens: float) -> None:
+        """A request was sent to ``source`` with ``tokens`` prompt tokens to compute there."""
+        keep = self._keep
+        n = self._n
+        for s in n:
+            n[s] *= keep
+        n[source] = n.get(source, 0.0) + max(0.0, tokens)
+
+    def forget(self, source: str) -> None:
+        """Drop ``source`` (it was removed)."""
+        self._n.pop(source, None)
+
+    def get(self, source: str) -> float:
+        """``source``'s decayed sum, in tokens (0.0 if it never got a request)."""
+        return self._n.get(source, 0.0)
 
 
 def _load_key(ld: Load) -> tuple[float, float, float]:

@@ -130,6 +130,17 @@ class ServiceCore:
         for e in config.engines:
             self.add_engine(e.source, DEFAULT_INDEX, http=e.http)
 
+    def proxy_counts_prefill(self) -> None:
+        """A proxy in front of the engines (``serve --proxy``) counts every request it sent
+        and that has not answered yet in the engine's ``prefill_tokens``
+        (:meth:`LoadBoard.prefill`); the placement model then stops pricing the scraped
+        waiting count as well (``CostPolicy.queue_tokens`` 0), which would count those
+        requests twice and, scraped late, push requests away from the engine holding their
+        prefix (``bench/sim_placement.py``, the trace: 16.1 % against 14.0 % of the prompt
+        tokens reused)."""
+        if isinstance(self.policy, CostPolicy):
+            self.policy.queue_tokens = 0.0
+
     def new_index(self, router_block_size: int) -> KVIndex:
         """A fresh index with the configured block table, memory bound and TTL."""
         return KVIndex(router_block_size=router_block_size, max_bytes=self.config.index_max_bytes,

@@ -25,7 +25,7 @@ from typing import Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstream.routing.scoring import Load
+from kvstream.routing.scoring import Load, RecentPlacements
 
 __all__ = ["Scrape", "LoadBoard", "parse_vllm_metrics", "RUNNING", "WAITING", "KV_USAGE"]
 
@@ -90,7 +90,7 @@ class LoadBoard:
     ``stale_after_s``: a scrape older than this (seconds) is stale (default 3 intervals).
     """
 
-    __slots__ = ("stale_after_s", "_scrape", "_error", "_inflight", "_prefill", "_cache", "_down")
+    __slots__ = ("stale_after_s", "_scrape", "_error", "_inflight", "_prefill", "_placed", "_cache", "_down")
 
     def __init__(self, stale_after_s: float = 6.0) -> None:
         self.stale_after_s = stale_after_s
@@ -98,6 +98,7 @@ class LoadBoard:
         self._error: dict[str, str] = {}
         self._inflight: dict[str, int] = {}
         self._prefill: dict[str, int] = {}
+        self._placed = RecentPlacements()
         self._cache: dict[str, Load] | None = None
         self._down: dict[str, float] = {}
 
@@ -143,7 +144,10 @@ class LoadBoard:
     def prefill(self, engine: str, tokens: int) -> None:
         """``tokens`` more (or, negative, fewer) prompt tokens ``engine`` has to compute for
         requests sent to it and not answered yet: the proxy adds a request's uncached
-        tokens when it sends it and takes them back at its first answer byte."""
+        tokens when it sends it and takes them back at its first answer byte. A send is
+        also a placement (:attr:`~kvstream.routing.scoring.Load.placed_tokens`)."""
+        if tokens > 0:
+            self._placed.placed(engine, tokens)
         v = self._prefill.get(engine, 0) + tokens
         if v > 0:
             self._prefill[engine] = v
@@ -166,6 +170,7 @@ class LoadBoard:
         self._error.pop(engine, None)
         self._inflight.pop(engine, None)
         self._prefill.pop(engine, None)
+        self._placed.forget(engine)
         self._down.pop(engine, None)
         self._cache = None
 
@@ -182,12 +187,13 @@ class LoadBoard:
         if c is None:
             c = {}
             pf = self._prefill
+            placed = self._placed.get
             for name, s in self._scrape.items():
                 c[name] = Load(queue=s.waiting, running=max(s.running, self._inflight.get(name, 0)),
-                               kv_usage=s.kv_usage, prefill_tokens=pf.get(name, 0))
+                               kv_usage=s.kv_usage, prefill_tokens=pf.get(name, 0), placed_tokens=placed(name))
             for name, n in self._inflight.items():
                 if name not in c:
-                    c[name] = Load(running=n, prefill_tokens=pf.get(name, 0))
+                    c[name] = Load(running=n, prefill_tokens=pf.get(name, 0), placed_tokens=placed(name))
             self._cache = c
         return c
 

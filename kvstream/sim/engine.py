@@ -161,11 +161,12 @@ class SimRequestState:
     ``kv`` (the manager's request; None before submission and once finished), ``prompt_tokens`` (simulated tokens to prefill before
     decoding, outputs appended so far included), ``output`` (all output token ids),
     ``generated`` (output tokens sampled), ``admitted_at``, ``first_token_at``,
-    ``finished_at``, ``preemptions``, ``routed_at``.
+    ``finished_at``, ``preemptions``, ``routed_at``, ``predicted_hit`` (simulated prompt
+    tokens the router expected cached on this engine when it chose it; 0 if unknown).
     """
 
     __slots__ = ("req", "engine", "kv", "output", "generated", "admitted_at", "first_token_at",
-                 "finished_at", "preemptions", "routed_at")
+                 "finished_at", "preemptions", "routed_at", "predicted_hit")
 
     def __init__(self, req: SimRequest, engine: int, routed_at: float) -> None:
         self.req = req
@@ -178,6 +179,7 @@ class SimRequestState:
         self.finished_at = -1.0
         self.preemptions = 0
         self.routed_at = routed_at
+        self.predicted_hit = 0
 
 
 class EngineModel:
@@ -238,17 +240,27 @@ class EngineModel:
     @property
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens still to compute for the requests here that have not produced a
-        first token (a waiting request counts whole: its cache lookup comes at admission),
-        in simulated tokens: what a proxy knows of the prefill work it sent here."""
+        first token, in simulated tokens: what a proxy knows of the prefill work it sent
+        here. A waiting request counts its prompt less the :attr:`SimRequestState.predicted_hit`
+        the router expected (its cache lookup comes at admission), as a proxy counts it."""
         n = 0
-        for queue in (self.waiting, self.running):
-            for st in queue:
-                if st.first_token_at >= 0:
-                    continue
-                kv = st.kv
-                if kv is None:
-                    continue
+        for st in self.waiting:
+            if st.first_token_at >= 0:
+                continue
+            kv = st.kv
+            if kv is None:
+                continue
+            if kv.num_computed_tokens:  # preempted after a start: what is left
                 n += len(kv.token_ids) - kv.num_computed_tokens
+            else:
+                n += max(0, len(kv.token_ids) - st.predicted_hit)
+        for st in self.running:
+            if st.first_token_at >= 0:
+                continue
+            kv = st.kv
+            if kv is None:
+                continue
+            n += len(kv.token_ids) - kv.num_computed_tokens
         return n
 
     # -- driver API ------------------------------------------------------------------------

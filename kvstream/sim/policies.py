@@ -3,9 +3,12 @@
 * ``kv-aware``: kvstream's router scoring as the router ships it: ``KVIndex.score`` with
   the default :class:`~kvstream.routing.scoring.PrefixLoadPolicy` (the cached-prefix share of the
   prompt, minus a small load penalty).
-* ``kv-cost``: the placement model, :class:`~kvstream.routing.scoring.CostPolicy`: the
-  engine where the request costs the least work (its uncached prompt tokens plus the prefill
-  work already waiting there), near-equal engines drawn from a seeded generator.
+* ``kv-cost``: the placement model, :class:`~kvstream.routing.scoring.CostPolicy`, as
+  ``serve --scoring cost`` routes: the engine where the request costs the least work (its
+  uncached prompt tokens plus a share of the prefill work already waiting there), new
+  content balanced by the work each engine got lately (the driver keeps a
+  :class:`~kvstream.routing.scoring.RecentPlacements`), near-equal engines drawn from a
+  seeded generator.
 * ``kv-load``: the same prefix score blended with a heavier load penalty (queue,
   running, KV usage weighted ~2.5x the defaults): trades hit rate for spread.
 * ``prefix-only`` (not in the default list): the prefix share alone, load only breaking

@@ -34,7 +34,7 @@ from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.wire.events import EventDecoder, EventEncoder, KVEventBatch
 from kvstream.hashing import to_external_list
 from kvstream.routing.index import KVIndex
-from kvstream.routing.scoring import CostPolicy, Load
+from kvstream.routing.scoring import CostPolicy, Load, RecentPlacements
 from kvstream.sim.blocks import SegmentHasher
 from kvstream.sim.engine import EngineConfig, EngineModel, Prepared, SimRequestState
 from kvstream.sim.metrics import PolicyResult, RunMetrics
@@ -82,6 +82,11 @@ class SimConfig:
     kv_scoring: Any = None
     """The ``kv-aware`` policy's :class:`~kvstream.routing.scoring.PrefixLoadPolicy`
     (weights of the prefix and of each load term); None: the router's defaults."""
+    speculate_ttl_s: float | None = None
+    """If set, a KV-aware router pretends the engine it chose holds the routed prompt for
+    this many simulated seconds, or until that engine's events arrive (``serve --speculate``;
+    :meth:`~kvstream.routing.index.KVIndex.speculate`). It matters where requests sharing a
+    new prefix come faster than ``router_lag_s``."""
 
     def __post_init__(self) -> None:
         if self.router_index not in ("engine", "token"):
@@ -96,6 +101,8 @@ class SimConfig:
             raise WorkloadError(f"engines must be >= 1, got {self.engines}")
         if self.router_lag_s < 0:
             raise WorkloadError(f"router_lag_s must be >= 0 seconds, got {self.router_lag_s}")
+        if self.speculate_ttl_s is not None and not self.speculate_ttl_s > 0:
+            raise WorkloadError(f"speculate_ttl_s must be > 0 seconds or None, got {self.speculate_ttl_s}")
 
 
 class SimRun:
@@ -135,8 +142,12 @@ class SimRun:
         # Router keys can be memoized per engine block hash when a router block is an
         # engine block (the default).
         self._keys_memo = self._R == ec.sim_block_size
+        # Where the router sent its recent requests (Load.recent), as a proxy counts them.
+        self._recent: RecentPlacements | None = None
         if isinstance(self.policy.scoring, CostPolicy):
             self.policy.scoring.block_size = self._R  # costs in (simulated) tokens
+            if self.policy.scoring.placed_weight:
+                self._recent = RecentPlacements()
         self.encoder = EventEncoder()
         self.decoder = EventDecoder()
         self._wire = config.wire
@@ -151,6 +162,7 @@ class SimRun:
         self._loads: list[Load] = [Load() for _ in self.engines]
         self._load_map: dict[str, Load] = dict(zip(self._src, self._loads))
         self._dirty: set[int] = set(range(config.engines))
+        self.predicted_hit = 0  # simulated tokens the last route() expected cached on its choice
 
     # -- events ------------------------------------------------------------------------
 
@@ -199,9 +211,11 @@ class SimRun:
             loads = self._loads
             load_map = self._load_map
             src = self._src
+            recent = self._recent
             for i in dirty:
                 e = self.engines[i]
-                ld = loads[i] = Load(len(e.waiting), len(e.running), e.usage, e.pending_prefill_tokens)
+                ld = loads[i] = Load(len(e.waiting), len(e.running), e.usage, e.pending_prefill_tokens,
+                                     recent.get(src[i]) if recent is not None else 0.0)
                 load_map[src[i]] = ld
             dirty.clear()
         return self._loads
@@ -235,11 +249,25 @@ class SimRun:
         else:
             keys = index.keys(tokens)
         load_map = self._load_map
+        ttl = self.config.speculate_ttl_s
+        if ttl is not None:
+            index.expire(req.arrival)
 
         def score(scoring: Any) -> str | None:
             return index.best(keys, load_map, scoring)
 
-        return pol.choose(loads, score, self.names)
+        target = pol.choose(loads, score, self.names)
+        if isinstance(pol.scoring, CostPolicy):
+            # What a proxy counts for the chosen engine: the prompt less the prefix the
+            # router expects cached there (its prefill work, and its new work placed).
+            m = index.match(tokens, keys=keys).get(self._src[target])
+            self.predicted_hit = m.tokens if m is not None else 0
+            if self._recent is not None:
+                self._recent.placed(self._src[target], len(tokens) - self.predicted_hit)
+                self._dirty.update(range(len(self._src)))  # every sum aged
+        if ttl is not None:
+            index.speculate(self._src[target], tokens, req.arrival, ttl, keys=keys)
+        return target
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -299,6 +327,7 @@ class SimRun:
             target = self.route(req, prep.prompt_tokens, prep)
             e = engines[target]
             st = SimRequestState(req, target, now)
+            st.predicted_hit = self.predicted_hit
             states.append(st)
             before = e.wakeup
             if e.submit(st, now, prep):

@@ -41,6 +41,7 @@ __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "TOKEN_VOCAB",
     "Segment",
+    "cut_lengths",
     "SimRequest",
     "WorkloadError",
     "segment_tokens",
@@ -568,6 +569,36 @@ def compress_arrivals(requests: Sequence[SimRequest], factor: float) -> list[Sim
     if not (factor > 0 and math.isfinite(factor)):
         raise WorkloadError(f"arrival compression factor must be finite and > 0, got {factor}")
     return [r.renumbered(r.request_id, r.arrival / factor) for r in requests]
+
+
+def cut_lengths(requests: Sequence[SimRequest], max_input: int | None = None,
+                max_output: int | None = None) -> list[SimRequest]:
+    """The same workload with prompts cut to their first ``max_input`` tokens and outputs to
+    ``max_output`` tokens (None: not cut), as ``bench/bench_routers.py`` cuts the trace it
+    sends to real engines, so a simulation and a bench run see the same requests."""
+    for name, v in (("max_input", max_input), ("max_output", max_output)):
+        if v is not None and v < 1:
+            raise WorkloadError(f"{name} must be >= 1 token or None, got {v}")
+    out = []
+    for r in requests:
+        prompt = r.prompt
+        n = r.prompt_len
+        if max_input is not None and n > max_input:
+            segs: list[Segment] = []
+            left = max_input
+            for key, length in prompt:
+                if left <= 0:
+                    break
+                segs.append((key, min(length, left)))
+                left -= length
+            prompt, n = tuple(segs), max_input
+        out_len = r.output_len if max_output is None else min(r.output_len, max_output)
+        if prompt is r.prompt and out_len == r.output_len:
+            out.append(r)
+            continue
+        out.append(SimRequest(r.request_id, r.arrival, prompt, r.output_key, out_len, session=r.session,
+                              source_line=r.source_line, prompt_len=n))
+    return out
 
 
 @dataclass(frozen=True)

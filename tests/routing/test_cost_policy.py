@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kvstream.routing.scoring import CostPolicy, Load, SourceMatch, rank
+from kvstream.routing.scoring import CostPolicy, Load, RecentPlacements, SourceMatch, rank
 
 
 def m(source: str, blocks: int = 0, cpu: int = 0) -> SourceMatch:
@@ -25,10 +25,58 @@ def test_a_cached_prefix_wins_when_the_engines_are_equally_busy() -> None:
 
 
 def test_queued_prefill_outweighs_a_prefix_worth_less_than_it() -> None:
-    pol = CostPolicy(spread_tokens=0, spread_share=0)
+    pol = CostPolicy(prefill_weight=1.0, spread_tokens=0, spread_share=0)
     matches = [m("a"), m("b", 50)]  # b saves 800 tokens
     assert best(pol, matches, {"b": Load(prefill_tokens=700)}, 64) == "b"
     assert best(pol, matches, {"b": Load(prefill_tokens=900)}, 64) == "a"
+
+
+def test_by_default_a_miss_costs_four_times_the_queued_prefill_it_avoids() -> None:
+    pol = CostPolicy(spread_tokens=0, spread_share=0)
+    matches = [m("a"), m("b", 50)]  # b saves 800 tokens
+    assert best(pol, matches, {"b": Load(prefill_tokens=3000)}, 64) == "b"
+    assert best(pol, matches, {"b": Load(prefill_tokens=3300)}, 64) == "a"
+
+
+def test_new_content_goes_to_the_engine_that_got_the_least_new_work_lately() -> None:
+    pol = CostPolicy(spread_tokens=0, spread_share=0)
+    # A new prompt with a shared 10-block system prompt cached on "a" only (10 of 64
+    # blocks: far below the stick share): "a" got 4,000 tokens of new work lately, "b" none.
+    matches = [m("a", 10), m("b")]
+    loads = {"a": Load(placed_tokens=4000)}
+    assert best(pol, matches, loads, 64) == "b"
+    # Equal new work: the system prompt decides.
+    assert best(pol, matches, {"a": Load(placed_tokens=4000), "b": Load(placed_tokens=4000)}, 64) == "a"
+
+
+def test_a_conversation_whose_history_is_cached_stays_whatever_the_balance() -> None:
+    pol = CostPolicy(spread_tokens=0, spread_share=0)
+    matches = [m("a", 60), m("b")]  # 60 of 64 blocks: above the stick share
+    assert pol.costs(matches, {"a": Load(placed_tokens=50_000)}, 64)["a"] == 4 * 16
+    assert best(pol, matches, {"a": Load(placed_tokens=50_000)}, 64) == "a"
+
+
+def test_the_balance_term_fades_between_half_the_stick_share_and_the_stick_share() -> None:
+    pol = CostPolicy(stick_share=0.8, spread_tokens=0, spread_share=0)
+    loads = {"a": Load(placed_tokens=1000)}
+    # best cached share 0.4 (on b): full weight 0.5; 0.6: half of it; 0.8 and more: none.
+    for blocks, balance in ((40, 1.0), (60, 0.5), (80, 0.0), (90, 0.0)):
+        c = pol.costs([m("a"), m("b", blocks)], loads, 100)
+        assert c["a"] == pytest.approx(1600 + balance * 0.5 * 1000)
+
+
+def test_recent_placements_age_by_the_horizon_and_count_only_new_work() -> None:
+    rp = RecentPlacements(horizon=4)
+    rp.placed("a", 1000)
+    rp.placed("b", 0)  # a fully cached request: no new work, but it ages the sums
+    assert rp.get("a") == pytest.approx(750) and rp.get("b") == 0 and rp.get("c") == 0
+    for _ in range(40):
+        rp.placed("b", 100)
+    assert rp.get("a") < 1 and rp.get("b") == pytest.approx(400, rel=0.01)  # 100 / (1 - 3/4)
+    rp.forget("b")
+    assert rp.get("b") == 0
+    with pytest.raises(ValueError, match="horizon"):
+        RecentPlacements(horizon=0.5)
 
 
 def test_waiting_and_running_requests_count_as_their_token_equivalents() -> None:
@@ -74,3 +122,7 @@ def test_bad_settings_are_refused() -> None:
         CostPolicy(block_size=0)
     with pytest.raises(ValueError, match="prefill_weight"):
         CostPolicy(prefill_weight=-1)
+    with pytest.raises(ValueError, match="placed_weight"):
+        CostPolicy(placed_weight=-1)
+    with pytest.raises(ValueError, match="stick_share"):
+        CostPolicy(stick_share=0)

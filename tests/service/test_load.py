@@ -120,3 +120,33 @@ def test_an_engine_metrics_page_without_end_is_refused_not_held(engines) -> None
             assert srv.close() == 0
     finally:
         eng.close()
+
+
+def test_a_proxys_sends_are_placements_that_age_with_every_send() -> None:
+    b = LoadBoard(stale_after_s=6.0)
+    b.scraped("e0", parse_vllm_metrics(VLLM_METRICS, at=0.0))
+    b.started("e0")
+    b.prefill("e0", 3000)  # sent: 3,000 prompt tokens to compute there
+    assert b.known()["e0"].prefill_tokens == 3000 and b.known()["e0"].placed_tokens == 3000
+    b.prefill("e0", -3000)  # answered: no prefill waiting, the placement stays
+    assert b.known()["e0"].prefill_tokens == 0 and b.known()["e0"].placed_tokens == 3000
+    b.started("e1")
+    b.prefill("e1", 100)  # every send ages every engine's placements
+    assert b.known()["e0"].placed_tokens == pytest.approx(3000 * (1 - 1 / 64))
+    assert b.known()["e1"].placed_tokens == 100
+    b.forget("e1")
+    assert "e1" not in b.known()
+
+
+def test_a_proxy_in_front_stops_the_cost_policy_pricing_waiting_requests_twice() -> None:
+    from kvstream.routing.scoring import CostPolicy
+    from kvstream.service.config import ServeConfig
+    from kvstream.service.core import ServiceCore
+
+    core = ServiceCore(ServeConfig([], scoring="cost"))
+    assert isinstance(core.policy, CostPolicy) and core.policy.queue_tokens == 512
+    core.proxy_counts_prefill()
+    assert core.policy.queue_tokens == 0
+    prefix = ServiceCore(ServeConfig([]))
+    prefix.proxy_counts_prefill()  # the prefix scoring keeps its queue weight
+    assert prefix.policy.queue_weight == 0.1
