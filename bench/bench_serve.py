@@ -308,6 +308,7 @@ def stages(args: argparse.Namespace) -> None:
     from kvstream.service.core import DEFAULT_INDEX, ServiceCore
     from kvstream.service.mooncake import _QUERY, MooncakeAPI, QueryRequest
     from kvstream.service.schema import ENCODER
+    from kvstream._native import split_body
     from kvstream.service.tokenjson import decode_with_tokens
     from kvstream.wire.events import BlockStored, EventDecoder, EventEncoder, KVEventBatch
 
@@ -350,12 +351,13 @@ def stages(args: argparse.Namespace) -> None:
     reqs = [_QUERY.decode(b) for b in bodies]
     packed = [array("I", q.token_ids) for q in reqs]
     keys = [prompt_keys(p, BS) for p in packed]
+    rows = [ix.match_rows(p)[1] for p in packed]
     matches = [ix.match((), keys=k) for k in keys]
     results = []
-    for m in matches:
-        r: dict[str, Any] = {}
-        mc._merge(r, m, BS, None)
-        results.append(r)
+    for r in rows:
+        res: dict[str, Any] = {}
+        mc._merge_rows(res, r, BS, None)
+        results.append(res)
     n = 64 * max(1, args.stage_rounds)
 
     def timed(f: Any) -> float:
@@ -366,44 +368,39 @@ def stages(args: argparse.Namespace) -> None:
             f(i % 64)
         return (time.perf_counter() - t) / n * 1e6
 
-    # What the handler does: the simdjson route (kvstream/service/tokenjson.py) decodes and
-    # packs in one stage; msgspec's decode and the array pack it replaces are printed below.
-    old_route = (timed(lambda i: _QUERY.decode(bodies[i])), timed(lambda i: array("I", reqs[i].token_ids)))
-    rows = [
-        ("JSON decode and uint32 pack (simdjson)", timed(lambda i: decode_with_tokens(bodies[i], QueryRequest))),
-        ("router keys (256 x xxh3)", timed(lambda i: prompt_keys(packed[i], BS))),
-        ("index walk (64 engines)", timed(lambda i: ix.match((), keys=keys[i]))),
-        ("per-instance answer (merge)", timed(lambda i: mc._merge({}, matches[i], BS, None))),
+    # What the handler does now: the native core reads the body (kvstream._native.split_body,
+    # serde_json) and walks every tier from the packed ids (match_rows); the routes it
+    # replaces (simdjson + numpy, or msgspec + array; a SourceMatch per engine) are timed
+    # beside it in the same run.
+    rows_t = [
+        ("JSON read + uint32 pack (native, serde_json)", timed(lambda i: split_body(bodies[i], "token_ids", 4))),
+        ("rest of the fields (msgspec)", timed(lambda i: _QUERY.decode(b'{"model":"bench","block_size":16,'
+                                                                       b'"token_ids":[]}'))),
+        ("keys + walk, every tier (match_rows)", timed(lambda i: ix.match_rows(packed[i]))),
+        ("per-instance answer (merge rows)", timed(lambda i: mc._merge_rows({}, rows[i], BS, None))),
         ("JSON encode", timed(lambda i: ENCODER.encode({"default": results[i]}))),
         ("metrics (counter, 2 histograms)", timed(lambda i: core.metrics.routed("query", 2e-4, 4096))),
     ]
+    before = [
+        ("JSON decode and uint32 pack (simdjson)", timed(lambda i: decode_with_tokens(bodies[i], QueryRequest))),
+        ("msgspec decode + array pack", timed(lambda i: array("I", _QUERY.decode(bodies[i]).token_ids))),
+        ("router keys (256 x xxh3)", timed(lambda i: prompt_keys(packed[i], BS))),
+        ("index walk, a SourceMatch per engine (match)", timed(lambda i: ix.match((), keys=keys[i]))),
+        ("match from the prompt (one native GPU walk)", timed(lambda i: ix.match(packed[i]))),
+    ]
     total = timed(lambda i: mc.query(bodies[i]))
-    # The handler again with every body on msgspec's route (what the simdjson one replaced),
-    # and the walk's share that only finds where each engine's prefix ends.
-    import kvstream.service.mooncake as mooncake_module
-
-    setattr(mooncake_module, "decode_with_tokens", lambda body, t: None)
-    total_msgspec = timed(lambda i: mc.query(bodies[i]))
-    setattr(mooncake_module, "decode_with_tokens", decode_with_tokens)
-    try:  # the index's internals (kvstream/routing/_core.py): skipped if they move
-        from kvstream.routing._core import _gpu_prefix_ends
-
-        prefix_ends: float | None = timed(lambda i: _gpu_prefix_ends(ix._held[0], keys[i], ix._live, {}))
-    except (ImportError, AttributeError):
-        prefix_ends = None
-    print(f"\none /query ({args.prompt_tokens}-token prompt, {args.engines} engines), each stage alone, one core:")
-    for name, us in rows:
-        print(f"  {name:<36} {us:7.1f} us  {us / total * 100:5.1f} %")
-    print(f"  {'sum of the stages':<36} {sum(us for _, us in rows):7.1f} us")
-    print(f"  (msgspec decode {old_route[0]:.1f} us + array pack {old_route[1]:.1f} us = {sum(old_route):.1f} us: "
-          "the route the simdjson one replaces)")
-    if prefix_ends is not None:
-        print(f"  (of the walk, {prefix_ends:.1f} us find where each engine's prefix ends; the rest builds "
-              "a SourceMatch per engine)")
-    print(f"  {'the whole handler (MooncakeAPI.query)':<36} {total:7.1f} us  = {1e6 / total:,.0f} requests/s per core "
-          "before HTTP")
-    print(f"  {'the handler, msgspec route':<36} {total_msgspec:7.1f} us  = {1e6 / total_msgspec:,.0f} requests/s "
-          "per core before HTTP")
+    held = sum(len(r) for r in rows) / len(rows)
+    print(f"\none /query ({args.prompt_tokens}-token prompt, {args.engines} engines, {held:.1f} of them holding a "
+          "prefix on average), each stage alone, one core:")
+    for name, us in rows_t:
+        print(f"  {name:<46} {us:7.1f} us  {us / total * 100:5.1f} %")
+    print(f"  {'sum of the stages':<46} {sum(us for _, us in rows_t):7.1f} us")
+    print(f"  {'the whole handler (MooncakeAPI.query)':<46} {total:7.1f} us  = {1e6 / total:,.0f} requests/s per "
+          "core before HTTP")
+    print("the previous routes' stages, same run:")
+    for name, us in before:
+        print(f"  {name:<46} {us:7.1f} us")
+    del matches
 
 
 # -- one run ----------------------------------------------------------------------------

@@ -140,19 +140,24 @@ def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
         raise from_msgspec(exc) from None
 
 
-def _decode_split(dec: msgspec.json.Decoder, body: bytes, field: str, width: int) -> tuple[Any, bytes | None]:
+def _decode_split(dec: msgspec.json.Decoder, body: bytes, field: str, width: int,
+                  holders: tuple[str, ...]) -> tuple[Any, bytes | None]:
     """``(the request, its array packed)``: the body read by the native core
     (``kvstream._native.split_body``: the ``field`` array straight into ``width``-byte
-    little-endian ints, the other fields decoded here by msgspec, the array left empty);
-    ``(the request, None)`` decoded by msgspec alone when the native reader does not take
-    the body, or msgspec finds the other fields invalid (so the error, its words and its
-    JSON path, is msgspec's on the whole body)."""
+    little-endian ints, the other fields decoded here by msgspec, the array left empty,
+    which must then be the value of one of the request's ``holders`` fields: the one array
+    of the body was theirs); ``(the request, None)`` decoded by msgspec alone when the
+    native reader does not take the body, or msgspec finds the rest invalid (so the
+    error, its words and its JSON path, is msgspec's on the whole body)."""
     got = _native.split_body(body, field, width)
     if got is not None:
         try:
-            return dec.decode(got[0]), got[1]
+            req = dec.decode(got[0])
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
             pass
+        else:
+            if any(getattr(req, h) == [] for h in holders):
+                return req, got[1]
     return _decode(dec, body), None
 
 
@@ -366,7 +371,7 @@ class MooncakeAPI:
         """``POST /query``: prefix hits of ``token_ids`` per instance, in tokens."""
         t0 = time.perf_counter()
         _check_items(body, self.core.config.max_prompt_tokens, "token_ids")
-        q, packed = _decode_split(_QUERY, body, "token_ids", 4)
+        q, packed = _decode_split(_QUERY, body, "token_ids", 4, ("token_ids",))
         ids: list[int] | array
         if packed is not None:
             ids = array("I")
@@ -402,13 +407,15 @@ class MooncakeAPI:
         ``longest_matched = block_size * matched hashes``."""
         t0 = time.perf_counter()
         _check_items(body, self.core.config.max_prompt_tokens, "seq_hashes")  # one token per hash at least
-        q, packed = _decode_split(_QHASH, body, "seq_hashes", 8)
+        q, packed = _decode_split(_QHASH, body, "seq_hashes", 8, ("seq_hashes", "block_hash"))
         self._check_lora(q.lora_name, q.lora_id)
         hashes: list[int] | None
         if packed is not None:
             count = len(packed) // 8
             hashes = None
-            field = "seq_hashes"  # given with block_hash too, it wins (as in the decode below)
+            # The array read is seq_hashes' (the serde route, or the flat one's only array)
+            # or, when the body has no seq_hashes, block_hash's: the decode below's choice.
+            field = "seq_hashes" if q.seq_hashes is not None else "block_hash"
         else:
             hashes = q.seq_hashes if q.seq_hashes is not None else q.block_hash
             if hashes is None:

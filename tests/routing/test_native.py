@@ -254,14 +254,34 @@ def test_tier_walk_refuses_what_only_python_can_walk() -> None:
 
 
 @pytest.mark.parametrize("body, want", [
-    (b'{"model": "m", "token_ids": [1, 2, 3], "block_size": 16}', (b'{"model":"m","block_size":16,"token_ids":[]}',
+    (b'{"model": "m", "token_ids": [1, 2, 3], "block_size": 16}', (b'{"model": "m", "token_ids": [], "block_size": 16}',
                                                                   array("I", [1, 2, 3]).tobytes())),
+    # two arrays: serde_json's route, the rest re-written with the array last
+    (b'{"x": [[]], "token_ids": [7], "block_size": 16}', (b'{"x":[[]],"block_size":16,"token_ids":[]}',
+                                                         array("I", [7]).tobytes())),
     (b'{"token_ids": [4294967296]}', None),
     (b'{"token_ids": [1], "token_ids": [1]}', None),
     (b'{"token_ids": [1.0]}', None),
     (b'{"model": "m"}', None),
-    (b'[1]', None),
-    (b'{"token_ids": [1]} ', (b'{"token_ids":[]}', array("I", [1]).tobytes())),
+    (b'[1]', (b'[]', array("I", [1]).tobytes())),  # the caller's msgspec decode refuses the rest
+    (b'{"token_ids": [1]} ', (b'{"token_ids": []} ', array("I", [1]).tobytes())),
+    (b'{"token_ids": [01]}', None),
 ])
 def test_split_body_reads_the_ids_and_keeps_the_rest_for_msgspec(body, want) -> None:
     assert _native.split_body(body, "token_ids", 4) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 99), st.integers(10**7, 10**9)), max_size=60),
+       st.sampled_from([",", ", ", " ,", ",\n  ", "\t,\r\n"]), st.booleans())
+def test_split_body_reads_every_number_as_json_does(ids, sep, wide) -> None:
+    """The native reader (its flat route: one array, numbers read 8 digits at a time)
+    gives exactly the ids ``json`` reads, for any number length and JSON whitespace; the
+    rest keeps the other fields with the array emptied."""
+    body = ('{"model": "m", "token_ids": [' + sep.join(map(str, ids)) + '], "block_size": 16}').encode()
+    rest, packed = _native.split_body(body, "token_ids", 8 if wide else 4)
+    import json as _json
+    assert _json.loads(rest) == {"model": "m", "token_ids": [], "block_size": 16}
+    assert array("Q" if wide else "I", packed).tolist() == ids
+    nested = body.replace(b'"model": "m"', b'"model": "m", "x": {"y": [1]}')  # two arrays: the serde route
+    assert array("Q" if wide else "I", _native.split_body(nested, "token_ids", 8 if wide else 4)[1]).tolist() == ids
