@@ -306,10 +306,9 @@ def stages(args: argparse.Namespace) -> None:
     from kvstream.routing.keys import prompt_keys
     from kvstream.service.config import build_config
     from kvstream.service.core import DEFAULT_INDEX, ServiceCore
-    from kvstream.service.mooncake import _QUERY, MooncakeAPI, QueryRequest
+    from kvstream.service.mooncake import _QUERY, MooncakeAPI
     from kvstream.service.schema import ENCODER
     from kvstream._native import split_body
-    from kvstream.service.tokenjson import decode_with_tokens
     from kvstream.wire.events import BlockStored, EventDecoder, EventEncoder, KVEventBatch
 
     documents, held = workload(args.engines, args.docs, args.prompt_tokens)
@@ -368,12 +367,12 @@ def stages(args: argparse.Namespace) -> None:
             f(i % 64)
         return (time.perf_counter() - t) / n * 1e6
 
-    # What the handler does now: the native core reads the body (kvstream._native.split_body,
-    # serde_json) and walks every tier from the packed ids (match_rows); the routes it
-    # replaces (simdjson + numpy, or msgspec + array; a SourceMatch per engine) are timed
-    # beside it in the same run.
+    # What the handler does now: the native core reads the body (kvstream._native.split_body:
+    # the flat route, rust/src/json.rs) and walks every tier from the packed ids
+    # (match_rows); the routes it replaces (msgspec + array, pysimdjson + numpy when
+    # installed; a SourceMatch per engine) are timed beside it in the same run.
     rows_t = [
-        ("JSON read + uint32 pack (native, serde_json)", timed(lambda i: split_body(bodies[i], "token_ids", 4))),
+        ("JSON read + uint32 pack (native)", timed(lambda i: split_body(bodies[i], "token_ids", 4))),
         ("rest of the fields (msgspec)", timed(lambda i: _QUERY.decode(b'{"model":"bench","block_size":16,'
                                                                        b'"token_ids":[]}'))),
         ("keys + walk, every tier (match_rows)", timed(lambda i: ix.match_rows(packed[i]))),
@@ -382,12 +381,27 @@ def stages(args: argparse.Namespace) -> None:
         ("metrics (counter, 2 histograms)", timed(lambda i: core.metrics.routed("query", 2e-4, 4096))),
     ]
     before = [
-        ("JSON decode and uint32 pack (simdjson)", timed(lambda i: decode_with_tokens(bodies[i], QueryRequest))),
         ("msgspec decode + array pack", timed(lambda i: array("I", _QUERY.decode(bodies[i]).token_ids))),
         ("router keys (256 x xxh3)", timed(lambda i: prompt_keys(packed[i], BS))),
         ("index walk, a SourceMatch per engine (match)", timed(lambda i: ix.match((), keys=keys[i]))),
         ("match from the prompt (one native GPU walk)", timed(lambda i: ix.match(packed[i]))),
     ]
+    try:  # the previous route (pysimdjson, no longer a dependency): when installed
+        import numpy as np
+        import simdjson
+
+        parser = simdjson.Parser()
+
+        def simd(body: bytes) -> Any:
+            doc = parser.parse(body)
+            out = array("I", np.frombuffer(doc["token_ids"].as_buffer(of_type="u"), dtype=np.uint64)
+                        .astype(np.uint32).tobytes())
+            del doc
+            return out
+
+        before.insert(0, ("pysimdjson parse + numpy narrowing", timed(lambda i: simd(bodies[i]))))
+    except ImportError:
+        pass
     total = timed(lambda i: mc.query(bodies[i]))
     held = sum(len(r) for r in rows) / len(rows)
     print(f"\none /query ({args.prompt_tokens}-token prompt, {args.engines} engines, {held:.1f} of them holding a "

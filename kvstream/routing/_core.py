@@ -429,7 +429,7 @@ class _IndexCore:
             return got
         if type(keys) is bytes:
             keys = array("Q", keys).tolist()
-        matches = self.match(prompt_tokens, lora, salt, mm_items, keys=keys)  # type: ignore[arg-type]
+        matches = self.match(prompt_tokens, lora, salt, mm_items, keys=keys)
         n = len(keys) if keys is not None else len(prompt_tokens) // self._R
         return n, [(m.source, m.blocks, m.tier_blocks) for m in matches.values() if m.blocks]
 

@@ -35,7 +35,6 @@ import msgspec
 from msgspec import Meta, Struct
 from starlette.requests import Request
 
-from kvstream import _native
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.hashing import BlockHasher
 from kvstream.routing.keys import RouterKeyError
@@ -43,6 +42,7 @@ from kvstream.service.core import DEFAULT_INDEX, ServiceCore
 from kvstream.service.errors import ApiError, from_msgspec
 from kvstream.hashing.mooncake import MooncakeHasher
 from kvstream.service.schema import ENCODER
+from kvstream.service.tokenjson import decode_with_tokens
 from kvstream.transport.subscriber import SourceSpec
 
 __all__ = ["MooncakeAPI", "RegisterRequest", "UnregisterRequest", "QueryRequest", "QueryByHashRequest",
@@ -141,27 +141,15 @@ def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
 
 
 def _decode_split(dec: msgspec.json.Decoder, body: bytes, field: str, width: int,
-                  holders: tuple[str, ...]) -> tuple[Any, bytes | None]:
-    """``(the request, its array packed)``: the body read by the native core
-    (``kvstream._native.split_body``: the ``field`` array straight into ``width``-byte
-    little-endian ints, the other fields decoded here by msgspec, the array left empty,
-    which must then be the value of one of the request's ``holders`` fields: the one array
-    of the body was theirs); ``(the request, None)`` decoded by msgspec alone when the
-    native reader does not take the body, or msgspec finds the rest invalid (so the
-    error, its words and its JSON path, is msgspec's on the whole body)."""
-    got = _native.split_body(body, field, width)
+                  holders: tuple[str, ...]) -> tuple[Any, array | None]:
+    """``(the request, its array packed)`` when the native reader takes the body
+    (:func:`kvstream.service.tokenjson.decode_with_tokens`), else ``(the request, None)``
+    decoded by msgspec alone (which words any error)."""
+    got = decode_with_tokens(body, dec.type, field, width, holders)  # type: ignore[arg-type]
     if got is not None:
-        try:
-            req = dec.decode(got[0])
-        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-            pass
-        else:
-            if any(getattr(req, h) == [] for h in holders):
-                return req, got[1]
+        return got
     return _decode(dec, body), None
 
-
-_BIG_ENDIAN = array("I", [1]).tobytes()[0] == 0
 
 _NAME_COMMAS = 2048
 """Commas a query's other fields may hold besides its array (names up to 256 characters)."""
@@ -373,13 +361,7 @@ class MooncakeAPI:
         _check_items(body, self.core.config.max_prompt_tokens, "token_ids")
         q, packed = _decode_split(_QUERY, body, "token_ids", 4, ("token_ids",))
         ids: list[int] | array
-        if packed is not None:
-            ids = array("I")
-            ids.frombytes(packed)
-            if _BIG_ENDIAN:  # pragma: no cover - the packing is little-endian
-                ids.byteswap()
-        else:
-            ids = q.token_ids
+        ids = packed if packed is not None else q.token_ids
         self._check_lora(q.lora_name, q.lora_id)
         core = self.core
         tokens = core.tokens_of(ids, None)
@@ -411,7 +393,7 @@ class MooncakeAPI:
         self._check_lora(q.lora_name, q.lora_id)
         hashes: list[int] | None
         if packed is not None:
-            count = len(packed) // 8
+            count = len(packed)
             hashes = None
             # The array read is seq_hashes' (the serde route, or the flat one's only array)
             # or, when the body has no seq_hashes, block_hash's: the decode below's choice.
@@ -436,13 +418,13 @@ class MooncakeAPI:
         for ixname in self._targets(q.model, q.tenant_id, q.block_size, q.lora_name or "", q.cache_salt or ""):
             ix = core.indexes[ixname]
             if isinstance(ix, EngineKeyIndex):
-                _, rows = ix.match_rows((), keys=packed if hashes is None else hashes)
+                _, rows = ix.match_rows((), keys=hashes if hashes is not None else packed.tobytes())  # type: ignore[union-attr]
                 self._merge_rows(result, rows, q.block_size, q.instance_id)
             else:
                 # A token-keyed index knows engine hashes per source but not per medium.
                 if hashes is None:
                     assert packed is not None
-                    hashes = array("Q", packed).tolist()
+                    hashes = packed.tolist()
                 blocks = ix.match_engine_hashes(hashes)
                 self._merge_longest(result, blocks, q.block_size, q.instance_id)
         return self._answer("query_by_hash", t0, q.tenant_id, result)
