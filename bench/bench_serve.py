@@ -475,6 +475,8 @@ def main() -> None:
     p.add_argument("--connections", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
     p.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="kvstream serve --workers; a list (1,2) runs kvstream once per count")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every service this many times, every other round in the reverse order")
     p.add_argument("--no-dynamo", action="store_true")
     p.add_argument("--only-dynamo", action="store_true")
     p.add_argument("--stages", action="store_true",
@@ -494,21 +496,26 @@ def main() -> None:
     results = {}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
-        for kind, w in runs:
-            label = kind if kind == "dynamo" or len(args.workers) == 1 else f"kvstream-w{w}"
-            results[label] = run_one(kind, w, args, Path(d))
+        for rnd in range(args.rounds):
+            # Every other round in the reverse order, so load drift on a shared machine
+            # hits every service alike; each round's line is printed.
+            for kind, w in (runs if rnd % 2 == 0 else runs[::-1]):
+                label = kind if kind == "dynamo" or len(args.workers) == 1 else f"kvstream-w{w}"
+                if args.rounds > 1:
+                    label += f" r{rnd + 1}"
+                results[label] = run_one(kind, w, args, Path(d))
     blocks = args.engines * args.docs * (args.prompt_tokens // BS)
     print(f"\n{args.engines} engines, {blocks:,} blocks, {args.prompt_tokens}-token prompts, POST /query; "
           f"kvstream serve --workers {','.join(map(str, args.workers))}; "
           f"load by {'wrk' if shutil.which('wrk') else 'python'}")
     print(f"load average (1 min) {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, "
           f"on {os.cpu_count()} cores")
-    head = f"{'service':<12} {'ingest blocks/s':>16} {'while serving':>14}"
+    head = f"{'service':<15} {'ingest blocks/s':>16} {'while serving':>14}"
     for c in args.connections:
         head += f" | {'c' + str(c) + ' req/s':>11} {'p50 ms':>7} {'p99 ms':>7}"
     print(head)
     for kind, r in results.items():
-        line = f"{kind:<12} {r['ingest_blocks_per_s']:>16,.0f} {r.get('ingest_serving_blocks_per_s', 0):>14,.0f}"
+        line = f"{kind:<15} {r['ingest_blocks_per_s']:>16,.0f} {r.get('ingest_serving_blocks_per_s', 0):>14,.0f}"
         for c in args.connections:
             x = r[f"c{c}"]
             line += f" | {x['rps']:>11,.0f} {x['p50_ms']:>7.2f} {x['p99_ms']:>7.2f}"
@@ -520,8 +527,9 @@ def main() -> None:
         if x:
             print(f"{kind}: 32 connections while ingesting: {x['rps']:,.0f} req/s, p50 {x['p50_ms']:.2f} ms, "
                   f"p99 {x['p99_ms']:.2f} ms")
-    if "dynamo" in results and len(results) > 1:
-        a, b = next(iter(results.values()))["spot"], results["dynamo"]["spot"]
+    dyn = next((k for k in results if k.startswith("dynamo")), None)
+    if dyn is not None and len(results) > 1:
+        a, b = next(iter(results.values()))["spot"], results[dyn]["spot"]
         print(f"spot check, blocks matched per engine (first doc of e0): kvstream {dict(sorted(a.items()))} "
               f"dynamo {dict(sorted(b.items()))}")
 
