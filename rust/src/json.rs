@@ -321,35 +321,3 @@ mod tests {
         assert!(split_flat(b"[18446744073709551616]", u64::MAX).is_none());
     }
 }
-
-#[cfg(test)]
-mod timing {
-    #[test]
-    #[ignore]
-    fn time_the_routes() {
-        let mut s = String::from("{\"model\": \"bench\", \"token_ids\": [");
-        let mut x: u64 = 12345;
-        for i in 0..4096 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            if i > 0 {
-                s.push_str(", ");
-            }
-            s.push_str(&((x >> 33) % 120000).to_string());
-        }
-        s.push_str("], \"block_size\": 16}");
-        let b = s.as_bytes();
-        for _ in 0..3 {
-            let t = std::time::Instant::now();
-            for _ in 0..2000 {
-                std::hint::black_box(super::split_flat(b, u32::MAX as u64));
-            }
-            let flat = t.elapsed().as_secs_f64() / 2000.0 * 1e6;
-            let t = std::time::Instant::now();
-            for _ in 0..2000 {
-                std::hint::black_box(super::split_ids::<u32>(b, "token_ids"));
-            }
-            let serde = t.elapsed().as_secs_f64() / 2000.0 * 1e6;
-            println!("flat {flat:.1} us, serde_json {serde:.1} us");
-        }
-    }
-}
