@@ -96,8 +96,14 @@ fn scan_uints(text: &[u8], max: u64) -> Option<Vec<u64>> {
         // u64 unchecked, a 20th is checked below.
         if i + 8 <= n {
             let w = u64::from_le_bytes([
-                text[i], text[i + 1], text[i + 2], text[i + 3],
-                text[i + 4], text[i + 5], text[i + 6], text[i + 7],
+                text[i],
+                text[i + 1],
+                text[i + 2],
+                text[i + 3],
+                text[i + 4],
+                text[i + 5],
+                text[i + 6],
+                text[i + 7],
             ]);
             let x = w.wrapping_sub(0x3030_3030_3030_3030);
             let non_digit = (x | x.wrapping_add(0x0606_0606_0606_0606)) & 0xF0F0_F0F0_F0F0_F0F0;
@@ -180,7 +186,12 @@ pub fn split_ids<'de, T: Deserialize<'de>>(body: &'de [u8], field: &str) -> Opti
     .ok()?;
     de.end().ok()?;
     let ids = ids?;
-    let mut rest = Vec::with_capacity(64 + others.iter().map(|(k, v)| k.len() + v.get().len() + 4).sum::<usize>());
+    let mut rest = Vec::with_capacity(
+        64 + others
+            .iter()
+            .map(|(k, v)| k.len() + v.get().len() + 4)
+            .sum::<usize>(),
+    );
     rest.push(b'{');
     for (k, v) in &others {
         serde_json::to_writer(&mut rest, k).ok()?;
@@ -237,7 +248,10 @@ pub fn split_body<'py>(
     let raw = body.as_bytes();
     let packed = match width {
         4 => py.detach(|| match split_flat(raw, u64::from(u32::MAX)) {
-            Some((rest, ids)) => Some((rest, le_bytes(&ids.iter().map(|&x| x as u32).collect::<Vec<u32>>()))),
+            Some((rest, ids)) => Some((
+                rest,
+                le_bytes(&ids.iter().map(|&x| x as u32).collect::<Vec<u32>>()),
+            )),
             None => split_ids::<u32>(raw, field).map(|s| (s.rest, le_bytes(&s.ids))),
         }),
         8 => py.detach(|| match split_flat(raw, u64::MAX) {
@@ -287,15 +301,24 @@ mod tests {
             br#"{"token_ids": [1,]}"#,
             b"",
         ] {
-            assert!(split_ids::<u32>(body, "token_ids").is_none(), "{:?}", std::str::from_utf8(body));
+            assert!(
+                split_ids::<u32>(body, "token_ids").is_none(),
+                "{:?}",
+                std::str::from_utf8(body)
+            );
         }
-        let s = split_ids::<u64>(br#"{"seq_hashes": [18446744073709551615]}"#, "seq_hashes").unwrap();
+        let s =
+            split_ids::<u64>(br#"{"seq_hashes": [18446744073709551615]}"#, "seq_hashes").unwrap();
         assert_eq!(s.ids, vec![u64::MAX]);
     }
 
     #[test]
     fn the_flat_route_reads_json_numbers_strictly() {
-        let (rest, ids) = split_flat(b"{\"a\": \"x\", \"t\": [ 0, 12 ,\n 4294967295 ] }", u64::from(u32::MAX)).unwrap();
+        let (rest, ids) = split_flat(
+            b"{\"a\": \"x\", \"t\": [ 0, 12 ,\n 4294967295 ] }",
+            u64::from(u32::MAX),
+        )
+        .unwrap();
         assert_eq!(ids, vec![0, 12, 4294967295]);
         assert_eq!(rest, b"{\"a\": \"x\", \"t\": [] }".to_vec());
         assert_eq!(split_flat(b"{\"t\": []}", 9).unwrap().1, Vec::<u64>::new());
@@ -315,9 +338,16 @@ mod tests {
             b"{\"t\": ]1[}",
             b"{\"t\": 1}",
         ] {
-            assert!(split_flat(bad, u64::from(u32::MAX)).is_none(), "{:?}", std::str::from_utf8(bad));
+            assert!(
+                split_flat(bad, u64::from(u32::MAX)).is_none(),
+                "{:?}",
+                std::str::from_utf8(bad)
+            );
         }
-        assert_eq!(split_flat(b"[18446744073709551615]", u64::MAX).unwrap().1, vec![u64::MAX]);
+        assert_eq!(
+            split_flat(b"[18446744073709551615]", u64::MAX).unwrap().1,
+            vec![u64::MAX]
+        );
         assert!(split_flat(b"[18446744073709551616]", u64::MAX).is_none());
     }
 }

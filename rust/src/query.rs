@@ -225,7 +225,10 @@ pub fn tier_ends(maps: &[&U64Map], keys: &[u64], active: u64) -> Vec<TierRow> {
 
 /// The cores of `maps`, or None when one has a side dict (wide masks, keys that are not
 /// u64s: the walk must be the Python one).
-fn cores_of(py: Python<'_>, maps: &[PyRef<'_, NativeMap>]) -> Option<Vec<Arc<std::sync::RwLock<U64Map>>>> {
+fn cores_of(
+    py: Python<'_>,
+    maps: &[PyRef<'_, NativeMap>],
+) -> Option<Vec<Arc<std::sync::RwLock<U64Map>>>> {
     maps.iter().map(|m| core_of(m, py)).collect()
 }
 
@@ -317,7 +320,9 @@ pub fn walk_tiers_keys(
     let Some(ks) = u64_keys(keys)? else {
         return Ok(None);
     };
-    Ok(Some(py.detach(move || (ks.len(), walk_cores(&cores, &ks, active)))))
+    Ok(Some(py.detach(move || {
+        (ks.len(), walk_cores(&cores, &ks, active))
+    })))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -355,7 +360,10 @@ mod tests {
         cpu.insert(2, 0b010);
         cpu.insert(3, 0b010);
         let rows = tier_ends(&[&gpu, &cpu], &[1, 2, 3, 4], 0b1111);
-        assert_eq!(rows, vec![(0, 2, vec![2, 0]), (1, 3, vec![1, 0]), (2, 1, vec![0, 1])]);
+        assert_eq!(
+            rows,
+            vec![(0, 2, vec![2, 0]), (1, 3, vec![1, 0]), (2, 1, vec![0, 1])]
+        );
         assert_eq!(tier_ends(&[&gpu], &[1, 2], 0b1), vec![(0, 2, vec![2])]);
         assert!(tier_ends(&[&gpu], &[9], 0b1).is_empty());
         assert!(tier_ends(&[], &[1], 0b1).is_empty());
