@@ -306,9 +306,9 @@ def stages(args: argparse.Namespace) -> None:
     from kvstream.routing.keys import prompt_keys
     from kvstream.service.config import build_config
     from kvstream.service.core import DEFAULT_INDEX, ServiceCore
-    from kvstream.service.mooncake import _QUERY, MooncakeAPI, QueryRequest
+    from kvstream.service.mooncake import _QUERY, MooncakeAPI
     from kvstream.service.schema import ENCODER
-    from kvstream.service.tokenjson import decode_with_tokens
+    from kvstream._native import split_body
     from kvstream.wire.events import BlockStored, EventDecoder, EventEncoder, KVEventBatch
 
     documents, held = workload(args.engines, args.docs, args.prompt_tokens)
@@ -350,60 +350,76 @@ def stages(args: argparse.Namespace) -> None:
     reqs = [_QUERY.decode(b) for b in bodies]
     packed = [array("I", q.token_ids) for q in reqs]
     keys = [prompt_keys(p, BS) for p in packed]
+    rows = [ix.match_rows(p)[1] for p in packed]
     matches = [ix.match((), keys=k) for k in keys]
     results = []
-    for m in matches:
-        r: dict[str, Any] = {}
-        mc._merge(r, m, BS, None)
-        results.append(r)
+    for r in rows:
+        res: dict[str, Any] = {}
+        mc._merge_rows(res, r, BS, None)
+        results.append(res)
     n = 64 * max(1, args.stage_rounds)
 
     def timed(f: Any) -> float:
+        """Median us per call (a median: load bursts on a shared machine hit single calls)."""
         for i in range(64):
             f(i)
-        t = time.perf_counter()
+        ts = []
+        clock = time.perf_counter
         for i in range(n):
+            t = clock()
             f(i % 64)
-        return (time.perf_counter() - t) / n * 1e6
+            ts.append(clock() - t)
+        ts.sort()
+        return ts[len(ts) // 2] * 1e6
 
-    # What the handler does: the simdjson route (kvstream/service/tokenjson.py) decodes and
-    # packs in one stage; msgspec's decode and the array pack it replaces are printed below.
-    old_route = (timed(lambda i: _QUERY.decode(bodies[i])), timed(lambda i: array("I", reqs[i].token_ids)))
-    rows = [
-        ("JSON decode and uint32 pack (simdjson)", timed(lambda i: decode_with_tokens(bodies[i], QueryRequest))),
-        ("router keys (256 x xxh3)", timed(lambda i: prompt_keys(packed[i], BS))),
-        ("index walk (64 engines)", timed(lambda i: ix.match((), keys=keys[i]))),
-        ("per-instance answer (merge)", timed(lambda i: mc._merge({}, matches[i], BS, None))),
+    # What the handler does now: the native core reads the body (kvstream._native.split_body:
+    # the flat route, rust/src/json.rs) and walks every tier from the packed ids
+    # (match_rows); the routes it replaces (msgspec + array, pysimdjson + numpy when
+    # installed; a SourceMatch per engine) are timed beside it in the same run.
+    rows_t = [
+        ("JSON read + uint32 pack (native)", timed(lambda i: split_body(bodies[i], "token_ids", 4))),
+        ("rest of the fields (msgspec)", timed(lambda i: _QUERY.decode(b'{"model":"bench","block_size":16,'
+                                                                       b'"token_ids":[]}'))),
+        ("keys + walk, every tier (match_rows)", timed(lambda i: ix.match_rows(packed[i]))),
+        ("per-instance answer (merge rows)", timed(lambda i: mc._merge_rows({}, rows[i], BS, None))),
         ("JSON encode", timed(lambda i: ENCODER.encode({"default": results[i]}))),
         ("metrics (counter, 2 histograms)", timed(lambda i: core.metrics.routed("query", 2e-4, 4096))),
     ]
+    before = [
+        ("msgspec decode + array pack", timed(lambda i: array("I", _QUERY.decode(bodies[i]).token_ids))),
+        ("router keys (256 x xxh3)", timed(lambda i: prompt_keys(packed[i], BS))),
+        ("index walk, a SourceMatch per engine (match)", timed(lambda i: ix.match((), keys=keys[i]))),
+        ("match from the prompt (one native GPU walk)", timed(lambda i: ix.match(packed[i]))),
+    ]
+    try:  # the previous route (pysimdjson, no longer a dependency): when installed
+        import numpy as np
+        import simdjson
+
+        parser = simdjson.Parser()
+
+        def simd(body: bytes) -> Any:
+            doc = parser.parse(body)
+            out = array("I", np.frombuffer(doc["token_ids"].as_buffer(of_type="u"), dtype=np.uint64)
+                        .astype(np.uint32).tobytes())
+            del doc
+            return out
+
+        before.insert(0, ("pysimdjson parse + numpy narrowing", timed(lambda i: simd(bodies[i]))))
+    except ImportError:
+        pass
     total = timed(lambda i: mc.query(bodies[i]))
-    # The handler again with every body on msgspec's route (what the simdjson one replaced),
-    # and the walk's share that only finds where each engine's prefix ends.
-    import kvstream.service.mooncake as mooncake_module
-
-    setattr(mooncake_module, "decode_with_tokens", lambda body, t: None)
-    total_msgspec = timed(lambda i: mc.query(bodies[i]))
-    setattr(mooncake_module, "decode_with_tokens", decode_with_tokens)
-    try:  # the index's internals (kvstream/routing/_core.py): skipped if they move
-        from kvstream.routing._core import _gpu_prefix_ends
-
-        prefix_ends: float | None = timed(lambda i: _gpu_prefix_ends(ix._held[0], keys[i], ix._live, {}))
-    except (ImportError, AttributeError):
-        prefix_ends = None
-    print(f"\none /query ({args.prompt_tokens}-token prompt, {args.engines} engines), each stage alone, one core:")
-    for name, us in rows:
-        print(f"  {name:<36} {us:7.1f} us  {us / total * 100:5.1f} %")
-    print(f"  {'sum of the stages':<36} {sum(us for _, us in rows):7.1f} us")
-    print(f"  (msgspec decode {old_route[0]:.1f} us + array pack {old_route[1]:.1f} us = {sum(old_route):.1f} us: "
-          "the route the simdjson one replaces)")
-    if prefix_ends is not None:
-        print(f"  (of the walk, {prefix_ends:.1f} us find where each engine's prefix ends; the rest builds "
-              "a SourceMatch per engine)")
-    print(f"  {'the whole handler (MooncakeAPI.query)':<36} {total:7.1f} us  = {1e6 / total:,.0f} requests/s per core "
-          "before HTTP")
-    print(f"  {'the handler, msgspec route':<36} {total_msgspec:7.1f} us  = {1e6 / total_msgspec:,.0f} requests/s "
-          "per core before HTTP")
+    held = sum(len(r) for r in rows) / len(rows)
+    print(f"\none /query ({args.prompt_tokens}-token prompt, {args.engines} engines, {held:.1f} of them holding a "
+          "prefix on average), each stage alone, one core:")
+    for name, us in rows_t:
+        print(f"  {name:<46} {us:7.1f} us  {us / total * 100:5.1f} %")
+    print(f"  {'sum of the stages':<46} {sum(us for _, us in rows_t):7.1f} us")
+    print(f"  {'the whole handler (MooncakeAPI.query)':<46} {total:7.1f} us  = {1e6 / total:,.0f} requests/s per "
+          "core before HTTP")
+    print("the previous routes' stages, same run:")
+    for name, us in before:
+        print(f"  {name:<46} {us:7.1f} us")
+    del matches
 
 
 # -- one run ----------------------------------------------------------------------------
@@ -459,6 +475,8 @@ def main() -> None:
     p.add_argument("--connections", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
     p.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="kvstream serve --workers; a list (1,2) runs kvstream once per count")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every service this many times, every other round in the reverse order")
     p.add_argument("--no-dynamo", action="store_true")
     p.add_argument("--only-dynamo", action="store_true")
     p.add_argument("--stages", action="store_true",
@@ -478,21 +496,26 @@ def main() -> None:
     results = {}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
-        for kind, w in runs:
-            label = kind if kind == "dynamo" or len(args.workers) == 1 else f"kvstream-w{w}"
-            results[label] = run_one(kind, w, args, Path(d))
+        for rnd in range(args.rounds):
+            # Every other round in the reverse order, so load drift on a shared machine
+            # hits every service alike; each round's line is printed.
+            for kind, w in (runs if rnd % 2 == 0 else runs[::-1]):
+                label = kind if kind == "dynamo" or len(args.workers) == 1 else f"kvstream-w{w}"
+                if args.rounds > 1:
+                    label += f" r{rnd + 1}"
+                results[label] = run_one(kind, w, args, Path(d))
     blocks = args.engines * args.docs * (args.prompt_tokens // BS)
     print(f"\n{args.engines} engines, {blocks:,} blocks, {args.prompt_tokens}-token prompts, POST /query; "
           f"kvstream serve --workers {','.join(map(str, args.workers))}; "
           f"load by {'wrk' if shutil.which('wrk') else 'python'}")
     print(f"load average (1 min) {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, "
           f"on {os.cpu_count()} cores")
-    head = f"{'service':<12} {'ingest blocks/s':>16} {'while serving':>14}"
+    head = f"{'service':<15} {'ingest blocks/s':>16} {'while serving':>14}"
     for c in args.connections:
         head += f" | {'c' + str(c) + ' req/s':>11} {'p50 ms':>7} {'p99 ms':>7}"
     print(head)
     for kind, r in results.items():
-        line = f"{kind:<12} {r['ingest_blocks_per_s']:>16,.0f} {r.get('ingest_serving_blocks_per_s', 0):>14,.0f}"
+        line = f"{kind:<15} {r['ingest_blocks_per_s']:>16,.0f} {r.get('ingest_serving_blocks_per_s', 0):>14,.0f}"
         for c in args.connections:
             x = r[f"c{c}"]
             line += f" | {x['rps']:>11,.0f} {x['p50_ms']:>7.2f} {x['p99_ms']:>7.2f}"
@@ -504,8 +527,9 @@ def main() -> None:
         if x:
             print(f"{kind}: 32 connections while ingesting: {x['rps']:,.0f} req/s, p50 {x['p50_ms']:.2f} ms, "
                   f"p99 {x['p99_ms']:.2f} ms")
-    if "dynamo" in results and len(results) > 1:
-        a, b = next(iter(results.values()))["spot"], results["dynamo"]["spot"]
+    dyn = next((k for k in results if k.startswith("dynamo")), None)
+    if dyn is not None and len(results) > 1:
+        a, b = next(iter(results.values()))["spot"], results[dyn]["spot"]
         print(f"spot check, blocks matched per engine (first doc of e0): kvstream {dict(sorted(a.items()))} "
               f"dynamo {dict(sorted(b.items()))}")
 

@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str] | str] = {
     "observe": _BASE | {"wire", "transport", "routing"},
     "sim": _BASE | {"hashing", "wire", "allocator", "routing", "planning"},
     "jetstream": _BASE | {"hashing", "wire", "transport", "routing", "observe", "eventlog"},
-    "service": _BASE | {"hashing", "wire", "transport", "routing", "observe", "eventlog", "jetstream"},
+    "service": _BASE | {"hashing", "wire", "transport", "routing", "observe", "eventlog", "jetstream", "_native"},
     "proxy": _BASE | {"hashing", "wire", "transport", "routing", "observe", "service"},
     "gateway": _BASE | {"hashing", "wire", "transport", "routing", "observe", "service", "proxy"},
     "emulator": "*",  # a whole engine and the demo's stack: everything but the CLI

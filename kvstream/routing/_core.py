@@ -11,11 +11,12 @@ per-source records live here. The index provides ``_R`` (tokens per scoring bloc
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from kvstream._native import NativeMap, walk_keys, walk_tokens
+from kvstream._native import NativeMap, walk_keys, walk_tiers_keys, walk_tiers_tokens, walk_tokens
 from kvstream.errors import LocalProtocolError
 from kvstream.routing.keys import namespace
 from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
@@ -402,6 +403,74 @@ class _IndexCore:
                 return self._walk((), *pre)
             keys = self.keys(prompt_tokens, lora, salt, mm_items)
         return self._walk(keys)
+
+    def match_rows(
+        self,
+        prompt_tokens: Sequence[int],
+        lora: str | int | None = None,
+        salt: str | None = None,
+        mm_items: Sequence[Any] | None = None,
+        *,
+        keys: Sequence[Any] | bytes | None = None,
+    ) -> tuple[int, list[tuple[str, int, dict[str, int]]]]:
+        """The sources that hold a prefix of the prompt, and only those: ``(number of
+        keys, [(source, blocks, {medium: blocks}), ...])``, each row :meth:`match`'s
+        ``blocks`` and ``tier_blocks`` of one source whose ``blocks`` is not 0, in slot
+        order (stale sources hold nothing).
+
+        What a ``/query`` answer needs, without a :class:`SourceMatch` per source: with
+        nothing speculative, the native core chains the keys (a plain, LoRA or salted
+        prompt) and walks every tier in one call with the GIL released
+        (``kvstream._native.walk_tiers_tokens`` / ``walk_tiers_keys``); anything else
+        (multimodal items, speculative entries, more than 64 sources, keys that are not
+        u64s) goes through :meth:`match`. ``keys``: precomputed :meth:`keys`, or engine
+        hashes packed 8 bytes each (little-endian)."""
+        got = self._native_rows(prompt_tokens, lora, salt, mm_items, keys)
+        if got is not None:
+            return got
+        if type(keys) is bytes:
+            keys = array("Q", keys).tolist()
+        matches = self.match(prompt_tokens, lora, salt, mm_items, keys=keys)
+        n = len(keys) if keys is not None else len(prompt_tokens) // self._R
+        return n, [(m.source, m.blocks, m.tier_blocks) for m in matches.values() if m.blocks]
+
+    def _native_rows(self, tokens: Sequence[int], lora: Any, salt: str | None, mm_items: Any,
+                     keys: Any) -> tuple[int, list[tuple[str, int, dict[str, int]]]] | None:
+        live = self._live
+        if self._spec or not 0 <= live <= _M64:
+            return None
+        held = self._held
+        tiers = [t for t, h in enumerate(held) if h]
+        maps = [held[t] for t in tiers]
+        if any(type(m) is not NativeMap for m in maps):
+            return None
+        if keys is not None:
+            r = walk_tiers_keys(maps, keys, live)
+        elif mm_items or self._by_engine:
+            return None
+        else:
+            seed = _BASE_NS if lora is None and not salt else namespace(lora, salt)
+            r = walk_tiers_tokens(maps, tokens, self._R, seed, live)
+        if r is None:
+            return None
+        n, rows = r
+        media = [self._media[t] for t in tiers]
+        src = self._src
+        out = []
+        for slot, b, ends in rows:
+            s = src[slot]
+            if s is None:
+                continue
+            per = s.per or 1
+            if per > 1:
+                b -= b % per
+                if not b:
+                    continue
+                tb = {media[j]: x - x % per for j, x in enumerate(ends) if x - x % per}
+            else:
+                tb = {media[j]: x for j, x in enumerate(ends) if x}
+            out.append((s.name, b, tb))
+        return n, out
 
     def _prompt_prefix(self, tokens: Sequence[int], lora: Any, salt: str | None,
                        mm_items: Any) -> tuple[int, dict[int, int]] | None:

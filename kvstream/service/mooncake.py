@@ -140,6 +140,17 @@ def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
         raise from_msgspec(exc) from None
 
 
+def _decode_split(dec: msgspec.json.Decoder, body: bytes, field: str, width: int,
+                  holders: tuple[str, ...]) -> tuple[Any, array | None]:
+    """``(the request, its array packed)`` when the native reader takes the body
+    (:func:`kvstream.service.tokenjson.decode_with_tokens`), else ``(the request, None)``
+    decoded by msgspec alone (which words any error)."""
+    got = decode_with_tokens(body, dec.type, field, width, holders)  # type: ignore[arg-type]
+    if got is not None:
+        return got
+    return _decode(dec, body), None
+
+
 _NAME_COMMAS = 2048
 """Commas a query's other fields may hold besides its array (names up to 256 characters)."""
 
@@ -348,13 +359,9 @@ class MooncakeAPI:
         """``POST /query``: prefix hits of ``token_ids`` per instance, in tokens."""
         t0 = time.perf_counter()
         _check_items(body, self.core.config.max_prompt_tokens, "token_ids")
-        fast = decode_with_tokens(body, QueryRequest)
+        q, packed = _decode_split(_QUERY, body, "token_ids", 4, ("token_ids",))
         ids: list[int] | array
-        if fast is not None:
-            q, ids = fast
-        else:
-            q = _decode(_QUERY, body)
-            ids = q.token_ids
+        ids = packed if packed is not None else q.token_ids
         self._check_lora(q.lora_name, q.lora_id)
         core = self.core
         tokens = core.tokens_of(ids, None)
@@ -367,14 +374,14 @@ class MooncakeAPI:
             if isinstance(ix, EngineKeyIndex):
                 if std is None:
                     std = self._hasher(q.block_size).seq_hashes(tokens)
-                matches = ix.match((), keys=std)
+                _, rows = ix.match_rows((), keys=std)
             else:
                 try:
                     lora_key = q.lora_name or (q.lora_id if q.lora_id is not None else None)
-                    matches = ix.match(tokens, lora_key, q.cache_salt or None)
+                    _, rows = ix.match_rows(tokens, lora_key, q.cache_salt or None)
                 except RouterKeyError as exc:
                     raise ApiError(422, "bad_field", str(exc), "$") from None
-            self._merge(result, matches, q.block_size, q.instance_id)
+            self._merge_rows(result, rows, q.block_size, q.instance_id)
         return self._answer("query", t0, q.tenant_id, result)
 
     def query_by_hash(self, body: bytes) -> bytes:
@@ -382,15 +389,24 @@ class MooncakeAPI:
         ``longest_matched = block_size * matched hashes``."""
         t0 = time.perf_counter()
         _check_items(body, self.core.config.max_prompt_tokens, "seq_hashes")  # one token per hash at least
-        q: QueryByHashRequest = _decode(_QHASH, body)
+        q, packed = _decode_split(_QHASH, body, "seq_hashes", 8, ("seq_hashes", "block_hash"))
         self._check_lora(q.lora_name, q.lora_id)
-        hashes = q.seq_hashes if q.seq_hashes is not None else q.block_hash
-        if hashes is None:
-            raise ApiError(422, "bad_field", "give seq_hashes (rolling sequence hashes, in prefix order)",
-                           "$.seq_hashes")
-        field = "seq_hashes" if q.seq_hashes is not None else "block_hash"
-        if len(hashes) * q.block_size > self.core.config.max_prompt_tokens:
-            raise ApiError(413, "too_large", f"{len(hashes)} hashes of {q.block_size} tokens are over the limit of "
+        hashes: list[int] | None
+        if packed is not None:
+            count = len(packed)
+            hashes = None
+            # The array read is seq_hashes' (the serde route, or the flat one's only array)
+            # or, when the body has no seq_hashes, block_hash's: the decode below's choice.
+            field = "seq_hashes" if q.seq_hashes is not None else "block_hash"
+        else:
+            hashes = q.seq_hashes if q.seq_hashes is not None else q.block_hash
+            if hashes is None:
+                raise ApiError(422, "bad_field", "give seq_hashes (rolling sequence hashes, in prefix order)",
+                               "$.seq_hashes")
+            count = len(hashes)
+            field = "seq_hashes" if q.seq_hashes is not None else "block_hash"
+        if count * q.block_size > self.core.config.max_prompt_tokens:
+            raise ApiError(413, "too_large", f"{count} hashes of {q.block_size} tokens are over the limit of "
                            f"{self.core.config.max_prompt_tokens} tokens (--max-prompt-tokens)", f"$.{field}")
         if hashes and max(hashes) > 0xFFFF_FFFF_FFFF_FFFF:  # max(): C speed; the loop only names the first
             i, h = next((i, h) for i, h in enumerate(hashes) if h > 0xFFFF_FFFF_FFFF_FFFF)
@@ -402,9 +418,13 @@ class MooncakeAPI:
         for ixname in self._targets(q.model, q.tenant_id, q.block_size, q.lora_name or "", q.cache_salt or ""):
             ix = core.indexes[ixname]
             if isinstance(ix, EngineKeyIndex):
-                self._merge(result, ix.match((), keys=hashes), q.block_size, q.instance_id)
+                _, rows = ix.match_rows((), keys=hashes if hashes is not None else packed.tobytes())  # type: ignore[union-attr]
+                self._merge_rows(result, rows, q.block_size, q.instance_id)
             else:
                 # A token-keyed index knows engine hashes per source but not per medium.
+                if hashes is None:
+                    assert packed is not None
+                    hashes = packed.tolist()
                 blocks = ix.match_engine_hashes(hashes)
                 self._merge_longest(result, blocks, q.block_size, q.instance_id)
         return self._answer("query_by_hash", t0, q.tenant_id, result)
@@ -426,14 +446,12 @@ class MooncakeAPI:
             row = result[inst] = {"longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "DP": {}}
         return row, str(e.meta.get("dp_rank", 0))
 
-    def _merge(self, result: dict[str, dict[str, Any]], matches: dict[str, Any], B: int, only: str | None) -> None:
+    def _merge_rows(self, result: dict[str, dict[str, Any]], rows: list[tuple[str, int, dict[str, int]]], B: int,
+                    only: str | None) -> None:
         # Instances with no cached prefix are left out (as Dynamo does): absent means 0.
-        # Inlined (no _row call per source): up to one pass per engine on every /query.
+        # ``rows`` (KVIndex.match_rows) hold only the sources with a prefix.
         engines = self.core.engines
-        for source, m in matches.items():
-            nb = m.blocks
-            if not nb:
-                continue
+        for source, nb, tiers in rows:
             e = engines.get(source)
             if e is None:
                 continue
@@ -453,7 +471,7 @@ class MooncakeAPI:
                 dp = row["DP"]
                 if tokens > dp.get(rank, 0):
                     dp[rank] = tokens
-            for med, n in m.tier_blocks.items():
+            for med, n in tiers.items():
                 if n * B > (row.get(med) or 0):
                     row[med] = n * B
 

@@ -3,7 +3,9 @@
 //! `key[i] = xxh3_64(uint32-LE ids of router block i ‖ extra bytes of block i, seed=key[i-1])
 //! & KEY_MASK`, with `key[-1]` the namespace. The Python layer (`kvstream.routing.keys`)
 //! owns the namespace and the multimodal extra bytes; this module does the per-block loop
-//! of a whole prompt in one call, and packs token lists into uint32-LE bytes.
+//! of a whole prompt in one call, and packs token lists into uint32-LE bytes. It is the one
+//! router-key implementation: the table's ingest and the query path chain through
+//! [`chain_into`] too.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyInt};
@@ -57,11 +59,28 @@ pub fn chain(
         }
     }
     let mut keys = Vec::with_capacity(n_blocks);
+    chain_packed(&raw[..needed], block_size, seed, extras, &mut keys);
+    Ok(keys)
+}
+
+/// The one router-key loop: the keys of the full blocks of `block_size` ids packed
+/// (uint32-LE) in `raw`, chained from `seed`, appended to `out`; a partial tail block is
+/// ignored. `extras` (when given, at least one entry per full block) are appended to
+/// their block's bytes before it is hashed.
+fn chain_packed(
+    raw: &[u8],
+    block_size: usize,
+    seed: u64,
+    extras: Option<&[Option<Vec<u8>>]>,
+    out: &mut Vec<u64>,
+) {
+    let step = 4 * block_size;
     let mut k = seed;
     let mut buf = Vec::new();
-    for (i, block) in raw[..needed].chunks_exact(step).enumerate() {
+    for (i, block) in raw.chunks_exact(step).enumerate() {
         let extra = extras
-            .and_then(|e| e[i].as_deref())
+            .and_then(|e| e.get(i))
+            .and_then(|x| x.as_deref())
             .filter(|x| !x.is_empty());
         k = match extra {
             None => xxh3_64_with_seed(block, k),
@@ -72,9 +91,33 @@ pub fn chain(
                 xxh3_64_with_seed(&buf, k)
             }
         } & KEY_MASK;
-        keys.push(k);
+        out.push(k);
     }
-    Ok(keys)
+}
+
+/// The chained keys of the full router blocks of `tokens` (`r` tokens each), from `seed`,
+/// appended to `out` (no extras: the table's ingest and the query path). A partial tail
+/// block is ignored; `r == 0` keys nothing.
+pub fn chain_into(tokens: &[u32], r: usize, seed: u64, out: &mut Vec<u64>) {
+    if r == 0 {
+        return;
+    }
+    let n = tokens.len() / r * r;
+    out.reserve(n / r);
+    if cfg!(target_endian = "little") {
+        // The ids' own bytes are their uint32-LE packing: no copy.
+        chain_packed(bytemuck::cast_slice(&tokens[..n]), r, seed, None, out);
+    } else {
+        let raw: Vec<u8> = tokens[..n].iter().flat_map(|t| t.to_le_bytes()).collect();
+        chain_packed(&raw, r, seed, None, out);
+    }
+}
+
+/// [`chain_into`] into a new vector.
+pub fn chain_tokens(tokens: &[u32], r: usize, seed: u64) -> Vec<u64> {
+    let mut out = Vec::new();
+    chain_into(tokens, r, seed, &mut out);
+    out
 }
 
 /// The first `count` ids of a list or tuple as uint32-LE bytes; None when an id is not an
@@ -250,5 +293,17 @@ mod tests {
             chain(&raw, usize::MAX, 2, 0, None),
             Err(Error::Local(_))
         ));
+    }
+
+    #[test]
+    fn token_slices_key_like_their_packing_and_a_tail_is_ignored() {
+        let toks: Vec<u32> = (0..40).collect();
+        let ks = chain_tokens(&toks, 16, 7);
+        assert_eq!(ks.len(), 2);
+        assert_eq!(ks, chain(&packed(&toks[..32]), 2, 16, 7, None).unwrap());
+        assert_eq!(chain_tokens(&toks[16..32], 16, ks[0]), vec![ks[1]]);
+        assert!(chain_tokens(&toks, 0, 7).is_empty());
+        let big: Vec<u32> = (0..1024).collect();
+        assert_eq!(chain_tokens(&big, 512, 1).len(), 2);
     }
 }

@@ -10,6 +10,7 @@ pub mod chain;
 pub mod error;
 pub mod hash;
 pub mod ingest;
+pub mod json;
 pub mod keys;
 pub mod query;
 pub mod table;
@@ -24,5 +25,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     table::register(m)?;
     ingest::register(m)?;
     query::register(m)?;
+    json::register(m)?;
     Ok(())
 }

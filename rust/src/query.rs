@@ -3,14 +3,19 @@
 //! The walk is `kvstream/routing/_core.py`'s `_gpu_prefix_ends`: one lookup per key in a
 //! tier's `key -> source mask` map, stopping when no source is left; the sources that
 //! leave at each key are expanded into per-slot ends once, afterwards. From tokens, the
-//! keys are chained on the way (`chain`). The work runs with the GIL released.
+//! keys are chained on the way (`keys::chain_into`). The work runs with the GIL released.
+//!
+//! [`tier_ends`] is the walk of several tiers at once (`_IndexCore._walk` without
+//! speculative entries): per source, the longest prefix held in any tier and the longest
+//! in each tier, returned only for the sources that hold something (a `/query` answer
+//! lists only those), so the caller builds no object for the others.
 
 use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::chain::chain;
+use crate::keys::chain_tokens as chain;
 use crate::table::{NativeMap, U64Map};
 
 /// (slot, end) pairs: per source slot, the leading keys it holds.
@@ -162,9 +167,169 @@ pub fn router_keys(
     Ok(Some(py.detach(move || chain(&toks, r, seed))))
 }
 
+/// One source's prefix of a prompt across tiers: (slot, blocks held in any tier, blocks
+/// held in each tier, in the order of the maps given).
+pub type TierRow = (u32, u32, Vec<u32>);
+
+/// Per source slot of `active`, how many leading `keys` it holds in any of `maps` (one
+/// `key -> source mask` map per tier) and in each one; rows only for the slots holding at
+/// least the first key, in slot order.
+pub fn tier_ends(maps: &[&U64Map], keys: &[u64], active: u64) -> Vec<TierRow> {
+    let t = maps.len();
+    let n = keys.len() as u32;
+    let mut any_end = [n; 64];
+    let mut ends = vec![[n; 64]; t];
+    let mut any_active = active;
+    let mut t_active = vec![active; t];
+    let mut masks = vec![0u64; t];
+    for (i, &k) in keys.iter().enumerate() {
+        let mut anym = 0;
+        for (j, m) in maps.iter().enumerate() {
+            let x = m.get(k).unwrap_or(0);
+            masks[j] = x;
+            anym |= x;
+        }
+        for j in 0..t {
+            let ta = t_active[j] & masks[j];
+            let mut gone = t_active[j] ^ ta;
+            while gone != 0 {
+                ends[j][gone.trailing_zeros() as usize] = i as u32;
+                gone &= gone - 1;
+            }
+            t_active[j] = ta;
+        }
+        let na = any_active & anym;
+        if na != any_active {
+            let mut gone = any_active ^ na;
+            while gone != 0 {
+                any_end[gone.trailing_zeros() as usize] = i as u32;
+                gone &= gone - 1;
+            }
+            any_active = na;
+            if na == 0 {
+                break;
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    let mut x = active;
+    while x != 0 {
+        let b = x.trailing_zeros() as usize;
+        x &= x - 1;
+        if any_end[b] > 0 {
+            rows.push((b as u32, any_end[b], ends.iter().map(|e| e[b]).collect()));
+        }
+    }
+    rows
+}
+
+/// The cores of `maps`, or None when one has a side dict (wide masks, keys that are not
+/// u64s: the walk must be the Python one).
+fn cores_of(
+    py: Python<'_>,
+    maps: &[PyRef<'_, NativeMap>],
+) -> Option<Vec<Arc<std::sync::RwLock<U64Map>>>> {
+    maps.iter().map(|m| core_of(m, py)).collect()
+}
+
+fn walk_cores(cores: &[Arc<std::sync::RwLock<U64Map>>], keys: &[u64], active: u64) -> Vec<TierRow> {
+    let guards: Vec<_> = cores
+        .iter()
+        .map(|c| c.read().unwrap_or_else(|e| e.into_inner()))
+        .collect();
+    let refs: Vec<&U64Map> = guards.iter().map(|g| &**g).collect();
+    tier_ends(&refs, keys, active)
+}
+
+/// u64 keys from packed little-endian bytes, or from a sequence of ints (None: an item
+/// that is not an int in ``[0, 2**64)``).
+fn u64_keys(keys: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u64>>> {
+    if let Ok(b) = keys.cast_exact::<PyBytes>() {
+        let raw = b.as_bytes();
+        if raw.len() % 8 != 0 {
+            return Err(crate::error::Error::Local(format!(
+                "packed keys are 8 bytes each, got {} bytes",
+                raw.len()
+            ))
+            .into());
+        }
+        return Ok(Some(
+            raw.chunks_exact(8)
+                .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                .collect(),
+        ));
+    }
+    let mut ks = Vec::new();
+    for k in keys.try_iter()? {
+        match k?.extract::<u64>() {
+            Ok(x) => ks.push(x),
+            Err(_) => return Ok(None),
+        }
+    }
+    Ok(Some(ks))
+}
+
+/// A prompt's router keys chained from ``seed`` and walked through every tier's map in one
+/// call, the GIL released: ``(number of keys, [(slot, blocks in any tier, (blocks per
+/// tier, ...)), ...])`` for the slots of ``active`` holding at least one block, or None for
+/// the Python walk (a side dict, a token id outside ``[0, 2**32)``, ``r`` 0).
+#[pyfunction]
+pub fn walk_tiers_tokens(
+    py: Python<'_>,
+    maps: Vec<PyRef<'_, NativeMap>>,
+    tokens: &Bound<'_, PyAny>,
+    r: usize,
+    seed: u64,
+    active: u64,
+) -> PyResult<Option<(usize, Vec<TierRow>)>> {
+    let Some(cores) = cores_of(py, &maps) else {
+        return Ok(None);
+    };
+    if r == 0 {
+        return Ok(None);
+    }
+    let toks = match tokens.cast_exact::<PyBytes>() {
+        Ok(b) => b
+            .as_bytes()
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Err(_) => match tokens_of(tokens)? {
+            Some(t) => t,
+            None => return Ok(None),
+        },
+    };
+    Ok(Some(py.detach(move || {
+        let keys = chain(&toks, r, seed);
+        (keys.len(), walk_cores(&cores, &keys, active))
+    })))
+}
+
+/// [`walk_tiers_tokens`] for keys already made (engine hashes, a prompt's router keys):
+/// ``keys`` packed (8 bytes each, little-endian) or a sequence of ints.
+#[pyfunction]
+pub fn walk_tiers_keys(
+    py: Python<'_>,
+    maps: Vec<PyRef<'_, NativeMap>>,
+    keys: &Bound<'_, PyAny>,
+    active: u64,
+) -> PyResult<Option<(usize, Vec<TierRow>)>> {
+    let Some(cores) = cores_of(py, &maps) else {
+        return Ok(None);
+    };
+    let Some(ks) = u64_keys(keys)? else {
+        return Ok(None);
+    };
+    Ok(Some(py.detach(move || {
+        (ks.len(), walk_cores(&cores, &ks, active))
+    })))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(walk_keys, m)?)?;
     m.add_function(wrap_pyfunction!(walk_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(walk_tiers_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(walk_tiers_keys, m)?)?;
     m.add_function(wrap_pyfunction!(router_keys, m)?)
 }
 
@@ -182,5 +347,25 @@ mod tests {
         ends.sort();
         assert_eq!(ends, vec![(0, 3), (1, 2), (2, 1), (3, 0)]);
         assert_eq!(prefix_ends(&m, &[], 0b1), vec![(0, 0)]);
+    }
+
+    #[test]
+    fn tiers_end_apart_and_any_tier_carries_the_prefix() {
+        let mut gpu = U64Map::new();
+        let mut cpu = U64Map::new();
+        // slot 0: GPU 1,2; slot 1: GPU 1, CPU 2,3; slot 2: CPU 1 only; slot 3: nothing
+        gpu.insert(1, 0b011);
+        gpu.insert(2, 0b001);
+        cpu.insert(1, 0b100);
+        cpu.insert(2, 0b010);
+        cpu.insert(3, 0b010);
+        let rows = tier_ends(&[&gpu, &cpu], &[1, 2, 3, 4], 0b1111);
+        assert_eq!(
+            rows,
+            vec![(0, 2, vec![2, 0]), (1, 3, vec![1, 0]), (2, 1, vec![0, 1])]
+        );
+        assert_eq!(tier_ends(&[&gpu], &[1, 2], 0b1), vec![(0, 2, vec![2])]);
+        assert!(tier_ends(&[&gpu], &[9], 0b1).is_empty());
+        assert!(tier_ends(&[], &[1], 0b1).is_empty());
     }
 }

@@ -192,3 +192,96 @@ def test_a_prompt_walked_in_one_native_call_scores_like_its_keys(steps, n_blocks
     assert idx.match(prompt) == idx.match((), keys=keys)
     a, b = idx.score(prompt), idx.score((), keys=keys)
     assert (a.n_blocks, a.matches, a.ranking, a.values) == (b.n_blocks, b.matches, b.ranking, b.values)
+
+
+def _rows_of(matches) -> list:
+    """``match_rows``' form of a ``match`` answer (the oracle): sources with a prefix."""
+    return sorted((m.source, m.blocks, m.tier_blocks) for m in matches.values() if m.blocks)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_steps, st.integers(0, 6), st.booleans(), st.sampled_from([(None, None), ("adapter", None), (None, "salt-x")]),
+       st.booleans())
+def test_rows_walked_natively_over_every_tier_equal_match(steps, n_blocks, stale, ns, spec) -> None:
+    """``match_rows`` (one native call over every tier: ``walk_tiers_tokens``) lists
+    exactly the sources ``match`` (the Python walk) gives a prefix, with the same blocks
+    and per-medium blocks: CPU-only holdings, engine blocks of two router blocks, stale
+    sources, LoRA and salted prompts; with a speculative entry it takes ``match``'s path."""
+    idx = KVIndex()
+    for t, (src, events) in enumerate(steps):
+        idx.apply_batch(src, KVEventBatch(float(t), list(events)))
+    if stale and idx.sources:
+        idx.mark_stale(idx.sources[0])
+    if spec and idx.sources:
+        idx.speculate(idx.sources[-1], _toks(0, 2), 0.0)
+    for base in range(3):
+        prompt = _toks(base, n_blocks) + [1, 2, 3]
+        n, rows = idx.match_rows(prompt, *ns)
+        assert n == n_blocks
+        assert sorted(rows) == _rows_of(idx.match(prompt, *ns))
+        keys = idx.keys(prompt, *ns)
+        assert sorted(idx.match_rows((), keys=keys)[1]) == _rows_of(idx.match((), keys=keys))
+        assert sorted(idx.match_rows(array("I", prompt), *ns)[1]) == sorted(rows)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_steps, st.integers(0, 5))
+def test_engine_keyed_rows_from_packed_hashes_equal_match(steps, n) -> None:
+    """Under engine keying ``match_rows(keys=...)`` walks the engines' hashes natively,
+    given as ints or packed 8 bytes each (what ``/query_by_hash`` reads a body into);
+    bytes hashes and hash 0 take ``match``'s path; the answers are ``match``'s."""
+    idx = EngineKeyIndex(BlockHasher("xxhash", BS))
+    for t, (src, events) in enumerate(steps):
+        idx.apply_batch(src, KVEventBatch(float(t), [e for e in events if not isinstance(e, BlockStored)
+                                                     or e.block_size in (BS, 0)]))
+    for start in (1, 2, 5):
+        hashes = list(range(start, start + n))
+        want = _rows_of(idx.match((), keys=hashes))
+        assert sorted(idx.match_rows((), keys=hashes)[1]) == want
+        assert sorted(idx.match_rows((), keys=array("Q", hashes).tobytes())[1]) == want
+
+
+def test_tier_walk_refuses_what_only_python_can_walk() -> None:
+    m = _native.NativeMap()
+    m[5] = 1
+    assert _native.walk_tiers_keys([m], [5, 6], 1) == (2, [(0, 1, [1])])
+    assert _native.walk_tiers_keys([m], [b"x"], 1) is None  # not a u64: the Python walk
+    assert _native.walk_tiers_tokens([m], [2**32], 16, 0, 1) is None
+    with pytest.raises(_native.NativeLocalError):
+        _native.walk_tiers_keys([m], b"1234567", 1)  # packed keys are 8 bytes each
+    m[b"wide"] = 1 << 70
+    assert _native.walk_tiers_keys([m], [5], 1) is None  # a side dict: the Python walk
+
+
+@pytest.mark.parametrize("body, want", [
+    (b'{"model": "m", "token_ids": [1, 2, 3], "block_size": 16}', (b'{"model": "m", "token_ids": [], "block_size": 16}',
+                                                                  array("I", [1, 2, 3]).tobytes())),
+    # two arrays: serde_json's route, the rest re-written with the array last
+    (b'{"x": [[]], "token_ids": [7], "block_size": 16}', (b'{"x":[[]],"block_size":16,"token_ids":[]}',
+                                                         array("I", [7]).tobytes())),
+    (b'{"token_ids": [4294967296]}', None),
+    (b'{"token_ids": [1], "token_ids": [1]}', None),
+    (b'{"token_ids": [1.0]}', None),
+    (b'{"model": "m"}', None),
+    (b'[1]', (b'[]', array("I", [1]).tobytes())),  # the caller's msgspec decode refuses the rest
+    (b'{"token_ids": [1]} ', (b'{"token_ids": []} ', array("I", [1]).tobytes())),
+    (b'{"token_ids": [01]}', None),
+])
+def test_split_body_reads_the_ids_and_keeps_the_rest_for_msgspec(body, want) -> None:
+    assert _native.split_body(body, "token_ids", 4) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 99), st.integers(10**7, 10**9)), max_size=60),
+       st.sampled_from([",", ", ", " ,", ",\n  ", "\t,\r\n"]), st.booleans())
+def test_split_body_reads_every_number_as_json_does(ids, sep, wide) -> None:
+    """The native reader (its flat route: one array, numbers read 8 digits at a time)
+    gives exactly the ids ``json`` reads, for any number length and JSON whitespace; the
+    rest keeps the other fields with the array emptied."""
+    body = ('{"model": "m", "token_ids": [' + sep.join(map(str, ids)) + '], "block_size": 16}').encode()
+    rest, packed = _native.split_body(body, "token_ids", 8 if wide else 4)
+    import json as _json
+    assert _json.loads(rest) == {"model": "m", "token_ids": [], "block_size": 16}
+    assert array("Q" if wide else "I", packed).tolist() == ids
+    nested = body.replace(b'"model": "m"', b'"model": "m", "x": {"y": [1]}')  # two arrays: the serde route
+    assert array("Q" if wide else "I", _native.split_body(nested, "token_ids", 8 if wide else 4)[1]).tolist() == ids

@@ -1,4 +1,5 @@
-"""The simdjson route for token ids reads a body exactly as msgspec does, or declines it."""
+"""The native route for token ids (``kvstream._native.split_body`` + msgspec on the rest) reads a
+body exactly as msgspec does, or declines it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvstream.service.mooncake import QueryRequest
 from kvstream.service.schema import RouteRequest
-from kvstream.service.tokenjson import decode_with_tokens, split_token_ids
+from kvstream.service.tokenjson import decode_with_tokens
 
 
 def test_a_plain_query_body_is_taken_with_its_ids_packed() -> None:
@@ -26,7 +27,7 @@ def test_a_plain_query_body_is_taken_with_its_ids_packed() -> None:
 
 
 @pytest.mark.parametrize("body", [
-    b'{"model":"m","token_ids":[1,[2]],"block_size":16}',  # nested: simdjson would flatten it
+    b'{"model":"m","token_ids":[1,[2]],"block_size":16}',  # nested
     b'{"model":"m","token_ids":[[1]],"block_size":16}',
     b'{"model":"m","token_ids":[4294967296],"block_size":16}',  # over uint32
     b'{"model":"m","token_ids":[-1],"block_size":16}',
@@ -34,9 +35,10 @@ def test_a_plain_query_body_is_taken_with_its_ids_packed() -> None:
     b'{"model":"m","token_ids":[true],"block_size":16}',
     b'{"model":"m","token_ids":[1,"2"],"block_size":16}',
     b'{"model":"m","token_ids":[1,2,],"block_size":16}',  # malformed JSON
-    b'{"model":"a","model":"b","token_ids":[1],"block_size":16}',  # duplicate key
+    b'{"model":"m","token_ids":[1],"token_ids":[2],"block_size":16}',  # the array twice
+    b'{"model":"m","x":[1],"block_size":16}',  # the one array is not token_ids'
+    b'{"model":"m","token_ids":[01],"block_size":16}',  # not a JSON number
     b'\xef\xbb\xbf{"model":"m","token_ids":[1],"block_size":16}',  # a BOM msgspec refuses
-    b'{"model":"m","token_ids":[1],"block_size":16,"x":{"y":1}}',  # a nested object
     b'{"model":"[","token_ids":"x","block_size":16}',
     b'{"model":"m","token_ids":null,"block_size":16}',
     b'{"model":"m","block_size":16}',
@@ -50,7 +52,22 @@ def test_anything_unusual_is_left_to_msgspec(body: bytes) -> None:
 def test_unknown_fields_are_refused_where_the_struct_forbids_them() -> None:
     assert decode_with_tokens(b'{"token_ids":[1],"speculate":true}', RouteRequest) is not None
     assert decode_with_tokens(b'{"token_ids":[1],"speculat":true}', RouteRequest) is None
-    assert split_token_ids(b'{"token_ids":[1],"speculat":true}') is not None
+
+
+
+def test_hashes_are_packed_as_uint64_from_whichever_field_holds_them() -> None:
+    from kvstream.service.mooncake import QueryByHashRequest
+
+    got = decode_with_tokens(b'{"model":"m","block_size":16,"block_hash":[1,18446744073709551615]}',
+                             QueryByHashRequest, "seq_hashes", 8, ("seq_hashes", "block_hash"))
+    assert got is not None and got[1].typecode == "Q" and got[1].tolist() == [1, 2**64 - 1]
+    assert got[0].block_hash == [] and got[0].seq_hashes is None
+
+
+def test_a_nested_field_takes_the_serde_route_and_still_packs() -> None:
+    body = b'{"model":"m","token_ids":[3,4],"block_size":16,"x":{"y":[1]}}'
+    got = decode_with_tokens(body, QueryRequest)
+    assert got is not None and got[1] == array("I", [3, 4])
 
 
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
@@ -78,26 +95,3 @@ def test_taken_bodies_decode_as_msgspec_decodes_them(ids: list, extra: dict) -> 
         assert fast == packed
         ref.token_ids = []
         assert q == ref
-
-
-@pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "memoryview"])
-def test_both_narrowing_routes_pack_and_refuse_alike(numpy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvstream.service import tokenjson
-
-    if numpy:
-        pytest.importorskip("numpy")
-    else:
-        monkeypatch.setattr(tokenjson, "_np", None)
-    ids = [0, 7, 0xFFFFFFFF, 120_000]
-    got = split_token_ids(json.dumps({"token_ids": ids}).encode())
-    assert got is not None and got[1] == array("I", ids)
-    assert split_token_ids(b'{"token_ids":[1,4294967296]}') is None
-    assert split_token_ids(b'{"token_ids":[18446744073709551615]}') is None
-    assert split_token_ids(b'{"token_ids":[]}') == ({}, array("I"))
-
-
-def test_without_simdjson_every_body_takes_msgspecs_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvstream.service import tokenjson
-
-    monkeypatch.setattr(tokenjson, "_simdjson", None)
-    assert split_token_ids(b'{"token_ids":[1,2]}') is None
