@@ -7,6 +7,7 @@
 use pyo3::prelude::*;
 
 pub mod chain;
+pub mod decode;
 pub mod error;
 pub mod hash;
 pub mod ingest;
@@ -24,5 +25,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     table::register(m)?;
     ingest::register(m)?;
     query::register(m)?;
+    decode::register(m)?;
     Ok(())
 }
