@@ -91,6 +91,8 @@ class RawBatch:
     def __len__(self) -> int: ...
     def kind(self, i: int) -> int:
         """Event ``i``'s type: 0 BlockStored, 1 BlockRemoved, 2 AllBlocksCleared."""
+    def describe(self, i: int) -> tuple[Any, ...]:
+        """What the reader read of event ``i`` (for the tests)."""
 
 def read_payload(payload: bytes, max_bytes: int) -> RawBatch | None:
     """Decode a payload (GIL released), or None: the payload is for the Python decoder."""

@@ -483,7 +483,7 @@ class KVIndex(_IndexCore):
         i = 0
         while i < n:
             i, added, removed = _apply_tokens(
-                events, i, BlockStored, BlockRemoved, table, held, slot, per_mask.get(1, 0) & _M64, R,
+                events, i, BlockStored, BlockRemoved, table, held, slot, per_mask.get(1, 0) & _M64, R,  # type: ignore[arg-type]
                 _BASE_NS, s.reannounce, s.per == 1, self._copies, self._href, self._unl, self._waiting,
                 self._touched)
             if added:
@@ -516,7 +516,7 @@ class KVIndex(_IndexCore):
         i = 0
         while i < n:
             i, added, removed = _apply_engine_native(
-                events, i, BlockStored, BlockRemoved, gpu, s.slot, self._R, s.reannounce,
+                events, i, BlockStored, BlockRemoved, gpu, s.slot, self._R, s.reannounce,  # type: ignore[arg-type]
                 ints and s.block_size is not None, self._copies, self._touched)
             if added:
                 count[0] += added

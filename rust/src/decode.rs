@@ -723,6 +723,47 @@ impl RawBatch {
         }
     }
 
+    /// What the reader read of event `i`, for the tests against the Python decoder:
+    /// ``(kind, hashes or None, token ids or None, parent, block_size or None, gpu,
+    /// group0, base, extras_plain, session)``; ``hashes`` is None when one is bytes or 0,
+    /// the token ids when one is outside u32, ``parent`` None, an int, or -1 (bytes or 0).
+    #[allow(clippy::type_complexity)]
+    fn describe(
+        &self,
+        i: usize,
+    ) -> PyResult<(
+        u8,
+        Option<Vec<u64>>,
+        Option<Vec<u32>>,
+        Option<i128>,
+        Option<u64>,
+        bool,
+        bool,
+        bool,
+        bool,
+        bool,
+    )> {
+        let kind = self.kind(i)?;
+        let b = &self.batch;
+        let ev = &b.events[i];
+        Ok((
+            kind,
+            ev.hashes_ok.then(|| ev.hashes(b).to_vec()),
+            ev.tokens_ok.then(|| ev.tokens(b).to_vec()),
+            match ev.parent {
+                Parent::None => None,
+                Parent::Key(k) => Some(k as i128),
+                Parent::Other => Some(-1),
+            },
+            ev.block_size,
+            ev.gpu,
+            ev.group0,
+            ev.base,
+            ev.extras_plain(),
+            ev.session,
+        ))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "RawBatch(ts={}, {} events, {} blocks)",
