@@ -346,3 +346,43 @@ def test_a_large_payload_is_read_with_the_gil_released_and_applied() -> None:
     idx = KVIndex()
     idx.apply_payload("a", p)
     assert idx.stats.stored_blocks == 40 * 64
+
+
+# -- the byte bound at 10**7 entries --------------------------------------------------------
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.slow
+def test_the_byte_bound_holds_on_allocated_bytes_through_ten_million_entries() -> None:
+    """10**7 (block, source) entries arrive as raw payloads (4 sources, chains of 512
+    blocks) into an index bounded at 64 MiB: after every batch the bytes the native tables
+    really allocate (counted in Rust) and the index's estimate stay under the bound, and
+    the process's RSS grows by no more than the bound and its slack."""
+    bound = 64 << 20
+    idx = KVIndex(max_bytes=bound)
+    toks = list(range(512 * BS))  # the same tokens every run: keys differ by their parent
+    enc = EventEncoder("map")
+    parents: dict[str, int | None] = {f"e{s}": None for s in range(4)}
+    h = 1
+    made = 0
+    gc_rss = _rss()
+    peak_rss = 0
+    i = 0
+    while made < 10**7:
+        src = f"e{i % 4}"
+        hashes = list(range(h, h + 512))
+        h += 512
+        p = enc.encode(KVEventBatch(float(i), [BlockStored(hashes, parents[src], toks, BS, None, "GPU", None)], 0))
+        idx.apply_payload(src, p)
+        parents[src] = hashes[-1]
+        made += 512
+        i += 1
+        assert idx.native_bytes() <= bound and idx.estimated_bytes() <= bound, (made, idx.native_bytes())
+        if i % 64 == 0:
+            peak_rss = max(peak_rss, _rss() - gc_rss)
+    assert idx.stats.stored_blocks == made and idx.stats.evicted_blocks > made // 2
+    assert idx.stats.unlinked_blocks == 0  # every run linked to its parent: the native path
+    assert peak_rss <= bound + (64 << 20), peak_rss
