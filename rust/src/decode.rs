@@ -364,25 +364,51 @@ impl<'a> Rd<'a> {
         let n = self.array_len()?;
         out.reserve(n);
         let mut ok = true;
+        // The common case read straight off the slice: a fixint, u8, u16 or u32 token id
+        // (every read bounds-checked); any other marker goes through rmp.
+        let mut rest = self.b.remaining_slice();
+        let mut j = 0usize;
         for _ in 0..n {
-            let m = self.marker()?;
-            // The common case first: a fixint, u8, u16 or u32 token id.
-            let x = match m {
-                Marker::FixPos(x) => x as u32,
-                Marker::U8 => self.b.read_data_u8().map_err(|_| Defer)? as u32,
-                Marker::U16 => self.b.read_data_u16().map_err(|_| Defer)? as u32,
-                Marker::U32 => self.b.read_data_u32().map_err(|_| Defer)?,
-                _ => match self.num_of(m)?.ok_or(Defer)? {
-                    Num::U(x) if x <= u32::MAX as u64 => x as u32,
-                    Num::I(x) if (0..=u32::MAX as i64).contains(&x) => x as u32,
-                    _ => {
-                        ok = false;
-                        0
-                    }
-                },
+            let c = *rest.get(j).ok_or(Defer)?;
+            let x = match c {
+                0x00..=0x7f => {
+                    j += 1;
+                    c as u32
+                }
+                0xcc => {
+                    let v = *rest.get(j + 1).ok_or(Defer)?;
+                    j += 2;
+                    v as u32
+                }
+                0xcd => {
+                    let v = rest.get(j + 1..j + 3).ok_or(Defer)?;
+                    j += 3;
+                    u16::from_be_bytes([v[0], v[1]]) as u32
+                }
+                0xce => {
+                    let v = rest.get(j + 1..j + 5).ok_or(Defer)?;
+                    j += 5;
+                    u32::from_be_bytes([v[0], v[1], v[2], v[3]])
+                }
+                _ => {
+                    self.b = Bytes::new(&rest[j..]);
+                    let m = self.marker()?;
+                    let x = match self.num_of(m)?.ok_or(Defer)? {
+                        Num::U(x) if x <= u32::MAX as u64 => x as u32,
+                        Num::I(x) if (0..=u32::MAX as i64).contains(&x) => x as u32,
+                        _ => {
+                            ok = false;
+                            0
+                        }
+                    };
+                    rest = self.b.remaining_slice();
+                    j = 0;
+                    x
+                }
             };
             out.push(x);
         }
+        self.b = Bytes::new(&rest[j..]);
         Ok(ok)
     }
 
@@ -894,15 +920,5 @@ mod tests {
     fn a_huge_declared_length_defers() {
         let p = [0x92, 0x00, 0xdd, 0xff, 0xff, 0xff, 0xff];
         assert!(read_batch(&p, 1 << 20).is_none());
-    }
-}
-#[cfg(test)]
-mod timing {
-    #[test]
-    fn time_one() {
-        let Ok(p) = std::fs::read("/tmp/hingest_p.bin") else { return };
-        let t = std::time::Instant::now();
-        for _ in 0..1000 { std::hint::black_box(super::read_batch(&p, 1 << 30)); }
-        eprintln!("read_batch: {:?} per payload", t.elapsed() / 1000);
     }
 }
