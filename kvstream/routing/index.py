@@ -351,13 +351,23 @@ class KVIndex(_IndexCore):
 
     # -- ingest ----------------------------------------------------------------------
 
-    def apply_batch(self, source: str, batch: KVEventBatch, now: float | None = None) -> None:
+    def apply_batch(self, source: str, batch: KVEventBatch, now: float | None = None, *,
+                    payload: bytes | None = None) -> None:
         """Apply one decoded batch from ``source`` (events in order).
 
         Malformed events are skipped and counted (``stats.rejected_events``, logged at
         debug level); nothing a remote engine sends raises. ``now`` (seconds) drives the
-        TTL; it defaults to ``batch.ts``.
+        TTL; it defaults to ``batch.ts``. ``payload``: the bytes ``batch`` was decoded
+        from, when the caller has them (a subscriber's ``SourceBatch.payload``): the native
+        core then reads them again instead of walking the decoded events (faster; the
+        same result, see :meth:`apply_payload`), keeping ``batch``'s events for whatever
+        the native rules leave to Python.
         """
+        if payload is not None and type(payload) is bytes and (self._by_engine or self._kind == _NATIVE):
+            raw = _read_payload(payload, _NO_LIMIT)
+            if raw is not None and len(raw) == len(batch.events):
+                self._apply_raw(source, raw, _Fallback(payload, _DECODER, batch.events), now)
+                return
         slot = self._slot_of.get(source)
         s = self._source(source) if slot is None else self._src[slot]
         self.stats.batches += 1
@@ -399,27 +409,37 @@ class KVIndex(_IndexCore):
                 raise
             self.apply_batch(source, batch, now)
             return batch
+        self._apply_raw(source, raw, _Fallback(data, dec), now)
+        return raw
+
+    def _apply_raw(self, source: str, raw: RawBatch, fallback: "_Fallback", now: float | None) -> None:
+        """:meth:`apply_batch` of a payload the native reader decoded."""
         slot = self._slot_of.get(source)
         s = self._source(source) if slot is None else self._src[slot]
         self.stats.batches += 1
         if self._ttl is not None:
             self._tick(raw.ts if now is None else now)
-        fallback = _Fallback(data, dec)
         if self._by_engine:
             self._apply_engine(s, raw, fallback)  # type: ignore[arg-type]
         else:
             self._apply_tokens_native(s, raw, fallback)  # type: ignore[arg-type]
         if self._max_bytes is not None and self.estimated_bytes() > self._max_bytes:
             self._evict(int(self._max_bytes * 0.9))
-        return raw
 
-    def apply_batches(self, source: str, batches: Sequence[KVEventBatch], now: float | None = None) -> None:
+    def apply_batches(self, source: str, batches: Sequence[KVEventBatch], now: float | None = None, *,
+                      payloads: Sequence[bytes] | None = None) -> None:
         """Apply several decoded batches from ``source``, in order: the same as
         :meth:`apply_batch` on each, with the per-call work (source lookup, TTL tick,
         dispatch) done once for all of their events. A consumer that reads batches by the
         hundred (the JetStream consumer's router) spends less per batch this way. With a
         memory bound, or a TTL and no ``now``, it is :meth:`apply_batch` per batch (the
-        bound is checked and the clock read after each batch)."""
+        bound is checked and the clock read after each batch). ``payloads``: the bytes
+        each batch was decoded from (see :meth:`apply_batch`); the native core reads
+        them, batch by batch."""
+        if payloads is not None and len(payloads) == len(batches) and (self._by_engine or self._kind == _NATIVE):
+            for b, p in zip(batches, payloads):
+                self.apply_batch(source, b, now, payload=p)
+            return
         if self._max_bytes is not None or (now is None and self._ttl is not None) or len(batches) < 2:
             for b in batches:
                 self.apply_batch(source, b, now)
@@ -1694,6 +1714,7 @@ _NATIVE, _GENERIC = 0, 2
 
 _DECODER = EventDecoder()
 _CLEARED = AllBlocksCleared()
+_NO_LIMIT = 1 << 62  # a payload given with its decoded batch was already admitted
 
 
 class _Fallback:
@@ -1703,10 +1724,10 @@ class _Fallback:
 
     __slots__ = ("_data", "_dec", "_events")
 
-    def __init__(self, data: bytes, dec: EventDecoder) -> None:
+    def __init__(self, data: bytes, dec: EventDecoder, events: list[Any] | None = None) -> None:
         self._data = data
         self._dec = dec
-        self._events: list[Any] | None = None
+        self._events = events  # already decoded (the caller's batch), or None
 
     def events(self) -> list[Any]:
         if self._events is None:

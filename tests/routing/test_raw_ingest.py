@@ -386,3 +386,30 @@ def test_the_byte_bound_holds_on_allocated_bytes_through_ten_million_entries() -
     assert idx.stats.stored_blocks == made and idx.stats.evicted_blocks > made // 2
     assert idx.stats.unlinked_blocks == 0  # every run linked to its parent: the native path
     assert peak_rss <= bound + (64 << 20), peak_rss
+
+
+# -- the subscriber items' payloads (router.apply_item, apply_batches) -----------------------
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_steps, st.booleans(), st.integers(0, 1), st.booleans())
+def test_a_batch_applied_with_its_payload_equals_the_batch_alone(steps, ttl, shape, bulk) -> None:
+    """What the Router does with a SourceBatch (its payload read natively, the decoded
+    events kept for the Python rules) ends where applying the decoded batch alone ends."""
+    from kvstream.routing.router import apply_item
+    from kvstream.transport import SourceBatch
+
+    kw = {"ttl_s": 3.0 if ttl else None}
+    with_payload, python = KVIndex(**kw), KVIndex(table=BytesStoreTable(), **kw)
+    for x in (with_payload, python):
+        _fill(x)
+    for t, (src, events) in enumerate(steps):
+        p = _ENCODERS[shape].encode(KVEventBatch(float(t), list(events)))
+        b = decode_batch(p)
+        if bulk:
+            with_payload.apply_batches(src, [b, b], float(t), payloads=[p, p])
+            python.apply_batches(src, [b, b], float(t))
+        else:
+            apply_item(with_payload, SourceBatch(src, t, b"kv", p, b, False))
+            python.apply_batch(src, b)
+        assert with_payload.state() == python.state()
+        assert with_payload.stats == python.stats
