@@ -70,7 +70,7 @@ def apply_item(index: AnyIndex, item: Any, now: float | None = None) -> None:
     """Apply one subscriber item to ``index`` (a :class:`KVIndex` or :class:`EngineKeyIndex`).
 
     * :class:`SourceBatch` -> :meth:`KVIndex.apply_batch` (``now``: seconds for the TTL;
-      default the batch's ``ts``);
+      default the batch's ``ts``), with the item's payload, which the native core reads;
     * :class:`SourceReset` -> :meth:`KVIndex.clear_source` (which also un-stales it: the
       reset rebuilds exact state), or :meth:`KVIndex.remove_source` for reason "removed";
     * :class:`SourceStale` -> :meth:`KVIndex.mark_stale`;
