@@ -395,9 +395,17 @@ def test_the_byte_bound_holds_on_allocated_bytes_through_ten_million_entries() -
 def test_a_batch_applied_with_its_payload_equals_the_batch_alone(steps, ttl, shape, bulk) -> None:
     """What the Router does with a SourceBatch (its payload read natively, the decoded
     events kept for the Python rules) ends where applying the decoded batch alone ends."""
+    from unittest import mock
+
+    from kvstream.routing import index as index_module
     from kvstream.routing.router import apply_item
     from kvstream.transport import SourceBatch
 
+    with mock.patch.object(index_module, "_RAW_MIN_BYTES", 0):  # every payload read natively
+        _apply_with_and_without_payloads(steps, ttl, shape, bulk, apply_item, SourceBatch)
+
+
+def _apply_with_and_without_payloads(steps, ttl, shape, bulk, apply_item, SourceBatch) -> None:
     kw = {"ttl_s": 3.0 if ttl else None}
     with_payload, python = KVIndex(**kw), KVIndex(table=BytesStoreTable(), **kw)
     for x in (with_payload, python):
@@ -413,3 +421,14 @@ def test_a_batch_applied_with_its_payload_equals_the_batch_alone(steps, ttl, sha
             python.apply_batch(src, b)
         assert with_payload.state() == python.state()
         assert with_payload.stats == python.stats
+
+
+def test_small_payloads_given_with_their_batch_are_applied_from_the_batch() -> None:
+    """Under 1 KiB the decoded events are applied (faster for a few events): a payload
+    that is not the batch's bytes shows which path ran."""
+    b = _vllm_like(random.Random(9), 0)
+    other = EventEncoder("map").encode(KVEventBatch(0.0, [AllBlocksCleared()] * len(b.events)))
+    a, ref = KVIndex(), KVIndex()
+    a.apply_batch("a", b, payload=other)
+    ref.apply_batch("a", b)
+    assert a.state() == ref.state() and a.stats == ref.stats
