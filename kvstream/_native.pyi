@@ -79,14 +79,32 @@ class NativeMap:
     def load_u64(self, keys: array, values: array, other: Iterable[tuple[Any, Any]] | None = None) -> None: ...
     def get_many(self, keys: array) -> list[Any]: ...
 
+class RawBatch:
+    """A KV event payload decoded by the native reader (rust/src/decode.rs)."""
+
+    @property
+    def ts(self) -> float: ...
+    @property
+    def data_parallel_rank(self) -> int | None: ...
+    @property
+    def blocks(self) -> int: ...
+    def __len__(self) -> int: ...
+    def kind(self, i: int) -> int:
+        """Event ``i``'s type: 0 BlockStored, 1 BlockRemoved, 2 AllBlocksCleared."""
+    def describe(self, i: int) -> tuple[Any, ...]:
+        """What the reader read of event ``i`` (for the tests)."""
+
+def read_payload(payload: bytes, max_bytes: int) -> RawBatch | None:
+    """Decode a payload (GIL released), or None: the payload is for the Python decoder."""
+
 def apply_tokens(
-    events: list[Any], start: int, stored_cls: type, removed_cls: type, table: NativeMap,
+    events: list[Any] | RawBatch, start: int, stored_cls: type, removed_cls: type, table: NativeMap,
     held: list[NativeMap], slot: int, fam: int, r: int, base_ns: int, reannounce: int,
     stores_ok: bool, copies: dict[Any, Any], href: dict[Any, int], unl: dict[Any, Any],
     waiting: dict[Any, Any], touched: set[Any] | None,
 ) -> tuple[int, int, int]: ...
 def apply_engine(
-    events: list[Any], start: int, stored_cls: type, removed_cls: type, gpu: NativeMap,
+    events: list[Any] | RawBatch, start: int, stored_cls: type, removed_cls: type, gpu: NativeMap,
     slot: int, b: int, reannounce: int, stores_ok: bool, copies: dict[Any, Any],
     touched: set[Any] | None,
 ) -> tuple[int, int, int]: ...

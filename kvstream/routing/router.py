@@ -37,6 +37,7 @@ AnyIndex = KVIndex | EngineKeyIndex
 log = logging.getLogger(__name__)
 _source_of = attrgetter("source")
 _batch_of = attrgetter("batch")
+_payload_of = attrgetter("payload")
 
 
 class RouterUsageError(LocalProtocolError, ValueError):
@@ -69,7 +70,7 @@ def apply_item(index: AnyIndex, item: Any, now: float | None = None) -> None:
     """Apply one subscriber item to ``index`` (a :class:`KVIndex` or :class:`EngineKeyIndex`).
 
     * :class:`SourceBatch` -> :meth:`KVIndex.apply_batch` (``now``: seconds for the TTL;
-      default the batch's ``ts``);
+      default the batch's ``ts``), with the item's payload, which the native core reads;
     * :class:`SourceReset` -> :meth:`KVIndex.clear_source` (which also un-stales it: the
       reset rebuilds exact state), or :meth:`KVIndex.remove_source` for reason "removed";
     * :class:`SourceStale` -> :meth:`KVIndex.mark_stale`;
@@ -80,7 +81,8 @@ def apply_item(index: AnyIndex, item: Any, now: float | None = None) -> None:
     """
     cls = type(item)
     if cls is SourceBatch:
-        index.apply_batch(item.source, item.batch, now)
+        # The payload too: the native core reads it faster than it walks decoded events.
+        index.apply_batch(item.source, item.batch, now, payload=item.payload)
     elif cls is SourceReset:
         if item.reason == "removed":
             index.remove_source(item.source)
@@ -197,7 +199,7 @@ class Router:
             sources = list(map(_source_of, items))
             if sources.count(sources[0]) == n:  # the common case: one source's batches only
                 try:
-                    bulk(sources[0], list(map(_batch_of, items)), now)
+                    bulk(sources[0], list(map(_batch_of, items)), now, payloads=list(map(_payload_of, items)))
                 except Exception:  # noqa: BLE001 - bad items must not stop routing
                     log.exception("router: could not apply %d batches of %s", n, sources[0])
                     return
@@ -224,7 +226,7 @@ class Router:
                 continue
             run = items[i:j]
             try:
-                bulk(src, [b.batch for b in run], now)
+                bulk(src, [b.batch for b in run], now, payloads=[b.payload for b in run])
             except Exception:  # noqa: BLE001 - bad items must not stop routing
                 log.exception("router: could not apply %d batches of %s", j - i, src)
                 i = j

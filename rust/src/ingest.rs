@@ -19,7 +19,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyTuple};
 
-use crate::chain::chain_into;
+use crate::decode::{Batch, Ev, Kind, Parent, RawBatch};
+use crate::keys::chain_into;
 use crate::table::{as_key, NativeMap, U64Map};
 
 /// What one call did: (next event to apply in Python, blocks stored, blocks removed).
@@ -47,6 +48,14 @@ struct Ctx<'a, 'py> {
     unl: Option<&'a Bound<'py, PyDict>>,
     waiting: Option<&'a Bound<'py, PyDict>>,
     touched: Option<&'a Bound<'py, PySet>>,
+}
+
+/// How a stored run starts: at block 0 (`base`: no LoRA; `session`: a session id, read
+/// only under the "session" re-announcement rule), or after a parent column key.
+#[derive(Clone, Copy)]
+enum Head {
+    Root { base: bool, session: bool },
+    Parent(u64),
 }
 
 /// The maps one call works on, locked.
@@ -176,6 +185,75 @@ impl Ctx<'_, '_> {
         Ok((n, stored, removed))
     }
 
+    /// [`Ctx::run`] over a decoded raw payload: the same rules, the fields read from the
+    /// reader's columns instead of Python objects.
+    fn run_raw(
+        &self,
+        maps: &mut Maps<'_>,
+        gpu_side: &Bound<'_, PyDict>,
+        b: &Batch,
+        start: usize,
+    ) -> PyResult<Applied> {
+        let mut stored = 0usize;
+        let mut removed = 0usize;
+        let mut keys: Vec<u64> = Vec::new();
+        let mut masks: Vec<u64> = Vec::new();
+        let n = b.events.len();
+        for i in start..n {
+            let ev = &b.events[i];
+            let done = match ev.kind {
+                _ if !ev.gpu || !ev.group0 || !ev.hashes_ok => None,
+                Kind::Removed => self
+                    .removed_run(maps, gpu_side, ev.hashes(b), &mut keys)?
+                    .map(|k| removed += k),
+                Kind::Stored => self
+                    .stored_raw(maps, gpu_side, b, ev, &mut keys, &mut masks)?
+                    .map(|k| stored += k),
+                Kind::Cleared => None,
+            };
+            if done.is_none() {
+                return Ok((i, stored, removed));
+            }
+        }
+        Ok((n, stored, removed))
+    }
+
+    /// The checks of [`Ctx::stored`] on a decoded event, then [`Ctx::stored_run`].
+    fn stored_raw(
+        &self,
+        maps: &mut Maps<'_>,
+        gpu_side: &Bound<'_, PyDict>,
+        b: &Batch,
+        ev: &Ev,
+        keys: &mut Vec<u64>,
+        masks: &mut Vec<u64>,
+    ) -> PyResult<Option<usize>> {
+        if !self.stores_ok {
+            return Ok(None);
+        }
+        let hashes = ev.hashes(b);
+        let n = hashes.len();
+        if n == 0 {
+            return Ok(Some(0)); // the Python rules ignore an empty run too
+        }
+        if ev.block_size != Some(self.r as u64) || !ev.extras_plain() || !ev.tokens_ok {
+            return Ok(None);
+        }
+        let toks = ev.tokens(b);
+        if toks.len() != n * self.r {
+            return Ok(None);
+        }
+        let head = match ev.parent {
+            Parent::None => Head::Root {
+                base: ev.base,
+                session: ev.session,
+            },
+            Parent::Key(p) => Head::Parent(p),
+            Parent::Other => return Ok(None),
+        };
+        self.stored_run(maps, gpu_side, hashes, toks, head, keys, masks)
+    }
+
     fn removed(
         &self,
         maps: &mut Maps<'_>,
@@ -191,6 +269,18 @@ impl Ctx<'_, '_> {
         if !u64_hashes(&ev.getattr(intern!(py, "block_hashes"))?, hashes)? {
             return Ok(None);
         }
+        self.removed_run(maps, gpu_side, hashes, rks)
+    }
+
+    /// A GPU, group-0 `BlockRemoved` of column-key hashes (from either front end).
+    fn removed_run(
+        &self,
+        maps: &mut Maps<'_>,
+        gpu_side: &Bound<'_, PyDict>,
+        hashes: &[u64],
+        rks: &mut Vec<u64>,
+    ) -> PyResult<Option<usize>> {
+        let py = self.py;
         // Check every hash first: the event is applied whole or not at all.
         if has_dups(hashes) {
             return Ok(None);
@@ -277,29 +367,53 @@ impl Ctx<'_, '_> {
         if !u32_tokens(&ev.getattr(intern!(py, "token_ids"))?, toks) || toks.len() != n * self.r {
             return Ok(None);
         }
+        let parent = ev.getattr(intern!(py, "parent_block_hash"))?;
+        let head = if parent.is_none() {
+            let base = ev.getattr(intern!(py, "lora_name"))?.is_none()
+                && ev.getattr(intern!(py, "lora_id"))?.is_none();
+            let session = self.reannounce == 2 && !ev.getattr(intern!(py, "session_id"))?.is_none();
+            Head::Root { base, session }
+        } else {
+            match as_key(&parent) {
+                Some(p) => Head::Parent(p),
+                None => return Ok(None), // bytes, 0, or a tuple of keys
+            }
+        };
+        self.stored_run(maps, gpu_side, hashes, toks, head, keys, masks)
+    }
+
+    /// A GPU, group-0 `BlockStored` of `r`-token blocks, its tokens checked (from either
+    /// front end): the parent and every block checked, then every block installed.
+    #[allow(clippy::too_many_arguments)]
+    fn stored_run(
+        &self,
+        maps: &mut Maps<'_>,
+        gpu_side: &Bound<'_, PyDict>,
+        hashes: &[u64],
+        toks: &[u32],
+        head: Head,
+        keys: &mut Vec<u64>,
+        masks: &mut Vec<u64>,
+    ) -> PyResult<Option<usize>> {
+        let n = hashes.len();
         let known = |m: &Maps<'_>, h: u64| -> PyResult<bool> {
             Ok(m.table.contains(h) || (!self.table_plain && m.table_side.contains(h)?))
         };
-        let parent = ev.getattr(intern!(py, "parent_block_hash"))?;
-        let seed = if parent.is_none() {
-            if !ev.getattr(intern!(py, "lora_name"))?.is_none()
-                || !ev.getattr(intern!(py, "lora_id"))?.is_none()
-            {
-                return Ok(None);
+        let seed = match head {
+            Head::Root { base, session } => {
+                if !base {
+                    return Ok(None);
+                }
+                let ra = self.reannounce;
+                if ra != 0 && (ra == 1 || session) && known(maps, hashes[0])? {
+                    return Ok(None); // a re-announcement candidate
+                }
+                self.base_ns
             }
-            let ra = self.reannounce;
-            if ra != 0
-                && (ra == 1 || !ev.getattr(intern!(py, "session_id"))?.is_none())
-                && known(maps, hashes[0])?
-            {
-                return Ok(None); // a re-announcement candidate
-            }
-            self.base_ns
-        } else {
-            match as_key(&parent).and_then(|p| maps.table.get(p)) {
+            Head::Parent(p) => match maps.table.get(p) {
                 Some(pv) => pv,
                 None => return Ok(None), // unknown parent (unlinked), or a tuple of keys
-            }
+            },
         };
         keys.clear();
         chain_into(toks, self.r, seed, keys);
@@ -355,7 +469,7 @@ impl Ctx<'_, '_> {
 #[allow(clippy::too_many_arguments)]
 pub fn apply_tokens<'py>(
     py: Python<'py>,
-    events: &Bound<'py, PyList>,
+    events: &Bound<'py, PyAny>,
     start: usize,
     stored_cls: &Bound<'py, PyAny>,
     removed_cls: &Bound<'py, PyAny>,
@@ -422,7 +536,10 @@ pub fn apply_tokens<'py>(
             .collect(),
         table_side,
     };
-    ctx.run(&mut maps, &gpu_side, events, start)
+    if let Ok(raw) = events.cast::<RawBatch>() {
+        return ctx.run_raw(&mut maps, &gpu_side, &raw.get().batch, start);
+    }
+    ctx.run(&mut maps, &gpu_side, events.cast::<PyList>()?, start)
 }
 
 /// Engine keying's common cases (``_apply_engine``): a GPU, group-0 ``BlockStored`` of
@@ -436,7 +553,7 @@ pub fn apply_tokens<'py>(
 #[allow(clippy::too_many_arguments)]
 pub fn apply_engine<'py>(
     py: Python<'py>,
-    events: &Bound<'py, PyList>,
+    events: &Bound<'py, PyAny>,
     start: usize,
     stored_cls: &Bound<'py, PyAny>,
     removed_cls: &Bound<'py, PyAny>,
@@ -454,6 +571,29 @@ pub fn apply_engine<'py>(
     let bit = 1u64 << slot;
     let copies = none_if_empty(copies);
     let mut g = gpu.write();
+    if let Ok(raw) = events.cast::<RawBatch>() {
+        let touch = |hs: &[u64]| -> PyResult<()> {
+            if let Some(t) = touched.as_ref() {
+                for &eh in hs {
+                    t.add(eh)?;
+                }
+            }
+            Ok(())
+        };
+        return engine_raw(
+            py,
+            &mut g,
+            &raw.get().batch,
+            start,
+            slot,
+            b,
+            reannounce,
+            stores_ok,
+            copies,
+            touch,
+        );
+    }
+    let events = events.cast::<PyList>()?;
     let mut hashes: Vec<u64> = Vec::new();
     let (mut stored, mut removed) = (0usize, 0usize);
     let n = events.len();
@@ -515,6 +655,84 @@ pub fn apply_engine<'py>(
         }
         g.reserve(hashes.len());
         for &eh in &hashes {
+            let m = g.get(eh).unwrap_or(0);
+            g.insert(eh, m | bit);
+        }
+        stored += hashes.len();
+    }
+    Ok((n, stored, removed))
+}
+
+/// [`apply_engine`]'s rules over a decoded raw payload.
+#[allow(clippy::too_many_arguments)]
+fn engine_raw(
+    py: Python<'_>,
+    g: &mut U64Map,
+    batch: &Batch,
+    start: usize,
+    slot: u32,
+    b: usize,
+    reannounce: u8,
+    stores_ok: bool,
+    copies: Option<&Bound<'_, PyDict>>,
+    touch: impl Fn(&[u64]) -> PyResult<()>,
+) -> PyResult<Applied> {
+    let bit = 1u64 << slot;
+    let (mut stored, mut removed) = (0usize, 0usize);
+    let n = batch.events.len();
+    for i in start..n {
+        let ev = &batch.events[i];
+        let is_removed = ev.kind == Kind::Removed;
+        let hashes = ev.hashes(batch);
+        if !(is_removed || (stores_ok && ev.kind == Kind::Stored))
+            || !ev.gpu
+            || !ev.group0
+            || !ev.hashes_ok
+            || has_dups(hashes)
+        {
+            return Ok((i, stored, removed));
+        }
+        if is_removed {
+            for &eh in hashes {
+                if g.get(eh).unwrap_or(0) & bit == 0 {
+                    return Ok((i, stored, removed));
+                }
+                if let Some(c) = copies {
+                    if c.contains(PyTuple::new(py, [eh, slot as u64, 0])?)? {
+                        return Ok((i, stored, removed));
+                    }
+                }
+            }
+            for &eh in hashes {
+                let m = g.get(eh).unwrap_or(0) ^ bit;
+                if m == 0 {
+                    g.remove(eh);
+                } else {
+                    g.insert(eh, m);
+                }
+            }
+            removed += hashes.len();
+            continue;
+        }
+        if hashes.is_empty() {
+            continue; // the Python rules skip an empty run
+        }
+        if ev.block_size != Some(b as u64) {
+            return Ok((i, stored, removed));
+        }
+        if reannounce != 0
+            && ev.parent == Parent::None
+            && (reannounce == 1 || ev.session)
+            && g.get(hashes[0]).unwrap_or(0) & bit != 0
+        {
+            return Ok((i, stored, removed)); // a re-announcement candidate
+        }
+        if hashes.iter().any(|&eh| g.get(eh).unwrap_or(0) & bit != 0) {
+            return Ok((i, stored, removed)); // another copy of a held hash
+        }
+        touch(hashes)?;
+        g.reserve(hashes.len());
+        for &eh in hashes {
             let m = g.get(eh).unwrap_or(0);
             g.insert(eh, m | bit);
         }

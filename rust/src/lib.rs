@@ -6,7 +6,7 @@
 
 use pyo3::prelude::*;
 
-pub mod chain;
+pub mod decode;
 pub mod error;
 pub mod hash;
 pub mod ingest;
@@ -26,5 +26,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     ingest::register(m)?;
     query::register(m)?;
     json::register(m)?;
+    decode::register(m)?;
     Ok(())
 }
