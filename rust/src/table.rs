@@ -21,7 +21,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use hashbrown::{DefaultHashBuilder, HashTable};
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyTuple};
 use std::hash::BuildHasher;
 
 /// An insertion-ordered `u64 -> u64` map (keys non-zero); see the module docs.
@@ -187,7 +187,12 @@ impl U64Map {
 #[inline]
 pub(crate) fn as_key(k: &Bound<'_, PyAny>) -> Option<u64> {
     if !k.is_exact_instance_of::<PyInt>() {
-        return None;
+        // A dict takes `True` for the key 1 (equal, same hash): so must the columns.
+        // (`False` is 0, which lives in the dict part like every key outside the columns.)
+        return match k.cast::<PyBool>() {
+            Ok(b) if b.is_true() => Some(1),
+            _ => None,
+        };
     }
     match k.extract::<u64>() {
         Ok(0) | Err(_) => None,

@@ -132,3 +132,16 @@ def test_the_table_is_a_constructor_choice() -> None:
         KVIndex(table=full)
     with pytest.raises(IndexUsageError, match="engine keying stores no block table"):
         KVIndex(keying="engine", hasher=BlockHasher("xxhash", 16, seed="0"), table="native")
+
+
+def test_the_native_map_takes_true_for_the_key_one_as_a_dict_does() -> None:
+    # Found by the property test above: `True` went to the dict part while 1 lived in the
+    # columns, so the map held two entries where a dict holds one.
+    native, plain = NativeBlockTable(), {}
+    for key, value in [(1, 5), (True, 7), (False, 3), (0, 4)]:
+        native[key] = value
+        plain[key] = value
+    assert len(native) == len(plain) == 2
+    assert native[1] == native[True] == 7 and native[0] == native[False] == 4
+    del native[True]
+    assert 1 not in native and len(native) == 1
