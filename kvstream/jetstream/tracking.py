@@ -134,15 +134,20 @@ class RelaySource:
                 self.synced = False
                 self._doubted = True
                 return []
+            doubted = self._doubted
             self.synced = True
             self._doubted = False
             self._digest = None  # of the batch at a position this reset voids
             self._lb_payload = None
             r = item.seq if item.seq is not None else 0
-            if r - 1 < self.pos:
+            if r - 1 < self.pos or (doubted and r - 1 == self.pos):
                 # A snapshot behind what was published: another engine (one engine's seqs
                 # only grow; its snapshot is tagged with its next seq). A new instance, so
-                # that consumers do not take the reset for a late copy.
+                # that consumers do not take the reset for a late copy. Right after a
+                # restart the subscriber reported, a snapshot exactly at the position may
+                # be either engine's: its reset would carry the id of the one already
+                # stored (the stream would drop it as a copy), so it is a new instance too
+                # (if the engine was the same, consumers rebuild the same state).
                 self.instance += 1
             self.pos = r - 1
             self._snap = [self.pos + 1, 0]
