@@ -1,6 +1,6 @@
 """Soak the subscriber's recovery rules with the deterministic fault campaign.
 
-    python bench/soak_faults.py [--seeds 100000] [--start 0] [--stream] [--jobs 2]
+    python bench/soak_faults.py [--seeds 100000] [--start 0] [--stream [--forwarders]] [--jobs 2]
 
 Runs seeds ``start .. start + seeds - 1`` of ``tests/transport/fault_campaign.py`` (real
 block pools and managers as the engines, the real KVIndex as the consumer, a simulated
@@ -12,17 +12,21 @@ becomes a named regression test in ``tests/transport/test_fault_campaign.py``.
 The campaign puts some sources behind a forwarder (duplicates, reordering, restarts it
 hides). ``--stream`` runs the same worlds relayed through a JetStream stream that fills up
 (``tests/jetstream/stream_campaign.py``: the real relay and consumer state machines, the
-relay shell's give-up and notice rules) and checks the stream consumer's index too.
+relay shell's give-up and notice rules) and checks the stream consumer's index too; its
+worlds have no forwarders unless ``--forwarders``. ``--jobs N`` runs the seeds in N worker
+processes (the same counts as one process).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,14 +37,14 @@ CHUNK = 500
 """Seeds per work unit with ``--jobs`` > 1 (results are the same as one process's)."""
 
 
-def _run_chunk(job: tuple[int, int, bool]) -> tuple[Stats, list[tuple[int, str]]]:
+def _run_chunk(job: tuple[int, int, bool, bool]) -> tuple[Stats, list[tuple[int, str]]]:
     """Seeds ``start .. start + n - 1`` in this process: their summed counts, failed seeds."""
-    start, n, stream = job
-    run = run_seed
+    start, n, stream, forwarders = job
+    run: Callable[[int], Stats] = run_seed
     if stream:
         from tests.jetstream import stream_campaign
 
-        run = stream_campaign.run_seed
+        run = functools.partial(stream_campaign.run_seed, forwarders=forwarders)
     total = Stats()
     failed: list[tuple[int, str]] = []
     for seed in range(start, start + n):
@@ -61,6 +65,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=100_000)
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--stream", action="store_true", help="relay the worlds through a stream that fills up")
+    ap.add_argument("--forwarders", action="store_true", help="with --stream: put some sources behind a forwarder")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (seeds are independent)")
     args = ap.parse_args()
     faults = FAULTS
@@ -76,7 +81,7 @@ def main() -> int:
         raise KeyboardInterrupt
 
     end = args.start + args.seeds
-    jobs = [(s, min(CHUNK, end - s), args.stream) for s in range(args.start, end, CHUNK)]
+    jobs = [(s, min(CHUNK, end - s), args.stream, args.forwarders) for s in range(args.start, end, CHUNK)]
     # SIGTERM (or Ctrl-C) ends the run early with the counts so far (a time-boxed soak).
     signal.signal(signal.SIGTERM, stop)
     pool = None
