@@ -41,6 +41,16 @@ Rules (``E`` is the next seq to yield, ``H`` the highest seq seen on the live so
   request every ``probe_max_s`` seconds. A
   reconnect of the live socket (:meth:`SourceTracker.on_reconnect`: the publisher may have
   restarted and published nothing we received) probes at once.
+* **Hidden restarts.** Behind a forwarder (``hidden_restarts``) no reconnect marks a
+  restart, and if the new instance's first batches are lost its next seq continues the old
+  instance's without a gap: the anchor proves nothing. The tracker keeps a *chain*: the
+  seqs from the last rebuild (0 after a restart, R after a snapshot) that overlapping
+  complete answers returned with the bytes that were yielded. An idle probe then starts at
+  the chain's last seq (within the remembered window), so every batch taken live since is
+  compared (other bytes: restart), and its tail is asked again from the anchor (a long
+  answer's last replies can be lost unseen). If the publisher no longer buffers the batches
+  to compare, nothing proves they are one instance's: a snapshot, else stale; an answer
+  that stops before the anchor is asked again (retries end in a snapshot or stale).
 * **Topics.** vLLM 0.11 replies carry no topic frame. Under a topic filter, while the
   publisher's topic is unknown (no live message, no ``source_topic``), they are ignored
   (counted ``unattributed``) and the source stays ``connecting``: nothing proves they pass
