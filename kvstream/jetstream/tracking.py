@@ -150,6 +150,7 @@ class RelaySource:
                 # (if the engine was the same, consumers rebuild the same state).
                 self.instance += 1
             self.pos = r - 1
+            self._jump = None
             self._snap = [self.pos + 1, 0]
             return [self._control(item)]
         if cls is SourceStale:
@@ -236,6 +237,7 @@ class RelaySource:
             self.skipped += 1
             return out  # an older batch of this instance (the subscriber never yields one)
         self.pos = q
+        self._jump = None  # a batch published since the last stale notice
         self.last_ts = b.batch.ts
         headers = wire.batch_headers(self.source, self.instance, q, self._topic(b.topic), replayed=b.replayed)
         if len(b.payload) > self._near_limit and wire.message_size(b.payload, headers) > self.max_message_bytes:
@@ -256,6 +258,7 @@ class RelaySource:
         ``restart`` reset, then the batches skipped meanwhile."""
         self.instance += 1
         self.pos = -1
+        self._jump = None
         self._digest = None
         self._lb_payload = None
         self.synced = True
