@@ -1,6 +1,6 @@
 """Soak the subscriber's recovery rules with the deterministic fault campaign.
 
-    python bench/soak_faults.py [--seeds 100000] [--start 0] [--stream]
+    python bench/soak_faults.py [--seeds 100000] [--start 0] [--stream [--forwarders]] [--jobs 2]
 
 Runs seeds ``start .. start + seeds - 1`` of ``tests/transport/fault_campaign.py`` (real
 block pools and managers as the engines, the real KVIndex as the consumer, a simulated
@@ -12,20 +12,52 @@ becomes a named regression test in ``tests/transport/test_fault_campaign.py``.
 The campaign puts some sources behind a forwarder (duplicates, reordering, restarts it
 hides). ``--stream`` runs the same worlds relayed through a JetStream stream that fills up
 (``tests/jetstream/stream_campaign.py``: the real relay and consumer state machines, the
-relay shell's give-up and notice rules) and checks the stream consumer's index too.
+relay shell's give-up and notice rules) and checks the stream consumer's index too; its
+worlds have no forwarders unless ``--forwarders``. ``--jobs N`` runs the seeds in N worker
+processes (the same counts as one process).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import multiprocessing
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.transport.fault_campaign import FAULTS, SilentWrong, Stats, run_seed  # noqa: E402
+
+
+CHUNK = 500
+"""Seeds per work unit with ``--jobs`` > 1 (results are the same as one process's)."""
+
+
+def _run_chunk(job: tuple[int, int, bool, bool]) -> tuple[Stats, list[tuple[int, str]]]:
+    """Seeds ``start .. start + n - 1`` in this process: their summed counts, failed seeds."""
+    start, n, stream, forwarders = job
+    run: Callable[[int], Stats] = run_seed
+    if stream:
+        from tests.jetstream import stream_campaign
+
+        run = functools.partial(stream_campaign.run_seed, forwarders=forwarders)
+    total = Stats()
+    failed: list[tuple[int, str]] = []
+    for seed in range(start, start + n):
+        try:
+            total.add(run(seed))
+        except SilentWrong as exc:
+            total.seeds += 1
+            total.silent_wrong += 1
+            failed.append((seed, str(exc)))
+        except AssertionError as exc:  # the world never got quiet
+            total.seeds += 1
+            failed.append((seed, str(exc)))
+    return total, failed
 
 
 def main() -> int:
@@ -33,13 +65,13 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=100_000)
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--stream", action="store_true", help="relay the worlds through a stream that fills up")
+    ap.add_argument("--forwarders", action="store_true", help="with --stream: put some sources behind a forwarder")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (seeds are independent)")
     args = ap.parse_args()
     faults = FAULTS
-    run = run_seed
     if args.stream:
         from tests.jetstream import stream_campaign
 
-        run = stream_campaign.run_seed
         faults = FAULTS + stream_campaign.FAULTS
     total = Stats()
     failed: list[tuple[int, str]] = []
@@ -48,24 +80,39 @@ def main() -> int:
     def stop(*_: object) -> None:
         raise KeyboardInterrupt
 
+    end = args.start + args.seeds
+    jobs = [(s, min(CHUNK, end - s), args.stream, args.forwarders) for s in range(args.start, end, CHUNK)]
     # SIGTERM (or Ctrl-C) ends the run early with the counts so far (a time-boxed soak).
     signal.signal(signal.SIGTERM, stop)
+    pool = None
     try:
-        for seed in range(args.start, args.start + args.seeds):
-            try:
-                total.add(run(seed))
-            except SilentWrong as exc:
-                total.seeds += 1
-                total.silent_wrong += 1
-                failed.append((seed, str(exc)))
-            except AssertionError as exc:  # the world never got quiet
-                total.seeds += 1
-                failed.append((seed, str(exc)))
-            if seed % 10_000 == 0 and seed > args.start:
-                print(f"... {seed - args.start} seeds, {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        if args.jobs > 1:
+            # Workers ignore SIGINT/SIGTERM: the parent stops them (terminate) and reports.
+            pool = multiprocessing.get_context("fork").Pool(args.jobs, initializer=_worker_init)
+            results = pool.imap(_run_chunk, jobs)
+        else:
+            results = map(_run_chunk, jobs)
+        done = 0
+        for chunk_total, chunk_failed in results:
+            total.add(chunk_total)
+            failed.extend(chunk_failed)
+            done += chunk_total.seeds
+            if done % 10_000 < CHUNK and done >= 10_000:
+                print(f"... {done} seeds, {time.perf_counter() - t0:.0f}s, "
+                      f"{total.silent_wrong} silent-wrong", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"interrupted  after {total.seeds} of {args.seeds} seeds (from {args.start})")
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    failed.sort()
     return _report(faults, total, failed, time.perf_counter() - t0)
+
+
+def _worker_init() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _report(faults: tuple[str, ...], total: Stats, failed: list[tuple[int, str]], dt: float) -> int:
@@ -80,6 +127,8 @@ def _report(faults: tuple[str, ...], total: Stats, failed: list[tuple[int, str]]
     print(f"failed seeds {len(failed)}")
     for seed, msg in failed[:20]:
         print(f"  {seed}: {msg}")
+    if len(failed) > 20:
+        print("  all: " + " ".join(str(seed) for seed, _ in failed))
     return 1 if failed else 0
 
 

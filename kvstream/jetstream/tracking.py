@@ -134,17 +134,23 @@ class RelaySource:
                 self.synced = False
                 self._doubted = True
                 return []
+            doubted = self._doubted
             self.synced = True
             self._doubted = False
             self._digest = None  # of the batch at a position this reset voids
             self._lb_payload = None
             r = item.seq if item.seq is not None else 0
-            if r - 1 < self.pos:
+            if r - 1 < self.pos or (doubted and r - 1 == self.pos):
                 # A snapshot behind what was published: another engine (one engine's seqs
                 # only grow; its snapshot is tagged with its next seq). A new instance, so
-                # that consumers do not take the reset for a late copy.
+                # that consumers do not take the reset for a late copy. Right after a
+                # restart the subscriber reported, a snapshot exactly at the position may
+                # be either engine's: its reset would carry the id of the one already
+                # stored (the stream would drop it as a copy), so it is a new instance too
+                # (if the engine was the same, consumers rebuild the same state).
                 self.instance += 1
             self.pos = r - 1
+            self._jump = None
             self._snap = [self.pos + 1, 0]
             return [self._control(item)]
         if cls is SourceStale:
@@ -231,6 +237,7 @@ class RelaySource:
             self.skipped += 1
             return out  # an older batch of this instance (the subscriber never yields one)
         self.pos = q
+        self._jump = None  # a batch published since the last stale notice
         self.last_ts = b.batch.ts
         headers = wire.batch_headers(self.source, self.instance, q, self._topic(b.topic), replayed=b.replayed)
         if len(b.payload) > self._near_limit and wire.message_size(b.payload, headers) > self.max_message_bytes:
@@ -251,6 +258,7 @@ class RelaySource:
         ``restart`` reset, then the batches skipped meanwhile."""
         self.instance += 1
         self.pos = -1
+        self._jump = None
         self._digest = None
         self._lb_payload = None
         self.synced = True

@@ -41,6 +41,16 @@ Rules (``E`` is the next seq to yield, ``H`` the highest seq seen on the live so
   request every ``probe_max_s`` seconds. A
   reconnect of the live socket (:meth:`SourceTracker.on_reconnect`: the publisher may have
   restarted and published nothing we received) probes at once.
+* **Hidden restarts.** Behind a forwarder (``hidden_restarts``) no reconnect marks a
+  restart, and if the new instance's first batches are lost its next seq continues the old
+  instance's without a gap: the anchor proves nothing. The tracker keeps a *chain*: the
+  seqs from the last rebuild (0 after a restart, R after a snapshot) that overlapping
+  complete answers returned with the bytes that were yielded. An idle probe then starts at
+  the chain's last seq (within the remembered window), so every batch taken live since is
+  compared (other bytes: restart), and its tail is asked again from the anchor (a long
+  answer's last replies can be lost unseen). If the publisher no longer buffers the batches
+  to compare, nothing proves they are one instance's: a snapshot, else stale; an answer
+  that stops before the anchor is asked again (retries end in a snapshot or stale).
 * **Topics.** vLLM 0.11 replies carry no topic frame. Under a topic filter, while the
   publisher's topic is unknown (no live message, no ``source_topic``), they are ignored
   (counted ``unattributed``) and the source stays ``connecting``: nothing proves they pass
@@ -97,7 +107,8 @@ class Request:
     """
 
     __slots__ = ("kind", "purpose", "start", "check", "checked", "first", "below", "replies",
-                 "sent", "delay_s", "e0", "snap", "snap_tag", "snap_bytes", "unattributed")
+                 "sent", "delay_s", "e0", "snap", "snap_tag", "snap_bytes", "unattributed", "anchor",
+                 "links", "vnext", "lost", "last")
 
     def __init__(self, kind: str, purpose: str, start: int, check: int | None = None,
                  delay_s: float = 0.0, e0: int = 0) -> None:
@@ -116,6 +127,11 @@ class Request:
         self.snap_tag: int | None = None
         self.snap_bytes = 0
         self.unattributed = 0  # replies without a topic frame from a publisher of unknown topic
+        self.anchor = start  # E - 1 when made (a span request starts below it)
+        self.links = False  # its start is in the proven chain: a complete answer extends it
+        self.vnext = start  # replies start .. vnext - 1 arrived (and matched), contiguous
+        self.lost = False  # the publisher no longer buffers seqs of the span that need checking
+        self.last = -1  # the highest seq in the reply
 
     def frame(self) -> int | None:
         """The start seq to put on the wire, None for a snapshot request."""
@@ -200,7 +216,9 @@ class SourceTracker:
     against the byte bounds (what a held message really holds, decoded form included).
     ``topic``: the subscriber's topic filter (a prefix); ``source_topic``:
     the publisher's topic if known (labels vLLM 0.11 replies, which carry none, until a live
-    message shows it).
+    message shows it). ``hidden_restarts``: the live path may hide the publisher's restarts
+    (a forwarder keeps its connection up): probes then check every batch taken live since
+    the last check (see the module docstring, *Hidden restarts*).
     """
 
     __slots__ = ("name", "has_replay", "max_held", "max_held_bytes", "max_snapshot_bytes",
@@ -208,15 +226,20 @@ class SourceTracker:
                  "topic", "expected", "live_high", "held", "held_bytes", "inflight", "stale",
                  "connected", "out", "counters", "generation", "_attempts", "_ring", "_ring_lo",
                  "_ring_hi", "_last_live", "_probe_armed", "_recheck", "probe_max_s", "_probe_gap",
-                 "_held_min", "_tail_lost", "held_factor")
+                 "_held_min", "_tail_lost", "held_factor", "_base", "_chain_hi", "hidden_restarts")
 
     def __init__(self, name: str, *, has_replay: bool, max_held: int = 100_000,
                  max_held_bytes: int = 64 << 20, max_snapshot_bytes: int = 256 << 20,
                  max_replies: int = 1_000_000, max_retries: int = 3, backoff_s: float = 0.05,
                  probe_after_s: float | None = 0.5, probe_max_s: float | None = 2.0,
                  topic: bytes = b"",
-                 source_topic: bytes | None = None, held_factor: int = 1) -> None:
+                 source_topic: bytes | None = None, held_factor: int = 1,
+                 hidden_restarts: bool = False) -> None:
         self.name = name
+        self.hidden_restarts = hidden_restarts
+        """The live path may hide the publisher's restarts (a forwarder between keeps its
+        connection up, so no reconnect marks them): probes compare every batch taken live
+        since the last check, not only the anchor."""
         self.has_replay = has_replay
         self.max_held = max_held
         self.max_held_bytes = max_held_bytes
@@ -265,6 +288,15 @@ class SourceTracker:
         # nobody, a forwarder losing messages): "recovering" until a live message arrives
         # or a probe finds nothing new.
         self._tail_lost = False
+        # The proven chain: the yielded seqs _base .. _chain_hi - 1 (_base: where the
+        # state was last rebuilt, 0 after a restart, R after a snapshot) are known to be
+        # one publisher instance's, because complete answers that overlap each other
+        # returned them with the bytes that were yielded. Seqs taken live beyond it are
+        # not: a restart hidden from the live socket (a forwarder keeps its connection)
+        # whose first batches were lost shows only as other bytes at a seq already taken,
+        # so probes compare everything from _chain_hi - 1 on.
+        self._base = 0
+        self._chain_hi = 0
 
     # -- state -------------------------------------------------------------------------
 
@@ -293,6 +325,7 @@ class SourceTracker:
         self._last_live = now
         if start_seq:
             self.expected = start_seq
+            self._base = self._chain_hi = start_seq
         if self.has_replay and self.inflight is None:
             self.inflight = self._join()
 
@@ -320,8 +353,15 @@ class SourceTracker:
             return self._ring[seq % RECENT_WINDOW]
         return None
 
-    def _forget(self) -> None:
+    def _forget(self, base: int) -> None:
+        """Forget the bytes yielded so far: the state was rebuilt from ``base`` on."""
         self._ring_lo = self._ring_hi = 0
+        self._base = self._chain_hi = base
+
+    def _link(self, req: Request) -> None:
+        """A complete answer to ``req`` arrived: extend the proven chain with it."""
+        if (req.links or req.start <= self._base) and req.vnext > self._chain_hi:
+            self._chain_hi = req.vnext
 
     # -- live --------------------------------------------------------------------------
 
@@ -444,7 +484,7 @@ class SourceTracker:
         self.counters.restarts += 1
         self._abandon()
         self._clear_held()
-        self._forget()
+        self._forget(0)
         self._attempts = 0
         self.out.append(SourceReset(self.name, "restart", seq))
         self.expected = 0
@@ -498,13 +538,28 @@ class SourceTracker:
         self._held_min = min(held, default=_NO_SEQ)
         return True
 
-    def _anchored(self, purpose: str, delay_s: float = 0.0) -> Request:
-        """A replay request from the anchor ``E - 1`` when its bytes are known, else from E."""
+    def _anchored(self, purpose: str, delay_s: float = 0.0, span: bool = False) -> Request:
+        """A replay request from the anchor ``E - 1`` when its bytes are known, else from E.
+        ``span``: from the end of the proven chain instead (within the remembered window),
+        so that every seq taken live since is compared."""
         e = self.expected
         h = self._known(e - 1) if e > 0 else None
         if h is None:
-            return Request(REPLAY, purpose, e, None, delay_s, e)
-        return Request(REPLAY, purpose, e - 1, h, delay_s, e)
+            req = Request(REPLAY, purpose, e, None, delay_s, e)
+            req.links = e <= self._base
+            return req
+        start = e - 1
+        if span and self.hidden_restarts and self._chain_hi - 1 < start:
+            # Overlap the chain by one seq (or start at the base); older than the window:
+            # from its oldest remembered seq (the seqs before cannot be compared any more).
+            v = max(self._chain_hi - 1, self._base, self._ring_lo)
+            hv = self._known(v)
+            if hv is not None:
+                start, h = v, hv
+        req = Request(REPLAY, purpose, start, h, delay_s, e)
+        req.anchor = e - 1
+        req.links = start < self._chain_hi or start <= max(self._base, self._ring_lo)
+        return req
 
     def _verify(self) -> None:
         e = self.expected
@@ -534,11 +589,16 @@ class SourceTracker:
 
     def _mark_stale(self, reason: str) -> None:
         e = self.expected
-        resume = min(self.held) if self.held else max(e, self.live_high + 1)
+        # Resume at the first held seq at or above E. A held seq below E is a live message
+        # whose bytes are still unverified (a restarted engine's first batches, say): never
+        # a place to resume (a stale notice that goes backwards would have the old state
+        # continued with the new instance's seqs); the _recover below settles it.
+        ahead = [s for s in self.held if s >= e]
+        resume = min(ahead) if ahead else max(e, self.live_high + 1)
         if self.stale and resume == e:
             # Already stale and nothing more skipped (a dead engine's probes failing one
             # after another): no news, no second notice.
-            self._forget()
+            self._forget(e)
             self._attempts = 0
             self._recover()
             return
@@ -546,7 +606,7 @@ class SourceTracker:
         self.counters.stale_marks += 1
         self.out.append(SourceStale(self.name, reason, e, resume))
         self.expected = resume
-        self._forget()
+        self._forget(resume)
         self._attempts = 0
         self._recover()
 
@@ -592,7 +652,7 @@ class SourceTracker:
             self._restart(self.expected)
         else:
             self.counters.probes += 1
-            self.inflight = self._anchored(PROBE)
+            self.inflight = self._anchored(PROBE, span=True)
 
     def on_tick(self, now: float) -> None:
         """The clock reached ``now``: send the idle probe if it is due."""
@@ -609,7 +669,7 @@ class SourceTracker:
         else:
             self._probe_gap = min(2 * gap, max(self.probe_max_s, self.probe_after_s))
         self.counters.probes += 1
-        self.inflight = self._anchored(PROBE)
+        self.inflight = self._anchored(PROBE, span=True)
 
     # -- replies -----------------------------------------------------------------------
 
@@ -646,9 +706,24 @@ class SourceTracker:
                 return
             req.snap.append((topic, payload, batch))
             return
+        if seq > req.last:
+            req.last = seq
         if req.first is None:
             req.first = seq
             anchored = req.check is not None or req.purpose == ANCHOR
+            if anchored and req.start < seq <= req.anchor:
+                # A span request whose start the publisher no longer buffers: what it still
+                # has up to the anchor is compared; the seqs before cannot be any more (see
+                # on_reply_end).
+                known = self._known(seq)
+                if known is not None and known != hash(payload):
+                    self._restart(seq)
+                    return
+                req.checked = True
+                req.below = True
+                req.lost = True
+                req.vnext = seq + 1
+                return
             if anchored and seq != req.start:
                 # No anchor first: nothing in this reply can be trusted to continue what
                 # was yielded (a new instance, or a publisher that no longer buffers it).
@@ -668,6 +743,7 @@ class SourceTracker:
                     return
                 req.checked = True
                 req.below = True
+                req.vnext = seq + 1
                 return
         e = self.expected
         if seq < e:
@@ -677,7 +753,11 @@ class SourceTracker:
                 self._restart(seq)
                 return
             self.counters.duplicates += 1
+            if seq == req.vnext:
+                req.vnext = seq + 1
         elif seq == e:
+            if seq == req.vnext:
+                req.vnext = seq + 1
             self._yield(seq, topic, payload, batch, True)
             self._drain_held()
         else:
@@ -733,12 +813,33 @@ class SourceTracker:
                 return
             self._beyond_buffer()
             return
+        if req.checked and req.last < req.anchor:
+            # A span answer that stops before the anchor: its last replies were lost on
+            # the way (vLLM 0.11's ROUTER), or the publisher does not have the anchor (another
+            # instance; the retries then end in a snapshot, which shows it, or stale).
+            self._attempts += 1
+            if self._attempts > self.max_retries:
+                self._beyond_buffer()
+                return
+            self.counters.retries += 1
+            delay = min(self.backoff_s * (2 ** (self._attempts - 1)), _BACKOFF_CAP_S)
+            self.inflight = self._anchored(REPROBE if req.purpose in (PROBE, REPROBE) else GAP, delay, span=True)
+            return
         if req.checked:
             # The publisher is the instance we followed up to the anchor: held live
             # messages below E whose bytes were unknown are duplicates.
             for s in [s for s in self.held if s < req.e0]:
                 self.held_bytes -= len(self.held.pop(s)[2]) * self.held_factor
                 self.counters.duplicates += 1
+        if req.lost:
+            # Seqs taken live since the last check left the publisher's buffer before they
+            # could be compared (its buffer is shorter than what arrived between two
+            # probes): nothing proves they are the instance that answers now (a restart a
+            # forwarder hid, whose first batches were lost, looks exactly like this).
+            self._beyond_buffer()
+            return
+        if req.checked or req.check is None:
+            self._link(req)
         if not self._drain_held():
             return
         e = self.expected
@@ -764,6 +865,12 @@ class SourceTracker:
             return
         self._attempts = 0
         probe = req.purpose in (PROBE, REPROBE)
+        if probe and e == req.e0 and req.start < req.anchor:
+            # A span probe checked the seqs taken live; it is a long answer, whose last
+            # replies a full ROUTER may have dropped unseen (vLLM 0.11, beyond its HWM): the
+            # tail is asked for again from the anchor (a short answer cannot be holed).
+            self.inflight = self._anchored(req.purpose)
+            return
         if probe and e == req.e0:
             # Nothing was missing: the state is exact now. No news for the consumer,
             # unless the source was not "live" (a probe answered late, a lost tail).
@@ -789,8 +896,8 @@ class SourceTracker:
 
     def _end_snapshot(self, req: Request) -> None:
         if not req.snap:
-            self._mark_stale("gap older than the publisher's replay buffer and the publisher "
-                             "does not answer snapshot requests")
+            self._mark_stale("batches to replay or to check are older than the publisher's replay "
+                             "buffer, and the publisher does not answer snapshot requests")
             self._live_again()
             return
         r = req.snap_tag
@@ -812,7 +919,7 @@ class SourceTracker:
             c.events += len(batch.events)
         self.stale = False
         self.expected = r
-        self._forget()
+        self._forget(r)
         for s in [s for s in self.held if s < r]:
             # Held before the snapshot: covered by it (it was made after they were sent).
             self.held_bytes -= len(self.held.pop(s)[2]) * self.held_factor
@@ -850,7 +957,8 @@ class SourceTracker:
             if req.kind == SNAPSHOT or (req.purpose == ANCHOR and e == req.e0) or e == 0:
                 nxt = Request(req.kind, purpose, req.start, req.check, delay, req.e0)
             else:
-                nxt = self._anchored(GAP if purpose in (JOIN, ANCHOR) else purpose, delay)
+                nxt = self._anchored(GAP if purpose in (JOIN, ANCHOR) else purpose, delay,
+                                     span=purpose == REPROBE)
             self.inflight = nxt
             return
         self.inflight = None

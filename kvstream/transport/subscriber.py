@@ -80,7 +80,10 @@ class SourceSpec:
     frame, until a live message shows the topic). ``bind``: the SUB socket binds
     ``endpoint`` instead of connecting to it, for an engine whose PUB connects (vLLM connects
     when its endpoint has no wildcard, ``tcp://router:5557``); one bound endpoint per engine.
-    The replay endpoint is always connected to (vLLM's ROUTER binds)."""
+    The replay endpoint is always connected to (vLLM's ROUTER binds). ``forwarded``: the live
+    endpoint is a forwarder (a ZMQ proxy, an XSUB/XPUB device) that stays connected when
+    the engine restarts, so no reconnect marks a restart: idle probes then check every batch
+    taken live since the last check (docs/stream.md, *hidden restarts*)."""
 
     endpoint: str
     replay_endpoint: str | None = None
@@ -88,6 +91,7 @@ class SourceSpec:
     curve: CurveClientConfig | None = None
     topic: str | bytes | None = None
     bind: bool = False
+    forwarded: bool = False
 
     @property
     def source(self) -> str:
@@ -453,7 +457,7 @@ class Subscriber:
                                 held_factor=self._factor + 1,
                                 backoff_s=self.backoff_s, probe_after_s=self.probe_after_s,
                                 probe_max_s=self.probe_max_s,
-                                topic=self.topic, source_topic=st)
+                                topic=self.topic, source_topic=st, hidden_restarts=spec.forwarded)
         src = _Source(spec, tracker, spec.curve or self._curve)
         sub = self._ctx.socket(zmq.SUB)
         sub.rcvhwm = self.rcvhwm

@@ -46,11 +46,9 @@ class StreamWorld(World):
     def __init__(self, seed: int, *, forwarders: bool = False, **kw: Any) -> None:
         super().__init__(seed, **kw)
         if not forwarders:
-            # Known limit (see docs/scale-out.md): behind a forwarder that hides a restart,
-            # the old instance's last live messages can reach the relay's subscriber after
-            # it found the restart; it yields them, then corrects itself with another
-            # reset, but the relay's restart test (timestamps, the digest at its position)
-            # can keep the wrong batch in the stream.
+            # The plain scenario: no forwarder in the live path (the RNG draws are the same
+            # either way). With forwarders, those sources get hidden_restarts, as
+            # SourceSpec(forwarded=True) gives them.
             self.forwarded = set()
         rng = self.rng
         self.cap: int | None = rng.choice((None, 15, 40, 120, 400))

@@ -237,3 +237,29 @@ def test_late_copies_of_reset_and_snapshot_messages_are_duplicates_not_a_second_
                      ("SourceBatch", 4), ("SourceBatch", 5), ("SourceReset", 7), ("SourceBatch", 6),
                      ("SourceBatch", 7), ("SourceBatch", 8), ("SourceBatch", 9)]
     assert s.counters.duplicates == 3 and not s.state.stale and s.state.expected == 10
+
+
+def test_a_snapshot_at_the_position_after_a_doubted_restart_is_a_new_instance() -> None:
+    """Stream campaign seed 8: a snapshot tagged R, then a restart the subscriber reported
+    (the relay doubts it), then the restarted engine's snapshot with the same tag R. Its
+    reset had the id of the first one, so the stream dropped it as a copy and consumers kept
+    the old engine's blocks, live."""
+    r = RelaySource("e0")
+    for s in range(10):
+        r.on_item(_b("e0", s, 1.0 + s / 100))
+    [(_, first)] = r.on_item(SourceReset("e0", "snapshot", 10))
+    assert first[wire.H_INSTANCE] == "0"  # the same engine: its snapshot at its next seq
+    r.on_item(_b("e0", 9, 1.2, replayed=True))
+    r.on_item(SourceLive("e0", 9))
+    assert r.on_item(SourceReset("e0", "restart", 9)) == []  # doubted: nothing published
+    [(p, again)] = r.on_item(SourceReset("e0", "snapshot", 10))
+    assert wire.decode_control("e0", p) == SourceReset("e0", "snapshot", 10)
+    assert again[wire.H_INSTANCE] == "1" and again[wire.H_MSG_ID] != first[wire.H_MSG_ID]
+    # Without the doubted restart, the same snapshot again is the same engine's (a copy).
+    r = RelaySource("e0")
+    for s in range(10):
+        r.on_item(_b("e0", s, 1.0 + s / 100))
+    [(_, one)] = r.on_item(SourceReset("e0", "snapshot", 10))
+    r.on_item(SourceLive("e0", 9))
+    [(_, two)] = r.on_item(SourceReset("e0", "snapshot", 10))
+    assert two[wire.H_MSG_ID] == one[wire.H_MSG_ID] and two[wire.H_INSTANCE] == "0"

@@ -252,7 +252,8 @@ class World:
         # probe_max_s 10 s (not the 2 s default): with answers delayed past the timeout,
         # 2 s probes of a few sources overlap and the world is never quiet to be checked.
         t = SourceTracker(name, has_replay=True, max_retries=3, backoff_s=0.05, probe_after_s=PROBE,
-                          probe_max_s=10.0, topic=self.topic_filter)
+                          probe_max_s=10.0, topic=self.topic_filter,
+                          hidden_restarts=name in self.forwarded)
         self.trackers[name] = t
         t.start(self.now)
         self._pump(name)

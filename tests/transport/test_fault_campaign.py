@@ -49,6 +49,12 @@ def test_under_a_topic_filter_with_topicless_replies_no_source_is_live_and_wrong
             "drained unverified (found after bytes-first, issue 23 item 7)"),
     (14811, "the same, behind a forwarder"),
     (30674, "the same, behind a forwarder"),
+    (105925, "a restart a forwarder hid whose first batch was lost: the new instance's seq 1 continued "
+             "the old seq 0 (probes compare every batch taken live since the last check)"),
+    (105606, "the same, after the batches to compare left a 4-step buffer: a snapshot, not live"),
+    (100212, "live batches of an instance that restarted again while its join was out, drained after "
+             "the next instance's answer: a probe whose answer stops before the anchor asks again"),
+    (100822, "a long probe answer's lost tail: the tail is asked for again from the anchor"),
 ])
 def test_regression_seed(seed, case):
     assert run_seed(seed).silent_wrong == 0, case

@@ -119,3 +119,53 @@ async def test_a_restart_behind_a_forwarder_whose_batches_are_all_lost_is_found_
         fwd.close()
     final, stale = apply_items(items)
     assert not stale and final.state() == _model(new)
+
+
+@pytest.mark.parametrize("old_batches", [1, 3])
+async def test_a_hidden_restart_whose_first_batches_are_lost_is_found_by_the_next_probe(tmp_path, old_batches):
+    """Forwarder campaign seeds 105606 and 105925: the engine restarts behind the forwarder
+    and its first batches (as many as the old instance published) are lost, so its next
+    seq continues the old instance's without a gap, and a probe from the anchor sees only
+    the new instance's bytes: the old blocks stayed live for good. With
+    ``SourceSpec(forwarded=True)`` the probe compares every batch taken live since the last
+    check: other bytes at seq 0, a restart, rebuilt from the new instance."""
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"))
+    old = [_step(i) for i in range(old_batches)]
+    new = [_step(5000 + i) for i in range(old_batches + 4)]
+    fwd = FaultyForwarder(cfg.endpoint, ipc(tmp_path, "f"), seed=3)
+    try:
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fwd.serve)
+                spec = SourceSpec(fwd.endpoint, cfg.replay_endpoint, name="s", forwarded=True)
+                # The first idle probe comes 5 s after the old batches: the restart and the
+                # new batches are (normally) in by then, so the probe, not a lucky earlier
+                # one that asked the new instance first, has to find the restart.
+                async with Subscriber([spec], probe_after_s=5.0, replay_timeout_s=0.5) as sub:
+                    async with Publisher(cfg) as pub:
+                        await fwd.subscribed.wait()
+                        await pub.wait_subscribed()
+                        await sub.wait_state("s", "live", timeout_s=10)
+                        for b in old:
+                            pub.publish(b)
+                        items = await collect(sub, lambda it: any(
+                            getattr(x, "seq", -1) == old_batches - 1 for x in it), timeout=20)
+                    fwd.drop = lambda seq: seq < old_batches  # the new instance's first batches
+                    async with Publisher(cfg) as pub2:
+                        await pub2.wait_subscribed()  # the forwarder's upstream reconnected
+                        for b in new:
+                            pub2.publish(b)
+                        with anyio.fail_after(30):
+                            while not any(isinstance(x, SourceReset) and x.reason == "restart" for x in items):
+                                items += sub.get_nowait()
+                                await anyio.sleep(0.02)
+                            while not (sub.state("s") == "live" and sub.health()["s"].last_seq == len(new) - 1):
+                                items += sub.get_nowait()
+                                await anyio.sleep(0.02)
+                        items += sub.get_nowait()
+                tg.cancel_scope.cancel()
+    finally:
+        fwd.close()
+    assert fwd.dropped == old_batches
+    final, stale = apply_items(items)
+    assert not stale and final.state() == _model(new)

@@ -542,3 +542,78 @@ def test_a_start_seq_source_nobody_answers_stays_connecting_and_keeps_asking_its
         t.on_timeout()
     req = t.inflight
     assert (req.start, req.purpose) == (4, "anchor") and t.state == "connecting" and not t.stale
+
+
+def test_a_stale_notice_never_resumes_below_the_next_seq():
+    """Stream campaign seed 9637: a restarted engine's first live batch (seq 0, bytes unknown)
+    was held while a gap request was out; when the request failed, the stale notice resumed
+    at the held seq 0, below E, and the old state was continued with the new instance's
+    batches (a relay then published them as the old instance's)."""
+    t = SourceTracker("s", has_replay=True, max_retries=0)
+    t.start(0.0, start_seq=10)  # the bytes of seqs below 9 are unknown
+    _serve(t, {s: s for s in range(9, 12)})
+    assert t.state == "live" and t.expected == 12
+    t.out.clear()
+    _live(t, 14)  # 12 and 13 lost: a gap request from the anchor 11
+    assert t.inflight is not None and t.inflight.start == 11
+    _sent(t)
+    _live(t, 0, 1000)  # the new instance's first batch: held, its bytes cannot be checked yet
+    t.on_timeout()  # the gap request fails: stale
+    stale = [i for i in t.out if isinstance(i, SourceStale)]
+    assert len(stale) == 1 and stale[0].first_missing_seq == 12 and stale[0].resume_seq >= 12, t.out
+    assert all(i.seq != 0 for i in t.out if isinstance(i, SourceBatch)), _kinds(t.out)
+    assert t.state != "live"
+    # The held seq 0 is checked against whoever answers now: the new instance has no 14.
+    _serve(t, {0: 1000})
+    assert ("SourceReset", 0) in _kinds(t.out) or ("SourceReset", 14) in _kinds(t.out), _kinds(t.out)
+
+
+def test_behind_a_forwarder_a_probe_checks_every_batch_taken_live_since_the_last_check():
+    """Forwarder campaign seed 105925: a restart the forwarder hid, whose first batch was lost:
+    the new instance's seq 1 continued the old instance's seq 0 without a gap, and probes
+    from the anchor only saw the new instance's bytes. With ``hidden_restarts`` a probe
+    starts where the last complete check ended."""
+    t = SourceTracker("s", has_replay=True, hidden_restarts=True)
+    t.start(0.0)
+    _serve(t, {})  # an empty publisher
+    _live(t, 0, 100)  # the old instance's only batch
+    t.on_tick(10.0)
+    _serve(t, {0: 100})  # a probe: the old instance still; the chain reaches seq 0
+    t.out.clear()
+    # The engine restarts behind the forwarder; its seq 0 (bytes 200) is lost, 1 and 2 arrive.
+    for s in (1, 2):
+        _live(t, s, 200 + s)
+    assert t.state == "live" and t.expected == 3
+    t.on_tick(20.0)
+    req = t.inflight
+    assert (req.purpose, req.start) == ("probe", 0)  # not from the anchor 2: from the chain's end
+    _serve(t, {0: 200, 1: 201, 2: 202})
+    assert ("SourceReset", 0) in _kinds(t.out) and t.counters.restarts == 1
+    _serve(t, {0: 200, 1: 201, 2: 202})  # the join rebuilds from the new instance
+    assert [i.seq for i in t.out if isinstance(i, SourceBatch)][-3:] == [0, 1, 2] and t.state == "live"
+
+
+def test_behind_a_forwarder_a_span_the_publisher_no_longer_buffers_is_a_snapshot():
+    """Forwarder campaign seed 105606: the batches taken live since the last check left a
+    4-step buffer before a probe could compare them: nothing proves they are one engine's,
+    so the state is rebuilt from a snapshot (stale without one)."""
+    t = SourceTracker("s", has_replay=True, hidden_restarts=True)
+    t.start(0.0)
+    _serve(t, {})
+    for s in range(8):
+        _live(t, s)
+    t.on_tick(10.0)
+    assert t.inflight.start == 0
+    _serve(t, {s: s for s in range(4, 8)})
+    assert t.inflight is not None and t.inflight.kind == "snapshot" and t.state == "recovering"
+    # Without the flag (no forwarder: a restart drops the live connection) the same probe
+    # is from the anchor and finds the state exact.
+    u = SourceTracker("s", has_replay=True)
+    u.start(0.0)
+    _serve(u, {})
+    for s in range(8):
+        _live(u, s)
+    u.on_tick(10.0)
+    assert u.inflight.start == 7
+    _serve(u, {s: s for s in range(4, 8)})
+    assert u.inflight is None and u.state == "live"
