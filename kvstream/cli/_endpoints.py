@@ -1,7 +1,9 @@
 """What every command that follows engines shares: the endpoint syntax and CURVE flags.
 
-``[NAME=]PUB[,REPLAY]`` with optional ``,replay=ENDPOINT`` and ``,name=NAME`` options, e.g.
-``e0=tcp://h:5557,tcp://h:5558`` or ``tcp://h:5557,replay=tcp://h:5558,name=e0``.
+``[NAME=]PUB[,REPLAY]`` with optional ``,replay=ENDPOINT``, ``,name=NAME`` and
+``,forwarded=yes`` (a forwarder sits between the engine and us: see
+:class:`~kvstream.transport.SourceSpec`) options, e.g. ``e0=tcp://h:5557,tcp://h:5558`` or
+``tcp://h:5557,replay=tcp://h:5558,name=e0``.
 """
 
 from __future__ import annotations
@@ -10,10 +12,22 @@ import argparse
 
 from kvstream.transport import CurveClientConfig, SourceSpec
 
-__all__ = ["parse_source", "SYNTAX", "add_curve_client_args", "curve_client_from_args",
+__all__ = ["parse_source", "parse_forwarded", "SYNTAX", "add_curve_client_args", "curve_client_from_args",
            "check_connect_endpoint", "check_bind_endpoint", "check_distinct_bind_endpoints"]
 
-SYNTAX = "[NAME=]PUB[,REPLAY] (or PUB,replay=REPLAY,name=NAME), e.g. e0=tcp://h:5557,tcp://h:5558"
+SYNTAX = ("[NAME=]PUB[,REPLAY][,forwarded=yes] (or PUB,replay=REPLAY,name=NAME), "
+          "e.g. e0=tcp://h:5557,tcp://h:5558")
+
+_YES, _NO = ("yes", "true", "1"), ("no", "false", "0")
+
+
+def parse_forwarded(value: str, where: str) -> bool:
+    """``forwarded=`` of an endpoint argument: yes/true/1 or no/false/0; ValueError otherwise."""
+    if value.lower() in _YES:
+        return True
+    if value.lower() in _NO:
+        return False
+    raise ValueError(f"forwarded= takes yes or no, got {value!r} in {where!r}")
 
 
 def parse_source(text: str, replay: str | None = None, name: str | None = None) -> SourceSpec:
@@ -27,13 +41,16 @@ def parse_source(text: str, replay: str | None = None, name: str | None = None) 
     parts = text.split(",")
     pub, opts = parts[0], parts[1:]
     positional = 0
+    forwarded = False
     for o in opts:
         key, eq, value = o.partition("=")
         if eq and "://" not in key:
-            if key not in ("replay", "name") or not value:
+            if key not in ("replay", "name", "forwarded") or not value:
                 raise ValueError(f"bad option {o!r} in {text!r}; expected {SYNTAX}")
             if key == "replay":
                 replay = value
+            elif key == "forwarded":
+                forwarded = parse_forwarded(value, text)
             else:
                 name = value
         elif "://" in o and positional == 0:
@@ -53,7 +70,7 @@ def parse_source(text: str, replay: str | None = None, name: str | None = None) 
         raise ValueError(f"{pub!r} is not an endpoint; write it as tcp://HOST:PORT (expected {SYNTAX})")
     if name == "":
         raise ValueError(f"empty source name in {text!r}")
-    return SourceSpec(pub, replay or None, name or None)
+    return SourceSpec(pub, replay or None, name or None, forwarded=forwarded)
 
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")

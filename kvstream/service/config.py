@@ -36,7 +36,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 __all__ = ["EngineSpec", "ServeConfig", "parse_engine", "load_file", "ENGINE_SYNTAX", "check_endpoint",
            "is_loopback", "SOCKETS_PER_ENGINE", "FDS_PER_ENGINE"]
 
-ENGINE_SYNTAX = "[NAME=]PUB[,REPLAY][,http=URL], e.g. e0=tcp://h:5557,tcp://h:5558,http=http://h:8000"
+ENGINE_SYNTAX = ("[NAME=]PUB[,REPLAY][,http=URL][,forwarded=yes], "
+                 "e.g. e0=tcp://h:5557,tcp://h:5558,http=http://h:8000")
 
 SOCKETS_PER_ENGINE = 6
 """ZMQ sockets one followed engine may hold at once: its SUB, the SUB's monitor (a pair of
@@ -120,15 +121,20 @@ def parse_engine(text: str) -> EngineSpec:
         name, body = text.split("=", 1)
     parts = body.split(",")
     pub, replay, http = parts[0], None, None
+    forwarded = False
     for o in parts[1:]:
         key, eq, value = o.partition("=")
         if eq and "://" not in key:
-            if key not in ("replay", "name", "http") or not value:
+            if key not in ("replay", "name", "http", "forwarded") or not value:
                 raise ConfigError(f"bad option {o!r} in {text!r}; expected {ENGINE_SYNTAX}")
             if key == "replay":
                 replay = value
             elif key == "name":
                 name = value
+            elif key == "forwarded":
+                if value.lower() not in ("yes", "true", "1", "no", "false", "0"):
+                    raise ConfigError(f"forwarded= takes yes or no, got {value!r} in {text!r}")
+                forwarded = value.lower() in ("yes", "true", "1")
             else:
                 if http is not None:
                     raise ConfigError(f"two http= parts in {text!r}; give one base URL per engine")
@@ -147,7 +153,7 @@ def parse_engine(text: str) -> EngineSpec:
             raise ConfigError(f"engine {text!r}: {why}")
     if name == "":
         raise ConfigError(f"empty engine name in {text!r}")
-    return EngineSpec(SourceSpec(pub, replay or None, name or None), http)
+    return EngineSpec(SourceSpec(pub, replay or None, name or None, forwarded=forwarded), http)
 
 
 class _File(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_defaults=True):

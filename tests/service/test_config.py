@@ -15,6 +15,8 @@ FORMS = [
     "tcp://h:5557,replay=tcp://h:5558,name=e1",
     "ipc:///tmp/x.sock,ipc:///tmp/y.sock",
     "e2=tcp://h:5557,name=e3",
+    "e4=tcp://h:5557,tcp://h:5558,forwarded=yes",
+    "tcp://h:5557,forwarded=no",
 ]
 
 
@@ -25,8 +27,18 @@ def test_engine_forms_parse_like_subscribe_and_record(text: str) -> None:
     assert with_http.source == parse_source(text) and with_http.http == "http://h:8000"
 
 
+def test_forwarded_yes_turns_on_the_forwarder_probe_for_that_engine_only() -> None:
+    # A source behind a forwarder needs SourceSpec(forwarded=True) (docs/stream.md); the
+    # endpoint option is how serve, subscribe and record users set it.
+    assert parse_engine("e0=tcp://h:5557,tcp://h:5558,forwarded=yes").source.forwarded is True
+    assert parse_source("tcp://h:5557,forwarded=TRUE").forwarded is True
+    assert parse_engine("e0=tcp://h:5557").source.forwarded is False
+    assert parse_source("tcp://h:5557,forwarded=0").forwarded is False
+
+
 @pytest.mark.parametrize("text", ["nope", "e0=tcp://h:1,bogus=1", "tcp://h:1,tcp://h:2,tcp://h:3", "=tcp://h:1",
-                                  "tcp://h:1,http=x", "tcp://h:1,http=http://a,http=http://b", "tcp://h:1,name="])
+                                  "tcp://h:1,http=x", "tcp://h:1,http=http://a,http=http://b", "tcp://h:1,name=",
+                                  "tcp://h:1,forwarded=maybe", "tcp://h:1,forwarded="])
 def test_bad_engines_are_config_errors_like_subscribe_refuses_them(text: str) -> None:
     with pytest.raises(ConfigError):
         parse_engine(text)
