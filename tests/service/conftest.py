@@ -112,11 +112,13 @@ class EngineProc:
 class ServeProc:
     """``kvstream serve`` as a subprocess; ``url`` is its base URL once it printed it."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 preexec_fn: Callable[[], Any] | None = None) -> None:
         self.err = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstream", "serve", "--port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=self.err, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+                                     env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                                     preexec_fn=preexec_fn)  # e.g. lower its resource limits
         try:
             line = read_line(self.proc, err=self.err)
             assert "listening on " in line, line
