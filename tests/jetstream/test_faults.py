@@ -217,7 +217,7 @@ async def test_retention_dropping_what_a_late_consumer_needed_is_a_gap_not_silen
         try:
             js = nc.jetstream()
             if limit == "max_age":  # wait for the server to age the first ones out
-                with anyio.fail_after(10):
+                with anyio.fail_after(30):
                     while (await js.stream_info("KV_EVENTS")).state.first_seq == 1:
                         await anyio.sleep(0.05)
                 eng.steps(5)
