@@ -336,7 +336,7 @@ async def _wait_duplicate_window_passed(url: str) -> None:
     try:
         js = nc.jetstream()
         await js.publish("kv.probe", b"", headers={"Nats-Msg-Id": "probe"})
-        with anyio.fail_after(20):
+        with anyio.fail_after(60):
             while (await js.publish("kv.probe", b"", headers={"Nats-Msg-Id": "probe"})).duplicate:
                 await anyio.sleep(0.05)
     finally:
