@@ -163,7 +163,7 @@ class ServeProc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(15)
+                self.proc.wait(60)  # a loaded machine may take long; close() == 0 is asserted
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
