@@ -746,7 +746,8 @@ class Subscriber:
         it is retried with the same back-off and the source turns ``recovering`` and then
         ``stale``; only this source waits, and the subscriber never ends on it."""
         t = src.tracker
-        self._rlog.warning("socket:" + t.name, "%s: cannot open a replay socket for %s (%s); %s request "
+        # One key for every source: out of descriptors, all of them fail at once.
+        self._rlog.warning("socket", "%s: cannot open a replay socket for %s (%s); %s request "
                            "counted as unanswered, asked again with back-off", t.name, src.spec.replay_endpoint,
                            exc, req.kind)
         gen = t.generation
