@@ -35,8 +35,11 @@ echo "burners: ${BURNERS[*]}; $RUNS run(s) of: pytest ${ARGS[*]}"
 failed=0
 for i in $(seq 1 "$RUNS"); do
     start=$(date +%s)
-    # In the background and waited for, so that a signal reaches the trap at once.
-    "$PY" -m pytest -p no:cacheprovider "${ARGS[@]}" > "$LOG" 2>&1 &
+    # In the background and waited for, so that a signal reaches the trap at once. A
+    # background command of a shell without job control starts with SIGINT and SIGQUIT
+    # ignored, and every process the tests start would inherit that (a test's Ctrl-C to a
+    # command would never arrive): `trap -` gives them back their default first.
+    ( trap - INT QUIT; exec "$PY" -m pytest -p no:cacheprovider "${ARGS[@]}" ) > "$LOG" 2>&1 &
     RUNNING=$!
     wait "$RUNNING"
     rc=$?

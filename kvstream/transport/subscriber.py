@@ -459,42 +459,44 @@ class Subscriber:
                                 probe_max_s=self.probe_max_s,
                                 topic=self.topic, source_topic=st, hidden_restarts=spec.forwarded)
         src = _Source(spec, tracker, spec.curve or self._curve)
-        sub = self._ctx.socket(zmq.SUB)
-        sub.rcvhwm = self.rcvhwm
-        sub.linger = 0
-        sub.setsockopt(zmq.MAXMSGSIZE, self._maxmsg)
-        if src.curve is not None:
-            from kvstream.transport.curve import apply_client
-
-            apply_client(sub, src.curve)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub = src.sub = self._ctx.socket(zmq.SUB)
         try:
-            if spec.bind:
-                sub.bind(spec.endpoint)
-                src.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                sub.connect(spec.endpoint)
-        except zmq.ZMQError as exc:
-            sub.close(0)
-            raise EndpointError(f"cannot {'bind' if spec.bind else 'connect to'} {spec.endpoint!r}: {exc}; "
-                                f"{_ENDPOINT_FORMS}") from None
-        if spec.replay_endpoint is not None:
-            # The replay socket connects lazily (in the replay task, where a ZMQError would
-            # end every source): refuse an endpoint it could never connect to here.
-            probe = self._ctx.socket(zmq.DEALER)
+            sub.rcvhwm = self.rcvhwm
+            sub.linger = 0
+            sub.setsockopt(zmq.MAXMSGSIZE, self._maxmsg)
+            if src.curve is not None:
+                from kvstream.transport.curve import apply_client
+
+                apply_client(sub, src.curve)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             try:
-                probe.connect(spec.replay_endpoint)
+                if spec.bind:
+                    sub.bind(spec.endpoint)
+                    src.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+                else:
+                    sub.connect(spec.endpoint)
             except zmq.ZMQError as exc:
-                sub.close(0)
-                raise EndpointError(f"cannot connect to replay endpoint {spec.replay_endpoint!r}: {exc}; "
+                raise EndpointError(f"cannot {'bind' if spec.bind else 'connect to'} {spec.endpoint!r}: {exc}; "
                                     f"{_ENDPOINT_FORMS}") from None
-            finally:
-                probe.close(0)
-        src.sub = sub
-        if spec.replay_endpoint is not None:
-            # Reconnects of the live socket: the publisher may have restarted (see
-            # SourceTracker.on_reconnect). Failed handshakes (CURVE) are logged.
-            src.monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
+            if spec.replay_endpoint is not None:
+                # The replay socket connects lazily (in the replay task): refuse an endpoint
+                # it could never connect to here.
+                probe = self._ctx.socket(zmq.DEALER)
+                try:
+                    probe.connect(spec.replay_endpoint)
+                except zmq.ZMQError as exc:
+                    raise EndpointError(f"cannot connect to replay endpoint {spec.replay_endpoint!r}: {exc}; "
+                                        f"{_ENDPOINT_FORMS}") from None
+                finally:
+                    probe.close(0)
+                # Reconnects of the live socket: the publisher may have restarted (see
+                # SourceTracker.on_reconnect). Failed handshakes (CURVE) are logged.
+                src.monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
+        except BaseException:
+            # A source that cannot start leaves nothing open: out of sockets or descriptors
+            # half-way (EMFILE on the probe or the monitor), the SUB would otherwise leak.
+            self._close_source(src)
+            raise
         self._sources[name] = src
         tracker.start(time.monotonic(), start_seq)
         self._tg.start_soon(self._run_source, src, name=f"kvstream-source-{name}")
@@ -650,16 +652,21 @@ class Subscriber:
             return src.dealer
         if src.dealer is not None and not src.dealer.closed:
             src.dealer.close(linger=0)
+        src.dealer = None
         assert self._ctx is not None and src.spec.replay_endpoint is not None
         d = self._ctx.socket(zmq.DEALER)
-        d.linger = 0
-        d.rcvhwm = self.replay_rcvhwm
-        d.setsockopt(zmq.MAXMSGSIZE, self._maxmsg)
-        if src.curve is not None:
-            from kvstream.transport.curve import apply_client
+        try:
+            d.linger = 0
+            d.rcvhwm = self.replay_rcvhwm
+            d.setsockopt(zmq.MAXMSGSIZE, self._maxmsg)
+            if src.curve is not None:
+                from kvstream.transport.curve import apply_client
 
-            apply_client(d, src.curve)
-        d.connect(src.spec.replay_endpoint)
+                apply_client(d, src.curve)
+            d.connect(src.spec.replay_endpoint)
+        except BaseException:
+            d.close(linger=0)
+            raise
         src.dealer = d
         src.dealer_gen = t.generation
         return d
@@ -701,7 +708,11 @@ class Subscriber:
             await self._wait_space()
             if t.inflight is not req:
                 return
-        d = self._dealer(src)
+        try:
+            d = self._dealer(src)
+        except zmq.ZMQError as exc:
+            await self._no_socket(src, req, exc)
+            return
         start = req.frame()
         gen = t.generation
         try:
@@ -729,6 +740,26 @@ class Subscriber:
             self._rlog.warning("timeout:" + t.name, "%s: no complete answer to a %s request from %s "
                                "within %.1fs", t.name, req.kind, src.spec.replay_endpoint,
                                self.replay_timeout_s)
+            t.on_timeout()
+            self._after(src, gen)
+
+    async def _no_socket(self, src: _Source, req: Request, exc: zmq.ZMQError) -> None:
+        """No replay socket could be opened for ``req`` (out of ZMQ sockets or file
+        descriptors: EMFILE, e.g. while HTTP connections hold every descriptor). The
+        request counts as unanswered after ``replay_timeout_s``, as if it had been sent, so
+        it is retried with the same back-off and the source turns ``recovering`` and then
+        ``stale``; only this source waits, and the subscriber never ends on it."""
+        t = src.tracker
+        # One key for every source: out of descriptors, all of them fail at once.
+        self._rlog.warning("socket", "%s: cannot open a replay socket for %s (%s); %s request "
+                           "counted as unanswered, asked again with back-off", t.name, src.spec.replay_endpoint,
+                           exc, req.kind)
+        gen = t.generation
+        with anyio.move_on_after(self.replay_timeout_s) as scope:
+            src.wait_scope = scope  # cancelled if the request is abandoned meanwhile
+            await anyio.sleep_forever()
+        src.wait_scope = None
+        if t.inflight is req and t.generation == gen:
             t.on_timeout()
             self._after(src, gen)
 

@@ -121,7 +121,7 @@ async def test_batches_reach_a_real_publisher_and_its_snapshot(tmp_path: Path) -
                 async def ask(start: bytes) -> list[tuple[int, bytes]]:
                     await dealer.send_multipart([b"", start])
                     got = []
-                    with anyio.fail_after(10):
+                    with anyio.fail_after(30):
                         while True:
                             frames = await dealer.recv_multipart()
                             seq, payload = frames[-2], frames[-1]
@@ -225,10 +225,10 @@ async def test_queue_full_raise_on_a_real_publisher_leaves_no_hole(tmp_path: Pat
                 except QueueFullError:
                     refused += 1
                 if i % 4 == 3:
-                    with anyio.fail_after(10):
+                    with anyio.fail_after(30):
                         while pub.queued:
                             await anyio.lowlevel.checkpoint()
-            with anyio.fail_after(10):
+            with anyio.fail_after(30):
                 while kv.held_batches or pub.queued:
                     await anyio.lowlevel.checkpoint()
                     try:
@@ -239,7 +239,7 @@ async def test_queue_full_raise_on_a_real_publisher_leaves_no_hole(tmp_path: Pat
             dealer.connect(pub.replay_endpoint)
             await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             got = []
-            with anyio.fail_after(10):
+            with anyio.fail_after(30):
                 while True:
                     frames = await dealer.recv_multipart()
                     if frames[-2] == b"\xff" * 8:

@@ -67,6 +67,14 @@ def _started(p: subprocess.Popen, deadline: float = 30.0) -> None:
     raise AssertionError(f"{p.args!r} did not start within {deadline}s")
 
 
+def _as_at_a_terminal() -> None:
+    """In the child: SIGINT does what it does for a command started at a terminal. A
+    command started in the background by a shell without job control (``pytest ... &`` in
+    a script, as bench/stress_suite.sh runs the suite) inherits SIGINT ignored, and Python
+    then leaves it ignored: the Ctrl-C never arrives and the command runs on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 COMMANDS = [
     ["serve", "--port", "0", "e0=tcp://127.0.0.1:1"],
     ["engine", "--port", "0"],
@@ -87,7 +95,7 @@ def test_ctrl_c_while_a_command_starts_is_one_line_never_a_traceback(cmd: list[s
     args = [a.replace("{tmp}", str(tmp_path)) for a in cmd]
     for after in (0.0, 0.1, 0.3, 0.6):
         p = subprocess.Popen([*KV, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             stdin=subprocess.DEVNULL)
+                             stdin=subprocess.DEVNULL, preexec_fn=_as_at_a_terminal)
         try:
             _started(p)
             time.sleep(after)  # Ctrl-C at several points of the start-up (the point, not a wait for a peer)

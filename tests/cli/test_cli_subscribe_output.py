@@ -57,7 +57,7 @@ async def test_a_reader_that_leaves_ends_subscribe_cleanly(tmp_path):
             p.stdout.close()
             for i in range(300, 600):  # more output for the closed pipe
                 pub.publish_raw(_odd_batch(i), i)
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 rc = await anyio.to_thread.run_sync(p.wait)
         finally:
             if p.poll() is None:

@@ -29,13 +29,13 @@ def test_requests_become_events_in_the_chosen_wire_version(tmp_path: Path, wire:
             spec = SourceSpec(engine.events or "", engine.replay, name="e0")
             async with Router([spec], index=KVIndex(router_block_size=16)) as router, \
                     httpx.AsyncClient(base_url=engine.url) as client:
-                with anyio.fail_after(10):
+                with anyio.fail_after(30):
                     while router.health()["e0"].state != "live":
                         await anyio.sleep(0.01)
                 prompt = list(range(1, 50))  # 3 full blocks
                 seq = -1
                 first_event: object = None
-                with anyio.fail_after(10):
+                with anyio.fail_after(30):
                     # The raw SUB may join after the first batch: ask again until it sees one.
                     while first_event is None:
                         r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})

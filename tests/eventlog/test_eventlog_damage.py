@@ -196,7 +196,7 @@ def test_replay_sends_a_second_topic_and_the_largest_seq_as_recorded(tmp_path):
         try:
             async with Publisher(cfg) as pub:
                 sub.connect(pub.endpoint)
-                with anyio.fail_after(10):  # readiness: a warm-up frame arrives
+                with anyio.fail_after(30):  # readiness: a warm-up frame arrives
                     while True:
                         pub.send_verbatim(b"", 0, b"kv@warm-up")
                         await anyio.sleep(0.01)
@@ -206,7 +206,7 @@ def test_replay_sends_a_second_topic_and_the_largest_seq_as_recorded(tmp_path):
                         except zmq.Again:
                             pass
                 st = await replay_to_publishers(records, {"e0": pub}, speed=None)
-                with anyio.fail_after(10):
+                with anyio.fail_after(30):
                     while len(got) < len(recs):
                         try:
                             f = sub.recv_multipart(zmq.NOBLOCK)

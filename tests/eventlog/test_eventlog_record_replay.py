@@ -68,7 +68,7 @@ def short_tmp(tmp_path_factory):
 
 async def _drained(*pubs) -> None:
     """Wait (a state, with a deadline) until every publisher's send queue is empty."""
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         while any(p.queued for p in pubs):
             await anyio.sleep(0.001)
 
@@ -114,7 +114,7 @@ async def _record_live(tmp, log_path):
                         Publisher(cfgs["e2"], snapshot_provider=engines["e2"].snapshot) as p2, \
                         Publisher(cfgs["e3"]) as p3:
                     async with Publisher(cfgs["e0"]) as p0:
-                        with anyio.fail_after(10):  # every SUB socket has joined its publisher
+                        with anyio.fail_after(30):  # every SUB socket has joined its publisher
                             for p in (p0, p1, p2, p3):
                                 await p.wait_subscribed()
                         for _ in range(30):  # paced: each step is sent before the next
@@ -129,13 +129,13 @@ async def _record_live(tmp, log_path):
                         # One more live batch each: the subscriber sees the hole behind it.
                         for name, p in (("e1", p1), ("e2", p2), ("e3", p3)):
                             step(p, name)
-                        with anyio.fail_after(10):  # the first e0 has been heard to its end
+                        with anyio.fail_after(30):  # the first e0 has been heard to its end
                             while want["e0"] < 29:
                                 await anyio.sleep(0.001)
                     # e0 restarts: a new engine on the same endpoints, seq from 0 again.
                     engines["e0"] = _Engine(99)
                     async with Publisher(cfgs["e0"]) as p0b:
-                        with anyio.fail_after(10):  # the SUB has reconnected and re-subscribed
+                        with anyio.fail_after(30):  # the SUB has reconnected and re-subscribed
                             await p0b.wait_subscribed()
                         for _ in range(10):
                             step(p0b, "e0")
@@ -190,10 +190,10 @@ async def _sub_frames(pub, n, started):
     s.connect(pub.endpoint)
     frames = []
     try:
-        with anyio.fail_after(10):  # readiness: the publisher has our subscription
+        with anyio.fail_after(30):  # readiness: the publisher has our subscription
             await pub.wait_subscribed()
         started.set()
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             while len(frames) < n:
                 try:
                     frames.append(tuple(s.recv_multipart(zmq.NOBLOCK)))
@@ -287,7 +287,7 @@ async def test_an_engine_logs_its_own_published_stream_through_the_publisher_tap
                for i in range(5)]
     with LogWriter(path, flush="record", tap_source="engine-0") as writer:
         cfg = KVEventsConfig(endpoint=f"ipc://{tmp_path}/p.sock", topic="kv@e0")
-        with anyio.fail_after(5):
+        with anyio.fail_after(30):
             async with Publisher(cfg, tap=writer.tap) as pub:
                 seqs = [pub.publish(b) for b in batches]
     records, damage = read_log(path)

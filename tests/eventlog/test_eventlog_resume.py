@@ -32,7 +32,7 @@ async def _record(log_path, spec, expect_batches):
     with LogWriter(log_path, resume=True) as writer:
         async with Subscriber([spec], topic=TOPIC, replay_timeout_s=1.0, backoff_s=0.02) as sub:
             rec = Recorder(sub, writer)
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 await rec.run(max_batches=expect_batches)
     return rec
 

@@ -19,7 +19,7 @@ async def _fill(tmp_path, url: str, n: int) -> Engine:
     async with Engine(tmp_path, "e0") as eng, Relay([eng.spec], url) as relay, anyio.create_task_group() as tg:
         tg.start_soon(relay.run)
         eng.steps(n)
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             while relay.sources["e0"].pos < n - 1 or relay.stats.inflight:
                 await anyio.sleep(0.005)
         tg.cancel_scope.cancel()

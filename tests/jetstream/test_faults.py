@@ -217,7 +217,7 @@ async def test_retention_dropping_what_a_late_consumer_needed_is_a_gap_not_silen
         try:
             js = nc.jetstream()
             if limit == "max_age":  # wait for the server to age the first ones out
-                with anyio.fail_after(10):
+                with anyio.fail_after(30):
                     while (await js.stream_info("KV_EVENTS")).state.first_seq == 1:
                         await anyio.sleep(0.05)
                 eng.steps(5)
@@ -336,7 +336,7 @@ async def _wait_duplicate_window_passed(url: str) -> None:
     try:
         js = nc.jetstream()
         await js.publish("kv.probe", b"", headers={"Nats-Msg-Id": "probe"})
-        with anyio.fail_after(20):
+        with anyio.fail_after(60):
             while (await js.publish("kv.probe", b"", headers={"Nats-Msg-Id": "probe"})).duplicate:
                 await anyio.sleep(0.05)
     finally:

@@ -17,7 +17,7 @@ async def _fill(tmp_path, url: str, engines: list[Engine], n: int) -> None:
         tg.start_soon(relay.run)
         for e in engines:
             e.steps(n)
-        with anyio.fail_after(20):
+        with anyio.fail_after(60):
             while any(relay.sources[e.name].pos < n - 1 for e in engines) or relay.stats.inflight:
                 await anyio.sleep(0.005)
         tg.cancel_scope.cancel()

@@ -74,7 +74,7 @@ async def test_a_subscriber_given_the_any_format_decoder_reads_rfc_batches_off_t
     cfg = KVEventsConfig(endpoint=f"ipc://{tmp_path}/p.sock", replay_endpoint=f"ipc://{tmp_path}/r.sock")
     dec = AnyFormatDecoder()
     stored = {**ENVELOPE, "event_type": "stored", "seq_hashes": [7], "base_block_idx": 0, "parent_hash": None}
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as pub, Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, "m")],
                                                     decoder=dec) as sub:
             await sub.wait_connected()

@@ -87,7 +87,7 @@ def test_a_registration_the_subscriber_cannot_take_is_a_4xx_and_the_runtime_surv
             assert len(followed) == statuses.count(200)
             assert set(core.indexes) == {DEFAULT_INDEX} | {core.engines[n].index for n in followed}
             seq = await anyio.to_thread.run_sync(e.admit, PROMPT, "r1")
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 while core.applied.get("e0", -1) < seq:
                     await anyio.sleep(0.01)
             assert core.failure is None

@@ -43,7 +43,7 @@ async def test_a_connecting_publisher_that_reaches_nobody_is_warned_about_once(m
     monkeypatch.setattr(publisher_module, "_NO_PEER_WARN_S", 0.3)
     caplog.set_level(logging.WARNING, logger="kvstream.transport.publisher")
     ep = f"tcp://127.0.0.1:{_free_port()}"
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         async with Publisher(KVEventsConfig(endpoint=ep, replay_endpoint="tcp://127.0.0.1:*")) as pub:
             pub.publish(_batch(0))
             while not any("reached no subscriber" in r.getMessage() for r in caplog.records):
@@ -60,7 +60,7 @@ async def test_a_connecting_publisher_heard_by_a_binding_subscriber_warns_nothin
     monkeypatch.setattr(publisher_module, "_NO_PEER_WARN_S", 0.5)
     caplog.set_level(logging.WARNING, logger="kvstream.transport.publisher")
     ep = f"tcp://127.0.0.1:{_free_port()}"
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         async with Subscriber([SourceSpec(ep, name="e", bind=True)]) as sub:
             async with Publisher(KVEventsConfig(endpoint=ep)) as pub:
                 await pub.wait_subscribed()

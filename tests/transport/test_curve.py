@@ -49,7 +49,7 @@ async def test_trusted_subscriber_reads_live_and_replay_and_strangers_read_nothi
     stranger = generate_keypair()
     trusted = CurveClientConfig(server_public_key=server[0], secret_key=trusted_sec, public_key=trusted_pub)
     other = CurveClientConfig(server_public_key=server[0], secret_key=stranger[1], public_key=stranger[0])
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with Publisher(_cfg(server, (trusted_pub,))) as pub:
             pub.publish(_batch(0))  # before anyone joined: needs the (encrypted) replay
             specs = [SourceSpec(pub.endpoint, pub.replay_endpoint, name="ok", curve=trusted),
@@ -78,7 +78,7 @@ async def test_subscriber_refuses_a_server_without_the_expected_key():
     client = generate_keypair()
     expects_real = CurveClientConfig(server_public_key=real[0], secret_key=client[1], public_key=client[0])
     expects_impostor = CurveClientConfig(server_public_key=impostor[0], secret_key=client[1], public_key=client[0])
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with Publisher(_cfg(impostor, None)) as pub:  # any client allowed, but wrong server key
             specs = [SourceSpec(pub.endpoint, name="fooled", curve=expects_real),
                      SourceSpec(pub.endpoint, name="control", curve=expects_impostor)]
@@ -95,7 +95,7 @@ async def test_subscriber_refuses_a_server_without_the_expected_key():
 async def test_curve_with_any_client_encrypts_without_an_allow_list():
     server, client = generate_keypair(), generate_keypair()
     cc = CurveClientConfig(server_public_key=server[0], secret_key=client[1], public_key=client[0])
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with Publisher(_cfg(server, None)) as pub:
             async with Subscriber([SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")], curve=cc) as sub:
                 await pub.wait_subscribed(1)  # the tcp + CURVE join is complete

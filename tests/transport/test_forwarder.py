@@ -109,7 +109,7 @@ async def test_a_restart_behind_a_forwarder_whose_batches_are_all_lost_is_found_
                             items += sub.get_nowait()
                             await anyio.sleep(0.02)
                         # Rebuilt from the new instance (its replay buffer has all of it).
-                        with anyio.fail_after(20):
+                        with anyio.fail_after(60):
                             while not (sub.state("s") == "live" and sub.health()["s"].last_seq == n - 1):
                                 items += sub.get_nowait()
                                 await anyio.sleep(0.02)

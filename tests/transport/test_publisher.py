@@ -116,7 +116,7 @@ def test_port_zero_at_a_dp_rank_follows_the_selected_vllm_release():
 
 async def test_rank_above_zero_binds_ephemeral_ports_under_vllm_0_33(ctx):
     cfg = KVEventsConfig(endpoint="tcp://*:0", replay_endpoint="tcp://*:0")  # "*": bind, like vLLM
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg, data_parallel_rank=2) as a, Publisher(cfg, data_parallel_rank=3) as b:
             ports = {ep.rsplit(":", 1)[1] for ep in (a.endpoint, a.replay_endpoint, b.endpoint, b.replay_endpoint)}
     assert len(ports) == 4 and "0" not in ports
@@ -133,7 +133,7 @@ def test_pub_port_colliding_with_a_replay_port_is_a_startup_error():
 
 async def test_live_frames_are_topic_seq_payload_from_zero_without_empty_batches(tmp_path, ctx):
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), topic="kv@t")
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg, data_parallel_rank=0) as pub:
             s = await _sub(ctx, pub)
             assert pub.publish(_batch(1)) == 0
@@ -149,7 +149,7 @@ async def test_live_frames_are_topic_seq_payload_from_zero_without_empty_batches
 
 async def test_rank_is_stamped_and_tcp_endpoints_are_offset(ctx):
     cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg, data_parallel_rank=3) as pub:
             s = await _sub(ctx, pub)
             pub.publish(_batch(1))
@@ -162,7 +162,7 @@ async def test_replay_sends_buffered_batches_then_end_marker_with_or_without_top
     for topic_frame in (True, False):
         cfg = KVEventsConfig(endpoint=ipc(tmp_path, f"p{topic_frame}"), replay_endpoint=ipc(tmp_path, f"r{topic_frame}"),
                              topic="kv", buffer_steps=5, replay_topic_frame=topic_frame)
-        with anyio.fail_after(5):
+        with anyio.fail_after(30):
             async with Publisher(cfg) as pub:
                 for i in range(8):
                     pub.publish(_batch(i))
@@ -190,7 +190,7 @@ async def test_replay_sends_buffered_batches_then_end_marker_with_or_without_top
 
 async def test_malformed_replay_requests_are_counted_and_ignored(tmp_path, ctx):
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"))
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as pub:
             pub.publish(_batch(1))
             d = ctx.socket(zmq.DEALER)
@@ -211,7 +211,7 @@ async def test_snapshot_request_returns_full_state_tagged_with_the_next_seq(tmp_
     state = [AllBlocksCleared()] + [_stored(h) for h in range(5)]
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"),
                          snapshot_batch_events=4)
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg, snapshot_provider=lambda: state) as pub:
             for i in range(3):
                 pub.publish(_batch(i))
@@ -229,7 +229,7 @@ async def test_snapshot_request_returns_full_state_tagged_with_the_next_seq(tmp_
 
 async def test_snapshot_request_without_provider_gets_only_the_end_marker_like_vllm(tmp_path, ctx):
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"))
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as pub:
             pub.publish(_batch(1))
             d = ctx.socket(zmq.DEALER)
@@ -245,7 +245,7 @@ async def test_snapshot_request_without_provider_gets_only_the_end_marker_like_v
 
 async def test_full_queue_keeps_batches_for_replay_only_and_counts_them(tmp_path, ctx):
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"), max_queue_size=3)
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as pub:
             s = await _sub(ctx, pub)
             seqs = [pub.publish(_batch(i)) for i in range(10)]  # no await: the sender cannot run
@@ -283,7 +283,7 @@ async def test_graceful_shutdown_sends_everything_queued(tmp_path, ctx):
     s.linger = 0
     s.rcvhwm = 0
     s.subscribe(b"")
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as pub:
             s.connect(pub.endpoint)
             await pub.wait_subscribed(1)
@@ -301,7 +301,7 @@ async def test_publisher_connects_when_the_endpoint_is_not_a_wildcard(ctx):
     s.linger = 0
     s.subscribe(b"")
     port = s.bind_to_random_port("tcp://127.0.0.1")
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(KVEventsConfig(endpoint=f"tcp://127.0.0.1:{port}")) as pub:
             # Connected, and the SUB's filter has arrived. A SUB attaches new connections only
             # inside a call on it, so it is asked for its events meanwhile.
@@ -316,7 +316,7 @@ async def test_publisher_connects_when_the_endpoint_is_not_a_wildcard(ctx):
 
 async def test_wait_subscribed_reports_each_joining_subscriber_and_the_first_batch_reaches_it(tmp_path, ctx):
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), topic="kv")
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as pub:
             assert pub.stats.subscriptions == 0
             subs = [await _sub(ctx, pub) for _ in range(3)]
@@ -335,7 +335,7 @@ async def test_wait_subscribed_reports_each_joining_subscriber_and_the_first_bat
 async def test_replay_request_flood_does_not_stall_live_publishing(tmp_path, ctx):
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"),
                          max_replay_jobs=8)
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as pub:
             s = await _sub(ctx, pub)
             for i in range(2000):
@@ -362,7 +362,7 @@ async def test_replay_request_flood_does_not_stall_live_publishing(tmp_path, ctx
 async def test_publish_raw_sends_given_bytes_and_seq_and_restarts_the_replay_buffer(tmp_path, ctx):
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"), topic="kv")
     p = [encode_batch_raw(i) for i in range(6)]
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as pub:
             s = await _sub(ctx, pub)
             pub.publish_raw(p[0], 7)  # a log may start mid-stream
@@ -398,7 +398,7 @@ async def test_tap_sees_every_seq_and_a_failing_tap_is_counted_not_raised(tmp_pa
             raise RuntimeError("disk full")
 
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), topic="kv")
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg, tap=tap) as pub:
             for i in range(3):
                 pub.publish(_batch(10 + i))

@@ -51,7 +51,7 @@ async def run_flood(cfg: KVEventsConfig, mode: str, n: int, k: int, *, snapshot_
     async with Publisher(cfg, snapshot_provider=(lambda: state) if state else None) as pub:
         for i in range(BUFFERED):
             pub.publish(batches[i & 63])
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             while pub.queued:  # the burst has gone out (a state, polled)
                 await anyio.sleep(0.01)
         # Engines freeze their startup heap (vLLM calls gc.freeze()): a full collection of

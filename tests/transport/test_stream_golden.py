@@ -120,13 +120,13 @@ async def test_publisher_frames_are_byte_identical_to_vllm(golden_dir, tmp_path,
     sub.subscribe(b"")
     dealer = ctx.socket(zmq.DEALER)
     try:
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             async with Publisher(cfg) as pub:
                 sub.connect(pub.endpoint)
                 dealer.connect(pub.replay_endpoint)
                 # Readiness, not a sleep: re-send the first recorded batch as seq 0 until
                 # the SUB has it (a slow joiner loses what precedes its subscription).
-                with anyio.fail_after(5):
+                with anyio.fail_after(30):
                     while True:
                         pub.publish_raw(live[0][2], 0)
                         if await wait_readable(sub, 0.05):

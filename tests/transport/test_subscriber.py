@@ -205,7 +205,7 @@ async def test_many_publishers_are_followed_at_once_in_order_per_source(tmp_path
             for i in range(3)]
     # ipc endpoints cannot be offset for rank > 0 (vLLM's rule): rank 1 uses tcp.
     cfgs[1] = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv")
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with Publisher(cfgs[0], data_parallel_rank=0) as p0, \
                 Publisher(cfgs[1], data_parallel_rank=1) as p1, Publisher(cfgs[2]) as p2:
             pubs = [p0, p1, p2]
@@ -234,7 +234,7 @@ async def test_topic_filter_ignores_other_topics_live_and_replayed(tmp_path):
     other topic's buffered batches)."""
     ca = KVEventsConfig(endpoint=ipc(tmp_path, "a"), replay_endpoint=ipc(tmp_path, "ra"), topic="kv@a")
     cb = KVEventsConfig(endpoint=ipc(tmp_path, "b"), replay_endpoint=ipc(tmp_path, "rb"), topic="other")
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with Publisher(ca) as a, Publisher(cb) as b:
             b.publish(_batch(10))  # buffered before the subscriber joins: fetched by the join replay
             a.publish(_batch(20))
@@ -260,20 +260,22 @@ async def test_lag_is_measured_from_receive_time_not_from_the_batch_timestamp(tm
     import time
 
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "a"), replay_endpoint=ipc(tmp_path, "ra"))
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as a:
             async with Subscriber([SourceSpec(a.endpoint, a.replay_endpoint, name="a")]) as sub:
                 await sub.wait_connected()
                 a.publish(_batch(1, ts=time.time() - 161.0))
                 await collect(sub, lambda it: len(batches_of(it)) == 1)
                 lag = sub.health()["a"].counters["lag_s"]
-    assert 0.0 <= lag < 1.0
+    # The batch says 161 s old; its wait here is short (bounded loosely: a loaded machine
+    # may hold this process off the CPU for seconds).
+    assert 0.0 <= lag < 30.0
 
 
 async def test_sources_can_be_added_and_removed_while_running(tmp_path):
     ca = KVEventsConfig(endpoint=ipc(tmp_path, "a"), replay_endpoint=ipc(tmp_path, "ra"))
     cb = KVEventsConfig(endpoint=ipc(tmp_path, "b"), replay_endpoint=ipc(tmp_path, "rb"))
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         async with Publisher(ca) as a, Publisher(cb) as b:
             async with Subscriber([SourceSpec(a.endpoint, a.replay_endpoint, name="a")]) as sub:
                 sub.add_source(SourceSpec(b.endpoint, b.replay_endpoint, name="b"))
@@ -291,7 +293,7 @@ async def test_sources_can_be_added_and_removed_while_running(tmp_path):
 
 async def test_an_unreachable_replay_endpoint_marks_only_that_source_stale(tmp_path):
     cb = KVEventsConfig(endpoint=ipc(tmp_path, "b"), replay_endpoint=ipc(tmp_path, "rb"))
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with Publisher(KVEventsConfig(endpoint=ipc(tmp_path, "a"))) as a, Publisher(cb) as b:
             specs = [SourceSpec(a.endpoint, ipc(tmp_path, "nobody"), name="a"),
                      SourceSpec(b.endpoint, b.replay_endpoint, name="b")]
@@ -324,7 +326,7 @@ async def test_a_source_without_a_publisher_is_connecting_never_live(tmp_path):
     cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
                          curve=CurveServerConfig(secret_key=server[1], public_key=server[0]))
     bad_key = CurveClientConfig(server_public_key=wrong[0], secret_key=me[1], public_key=me[0])
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as pub:
             pub.publish(_batch(1))
             specs = [SourceSpec(f"ipc://{tmp_path}/nobody.sock", name="no-pub"),
@@ -520,7 +522,7 @@ def test_a_start_seq_older_than_the_replay_buffer_asks_for_a_snapshot():
 
 async def test_add_source_with_a_start_seq_skips_what_the_caller_holds(tmp_path):
     cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p"), replay_endpoint=ipc(tmp_path, "r"))
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with Publisher(cfg) as pub:
             for i in range(6):
                 pub.publish(_batch(100 + i))
