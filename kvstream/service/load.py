@@ -111,12 +111,15 @@ class LoadBoard:
         self._cache = None
         return self._down.pop(engine, None) is not None
 
-    def scrape_failed(self, engine: str, reason: str, *, unreachable: bool = False, at: float = 0.0) -> bool:
+    def scrape_failed(self, engine: str, reason: str, *, unreachable: bool | None = False, at: float = 0.0) -> bool:
         """Record a failed scrape (the previous one, if any, is kept and ages);
         ``unreachable``: the engine could not be reached at all (marked so from ``at``,
-        seconds), else it answered wrongly (it is reachable). True if its reachability
+        seconds), False: it answered wrongly (it is reachable), None: it proves neither
+        (one slow answer), its reachability stays as it was. True if its reachability
         changed."""
         self._error[engine] = reason
+        if unreachable is None:
+            return False
         if unreachable:
             if engine in self._down:
                 return False

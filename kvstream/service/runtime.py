@@ -79,6 +79,7 @@ class ServiceRuntime:
         # An engine whose scrapes fail is asked again after twice the last wait, up to
         # SCRAPE_BACKOFF_MAX_S (a success resets it): unreachable engines cost little.
         self._scrape_next: dict[str, tuple[float, float]] = {}  # name -> (next scrape at, wait)
+        self._scrape_slow: dict[str, int] = {}  # name -> scrapes timed out in a row
         cfg = core.config
         opts: dict[str, Any] = {"topic": cfg.topic, "replay_timeout_s": cfg.replay_timeout,
                                 "unknown_events": "skip"}
@@ -242,8 +243,14 @@ class ServiceRuntime:
                 import httpx
 
                 # Not reached at all (refused, reset, timed out): the engine is ranked last
-                # until a scrape answers again. An error answer means it is there.
-                gone = isinstance(exc, (httpx.TransportError, TimeoutError, OSError))
+                # until a scrape answers again. An error answer means it is there. One slow
+                # answer on a busy host is not an engine gone: a timeout counts from the
+                # second in a row (and leaves an engine already marked so as it is).
+                timed_out = isinstance(exc, (TimeoutError, httpx.TimeoutException))
+                slow = self._scrape_slow[name] = (self._scrape_slow.get(name, 0) + 1) if timed_out else 0
+                gone: bool | None = isinstance(exc, (httpx.TransportError, TimeoutError, OSError))
+                if timed_out and slow < 2:
+                    gone = None
                 reason = f"{type(exc).__name__}: {exc}"[:300]
                 if core.loads.scrape_failed(name, reason, unreachable=gone, at=core.clock()):
                     if gone:  # one line per change, not one per scrape
@@ -256,6 +263,7 @@ class ServiceRuntime:
             log.debug("load scrape of %s failed: %s", name, exc)
             return
         self._scrape_next.pop(name, None)
+        self._scrape_slow.pop(name, None)
         if name in core.engines:
             if core.loads.scraped(name, scrape):
                 log.warning("engine %s is reachable again", name, extra={"engine": name, "reachable": True})
