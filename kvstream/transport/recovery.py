@@ -538,6 +538,17 @@ class SourceTracker:
         self._held_min = min(held, default=_NO_SEQ)
         return True
 
+    def _ask_again(self, purpose: str, span: bool = False) -> None:
+        """One more anchored request after an answer that did not settle the state, with
+        back-off; past ``max_retries``, the buffer is taken as gone (snapshot, else stale)."""
+        self._attempts += 1
+        if self._attempts > self.max_retries:
+            self._beyond_buffer()
+            return
+        self.counters.retries += 1
+        delay = min(self.backoff_s * (2 ** (self._attempts - 1)), _BACKOFF_CAP_S)
+        self.inflight = self._anchored(purpose, delay, span=span)
+
     def _anchored(self, purpose: str, delay_s: float = 0.0, span: bool = False) -> Request:
         """A replay request from the anchor ``E - 1`` when its bytes are known, else from E.
         ``span``: from the end of the proven chain instead (within the remembered window),
@@ -817,13 +828,7 @@ class SourceTracker:
             # A span answer that stops before the anchor: its last replies were lost on
             # the way (vLLM 0.11's ROUTER), or the publisher does not have the anchor (another
             # instance; the retries then end in a snapshot, which shows it, or stale).
-            self._attempts += 1
-            if self._attempts > self.max_retries:
-                self._beyond_buffer()
-                return
-            self.counters.retries += 1
-            delay = min(self.backoff_s * (2 ** (self._attempts - 1)), _BACKOFF_CAP_S)
-            self.inflight = self._anchored(REPROBE if req.purpose in (PROBE, REPROBE) else GAP, delay, span=True)
+            self._ask_again(REPROBE if req.purpose in (PROBE, REPROBE) else GAP, span=True)
             return
         if req.checked:
             # The publisher is the instance we followed up to the anchor: held live
@@ -855,13 +860,7 @@ class SourceTracker:
             if gone and req.start <= e:
                 self._beyond_buffer()
                 return
-            self._attempts += 1
-            if self._attempts > self.max_retries:
-                self._beyond_buffer()
-                return
-            self.counters.retries += 1
-            delay = min(self.backoff_s * (2 ** (self._attempts - 1)), _BACKOFF_CAP_S)
-            self.inflight = self._anchored(GAP, delay)
+            self._ask_again(GAP)
             return
         self._attempts = 0
         probe = req.purpose in (PROBE, REPROBE)
