@@ -4,6 +4,7 @@ index snapshot loader.
     .venv/bin/pip install -e ".[fuzz]"
     .venv/bin/python fuzz/fuzz_decoders.py payload -max_total_time=60
     .venv/bin/python fuzz/fuzz_decoders.py snapshot -max_total_time=60
+    .venv/bin/python fuzz/fuzz_decoders.py body -max_total_time=60
     .venv/bin/python fuzz/fuzz_decoders.py payload crash-1234abcd   # re-run one input
 
 atheris (libFuzzer for Python) mutates inputs from a seed corpus written on the first run
@@ -15,6 +16,9 @@ and checks, per input:
   events (the differential check of ``tests/routing/test_raw_ingest.py``); then
   ``KVIndex.apply_payload`` either applies it exactly as ``apply_batch(decode(payload))``
   does on an all-Python index, or raises ``EventDecodeError`` and nothing else.
+* ``body``: ``kvstream._native.split_body`` (rust/src/json.rs, the query bodies) never
+  raises or crashes, and whenever it takes a body that Python's json reads, the packed
+  integers are exactly the body's ``token_ids`` (integers only: never 1.0, true or 1e3).
 * ``snapshot``: ``KVIndex.load`` / ``EngineKeyIndex.load`` of the bytes either loads or
   raises ``SnapshotError`` (a ``RemoteProtocolError``), never another exception.
 
@@ -118,7 +122,31 @@ def check_snapshot(data: bytes) -> None:
             pass
 
 
-TARGETS = {"payload": check_payload, "snapshot": check_snapshot}
+def check_body(data: bytes) -> None:
+    """The query-body property (``rust/src/json.rs``): None or (rest, packed), never an
+    exception; when Python's json reads the body and the emptied array was ``token_ids``,
+    the packed integers are exactly its values."""
+    import json
+    from array import array
+
+    for width, code in ((4, "I"), (8, "Q")):
+        got = _native.split_body(data, "token_ids", width)
+        if got is None:
+            continue
+        rest, packed = got
+        assert len(packed) % width == 0, (width, len(packed))
+        try:
+            doc, left = json.loads(data), json.loads(rest)
+        except (ValueError, RecursionError):
+            continue  # a body Python's json refuses: msgspec decides on the rest
+        if isinstance(doc, dict) and isinstance(left, dict) and left.get("token_ids") == []:
+            ids = array(code)
+            ids.frombytes(packed)
+            assert all(type(x) is int for x in doc["token_ids"]), data[:200]  # never 1.0, true, 1e3
+            assert list(ids) == doc["token_ids"], (data[:200], list(ids)[:10])
+
+
+TARGETS = {"payload": check_payload, "snapshot": check_snapshot, "body": check_body}
 
 
 def _seed_payloads() -> list[bytes]:
@@ -140,6 +168,12 @@ def _seed_payloads() -> list[bytes]:
                                                "parent_block_hash": None, "token_ids": [-1], "block_size": -1,
                                                "lora_id": 1, "medium": "CPU", "lora_name": "l"}], None, 5]))
     return out
+
+
+def _seed_bodies() -> list[bytes]:
+    return [b'{"token_ids": [1, 2, 3, 4294967295], "model": "m"}', b'{"model": "m", "token_ids": []}',
+            b'{"token_ids": [0, 18446744073709551615], "extra": {"a": [1, 2]}}', b'{"token_ids": [1.0, -1, 2e3]}',
+            b'{"a": "\\u0041\\"", "token_ids": [ 7 , 8 ]}', b'[1, 2, 3]', b'{"token_ids": [1, 2], "token_ids": [3]}']
 
 
 def _seed_snapshots() -> list[bytes]:
@@ -175,7 +209,8 @@ def main() -> None:
     corpus = ROOT / "fuzz" / "corpus" / target
     if not corpus.exists():
         corpus.mkdir(parents=True)
-        for i, s in enumerate(_seed_payloads() if target == "payload" else _seed_snapshots()):
+        seeds = {"payload": _seed_payloads, "snapshot": _seed_snapshots, "body": _seed_bodies}[target]()
+        for i, s in enumerate(seeds):
             (corpus / f"seed-{i:03d}").write_bytes(s)
 
     def one(data: bytes) -> None:

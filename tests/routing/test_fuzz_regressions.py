@@ -1,7 +1,7 @@
 """Every input the fuzzer (``fuzz/fuzz_decoders.py``) ever found, replayed: each file in
 ``tests/data/fuzz/<target>/`` must pass that target's check (the native payload reader
 agrees with ``EventDecoder`` and ``apply_payload`` with the Python rules; a snapshot
-loads or raises ``SnapshotError``). Hand-made adversarial inputs sit beside them."""
+loads or raises ``SnapshotError``; a query body's ids are read exactly or not at all). Hand-made adversarial inputs sit beside them."""
 
 from __future__ import annotations
 
@@ -29,3 +29,5 @@ def test_the_seed_corpus_passes_every_check() -> None:
         harness.check_payload(data)
     for data in harness._seed_snapshots():
         harness.check_snapshot(data)
+    for data in harness._seed_bodies():
+        harness.check_body(data)
