@@ -74,9 +74,19 @@ async def test_a_consumer_deleted_from_outside_is_made_again_without_loss_or_rep
         first = await collect(sub, lambda it: len(batches(it)) == 50)
         nc = await _js(nats_server.url)
         try:
-            name = sub._consumer
-            assert name is not None
-            await nc.jetstream().delete_consumer("KV_EVENTS", name)
+            # On a loaded machine a missed heartbeat (0.2 s) can have the source making its
+            # consumer again right now: wait for one to exist, and delete whichever it is.
+            from nats.js.errors import NotFoundError
+
+            for _ in range(50):
+                await _until(lambda: sub._consumer is not None, 60)
+                try:
+                    await nc.jetstream().delete_consumer("KV_EVENTS", sub._consumer)
+                    break
+                except NotFoundError:
+                    continue  # replaced between the read and the delete: delete the new one
+            else:
+                raise AssertionError("the source's consumer was replaced 50 times in a row")
         finally:
             await nc.close()
         eng.steps(50)
