@@ -531,7 +531,7 @@ class KVProxy:
     def _done(self, rec: "_Record") -> None:
         duration = time.perf_counter() - rec.t0
         if rec.engine is not None:
-            self._metrics.duration.labels(rec.engine).observe(duration)
+            self._metrics.of(rec.engine)[3].observe(duration)
         if self.access_log is not None:
             self.access_log({
                 "time": round(time.time() - duration, 6), "method": "POST", "path": rec.path, "status": rec.status,
@@ -712,7 +712,7 @@ class KVProxy:
                         first = False
                         self._prefill_end(rec)
                         rec.ttfb = t = time.perf_counter() - rec.t0
-                        self._metrics.ttft.labels(name).observe(t)
+                        self._metrics.of(name)[4].observe(t)
                     yield b"".join(out)
             if buf:
                 yield buf
@@ -911,11 +911,24 @@ class _Metrics:
                               "sends the first event with the first token), per engine.",
                               ["engine"], buckets=ttft, registry=self.registry)
         self.requests: dict[tuple[str, int], int] = {}
+        # Per engine, its histograms' children: labels() takes a lock and builds its key
+        # each call, four times per request otherwise.
+        self._children: dict[str, tuple[Any, Any, Any, Any, Any]] = {}
+
+    def of(self, engine: str) -> tuple[Any, Any, Any, Any, Any]:
+        """``engine``'s (predicted, realized, error, duration, ttft) histograms."""
+        c = self._children.get(engine)
+        if c is None:
+            c = self._children[engine] = (self.predicted.labels(engine), self.realized.labels(engine),
+                                          self.error.labels(engine), self.duration.labels(engine),
+                                          self.ttft.labels(engine))
+        return c
 
     def observe(self, engine: str, predicted: int, realized: int) -> None:
-        self.predicted.labels(engine).observe(predicted)
-        self.realized.labels(engine).observe(realized)
-        self.error.labels(engine).observe(predicted - realized)
+        p, r, e, _, _ = self.of(engine)
+        p.observe(predicted)
+        r.observe(realized)
+        e.observe(predicted - realized)
 
     def render(self, core: ProxyCore, held: ByteBudget, pools: Mapping[str, tuple[str, UpstreamPool, str]]) -> bytes:
         from prometheus_client import generate_latest

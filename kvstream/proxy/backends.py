@@ -137,10 +137,12 @@ class ServiceBackend:
         ix = self._index()
         now = self._clock()
         ix.expire(now)
-        keys = ix.keys(tokens)
+        # Keys only when speculating (the insert needs them): else the index chains and
+        # walks the prompt natively in one call (KVIndex.score without keys).
+        keys = ix.keys(tokens) if speculate else None
         res: ScoreResult = ix.score(tokens, loads=loads, policy=self.core.policy, keys=keys)
         res.ranking = self.core.loads.reachable_first(res.ranking)  # unreachable by scrape: last
-        if speculate and res.best is not None:
+        if keys is not None and res.best is not None:
             ix.speculate(res.best, tokens, now, self.core.config.speculate_ttl, keys=keys)
         return res
 
