@@ -20,6 +20,12 @@ of pipelined ``GET`` s that the client never read the answers of queued 150 k re
   (a head or body begun, not finished) for more than ``request_timeout`` seconds: a client
   that opens a request and trickles it, or stops, does not hold the connection forever.
 
+Each request's scope carries a :class:`DisconnectHook` under
+``scope["extensions"]["kvstream.disconnect"]`` (:data:`DISCONNECT_EXTENSION`): the app may
+register one callback there, called once if the connection is lost before the request's
+answer is complete. The proxy cancels its request with it instead of keeping a task per
+request waiting on ``receive()`` for the disconnect.
+
 A write to a connection the client already reset is dropped instead of raising (uvloop)
 in the middle of an answer. Each refusal is reported to ``on_reject(status, code)`` (the service counts it in
 ``kvstream_http_rejections_total``). uvicorn's h11 protocol (used when httptools is not
@@ -33,8 +39,8 @@ from typing import Any, Callable
 
 import msgspec
 
-__all__ = ["MAX_HEAD_BYTES", "MAX_PIPELINE", "REQUEST_TIMEOUT_S", "guarded_protocol", "error_response",
-           "request_timeout_message"]
+__all__ = ["MAX_HEAD_BYTES", "MAX_PIPELINE", "REQUEST_TIMEOUT_S", "DISCONNECT_EXTENSION", "DisconnectHook",
+           "guarded_protocol", "error_response", "request_timeout_message"]
 
 MAX_HEAD_BYTES = 64 * 1024
 """Bytes a connection may send without the parser completing anything (a head, a trailer)."""
@@ -44,6 +50,9 @@ MAX_PIPELINE = 16
 
 REQUEST_TIMEOUT_S = 60.0
 """Seconds a connection may hold a partial request (head or body) before a 408."""
+
+DISCONNECT_EXTENSION = "kvstream.disconnect"
+"""The scope extension (``scope["extensions"][...]``) holding a request's :class:`DisconnectHook`."""
 
 _log = logging.getLogger("kvstream.service")
 _SLICE = 4096  # bytes fed to the parser at a time while checking the pipeline bound
@@ -136,6 +145,37 @@ class _ClosedSafe:
         return getattr(self._t, name)
 
 
+class DisconnectHook:
+    """One request's disconnect notice: :meth:`set` a callback (called at once if the
+    connection is already gone), :meth:`clear` it once the request is done; the server
+    calls :meth:`fire` when the connection is lost before the answer is complete."""
+
+    __slots__ = ("_callback", "gone")
+
+    def __init__(self) -> None:
+        self._callback: Callable[[], None] | None = None
+        self.gone = False
+        """Whether the connection was lost before the answer was complete."""
+
+    def set(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (once) when the connection is lost; now if it already is."""
+        if self.gone:
+            callback()
+        else:
+            self._callback = callback
+
+    def clear(self) -> None:
+        """No callback any more (the request is done)."""
+        self._callback = None
+
+    def fire(self) -> None:
+        """The connection is lost (the server calls this)."""
+        self.gone = True
+        cb, self._callback = self._callback, None
+        if cb is not None:
+            cb()
+
+
 class _JsonErrors:
     """uvicorn's 400 for a request it cannot parse, as the service's JSON error; writes
     after a reset dropped (:class:`_ClosedSafe`)."""
@@ -167,6 +207,7 @@ class _GuardedHttpTools(_JsonErrors):
     flow: Any
     loop: Any
     cycle: Any
+    scope: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -175,12 +216,16 @@ class _GuardedHttpTools(_JsonErrors):
         self._held = b""  # bytes read but not yet fed, while the pipeline is full
         self._begun: float | None = None  # loop time the request being parsed began
         self._deadline: Any = None  # one timer, moved lazily (see _check_deadline)
+        self._hooks: list[DisconnectHook] = []  # of the requests begun and not yet answered, in order
 
     def on_message_begin(self) -> None:
         self._begun = self.loop.time()
         if self._deadline is None and self._request_timeout > 0:
             self._deadline = self.loop.call_later(self._request_timeout, self._check_deadline)
         super().on_message_begin()  # type: ignore[misc]
+        hook = DisconnectHook()
+        self._hooks.append(hook)
+        self.scope["extensions"] = {DISCONNECT_EXTENSION: hook}
 
     def _check_deadline(self) -> None:
         self._deadline = None
@@ -200,6 +245,9 @@ class _GuardedHttpTools(_JsonErrors):
             self._deadline.cancel()
             self._deadline = None
         super().connection_lost(exc)  # type: ignore[misc]
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.fire()
 
     # The parser got somewhere: a head, body bytes, a whole request.
     def on_headers_complete(self) -> None:
@@ -256,6 +304,8 @@ class _GuardedHttpTools(_JsonErrors):
                     return
 
     def on_response_complete(self) -> None:
+        if self._hooks:  # answers complete in request order (HTTP/1.1)
+            del self._hooks[0]
         super().on_response_complete()  # type: ignore[misc]
         if not self._held or self.transport.is_closing():
             return
