@@ -7,7 +7,14 @@ event. Prints per client the CPU seconds this process spent per SSE event receiv
 per request, and the time to first byte (status line and headers) of a probe request sent
 while the streams run. Lower is better; the client's CPU is what the proxy pays per event.
 
-    python bench/bench_proxy_clients.py [--streams 64] [--seconds 6]
+    python bench/bench_proxy_clients.py [--streams 64] [--seconds 6] [--non-streamed]
+
+pyreqwest (Rust's reqwest under an asyncio API; not a dependency: ``pip install pyreqwest``)
+is measured too when it is installed. Before any of that, each client is checked for what
+the proxy needs on a client disconnect: cancelling a request whose answer has not begun
+must close its connection (vLLM aborts a request only when its connection closes). A
+silent server on loopback takes one request, the caller is cancelled after 0.2 s, and the
+line says whether the server saw the connection close within 2 s.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import anyio
 from kvstream.emulator.launch import start_engine
 
 
-async def _run(url: str, streams: int, seconds: float, tokens: int, client: str) -> dict[str, float]:
+async def _run(url: str, streams: int, seconds: float, tokens: int, client: str,
+               stream: bool = True) -> dict[str, float]:
     events = 0
     requests = 0
     ttfb: list[float] = []
@@ -50,6 +58,23 @@ async def _run(url: str, streams: int, seconds: float, tokens: int, client: str)
 
         async def close() -> None:
             await session.close()
+    elif client == "pyreqwest":
+        from pyreqwest.client import ClientBuilder
+
+        rc = ClientBuilder().base_url(url).build()
+
+        async def one(body: dict[str, Any]) -> float:
+            nonlocal events
+            t0 = time.perf_counter()
+            req = rc.post("/v1/completions").body_json(body).streamed_read_buffer_limit(0).build_streamed()
+            async with req as r:
+                t = time.perf_counter() - t0
+                while (data := await r.body_reader.read_chunk()) is not None:
+                    events += bytes(data).count(b"\n\n")
+            return t
+
+        async def close() -> None:
+            await rc.close()
     else:
         import httpx
 
@@ -72,7 +97,8 @@ async def _run(url: str, streams: int, seconds: float, tokens: int, client: str)
         nonlocal requests
         i = 0
         while time.monotonic() < end:
-            await one({"prompt": list(range(1, 256)) + [w * 100000 + i], "max_tokens": tokens, "stream": True})
+            await one({"prompt": list(range(1, 256)) + [w * 100000 + i], "max_tokens": tokens if stream else 1,
+                       "stream": stream})
             requests += 1
             i += 1
 
@@ -95,24 +121,94 @@ async def _run(url: str, streams: int, seconds: float, tokens: int, client: str)
             "ttfb_p50_ms": 1000 * statistics.median(ttfb) if ttfb else float("nan")}
 
 
+async def _closes_on_cancel(client: str) -> bool:
+    """Whether cancelling a request that has no answer yet closes its connection."""
+    import asyncio
+
+    closed = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            if not await reader.read(1):  # nothing more is sent: EOF is the client closing
+                closed.set()
+        except asyncio.CancelledError:  # still open when the check ends
+            pass
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    if client == "aiohttp":
+        import aiohttp
+
+        session = aiohttp.ClientSession()
+        send: Any = lambda: session.get(url + "/x").__aenter__()  # noqa: E731
+        done: Any = session.close
+    elif client == "pyreqwest":
+        from pyreqwest.client import ClientBuilder
+
+        rc = ClientBuilder().build()
+        send = lambda: rc.get(url + "/x").streamed_read_buffer_limit(0).build_streamed().__aenter__()  # noqa: E731
+        done = rc.close
+    else:
+        import httpx
+
+        hc = httpx.AsyncClient()
+        send = lambda: hc.get(url + "/x")  # noqa: E731
+        done = hc.aclose
+    task = asyncio.ensure_future(send())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    try:
+        await asyncio.wait_for(closed.wait(), 2.0)
+        ok = True
+    except asyncio.TimeoutError:
+        ok = False
+    await done()
+    srv.close()
+    return ok
+
+
+def _clients() -> list[str]:
+    names = ["aiohttp", "httpx"]
+    try:
+        import pyreqwest  # noqa: F401
+
+        names.append("pyreqwest")
+    except ImportError:
+        pass
+    return names
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--non-streamed", action="store_true",
+                   help="requests of 1 token, not streamed (the requests/s pattern): compare us/request")
     args = p.parse_args()
     engine = start_engine("engine-0", log_dir=tempfile.mkdtemp(prefix="kvstream-bench-clients-"), extra=[
         "--decode-tokens-per-s", "40", "--prefill-tokens-per-s", "1e9", "--max-num-seqs", "256",
         "--num-gpu-blocks", "65536"])
-    results: dict[str, list[dict[str, float]]] = {"aiohttp": [], "httpx": []}
+    import asyncio
+
+    for client in _clients():
+        ok = asyncio.run(_closes_on_cancel(client))
+        print(f"  {client:<10} a request cancelled before its answer {'closes' if ok else 'does NOT close'} "
+              "its connection", flush=True)
+    results: dict[str, list[dict[str, float]]] = {c: [] for c in _clients()}
     try:
         for _ in range(args.rounds):
             for client in results:
-                results[client].append(anyio.run(_run, engine.url, args.streams, args.seconds, args.tokens, client))
+                results[client].append(anyio.run(_run, engine.url, args.streams, args.seconds, args.tokens, client,
+                                                  not args.non_streamed))
     finally:
         engine.stop()
-    print(f"{args.streams} streams of {args.tokens} tokens, {args.seconds:g} s per round, {args.rounds} rounds "
+    what = "connections of 1-token non-streamed requests" if args.non_streamed else f"streams of {args.tokens} tokens"
+    print(f"{args.streams} {what}, {args.seconds:g} s per round, {args.rounds} rounds "
           "(CPU of this process; the engine runs beside it)")
     print(f"  {'client':<10}{'events':>9}{'requests':>10}{'us/event':>10}{'us/request':>12}{'TTFB p50 ms':>13}")
     for client, rs in results.items():
