@@ -16,8 +16,9 @@ proxy's added p50 (budget: <= 1 ms).
     python bench/bench_proxy.py --clients    # the upstream client candidates alone (aiohttp, httpx)
 
 ``--watchers`` times the proxy's per-request disconnect watcher alone: an anyio task group
-(start a task, cancel the scope) against the plain asyncio task the proxy uses
-(``kvstream.proxy.app._until_disconnect``), same run, same loop.
+(start a task, cancel the scope), one plain asyncio task (``kvstream.proxy.app._until_disconnect``
+under another ASGI server) and the guarded server's disconnect hook (what it uses under
+``kvstream serve``), same run, same loop.
 
 ``--clients`` runs ``bench/bench_proxy_clients.py``: the two client libraries side by side
 against one engine with 64 streams open (CPU per event, time to first byte), the
@@ -95,6 +96,7 @@ def _watchers(n: int = 20000) -> None:
     import asyncio
 
     from kvstream.proxy.app import _until_disconnect
+    from kvstream.service.guard import DISCONNECT_EXTENSION, DisconnectHook
 
     async def main() -> None:
         gate = asyncio.Event()
@@ -116,10 +118,16 @@ def _watchers(n: int = 20000) -> None:
                 tg.cancel_scope.cancel()
 
         async def with_task() -> None:
-            await _until_disconnect(receive, work())
+            await _until_disconnect({"type": "http"}, receive, work())
+
+        async def with_hook() -> None:
+            # What kvstream serve's guarded server gives each request (a new hook per request).
+            scope = {"type": "http", "extensions": {DISCONNECT_EXTENSION: DisconnectHook()}}
+            await _until_disconnect(scope, receive, work())
 
         for rnd in range(2):
-            for name, f in (("anyio task group", with_anyio), ("asyncio task (kvstream)", with_task)):
+            for name, f in (("anyio task group", with_anyio), ("asyncio task", with_task),
+                            ("server's hook (kvstream)", with_hook)):
                 t = time.perf_counter()
                 for _ in range(n):
                     await f()
