@@ -1659,7 +1659,7 @@ class KVIndex(_IndexCore):
             held = self._held[t]
             if self._by_engine:
                 if not held:
-                    held.update(zip(hs, masks))
+                    _fill_empty(held, hs, masks)
                     if len(held) != len(hs):
                         held.clear()
                         raise sn.SnapshotError(
@@ -1671,7 +1671,7 @@ class KVIndex(_IndexCore):
             else:
                 bulk = not held and not len(table)
                 if bulk:
-                    held.update(zip(ks, masks))
+                    _fill_empty(held, ks, masks)
                     if len(held) != len(ks):  # a key shared by two hashes: merge below
                         held.clear()
                         bulk = False
@@ -1772,6 +1772,21 @@ class _Fallback:
         if raw.kind(i) == 2:
             return _CLEARED
         return self.events()[i]
+
+
+def _fill_empty(held: Any, keys: Any, masks: list[int]) -> None:
+    """``held.update(zip(keys, masks))`` into an empty map (a snapshot's tier): one native
+    call for a :class:`NativeMap` when every key is a distinct non-zero u64 and every mask
+    fits 64 bits (a million pairs one by one took 1.7 s of a 2.3 s load); anything else,
+    pair by pair as before."""
+    if type(held) is NativeMap:
+        try:
+            cols = array("Q", masks)
+            held.load_u64(keys if type(keys) is array and keys.typecode == "Q" else array("Q", keys), cols)
+            return
+        except (OverflowError, ValueError, TypeError):  # a wide mask, a repeated or 0 key: pair by pair
+            held.clear()
+    held.update(zip(keys, masks))
 
 
 class _PayloadFallback(_Fallback):
