@@ -199,6 +199,7 @@ async def _fetch(nc: Any, url: str, bucket: str, info: Any, timeout_s: float) ->
     if not info.chunks:
         return b""  # nothing to read (load_source refuses it as no snapshot)
     chunks: list[bytes] = []
+    digest = hashlib.sha256()  # fed chunk by chunk, while the next ones are on the way
     got = 0
     done = anyio.Event()
     failed: list[str] = []
@@ -216,6 +217,7 @@ async def _fetch(nc: Any, url: str, bucket: str, info: Any, timeout_s: float) ->
                 done.set()
             return
         chunks.append(payload)
+        digest.update(payload)
         got += len(payload)
         if got >= info.size or len(chunks) >= info.chunks:
             done.set()
@@ -252,7 +254,7 @@ async def _fetch(nc: Any, url: str, bucket: str, info: Any, timeout_s: float) ->
         raise SnapshotFetchError(f"snapshot object {info.name!r}: {len(data)} bytes in {len(chunks)} chunks, "
                                  f"its metadata says {info.size} in {info.chunks}")
     want = (info.digest or "").partition("=")[2]
-    if want and base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode().rstrip("=") != want.rstrip("="):
+    if want and base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=") != want.rstrip("="):
         raise SnapshotFetchError(f"snapshot object {info.name!r}: SHA-256 digest does not match its metadata")
     return data
 
