@@ -11,20 +11,27 @@ this process.
   ``js.publish_async``, and kvstream's ZMQ path alone (Publisher -> Subscriber).
 * consumer: ``JetStreamSource`` -> ``Router`` -> an index, once with ``KVIndex`` (token
   keys) and once with ``EngineKeyIndex`` (keyed by the engines' own hashes); wall clock and
-  CPU seconds of this process (target >= 200,000 batches/s). References: nats-py reading
-  the same messages with a bare push consumer (no decoding, no index), and each index
-  applying the same decoded batches with no transport at all. Stages, each alone: the
-  source with decoding stubbed out, the whole source (read + decode), decoding alone; and
-  the consumer's CPU floor: the same deliveries as pre-built bytes fed to the source's
-  protocol reader, no server and no event loop (parse + track, + decode, + apply).
+  CPU seconds of this process (targets: >= 200,000 batches/s, issue #25: >= 0.9x the
+  bare read). References: nats-py reading the same messages with a bare push consumer (no
+  decoding, no index; wall clock and CPU seconds), and each index applying the same
+  decoded batches with no transport at all. Stages, each alone: the source with every
+  decoder stubbed out, the whole source (read + the native read of each run's payloads,
+  or decode), decoding alone; and the consumer's CPU floor: the same deliveries as
+  pre-built bytes fed to the source's protocol reader, no server and no event loop (parse
+  + track, + read/decode, + apply).
 * replica, per keying: a stream holding 1,000,000 distinct blocks (8 engines), one
   whole-index snapshot, then a 10,000-batch tail; a new replica loads the snapshot and
-  reads the tail until its index equals the first one's (target <= 2 s). References: the
+  reads the tail until its index equals the first one's (targets <= 2 s; issue #25:
+  <= 0.3 s). References: the
   same replica replaying the whole stream, and the index's ``dump()`` / ``load_source()``
   alone.
 
-Run: .venv/bin/python bench/bench_jetstream.py [--quick]   (50,000 batches per path and
-1,000,000 blocks; --quick: 30,000 and 200,000)
+Run: .venv/bin/python bench/bench_jetstream.py [--quick] [--part consumer|replica] [--rounds N]
+(50,000 batches per path and 1,000,000 blocks; --quick: 30,000 and 200,000; --part
+consumer: the consumer paths only, the stream filled directly instead of by a relay run;
+--part replica: the warm start only; --rounds N: then N interleaved rounds of the bare
+read, the consumer and the consumer with every run decoded into Python objects, the path
+before the native run reader, each ratio from runs back to back)
 Numbers are printed; nothing is asserted here.
 """
 
@@ -51,6 +58,7 @@ from kvstream.jetstream.server import NatsServer
 from kvstream.jetstream.snapshots import SnapshotWriter, load_snapshots
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.routing.index import KVIndex
+from kvstream.routing.payloads import read_payload_batches as _read_payload_batches
 from kvstream.routing.router import Router
 from kvstream.transport import KVEventsConfig, Publisher, SourceBatch, SourceSpec, Subscriber
 from kvstream.wire.events import BlockStored, EventDecoder, KVEventBatch, decode_batch, encode_batch
@@ -217,10 +225,12 @@ async def kv_relay(d: Path, url: str, payload_file: Path, n: int) -> tuple[float
 # -- consumer -------------------------------------------------------------------------------
 
 
-async def ref_raw_consume(url: str, n: int) -> float:
-    """nats-py reading the relay's messages with a bare push consumer (no decoding): msgs/s."""
+async def ref_raw_consume(url: str, n: int) -> tuple[float, float]:
+    """nats-py reading the relay's messages with a bare push consumer (no decoding): msgs
+    per second of wall clock and per CPU second of this process."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+    c0 = time.process_time()
     nc = await connect(url, name="ref-consume")
     try:
         got = 0
@@ -243,7 +253,7 @@ async def ref_raw_consume(url: str, n: int) -> float:
             deliver_subject=inbox, ack_policy=AckPolicy.NONE, flow_control=True, idle_heartbeat=1.0,
             deliver_policy=DeliverPolicy.ALL, filter_subject="kv.>", mem_storage=True))
         await done.wait()
-        return n / (time.perf_counter() - t0)
+        return n / (time.perf_counter() - t0), n / (time.process_time() - c0)
     finally:
         await nc.close()
 
@@ -268,13 +278,14 @@ async def kv_consume(url: str, n: int, index: Any) -> tuple[float, float]:
 async def kv_read(url: str, n: int, *, decode: bool) -> float:
     """JetStreamSource alone, items taken and dropped (``decode=False``: every payload
     "decodes" to one prepared batch, leaving the transport and tracking): batches/s."""
-    from kvstream.jetstream import tracking
+    from kvstream.jetstream import source, tracking
 
     sub = JetStreamSource(url, max_buffered_items=50_000)
     saved = tracking._decode_map
-    if not decode:  # both decoders of the consumer (the one-call and the general one)
+    if not decode:  # every decoder of the consumer (the native run reader, the one-call and the general one)
         const = KVEventBatch(0.0, [])
         tracking._decode_map = sub._decode = lambda payload: const  # type: ignore[assignment]
+        source.read_payload_batches = lambda *a: None  # type: ignore[assignment]
     got = 0
     t0 = time.perf_counter()
     async with sub:
@@ -289,7 +300,31 @@ async def kv_read(url: str, n: int, *, decode: bool) -> float:
             if got >= n:
                 break
     tracking._decode_map = saved
+    source.read_payload_batches = _read_payload_batches
     return n / (time.perf_counter() - t0)
+
+
+async def interleaved(url: str, n: int, rounds: int) -> list[dict[str, Any]]:
+    """``rounds`` rounds, each: the nats-py bare read, then the consumer into each index,
+    then the same consumer with every run decoded into Python objects (the path before the
+    native run reader: ``StreamSource.on_batch_run``): per second of wall clock and of CPU,
+    back to back, so that each ratio compares runs under the same load."""
+    from kvstream.jetstream.source import JetStreamSource as _S
+
+    native_run = _S._run
+    out = []
+    for _ in range(rounds):
+        r: dict[str, Any] = {}
+        r["ref_wall"], r["ref_cpu"] = map(round, await ref_raw_consume(url, n))
+        for label, make in (("kvindex", KVIndex), ("engine", _engine_index)):
+            r[label + "_wall"], r[label + "_cpu"] = map(round, await kv_consume(url, n, make()))
+            _S._run = lambda self, src, *a: src.on_batch_run(*a)  # type: ignore[method-assign]
+            try:
+                r[label + "_decoded_wall"], r[label + "_decoded_cpu"] = map(round, await kv_consume(url, n, make()))
+            finally:
+                _S._run = native_run  # type: ignore[method-assign]
+        out.append(r)
+    return out
 
 
 def stage_offline(payloads: list[bytes], n: int, make_index: Any) -> dict[str, float]:
@@ -331,13 +366,16 @@ def stage_offline(payloads: list[bytes], n: int, make_index: Any) -> dict[str, f
         assert got == n and reader.fast_hits == n
         return dt / n * 1e6
 
+    from kvstream.jetstream import source
     saved = tracking._decode_map
     const = KVEventBatch(0.0, [])
     tracking._decode_map = lambda payload: const  # type: ignore[assignment]
+    source.read_payload_batches = lambda *a: None  # type: ignore[assignment]
     try:
         track = min(once(False) for _ in range(5))
     finally:
         tracking._decode_map = saved
+        source.read_payload_batches = _read_payload_batches
     decode = min(once(False) for _ in range(5))
     applied = min(once(True) for _ in range(5))
     return {"parse_and_track_us": round(track, 2), "plus_decode_us": round(decode, 2),
@@ -495,7 +533,7 @@ async def replica(url: str, hist: dict[str, list[bytes]], blocks: int, tail: int
 # -- main -----------------------------------------------------------------------------------
 
 
-async def main(quick: bool) -> None:
+async def main(quick: bool, part: str = "all", rounds: int = 0) -> None:
     n = 30_000 if quick else 50_000
     blocks = 200_000 if quick else 1_000_000
     tail = 10_000
@@ -511,13 +549,31 @@ async def main(quick: bool) -> None:
         with NatsServer(d / "nats") as srv:
             url = srv.url
             res: dict[str, Any] = {}
-            res["ref_zmq_path_batches_per_s"] = round(await ref_zmq(d, pf, n))
-            res["ref_natspy_raw_publish_batches_per_s"] = round(await ref_raw_publish(url, payloads, n))
-            res["ref_natspy_publish_async_batches_per_s"] = round(await ref_publish_async(url, payloads, n // 2))
-            rate, info = await kv_relay(d, url, pf, n)
-            res["kvstream_relay_batches_per_s"] = round(rate)
-            res["relay_detail"] = info
-            res["ref_natspy_raw_consume_msgs_per_s"] = round(await ref_raw_consume(url, n))
+            if part == "all":
+                res["ref_zmq_path_batches_per_s"] = round(await ref_zmq(d, pf, n))
+                res["ref_natspy_raw_publish_batches_per_s"] = round(await ref_raw_publish(url, payloads, n))
+                res["ref_natspy_publish_async_batches_per_s"] = round(await ref_publish_async(url, payloads, n // 2))
+                rate, info = await kv_relay(d, url, pf, n)
+                res["kvstream_relay_batches_per_s"] = round(rate)
+                res["relay_detail"] = info
+            elif part == "consumer":  # the stream the relay would have written, published directly
+                nc = await connect(url, name="bench-fill", pending_bytes=256 << 20)
+                try:
+                    await ensure_stream(nc.jetstream(), StreamSettings())
+                    await _publish_items(nc, {"bench": RelaySource("bench")},
+                                         [("bench", i, payloads[i % len(payloads)]) for i in range(n)], "kv")
+                finally:
+                    await nc.close()
+            if part == "replica":
+                hist = _history(8, blocks, 64)
+                res["replica"] = await replica(url, hist, blocks, tail, KVIndex, "FLEET")
+                res["replica_engine_index"] = await replica(url, hist, blocks, tail, _engine_index, "FLEETE")
+                print(json.dumps(res, indent=2))
+                _print_replicas(res, blocks)
+                return
+            wall, cpu = await ref_raw_consume(url, n)
+            res["ref_natspy_raw_consume_msgs_per_s"] = round(wall)
+            res["ref_natspy_raw_consume_msgs_per_cpu_s"] = round(cpu)
             res["stage_read_no_decode_batches_per_s"] = round(await kv_read(url, n, decode=False))
             res["stage_read_and_decode_batches_per_s"] = round(await kv_read(url, n, decode=True))
             res["ref_decode_only_batches_per_s"] = round(ref_decode(payloads, n))
@@ -531,9 +587,12 @@ async def main(quick: bool) -> None:
             wall, cpu = await kv_consume(url, n, _engine_index())
             res["kvstream_consume_and_apply_engine_index_batches_per_s"] = round(wall)
             res["kvstream_consume_and_apply_engine_index_batches_per_cpu_s"] = round(cpu)
-            hist = _history(8, blocks, 64)
-            res["replica"] = await replica(url, hist, blocks, tail, KVIndex, "FLEET")
-            res["replica_engine_index"] = await replica(url, hist, blocks, tail, _engine_index, "FLEETE")
+            if rounds:
+                res["interleaved_rounds"] = await interleaved(url, n, rounds)
+            if part == "all":
+                hist = _history(8, blocks, 64)
+                res["replica"] = await replica(url, hist, blocks, tail, KVIndex, "FLEET")
+                res["replica_engine_index"] = await replica(url, hist, blocks, tail, _engine_index, "FLEETE")
         res["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         print(json.dumps(res, indent=2))
         us = {k: 1e6 / res[k] for k in ("stage_read_no_decode_batches_per_s", "stage_read_and_decode_batches_per_s",
@@ -541,36 +600,53 @@ async def main(quick: bool) -> None:
                                          "ref_engine_index_apply_only_batches_per_s",
                                          "kvstream_consume_and_apply_batches_per_s",
                                          "kvstream_consume_and_apply_engine_index_batches_per_s")}
-        print(f"relay:    kvstream {res['kvstream_relay_batches_per_s']:>9,} batches/s   "
-              f"(nats-py raw ceiling {res['ref_natspy_raw_publish_batches_per_s']:,}, nats-py publish_async "
-              f"{res['ref_natspy_publish_async_batches_per_s']:,}, ZMQ path alone {res['ref_zmq_path_batches_per_s']:,}; "
-              f"target 50,000)")
+        if part == "all":
+            print(f"relay:    kvstream {res['kvstream_relay_batches_per_s']:>9,} batches/s   "
+                  f"(nats-py raw ceiling {res['ref_natspy_raw_publish_batches_per_s']:,}, nats-py publish_async "
+                  f"{res['ref_natspy_publish_async_batches_per_s']:,}, ZMQ path alone "
+                  f"{res['ref_zmq_path_batches_per_s']:,}; target 50,000)")
         for key, label, ref in (("kvstream_consume_and_apply_batches_per_s", "KVIndex", "ref_index_apply_only_batches_per_s"),
                                 ("kvstream_consume_and_apply_engine_index_batches_per_s", "EngineKeyIndex",
                                  "ref_engine_index_apply_only_batches_per_s")):
             print(f"consumer: kvstream {res[key]:>9,} batches/s into {label} ({res[key[:-2] + '_cpu_s']:,} "
                   f"per CPU second of the consumer)   (nats-py raw read "
-                  f"{res['ref_natspy_raw_consume_msgs_per_s']:,} msgs/s, {label} apply alone {res[ref]:,}; "
-                  f"target 200,000)")
+                  f"{res['ref_natspy_raw_consume_msgs_per_s']:,} msgs/s, "
+                  f"{res['ref_natspy_raw_consume_msgs_per_cpu_s']:,} per CPU second; {label} apply alone "
+                  f"{res[ref]:,}; ratio to the raw read: {res[key] / res['ref_natspy_raw_consume_msgs_per_s']:.2f}x "
+                  f"wall, {res[key[:-2] + '_cpu_s'] / res['ref_natspy_raw_consume_msgs_per_cpu_s']:.2f}x CPU; "
+                  f"target >= 0.9x)")
         print("consumer stages, us/batch: read+track {:.2f}, + decode {:.2f} (decode alone {:.2f}); apply alone: "
               "KVIndex {:.2f}, EngineKeyIndex {:.2f}; end to end: KVIndex {:.2f}, EngineKeyIndex {:.2f}".format(
                   us["stage_read_no_decode_batches_per_s"], us["stage_read_and_decode_batches_per_s"],
                   us["ref_decode_only_batches_per_s"], us["ref_index_apply_only_batches_per_s"],
                   us["ref_engine_index_apply_only_batches_per_s"], us["kvstream_consume_and_apply_batches_per_s"],
                   us["kvstream_consume_and_apply_engine_index_batches_per_s"]))
+        for i, r in enumerate(res.get("interleaved_rounds", ())):
+            print(f"round {i + 1}: nats-py bare read {r['ref_wall']:,}/s ({r['ref_cpu']:,} per CPU s); consumer into "
+                  f"KVIndex {r['kvindex_wall']:,}/s ({r['kvindex_wall'] / r['ref_wall']:.2f}x; CPU "
+                  f"{r['kvindex_cpu'] / r['ref_cpu']:.2f}x), decoded path {r['kvindex_decoded_wall']:,}/s "
+                  f"({r['kvindex_decoded_wall'] / r['ref_wall']:.2f}x; CPU {r['kvindex_decoded_cpu'] / r['ref_cpu']:.2f}x); "
+                  f"into EngineKeyIndex {r['engine_wall']:,}/s ({r['engine_wall'] / r['ref_wall']:.2f}x; CPU "
+                  f"{r['engine_cpu'] / r['ref_cpu']:.2f}x), decoded path {r['engine_decoded_wall']:,}/s "
+                  f"({r['engine_decoded_wall'] / r['ref_wall']:.2f}x; CPU {r['engine_decoded_cpu'] / r['ref_cpu']:.2f}x)")
         oe, ok = res["stage_offline_engine_index"], res["stage_offline_kvindex"]
         print(f"consumer CPU floor (no server, pre-built deliveries), us/batch: parse+track "
               f"{oe['parse_and_track_us']}, +decode {oe['plus_decode_us']}, +apply EngineKeyIndex "
               f"{oe['plus_apply_us']} ({1e6 / oe['plus_apply_us']:,.0f}/s), +apply KVIndex {ok['plus_apply_us']} "
               f"({1e6 / ok['plus_apply_us']:,.0f}/s)")
-        for key, label in (("replica", "KVIndex"), ("replica_engine_index", "EngineKeyIndex")):
-            r = res[key]
-            print(f"replica ({label}): warm from snapshot + {r['tail_batches']:,}-batch tail ready in "
-                  f"{r['warm_ready_s']} s (fetch+load {r['warm_fetch_and_load_s']} s, tail {r['warm_tail_s']} s; "
-                  f"equal index: {r['warm_equal']}); replaying all {r['history_batches'] + r['tail_batches']:,} "
-                  f"batches: {r['cold_replay_ready_s']} s; snapshot {r['snapshot_bytes']:,} B written in "
-                  f"{r['snapshot_write_s']} s (dump alone {r['ref_dump_alone_s']} s, load alone "
-                  f"{r['ref_load_alone_s']} s); {blocks:,} blocks; target <= 2 s")
+        if part == "all":
+            _print_replicas(res, blocks)
+
+
+def _print_replicas(res: dict[str, Any], blocks: int) -> None:
+    for key, label in (("replica", "KVIndex"), ("replica_engine_index", "EngineKeyIndex")):
+        r = res[key]
+        print(f"replica ({label}): warm from snapshot + {r['tail_batches']:,}-batch tail ready in "
+              f"{r['warm_ready_s']} s (fetch+load {r['warm_fetch_and_load_s']} s, tail {r['warm_tail_s']} s; "
+              f"equal index: {r['warm_equal']}); replaying all {r['history_batches'] + r['tail_batches']:,} "
+              f"batches: {r['cold_replay_ready_s']} s; snapshot {r['snapshot_bytes']:,} B written in "
+              f"{r['snapshot_write_s']} s (dump alone {r['ref_dump_alone_s']} s, load alone "
+              f"{r['ref_load_alone_s']} s); {blocks:,} blocks; targets <= 2 s, issue #25: <= 0.3 s")
 
 
 if __name__ == "__main__":
@@ -579,4 +655,10 @@ if __name__ == "__main__":
         sys.exit(0)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller runs (30,000 batches, 200,000 blocks)")
-    anyio.run(main, ap.parse_args().quick)
+    ap.add_argument("--part", choices=("all", "consumer", "replica"), default="all",
+                    help="consumer: the consumer paths only (the stream filled directly, no relay run); "
+                         "replica: the warm start only")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="then N interleaved rounds of the bare read, the consumer and its decoded path")
+    args = ap.parse_args()
+    anyio.run(main, args.quick, args.part, args.rounds)

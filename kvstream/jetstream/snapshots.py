@@ -6,8 +6,9 @@ position moved, it dumps the whole index once (``index.dump(cursors=...)``, form
 :mod:`kvstream.routing.snapshot`) into the object store bucket ``<STREAM>_SNAPSHOTS`` as
 one object, :data:`OBJECT_NAME` (the latest replacing the one before). The dump's cursor
 for each source is the consumer's position for it
-(:class:`~kvstream.jetstream.tracking.SourceState`: engine instance, next seq, stale,
-stream sequence); the object's ``Kv-Sseq`` header holds the last stream sequence read. A
+(:class:`~kvstream.jetstream.tracking.SourceState`: engine instance, next seq, stale, and
+as stream sequence the last one the consumer read, which every source has got that far);
+the object's ``Kv-Sseq`` header holds the last stream sequence read. A
 new replica calls :func:`load_snapshots` and reads only the tail::
 
     index = KVIndex()
@@ -148,6 +149,14 @@ class SnapshotWriter:
         """Dump the whole index if any source moved, in one synchronous step (consistent
         with the consumer positions read at the same moment)."""
         states = self.source.states()
+        # Every message up to the consumer's last stream sequence has been read and applied
+        # (the queue is empty): each source's position is that far, not just at its own last
+        # message. A replica then reads on from there, not again from the least recently
+        # active engine's last message (skipping the others' messages one by one).
+        last = int(getattr(self.source, "last_sseq", 0) or 0)
+        for st in states.values():
+            if st.sseq < last:
+                st.sseq = last
         moved = {name: st.sseq for name, st in states.items()}
         if moved == self._done or not moved:
             return None
@@ -199,6 +208,7 @@ async def _fetch(nc: Any, url: str, bucket: str, info: Any, timeout_s: float) ->
     if not info.chunks:
         return b""  # nothing to read (load_source refuses it as no snapshot)
     chunks: list[bytes] = []
+    digest = hashlib.sha256()  # fed chunk by chunk, while the next ones are on the way
     got = 0
     done = anyio.Event()
     failed: list[str] = []
@@ -216,6 +226,7 @@ async def _fetch(nc: Any, url: str, bucket: str, info: Any, timeout_s: float) ->
                 done.set()
             return
         chunks.append(payload)
+        digest.update(payload)
         got += len(payload)
         if got >= info.size or len(chunks) >= info.chunks:
             done.set()
@@ -252,7 +263,7 @@ async def _fetch(nc: Any, url: str, bucket: str, info: Any, timeout_s: float) ->
         raise SnapshotFetchError(f"snapshot object {info.name!r}: {len(data)} bytes in {len(chunks)} chunks, "
                                  f"its metadata says {info.size} in {info.chunks}")
     want = (info.digest or "").partition("=")[2]
-    if want and base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode().rstrip("=") != want.rstrip("="):
+    if want and base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=") != want.rstrip("="):
         raise SnapshotFetchError(f"snapshot object {info.name!r}: SHA-256 digest does not match its metadata")
     return data
 

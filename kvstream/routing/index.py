@@ -76,6 +76,7 @@ from kvstream._native import (
     apply_tokens as _apply_tokens,
     read_payload as _read_payload,
 )
+from kvstream.routing.payloads import PayloadBatch
 from kvstream.routing.table import TABLES, BlockTable
 from kvstream.wire.events import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -365,6 +366,9 @@ class KVIndex(_IndexCore):
         Python. Payloads under 1 KiB (a few events, where the extra call costs what it
         saves) are applied from ``batch``.
         """
+        if type(batch) is PayloadBatch and (self._by_engine or self._kind == _NATIVE):
+            self._apply_raw(source, batch.raw, _PayloadFallback(batch), now)
+            return
         if (payload is not None and type(payload) is bytes and len(payload) >= _RAW_MIN_BYTES
                 and (self._by_engine or self._kind == _NATIVE)):
             raw = _read_payload(payload, _NO_LIMIT)
@@ -440,6 +444,10 @@ class KVIndex(_IndexCore):
         each batch was decoded from (see :meth:`apply_batch`); the native core reads
         them, batch by batch, when they average 1 KiB or more (smaller ones: the decoded
         events in one call, which is faster for them)."""
+        if (batches and type(batches[0]) is PayloadBatch and (self._by_engine or self._kind == _NATIVE)
+                and list(map(type, batches)).count(PayloadBatch) == len(batches)):
+            self._apply_payload_batches(source, batches, now)
+            return
         if (payloads is not None and len(payloads) == len(batches) and (self._by_engine or self._kind == _NATIVE)
                 and sum(map(len, payloads)) >= _RAW_MIN_BYTES * len(payloads)):
             for b, p in zip(batches, payloads):
@@ -461,6 +469,21 @@ class KVIndex(_IndexCore):
             self._apply_tokens_native(s, events)  # type: ignore[arg-type]
         else:
             self._apply_events(s, events)  # type: ignore[arg-type]
+
+    def _apply_payload_batches(self, source: str, batches: Sequence[PayloadBatch], now: float | None) -> None:
+        """:meth:`apply_batches` of batches the native reader decoded
+        (:class:`~kvstream.routing.payloads.PayloadBatch`, e.g. from the JetStream
+        consumer): each applied from its columns, the source looked up once."""
+        if self._max_bytes is not None or self._ttl is not None:
+            for b in batches:
+                self._apply_raw(source, b.raw, _PayloadFallback(b), now)
+            return
+        slot = self._slot_of.get(source)
+        s = self._source(source) if slot is None else self._src[slot]
+        self.stats.batches += len(batches)
+        apply = self._apply_engine if self._by_engine else self._apply_tokens_native
+        for b in batches:
+            apply(s, b.raw, _PayloadFallback(b))  # type: ignore[arg-type]
 
     def _apply_events(self, s: _Source, events: Sequence[Any]) -> None:
         """Token keying's generic ingest loop: any :class:`BlockTable`, through its methods."""
@@ -1636,7 +1659,7 @@ class KVIndex(_IndexCore):
             held = self._held[t]
             if self._by_engine:
                 if not held:
-                    held.update(zip(hs, masks))
+                    _fill_empty(held, hs, masks)
                     if len(held) != len(hs):
                         held.clear()
                         raise sn.SnapshotError(
@@ -1648,7 +1671,7 @@ class KVIndex(_IndexCore):
             else:
                 bulk = not held and not len(table)
                 if bulk:
-                    held.update(zip(ks, masks))
+                    _fill_empty(held, ks, masks)
                     if len(held) != len(ks):  # a key shared by two hashes: merge below
                         held.clear()
                         bulk = False
@@ -1749,6 +1772,34 @@ class _Fallback:
         if raw.kind(i) == 2:
             return _CLEARED
         return self.events()[i]
+
+
+def _fill_empty(held: Any, keys: Any, masks: list[int]) -> None:
+    """``held.update(zip(keys, masks))`` into an empty map (a snapshot's tier): one native
+    call for a :class:`NativeMap` when every key is a distinct non-zero u64 and every mask
+    fits 64 bits (a million pairs one by one took 1.7 s of a 2.3 s load); anything else,
+    pair by pair as before."""
+    if type(held) is NativeMap:
+        try:
+            cols = array("Q", masks)
+            held.load_u64(keys if type(keys) is array and keys.typecode == "Q" else array("Q", keys), cols)
+            return
+        except (OverflowError, ValueError, TypeError):  # a wide mask, a repeated or 0 key: pair by pair
+            held.clear()
+    held.update(zip(keys, masks))
+
+
+class _PayloadFallback(_Fallback):
+    """:class:`_Fallback` of a :class:`~kvstream.routing.payloads.PayloadBatch`: its
+    events as it decodes them (once, shared with whoever else asks)."""
+
+    __slots__ = ("_pb",)
+
+    def __init__(self, pb: PayloadBatch) -> None:
+        self._pb = pb
+
+    def events(self) -> list[Any]:
+        return self._pb.events
 
 
 def _new_table(table: Any) -> BlockTable:

@@ -36,6 +36,7 @@ the snapshot came from a peer or a stream) and leave the index unchanged.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from typing import Any, Final, Iterable, Mapping, Union
 
@@ -218,6 +219,28 @@ class Prepared:
 _KEY_MAX: Final = (1 << 60) - 1  # router keys (kvstream.routing.keys.KEY_MASK)
 
 
+_LOW_NIBBLE: Final = bytes(range(16))
+
+
+def _all_router_keys(ks: array) -> bool:
+    """Every value of the u64 column ``ks`` is below 2**60 (its top byte below 0x10): read
+    from the bytes, about 40x faster than ``max()`` over a million Python ints."""
+    b = ks.tobytes()
+    top = b[7::8] if sys.byteorder == "little" else b[0::8]
+    return not top.translate(None, _LOW_NIBBLE)
+
+
+def _has_zero(hs: array) -> bool:
+    """The u64 column ``hs`` holds a 0 (eight zero bytes at a value's place)."""
+    b = hs.tobytes()
+    i = b.find(bytes(8))
+    while i != -1:
+        if i % 8 == 0:
+            return True
+        i = b.find(bytes(8), i + 1)
+    return False
+
+
 def prepare(snap: _Snapshot, *, tokens: bool, router_block_size: int) -> Prepared:
     """Unpack and check everything the index will install (raises :class:`SnapshotError`,
     nothing changed): columns of equal length, router keys in range, masks naming only the
@@ -244,9 +267,9 @@ def prepare(snap: _Snapshot, *, tokens: bool, router_block_size: int) -> Prepare
         if tokens:
             if len(ks) != n:
                 raise SnapshotError(f"snapshot medium {td.medium!r}: {n} hashes but {len(ks)} keys (a damaged snapshot)")
-            if n and max(ks) > _KEY_MAX:
+            if n and not _all_router_keys(ks):
                 raise SnapshotError(f"snapshot medium {td.medium!r}: a key >= 2**60 is not a router key")
-            if n and not min(hs):
+            if n and _has_zero(hs):
                 raise SnapshotError(f"snapshot medium {td.medium!r}: hash 0 in the columns (a damaged snapshot)")
         elif len(ks):
             raise SnapshotError("snapshot of an engine-keyed index with router keys (a damaged snapshot)")

@@ -34,6 +34,9 @@ async def test_a_replica_started_after_a_long_stream_is_warm_from_snapshot_plus_
         index = KVIndex()
         states = await load_snapshots(url, index)
         assert {n: s.expected for n, s in states.items()} == {"e0": 1000, "e1": 500}
+        # e0's last batch before the snapshot came before e1's last 50: both positions are
+        # the consumer's last stream sequence all the same (a replica reads on from there)
+        assert len({s.sseq for s in states.values()}) == 1
         only_e0 = KVIndex()
         assert set(await load_snapshots(url + "?source=e0", only_e0)) == {"e0"}
         assert only_e0.sources == ["e0"]  # the snapshot's other sources are not kept
@@ -45,6 +48,7 @@ async def test_a_replica_started_after_a_long_stream_is_warm_from_snapshot_plus_
             assert sub.counters("e0").batches == 120 and sub.counters("e1").batches == 30
             assert not sub.counters("e0").stale_marks
             assert sub.consumer_health().fast_deliveries >= 150  # plain batches: one regex call each
+            assert sub.consumer_health().fast_deliveries < 150 + 50  # and not e1's last 50 before the snapshot again
         tg.cancel_scope.cancel()
 
 
