@@ -1,6 +1,6 @@
 """Router index benchmarks: ingest rate, scoring latency, bytes per entry.
 
-    .venv/bin/python bench/bench_index.py [--quick] [--layout native|reference|engine|all]
+    .venv/bin/python bench/bench_index.py [--quick] [--layout native|reference|engine|all] [--score-only]
 
 Runs the token-keyed ``KVIndex`` (its residency table native: ``kvstream._native``) and, in
 the same process, its reference: the last pure-Python index (dicts ``engine hash -> key``
@@ -20,8 +20,12 @@ ratios against the reference measured in the same run are the numbers to read.
    shared, overloaded machine the wall clock counts other processes' time too).
 2. Score: a 4,096-token prompt (256 router blocks of 16) against 64 sources that hold
    prefixes of it of different lengths; key computation included. Reports p50/p99 of
-   ``match`` (prefixes only) and ``score`` (prefixes + default policy ranking), the prompt
-   as a list and as an ``array('I')`` (what ``kvstream serve`` parses a body into).
+   ``match`` (prefixes only) and ``score`` (prefixes + default policy values), the prompt
+   as a list and as an ``array('I')`` (what ``kvstream serve`` parses a body into); then
+   ``score(...).best`` (the routing answer: the native index ranks only when the ranking
+   is read), ``score`` with its whole answer read (every source's match, the ranking and
+   the values: what ``/v1/route`` returns) and ``score(keys=...)`` with the keys
+   precomputed (what ``Router.route`` and the service call).
 3. Memory: bytes per (block, source) residency at 10**6 entries, for distinct blocks on
    one source and for blocks shared by 8 and by 64 sources: tracemalloc's Python bytes plus
    the bytes the native tables allocate (counted in Rust: tracemalloc cannot see them),
@@ -53,7 +57,7 @@ from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.wire.events import BlockRemoved, BlockStored, EventDecoder, KVEventBatch, encode_batch
 from kvstream.hashing import BlockHasher
 from kvstream.routing.index import KVIndex
-from kvstream.routing.scoring import Load
+from kvstream.routing.scoring import Load, ScoreResult
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _reference import load_reference_index  # noqa: E402
@@ -147,11 +151,16 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
     holding = sum(1 for m in index.match(prompt).values() if m.blocks)
     print(f"({holding} of {n_sources} sources hold a prefix of the prompt)")
     packed = array("I", prompt)
+    pkeys = index.keys(prompt)
     for label, fn in (
         ("match", lambda: index.match(prompt)),
         ("score", lambda: index.score(prompt, loads=loads)),
+        ("score(...).best", lambda: index.score(prompt, loads=loads).best),
         ("match, array('I') prompt", lambda: index.match(packed)),
         ("score, array('I') prompt", lambda: index.score(packed, loads=loads)),
+        ("score(...).best, array('I') prompt", lambda: index.score(packed, loads=loads).best),
+        ("score + ranking + matches read, array('I') prompt", lambda: _read_all(index.score(packed, loads=loads))),
+        ("score(keys=...).best, keys precomputed", lambda: index.score(prompt, loads=loads, keys=pkeys).best),
     ):
         for _ in range(50):
             fn()
@@ -179,6 +188,13 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
         index.keys(prompt)
         keys_t.append(time.perf_counter_ns() - t0)
     print(f"  of which key computation: p50 {statistics.median(keys_t) / 1e3:.0f} us")
+
+
+def _read_all(res: ScoreResult) -> None:
+    # What /v1/route's answer reads: every source's match, the ranking, the values.
+    for name in res.ranking:
+        res.matches[name]
+    res.values
 
 
 def bench_small_batches(n: int, layout: str) -> None:
@@ -332,8 +348,18 @@ def main() -> None:
     ap.add_argument("--layout", choices=("native", "reference", "engine", "all"), default="all",
                     help="KVIndex() (the native table), the previous pure-Python layout "
                          "(reference), EngineKeyIndex, or all three")
+    ap.add_argument("--score-only", action="store_true",
+                    help="only the scoring rows (2.), for each layout asked for")
     a = ap.parse_args()
     layouts = ("native", "reference", "engine") if a.layout == "all" else (a.layout,)
+    if a.score_only:
+        for layout in layouts:
+            print(f"== score: {layout}")
+            for hasher in (("native", "xxhash", "sha256_cbor") if layout == "engine" else ("native",)):
+                if layout == "engine":
+                    print(f"-- scoring with BlockHasher({hasher!r})")
+                bench_score(iters=200 if a.quick else 2000, layout=layout, hasher=hasher)
+        return
     n_mem = 100_000 if a.quick else 1_000_000
     if a.layout == "all":
         print("== KVIndex() and the reference, interleaved run by run (best of 3)")
