@@ -123,8 +123,9 @@ def bench_ingest(n_blocks: int, layout: str = "native", live_blocks: int = 4096)
               f"{n / dt / 1e6:.2f} M block events/s")
 
 
-def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000, layout: str = "native",
-                hasher: str = "native") -> None:
+def _score_setup(layout: str, hasher: str = "native", n_sources: int = 64, prompt_tokens: int = 4096):
+    """The score workload: an index of ``n_sources`` sources each holding a random-length
+    prefix of one prompt (plus unrelated blocks), loads for all, and the timed calls."""
     rnd = random.Random(2)
     prompt = [rnd.randrange(50_000) for _ in range(prompt_tokens)]
     nb = prompt_tokens // BS
@@ -148,11 +149,9 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
         )
         h += 64
     loads = {f"engine-{s:02d}": Load(queue=s % 5, running=s % 7, kv_usage=(s % 10) / 10) for s in range(n_sources)}
-    holding = sum(1 for m in index.match(prompt).values() if m.blocks)
-    print(f"({holding} of {n_sources} sources hold a prefix of the prompt)")
     packed = array("I", prompt)
     pkeys = index.keys(prompt)
-    for label, fn in (
+    rows = [
         ("match", lambda: index.match(prompt)),
         ("score", lambda: index.score(prompt, loads=loads)),
         ("score(...).best", lambda: index.score(prompt, loads=loads).best),
@@ -161,17 +160,46 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
         ("score(...).best, array('I') prompt", lambda: index.score(packed, loads=loads).best),
         ("score + ranking + matches read, array('I') prompt", lambda: _read_all(index.score(packed, loads=loads))),
         ("score(keys=...).best, keys precomputed", lambda: index.score(prompt, loads=loads, keys=pkeys).best),
-    ):
-        for _ in range(50):
-            fn()
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter_ns()
-            fn()
-            ts.append(time.perf_counter_ns() - t0)
-        ts.sort()
-        p50 = ts[len(ts) // 2] / 1e3
-        p99 = ts[int(len(ts) * 0.99)] / 1e3
+    ]
+    return index, prompt, loads, rows
+
+
+def _p50_p99(fn, iters: int) -> tuple[float, float]:
+    for _ in range(50):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append(time.perf_counter_ns() - t0)
+    ts.sort()
+    return ts[len(ts) // 2] / 1e3, ts[int(len(ts) * 0.99)] / 1e3
+
+
+def bench_score_interleaved(iters: int = 300, rounds: int = 5) -> None:
+    """The score rows of ``KVIndex()`` and the reference, alternating round by round (so
+    load drift hits both alike); per row the best p50 of ``rounds`` runs of ``iters`` calls."""
+    sides = {layout: _score_setup(layout) for layout in ("native", "reference")}
+    n_rows = len(sides["native"][3])
+    for i in range(n_rows):
+        best = {layout: (float("inf"), 0.0) for layout in sides}
+        for _ in range(rounds):
+            for layout, (_, _, _, rows) in sides.items():
+                got = _p50_p99(rows[i][1], iters)
+                if got[0] < best[layout][0]:
+                    best[layout] = got
+        (nat, nat99), (ref, ref99) = best["native"], best["reference"]
+        print(f"{sides['native'][3][i][0]}: native p50 {nat:.1f} us (p99 {nat99:.0f}), reference p50 {ref:.1f} us "
+              f"(p99 {ref99:.0f}): {ref / nat:.2f}x")
+
+
+def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000, layout: str = "native",
+                hasher: str = "native") -> None:
+    index, prompt, loads, rows = _score_setup(layout, hasher, n_sources, prompt_tokens)
+    holding = sum(1 for m in index.match(prompt).values() if m.blocks)
+    print(f"({holding} of {n_sources} sources hold a prefix of the prompt)")
+    for label, fn in rows:
+        p50, p99 = _p50_p99(fn, iters)
         print(f"{label} {prompt_tokens} tokens x {n_sources} sources: p50 {p50:.0f} us, p99 {p99:.0f} us")
     keys = index.keys(prompt)
     ts = []
@@ -353,6 +381,9 @@ def main() -> None:
     a = ap.parse_args()
     layouts = ("native", "reference", "engine") if a.layout == "all" else (a.layout,)
     if a.score_only:
+        if a.layout == "all":
+            print("== score, KVIndex() and the reference interleaved (best p50 of 5 runs of 300 calls)")
+            bench_score_interleaved(100 if a.quick else 300)
         for layout in layouts:
             print(f"== score: {layout}")
             for hasher in (("native", "xxhash", "sha256_cbor") if layout == "engine" else ("native",)):
@@ -368,6 +399,8 @@ def main() -> None:
         for layout in ("native", "reference"):
             print(f"  {layout:9s}", end=" ", flush=True)
             bench_memory(n_mem, 1, layout)
+        print("== score, KVIndex() and the reference interleaved (best p50 of 5 runs of 300 calls)")
+        bench_score_interleaved(100 if a.quick else 300)
     for layout in layouts:
         title = {"native": "KVIndex() (native residency table)",
                  "reference": "reference: the last pure-Python KVIndex() (dicts), same process",
