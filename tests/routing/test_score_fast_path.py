@@ -180,3 +180,18 @@ def test_a_custom_policy_gets_every_source_match_on_the_fast_path_too() -> None:
         ("a", 3, {"GPU": 3}, {"GPU": 3}, False), ("b", 1, {"GPU": 1}, {"GPU": 1}, False),
         ("cold", 0, {}, {}, False), ("x", 0, {}, {}, False)]
     assert res.best in ("cold", "x") and res.ranking[-1] == "a"
+
+
+def test_token_ids_the_native_reader_refuses_get_the_python_paths_error() -> None:
+    import pytest
+
+    index, p = _two_sources()
+    for bad in (-1, 2**32, 1.5, "7"):
+        prompt = p[: 2 * R] + [bad] + p[2 * R + 1: 3 * R]
+        with pytest.raises(Exception) as want:
+            index.keys(prompt)
+        with pytest.raises(type(want.value)) as got:
+            index.score(prompt)
+        assert str(got.value) == str(want.value)
+    # a tuple and a list of the same ids score alike
+    assert index.score(tuple(p)) == index.score(p) == _oracle(index, p, None, {}, None)
