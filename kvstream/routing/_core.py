@@ -690,6 +690,10 @@ class _IndexCore:
         policy gets the same :class:`~kvstream.routing.scoring.SourceMatch` list either way."""
         pol = policy if policy is not None else _DEFAULT_POLICY
         loads = loads or {}
+        if keys is None and (lora is not None or salt or mm_items or self._by_engine):
+            # Keys the native call cannot chain itself (engine hashes, multimodal items):
+            # made here once, then walked like precomputed ones.
+            keys = self.keys(prompt_tokens, lora, salt, mm_items)
         got = self._gpu_prefixes(prompt_tokens, lora, salt, mm_items, keys, loads)
         if got is not None:
             n, (names, blocks, stale) = got

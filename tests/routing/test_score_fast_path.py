@@ -132,6 +132,7 @@ def test_fast_path_scores_engine_hashes_exactly_like_the_python_path(ops, loads,
     keys = index.keys(prompt)
     want = _oracle(index, prompt, keys, loads, policy)
     _same(index.score(prompt, loads=loads, policy=policy, keys=keys), want)
+    _same(index.score(prompt, loads=loads, policy=policy), want)  # the keys made by score
     assert index.best(keys, loads, policy) == want.best
 
 
@@ -195,3 +196,11 @@ def test_token_ids_the_native_reader_refuses_get_the_python_paths_error() -> Non
         assert str(got.value) == str(want.value)
     # a tuple and a list of the same ids score alike
     assert index.score(tuple(p)) == index.score(p) == _oracle(index, p, None, {}, None)
+
+
+def test_salted_and_lora_prompts_score_like_their_keys() -> None:
+    index, p = _two_sources()
+    for kw in ({"salt": "tenant-a"}, {"lora": "adapter"}, {"lora": 3}):
+        keys = index.keys(p, **kw)
+        want = _oracle(index, p, keys, {"a": Load(queue=1)}, None)
+        _same(index.score(p, loads={"a": Load(queue=1)}, **kw), want)
