@@ -9,6 +9,9 @@
 //! speculative entries): per source, the longest prefix held in any tier and the longest
 //! in each tier, returned only for the sources that hold something (a `/query` answer
 //! lists only those), so the caller builds no object for the others.
+//!
+//! [`slot_ends`] is the GPU-only walk as one column indexed by source slot: what
+//! `KVIndex.score` values every source from (the policy itself stays Python).
 
 use std::sync::Arc;
 
