@@ -1,6 +1,6 @@
 """Router index benchmarks: ingest rate, scoring latency, bytes per entry.
 
-    .venv/bin/python bench/bench_index.py [--quick] [--layout native|reference|engine|all]
+    .venv/bin/python bench/bench_index.py [--quick] [--layout native|reference|engine|all] [--score-only]
 
 Runs the token-keyed ``KVIndex`` (its residency table native: ``kvstream._native``) and, in
 the same process, its reference: the last pure-Python index (dicts ``engine hash -> key``
@@ -20,8 +20,12 @@ ratios against the reference measured in the same run are the numbers to read.
    shared, overloaded machine the wall clock counts other processes' time too).
 2. Score: a 4,096-token prompt (256 router blocks of 16) against 64 sources that hold
    prefixes of it of different lengths; key computation included. Reports p50/p99 of
-   ``match`` (prefixes only) and ``score`` (prefixes + default policy ranking), the prompt
-   as a list and as an ``array('I')`` (what ``kvstream serve`` parses a body into).
+   ``match`` (prefixes only) and ``score`` (prefixes + default policy values), the prompt
+   as a list and as an ``array('I')`` (what ``kvstream serve`` parses a body into); then
+   ``score(...).best`` (the routing answer: the native index ranks only when the ranking
+   is read), ``score`` with its whole answer read (every source's match, the ranking and
+   the values: what ``/v1/route`` returns) and ``score(keys=...)`` with the keys
+   precomputed (what ``Router.route`` and the service call).
 3. Memory: bytes per (block, source) residency at 10**6 entries, for distinct blocks on
    one source and for blocks shared by 8 and by 64 sources: tracemalloc's Python bytes plus
    the bytes the native tables allocate (counted in Rust: tracemalloc cannot see them),
@@ -53,7 +57,7 @@ from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.wire.events import BlockRemoved, BlockStored, EventDecoder, KVEventBatch, encode_batch
 from kvstream.hashing import BlockHasher
 from kvstream.routing.index import KVIndex
-from kvstream.routing.scoring import Load
+from kvstream.routing.scoring import Load, ScoreResult
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _reference import load_reference_index  # noqa: E402
@@ -119,8 +123,9 @@ def bench_ingest(n_blocks: int, layout: str = "native", live_blocks: int = 4096)
               f"{n / dt / 1e6:.2f} M block events/s")
 
 
-def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000, layout: str = "native",
-                hasher: str = "native") -> None:
+def _score_setup(layout: str, hasher: str = "native", n_sources: int = 64, prompt_tokens: int = 4096):
+    """The score workload: an index of ``n_sources`` sources each holding a random-length
+    prefix of one prompt (plus unrelated blocks), loads for all, and the timed calls."""
     rnd = random.Random(2)
     prompt = [rnd.randrange(50_000) for _ in range(prompt_tokens)]
     nb = prompt_tokens // BS
@@ -144,25 +149,57 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
         )
         h += 64
     loads = {f"engine-{s:02d}": Load(queue=s % 5, running=s % 7, kv_usage=(s % 10) / 10) for s in range(n_sources)}
-    holding = sum(1 for m in index.match(prompt).values() if m.blocks)
-    print(f"({holding} of {n_sources} sources hold a prefix of the prompt)")
     packed = array("I", prompt)
-    for label, fn in (
+    pkeys = index.keys(prompt)
+    rows = [
         ("match", lambda: index.match(prompt)),
         ("score", lambda: index.score(prompt, loads=loads)),
+        ("score(...).best", lambda: index.score(prompt, loads=loads).best),
         ("match, array('I') prompt", lambda: index.match(packed)),
         ("score, array('I') prompt", lambda: index.score(packed, loads=loads)),
-    ):
-        for _ in range(50):
-            fn()
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter_ns()
-            fn()
-            ts.append(time.perf_counter_ns() - t0)
-        ts.sort()
-        p50 = ts[len(ts) // 2] / 1e3
-        p99 = ts[int(len(ts) * 0.99)] / 1e3
+        ("score(...).best, array('I') prompt", lambda: index.score(packed, loads=loads).best),
+        ("score + ranking + matches read, array('I') prompt", lambda: _read_all(index.score(packed, loads=loads))),
+        ("score(keys=...).best, keys precomputed", lambda: index.score(prompt, loads=loads, keys=pkeys).best),
+    ]
+    return index, prompt, loads, rows
+
+
+def _p50_p99(fn, iters: int) -> tuple[float, float]:
+    for _ in range(50):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append(time.perf_counter_ns() - t0)
+    ts.sort()
+    return ts[len(ts) // 2] / 1e3, ts[int(len(ts) * 0.99)] / 1e3
+
+
+def bench_score_interleaved(iters: int = 300, rounds: int = 5) -> None:
+    """The score rows of ``KVIndex()`` and the reference, alternating round by round (so
+    load drift hits both alike); per row the best p50 of ``rounds`` runs of ``iters`` calls."""
+    sides = {layout: _score_setup(layout) for layout in ("native", "reference")}
+    n_rows = len(sides["native"][3])
+    for i in range(n_rows):
+        best = {layout: (float("inf"), 0.0) for layout in sides}
+        for _ in range(rounds):
+            for layout, (_, _, _, rows) in sides.items():
+                got = _p50_p99(rows[i][1], iters)
+                if got[0] < best[layout][0]:
+                    best[layout] = got
+        (nat, nat99), (ref, ref99) = best["native"], best["reference"]
+        print(f"{sides['native'][3][i][0]}: native p50 {nat:.1f} us (p99 {nat99:.0f}), reference p50 {ref:.1f} us "
+              f"(p99 {ref99:.0f}): {ref / nat:.2f}x")
+
+
+def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 2000, layout: str = "native",
+                hasher: str = "native") -> None:
+    index, prompt, loads, rows = _score_setup(layout, hasher, n_sources, prompt_tokens)
+    holding = sum(1 for m in index.match(prompt).values() if m.blocks)
+    print(f"({holding} of {n_sources} sources hold a prefix of the prompt)")
+    for label, fn in rows:
+        p50, p99 = _p50_p99(fn, iters)
         print(f"{label} {prompt_tokens} tokens x {n_sources} sources: p50 {p50:.0f} us, p99 {p99:.0f} us")
     keys = index.keys(prompt)
     ts = []
@@ -179,6 +216,13 @@ def bench_score(n_sources: int = 64, prompt_tokens: int = 4096, iters: int = 200
         index.keys(prompt)
         keys_t.append(time.perf_counter_ns() - t0)
     print(f"  of which key computation: p50 {statistics.median(keys_t) / 1e3:.0f} us")
+
+
+def _read_all(res: ScoreResult) -> None:
+    # What /v1/route's answer reads: every source's match, the ranking, the values.
+    for name in res.ranking:
+        res.matches[name]
+    res.values
 
 
 def bench_small_batches(n: int, layout: str) -> None:
@@ -332,8 +376,21 @@ def main() -> None:
     ap.add_argument("--layout", choices=("native", "reference", "engine", "all"), default="all",
                     help="KVIndex() (the native table), the previous pure-Python layout "
                          "(reference), EngineKeyIndex, or all three")
+    ap.add_argument("--score-only", action="store_true",
+                    help="only the scoring rows (2.), for each layout asked for")
     a = ap.parse_args()
     layouts = ("native", "reference", "engine") if a.layout == "all" else (a.layout,)
+    if a.score_only:
+        if a.layout == "all":
+            print("== score, KVIndex() and the reference interleaved (best p50 of 5 runs of 300 calls)")
+            bench_score_interleaved(100 if a.quick else 300)
+        for layout in layouts:
+            print(f"== score: {layout}")
+            for hasher in (("native", "xxhash", "sha256_cbor") if layout == "engine" else ("native",)):
+                if layout == "engine":
+                    print(f"-- scoring with BlockHasher({hasher!r})")
+                bench_score(iters=200 if a.quick else 2000, layout=layout, hasher=hasher)
+        return
     n_mem = 100_000 if a.quick else 1_000_000
     if a.layout == "all":
         print("== KVIndex() and the reference, interleaved run by run (best of 3)")
@@ -342,6 +399,8 @@ def main() -> None:
         for layout in ("native", "reference"):
             print(f"  {layout:9s}", end=" ", flush=True)
             bench_memory(n_mem, 1, layout)
+        print("== score, KVIndex() and the reference interleaved (best p50 of 5 runs of 300 calls)")
+        bench_score_interleaved(100 if a.quick else 300)
     for layout in layouts:
         title = {"native": "KVIndex() (native residency table)",
                  "reference": "reference: the last pure-Python KVIndex() (dicts), same process",

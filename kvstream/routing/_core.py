@@ -16,10 +16,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from kvstream._native import NativeMap, walk_keys, walk_tiers_keys, walk_tiers_tokens, walk_tokens
+from kvstream._native import (NativeMap, slot_ends_keys, slot_ends_tokens, walk_keys, walk_tiers_keys,
+                              walk_tiers_tokens, walk_tokens)
 from kvstream.errors import LocalProtocolError
 from kvstream.routing.keys import namespace
-from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, rank
+from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, _GpuPrefixes, rank
 
 __all__ = ["IndexUsageError", "SourceInfo"]
 
@@ -108,7 +109,8 @@ def _gpu_prefix_ends(gpu: Any, keys: Sequence[Any], active: int, ends: Any) -> N
 class _IndexCore:
     """Base of the router indexes (see the module docstring); not used directly."""
 
-    __slots__ = ()
+    # _roster: what scoring reads of the source table, cached (see _roster_now).
+    __slots__ = ("_roster",)
 
     # Set by subclasses (slots or class attributes). mypy checks assignments against this
     # class's empty __slots__, hence the [misc] ignores where the base rebinds _live.
@@ -127,6 +129,8 @@ class _IndexCore:
     # (engine hash, source slot, tier) -> {group: copies}, only where a holding is not
     # exactly one copy in group 0 (the common case costs no record).
     _copies: dict[tuple[Any, int, int], dict[int, int]]
+    _per_mask: dict[int, int]
+    _roster: _Roster
 
     def _add_copy_record(self, key: tuple[Any, int, int], g: int, held: bool) -> bool:
         """Count one more copy of group ``g`` for a (hash, source, tier) ``key``.
@@ -606,6 +610,63 @@ class _IndexCore:
         del gpu_end
         return out
 
+    def _roster_now(self) -> _Roster:
+        """The source table as scoring reads it, rebuilt only when a source came, went or
+        changed its block size (the slot list and the per-block-size masks compare equal
+        in C, item by item by identity; stale flags are the bits missing from ``_live``)."""
+        try:
+            r = self._roster
+        except AttributeError:
+            r = None
+        src = self._src
+        pm = self._per_mask
+        if r is not None and r.src == src and r.per_mask == pm:
+            return r
+        r = self._roster = _Roster(src, pm)
+        return r
+
+    def _gpu_prefixes(self, tokens: Sequence[int], lora: Any, salt: str | None, mm_items: Any,
+                      keys: Sequence[Any] | None, loads: Mapping[str, Load]) -> tuple[int, _GpuRows] | None:
+        """Every source's prefix of the prompt from one native call, when it is all in GPU
+        memory (no lower tier holds anything, nothing is speculative, at most 64 sources,
+        the keys u64s; a plain prompt or its precomputed ``keys``): ``(number of keys,
+        (names, prefix blocks, stale names))`` in :meth:`match`'s order, the sources named
+        only in ``loads`` last with 0; else None (the Python walk)."""
+        if self._spec:
+            return None
+        live = self._live
+        held = self._held
+        gpu = held[0]
+        if type(gpu) is not NativeMap or not 0 <= live <= _M64:
+            return None
+        if len(held) > 1 and any(held[1:]):
+            return None
+        ro = self._roster_now()
+        if keys is not None:
+            r = slot_ends_keys(gpu, keys, live, ro.n_slots)
+        elif lora is not None or salt or mm_items or self._by_engine:
+            return None
+        else:
+            r = slot_ends_tokens(gpu, tokens, self._R, _BASE_NS, live, ro.n_slots)
+        if r is None:
+            return None
+        n, blocks = r
+        if ro.slots is not None:
+            blocks = [blocks[i] for i in ro.slots]
+        for i, per in ro.per_fix:  # an engine reuses whole blocks only: round down
+            b = blocks[i]
+            blocks[i] = b - b % per
+        dead = ro.mask & ~live
+        stale = ro.stale_names(dead) if dead else _NOTHING
+        names = ro.names
+        if loads and not (type(loads) is dict and loads.keys() <= self._slot_of.keys()):
+            slot_of = self._slot_of
+            extra = [name for name in loads if name not in slot_of]
+            if extra:
+                names = names + extra
+                blocks = blocks + [0] * len(extra)
+        return n, (names, blocks, stale)
+
     def score(
         self,
         prompt_tokens: Sequence[int],
@@ -620,23 +681,43 @@ class _IndexCore:
         """Match the prompt (see :meth:`match`) and rank the sources with ``policy``
         (default :class:`~kvstream.routing.scoring.PrefixLoadPolicy`) and the caller's ``loads``
         (source name -> :class:`~kvstream.routing.scoring.Load`). Sources named only in ``loads``
-        are ranked too (with no cached prefix)."""
-        pre = None if keys is not None else self._prompt_prefix(prompt_tokens, lora, salt, mm_items)
-        if pre is not None:
-            n = pre[0]
-            matches = self._walk((), *pre)
-        else:
-            if keys is None:
-                keys = self.keys(prompt_tokens, lora, salt, mm_items)
-            n = len(keys)
-            matches = self._walk(keys)
-        loads = loads or {}
-        for name in loads:
-            if name not in matches:
-                matches[name] = SourceMatch(name)
+        are ranked too (with no cached prefix).
+
+        When every cached prefix is in GPU memory and nothing is speculative, one native
+        call walks the prompt for every source; the default policy then values the
+        sources from that column in one pass and the result builds its ``matches`` and
+        full ``ranking`` only when they are read (``.best`` alone needs neither). A custom
+        policy gets the same :class:`~kvstream.routing.scoring.SourceMatch` list either way."""
         pol = policy if policy is not None else _DEFAULT_POLICY
-        values = pol(list(matches.values()), loads, n)
-        return ScoreResult(n, self._R, matches, rank(values, loads), {s: v for v, s in values})
+        loads = loads or {}
+        if keys is None and (lora is not None or salt or mm_items or self._by_engine):
+            # Keys the native call cannot chain itself (engine hashes, multimodal items):
+            # made here once, then walked like precomputed ones.
+            keys = self.keys(prompt_tokens, lora, salt, mm_items)
+        got = self._gpu_prefixes(prompt_tokens, lora, salt, mm_items, keys, loads)
+        if got is not None:
+            n, (names, blocks, stale) = got
+            if type(pol) is PrefixLoadPolicy:
+                values = pol._gpu_values(names, blocks, loads, n)
+                # The loads are copied: a caller changing them later changes no tie-break.
+                lazy = _GpuPrefixes(names, blocks, stale, values, dict(loads))
+                return ScoreResult._of_gpu_prefixes(n, self._R, lazy)
+            matches = _GpuPrefixes(names, blocks, stale, [], loads).matches(self._R)
+        else:
+            pre = None if keys is not None else self._prompt_prefix(prompt_tokens, lora, salt, mm_items)
+            if pre is not None:
+                n = pre[0]
+                matches = self._walk((), *pre)
+            else:
+                if keys is None:
+                    keys = self.keys(prompt_tokens, lora, salt, mm_items)
+                n = len(keys)
+                matches = self._walk(keys)
+            for name in loads:
+                if name not in matches:
+                    matches[name] = SourceMatch(name)
+        values_l = pol(list(matches.values()), loads, n)
+        return ScoreResult(n, self._R, matches, rank(values_l, loads), {s: v for v, s in values_l})
 
     def best(
         self,
@@ -648,37 +729,51 @@ class _IndexCore:
         only (None without sources), for callers that route and need nothing else.
 
         The common case (no speculative entries, nothing in a lower tier, a plain
-        :class:`~kvstream.routing.scoring.PrefixLoadPolicy`) skips building the per-source
-        :class:`~kvstream.routing.scoring.SourceMatch` objects and the full ranking; anything else
-        goes through :meth:`score`. Both give the same answer (``tests/routing/test_index.py``).
+        :class:`~kvstream.routing.scoring.PrefixLoadPolicy`) is :meth:`score`'s native
+        path without its result object; both give the same answer
+        (``tests/routing/test_index.py``, ``tests/routing/test_score_fast_path.py``).
         """
         pol = policy if policy is not None else _DEFAULT_POLICY
-        if (type(pol) is not PrefixLoadPolicy or self._spec
-                or any(self._held[t] for t in range(1, len(self._held)))):
-            return self.score((), loads=loads, policy=pol, keys=keys).best
         loads = loads or {}
-        # The prefix walk of _walk's one-tier branch, ends kept per slot.
-        src = self._src
-        ends = [0] * len(src)
-        active = self._live
-        gpu = self._held[0]
-        n = len(keys)
-        if active:
-            _gpu_prefix_ends(gpu, keys, active, ends)
-        prefixes = []
-        for s in src:
-            if s is None:
-                continue
-            b = ends[s.slot]
-            per = s.per
-            if per is not None and per > 1:
-                b -= b % per
-            prefixes.append((s.name, b))
-        slot_of = self._slot_of
-        # A source named only in the loads has no cached prefix.
-        prefixes.extend((name, 0) for name in loads if name not in slot_of)
-        return pol.best_gpu_prefix(prefixes, loads, n)
+        if type(pol) is PrefixLoadPolicy:
+            got = self._gpu_prefixes((), None, None, None, keys, loads)
+            if got is not None:
+                n, (names, blocks, stale) = got
+                return _GpuPrefixes(names, blocks, stale, pol._gpu_values(names, blocks, loads, n), loads).best()
+        return self.score((), loads=loads, policy=pol, keys=keys).best
 
+
+_NOTHING: frozenset[str] = frozenset()
+
+_GpuRows = tuple[list[str], list[int], frozenset[str]]
+
+
+class _Roster:
+    """The source table as :meth:`_IndexCore.score` reads it: per present source (slot
+    order) its name; the slots when some are free (else the slot is the position); the
+    positions whose engine blocks span several router blocks, with that number; every
+    present source's bit. ``src`` and ``per_mask`` are the copies it was built from."""
+
+    __slots__ = ("src", "per_mask", "names", "slots", "n_slots", "per_fix", "mask", "_by_slot")
+
+    def __init__(self, src: list[_Source | None], per_mask: dict[int, int]) -> None:
+        self.src = list(src)
+        self.per_mask = dict(per_mask)
+        present = [s for s in src if s is not None]
+        self.names = [s.name for s in present]
+        self.slots = None if len(present) == len(src) else [s.slot for s in present]
+        self.n_slots = len(src)
+        self.per_fix = [(i, s.per) for i, s in enumerate(present) if s.per is not None and s.per > 1]
+        mask = 0
+        for s in present:
+            mask |= s.bit
+        self.mask = mask
+        self._by_slot = {s.slot: s.name for s in present}
+
+    def stale_names(self, dead: int) -> frozenset[str]:
+        """The names of the sources whose bits are in ``dead``."""
+        by_slot = self._by_slot
+        return frozenset(by_slot[b] for b in _bits(dead))
 
 
 def _hash_sort_key(eh: Any) -> tuple[int, Any]:

@@ -141,6 +141,22 @@ class PrefixLoadPolicy:
             out.append((v, m.source))
         return out
 
+    def _gpu_values(self, names: Sequence[str], blocks: Sequence[int], loads: Mapping[str, Load],
+                    n_blocks: int) -> list[float]:
+        """:meth:`__call__`'s values, in ``names`` order, for sources whose ``blocks``
+        prefix blocks are all served from GPU memory (``served == {"GPU": blocks}``, or
+        empty for 0): one pass over two columns, no :class:`SourceMatch` needed. The same
+        arithmetic in the same order, so the values are bit-identical
+        (``tests/routing/test_score_fast_path.py``)."""
+        wg = self.tier_weights.get("GPU", self.other_tier_weight)
+        pw, qw, rw, kw = self.prefix_weight, self.queue_weight, self.running_weight, self.kv_weight
+        get = loads.get
+        lds = [get(s, _NO_LOAD) for s in names]
+        if not n_blocks:
+            return [pw * 0.0 - qw * ld.queue - rw * ld.running - kw * ld.kv_usage for ld in lds]
+        # (b * wg + 0.0): __call__ sums the served blocks from an int 0.
+        return [pw * ((b * wg + 0.0) / n_blocks if b else 0.0) - qw * ld.queue - rw * ld.running - kw * ld.kv_usage
+                for b, ld in zip(blocks, lds)]
 
     def best_gpu_prefix(
         self, prefixes: Iterable[tuple[str, int]], loads: Mapping[str, Load], n_blocks: int
@@ -352,7 +368,6 @@ def rank(values: Sequence[tuple[float, str]], loads: Mapping[str, Load]) -> list
     ]
 
 
-@dataclass(slots=True)
 class ScoreResult:
     """The answer to "where should this prompt go?".
 
@@ -363,15 +378,138 @@ class ScoreResult:
             any source named in the loads), keyed by name.
         ranking: source names, best first (empty when there is no source at all).
         values: the policy's value per source.
+
+    :meth:`KVIndex.score <kvstream.routing.index.KVIndex.score>`'s common case (the
+    default policy, every prefix in GPU memory, nothing speculative) makes the answer from
+    one column of prefix lengths and one list of values, and builds ``matches``,
+    ``ranking`` and ``values`` on first access (from what it held at scoring time: later
+    changes to the index or to the loads do not show); :attr:`best` alone builds none of
+    them. Either way the attributes are the same values and can be assigned.
     """
 
-    n_blocks: int
-    router_block_size: int
-    matches: dict[str, SourceMatch]
-    ranking: list[str]
-    values: dict[str, float]
+    __slots__ = ("n_blocks", "router_block_size", "_matches", "_ranking", "_values", "_lazy")
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it was
+
+    def __init__(self, n_blocks: int, router_block_size: int, matches: dict[str, SourceMatch],
+                 ranking: list[str], values: dict[str, float]) -> None:
+        self.n_blocks = n_blocks
+        self.router_block_size = router_block_size
+        self._matches: dict[str, SourceMatch] | None = matches
+        self._ranking: list[str] | None = ranking
+        self._values: dict[str, float] | None = values
+        self._lazy: _GpuPrefixes | None = None
+
+    @classmethod
+    def _of_gpu_prefixes(cls, n_blocks: int, router_block_size: int, lazy: _GpuPrefixes) -> ScoreResult:
+        r = cls.__new__(cls)
+        r.n_blocks = n_blocks
+        r.router_block_size = router_block_size
+        r._matches = r._ranking = r._values = None
+        r._lazy = lazy
+        return r
+
+    @property
+    def matches(self) -> dict[str, SourceMatch]:
+        m = self._matches
+        if m is None:
+            m = self._matches = self._lazy.matches(self.router_block_size)  # type: ignore[union-attr]
+        return m
+
+    @matches.setter
+    def matches(self, value: dict[str, SourceMatch]) -> None:
+        self._matches = value
+
+    @property
+    def ranking(self) -> list[str]:
+        r = self._ranking
+        if r is None:
+            r = self._ranking = self._lazy.ranking()  # type: ignore[union-attr]
+        return r
+
+    @ranking.setter
+    def ranking(self, value: list[str]) -> None:
+        self._ranking = value
+
+    @property
+    def values(self) -> dict[str, float]:
+        v = self._values
+        if v is None:
+            lz: _GpuPrefixes = self._lazy  # type: ignore[assignment]
+            v = self._values = dict(zip(lz.names, lz.values))
+        return v
+
+    @values.setter
+    def values(self, value: dict[str, float]) -> None:
+        self._values = value
 
     @property
     def best(self) -> str | None:
         """The chosen source (first of :attr:`ranking`), or None without sources."""
-        return self.ranking[0] if self.ranking else None
+        r = self._ranking
+        if r is None:
+            return self._lazy.best()  # type: ignore[union-attr]
+        return r[0] if r else None
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        o: ScoreResult = other
+        return (self.n_blocks, self.router_block_size, self.matches, self.ranking, self.values) == (
+            o.n_blocks, o.router_block_size, o.matches, o.ranking, o.values)
+
+    def __repr__(self) -> str:
+        return (f"ScoreResult(n_blocks={self.n_blocks!r}, router_block_size={self.router_block_size!r}, "
+                f"matches={self.matches!r}, ranking={self.ranking!r}, values={self.values!r})")
+
+
+class _GpuPrefixes:
+    """What a lazy :class:`ScoreResult` is built from: per source (index order, then the
+    sources named only in the loads) its name, its prefix in router blocks (all in GPU
+    memory), whether it is stale, and the policy's value; and the loads (a snapshot) that
+    break ties."""
+
+    __slots__ = ("names", "blocks", "stale", "values", "loads")
+
+    def __init__(self, names: list[str], blocks: Sequence[int], stale: frozenset[str],
+                 values: list[float], loads: Mapping[str, Load]) -> None:
+        self.names = names
+        self.blocks = blocks
+        self.stale = stale
+        self.values = values
+        self.loads = loads
+
+    def matches(self, R: int) -> dict[str, SourceMatch]:
+        stale = self.stale
+        return {
+            name: SourceMatch(name, b, b * R, {"GPU": b}, {"GPU": b}, False) if b
+            else SourceMatch(name, 0, 0, {}, {}, name in stale)
+            for name, b in zip(self.names, self.blocks)
+        }
+
+    def ranking(self) -> list[str]:
+        """:func:`rank`'s order. With every value distinct (and no NaN) the values alone
+        decide it: one sort of positions by value in C, no key tuple per source."""
+        vals = self.values
+        total = sum(vals)
+        if total == total and len(set(vals)) == len(vals):
+            order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)
+            return list(map(self.names.__getitem__, order))
+        return rank(list(zip(vals, self.names)), self.loads)
+
+    def best(self) -> str | None:
+        """:func:`rank`'s first source without sorting them all."""
+        vals = self.values
+        if not vals:
+            return None
+        total = sum(vals)
+        if total != total:  # a NaN (or inf - inf): the full sort decides, as it did
+            return rank(list(zip(vals, self.names)), self.loads)[0]
+        top = max(vals)
+        i = vals.index(top)
+        if vals.count(top) == 1:
+            return self.names[i]
+        loads = self.loads
+        names = self.names
+        return min((_load_key(loads.get(names[j], _NO_LOAD)), names[j])
+                   for j in range(i, len(vals)) if vals[j] == top)[1]
