@@ -104,7 +104,9 @@ def test_the_bytes_it_allocates_are_counted_and_shrink_after_deletions() -> None
     for k in range(1, 100_001):
         m[k] = k
     big = m.native_bytes()
-    assert 21 * 100_000 <= big <= 48 * 100_000  # 16 bytes of columns + the index's buckets
+    # 16 bytes of column (at most an eighth spare) + 4-byte slots at 60-80 % load: the
+    # two maps of a one-source index stay under 48 bytes per (block, source) entry
+    assert 21 * 100_000 <= big <= 24.7 * 100_000
     for k in range(1, 99_001):
         del m[k]
     assert big <= m.native_bytes() <= big + 6 * 100_000  # removals keep the room and list the freed positions...
