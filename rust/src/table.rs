@@ -3,23 +3,24 @@
 //!
 //! [`U64Map`] keeps (key, value) pairs in one `Vec<[u64; 2]>` column (insertion order; a
 //! position freed by a removal is reused by the next insert; grown by an eighth at a time,
-//! so at most 1/8 of it is spare room) and an open-addressing index over it: a
-//! `Vec<u32>` of slots, each a column position plus the top bits of the key's hash (a tag
-//! that rules out almost every other key without reading the column), probed linearly
-//! from a start that a multiply maps onto any slot count. Because the slot count need not
-//! be a power of two, the index is sized to its load: between 60 % and 80 % of the slots
-//! are in use (live or deleted marks), so a slot costs 5-6.7 bytes per entry, where a
-//! power-of-two SwissTable of `u32` sits at 44-88 % load and costs 5.7-11.4 bytes. An
-//! entry costs 16-18 bytes of column plus that: 21-24.7 bytes (about 22.3 at 10**6
-//! entries), where a CPython dict with an int object per key spends ~80. The hash is a
-//! random `foldhash` state, so crafted keys cannot pile up in one probe run. Key 0 marks a
-//! free column position, so 0 is not a column key.
+//! so at most 1/8 of it is spare room) and an index of column positions over it. Up to
+//! [`SWISS_MAX`] entries the index is a SwissTable (`hashbrown::HashTable<u32>`: 5 bytes a
+//! bucket, power-of-two sized, 44-88 % full; its 16-wide tag groups probe fastest while
+//! the map sits in the CPU cache). Past that it is an open-addressing array of 4-byte
+//! slots, each a column position plus a tag of the key's hash (ruling out almost every
+//! other key without reading the column), probed linearly from a start that a multiply
+//! maps onto any slot count. Because the slot count need not be a power of two, the slots
+//! are sized to their load: 55-75 % in use (live or deleted marks), 5.3-7.3 bytes per
+//! entry. A big entry costs 16-18 bytes of column plus that (22.6 at 10**6 entries, where
+//! the SwissTable cost 27.3 and a CPython dict with an int object per key ~80). The hash
+//! is a random `foldhash` state, so crafted keys cannot pile up in one probe run. Key 0
+//! marks a free column position, so 0 is not a column key.
 //!
 //! A removal leaves a deleted mark unless the next slot is empty (then it and the marks
-//! before it become empty); when live entries and marks reach 80 % of the slots the index
-//! is rebuilt from the column (a sequential read), the same size if the live entries are
-//! under 70 % of the slots, else grown to 60 %: a rebuild pays for at least a tenth of the
-//! slots' worth of inserts.
+//! before it become empty); when live entries and marks reach 75 % of the
+//! slots the index is rebuilt from the column (a sequential read), the same size if the
+//! live entries are under 65 % of the slots, else grown to 55 %: a rebuild pays for at
+//! least a tenth of the slots' worth of inserts.
 //!
 //! [`NativeMap`] is the Python face (`kvstream._native.NativeMap`): a mapping with a
 //! dict's behaviour for any key and value. Entries whose key is an int in `[1, 2**64)` and
@@ -31,7 +32,7 @@
 
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use hashbrown::DefaultHashBuilder;
+use hashbrown::{DefaultHashBuilder, HashTable};
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyTuple};
@@ -43,17 +44,26 @@ const EMPTY: u32 = 0;
 /// position field of a live slot is at most `max_used + 1 < 2**shift - 1`.
 const DELETED: u32 = u32::MAX;
 
+/// Up to this many entries a map's index is a SwissTable (`hashbrown::HashTable<u32>` of
+/// column positions: 5 bytes a bucket at 44-88 % load, and its 16-wide tag groups probe
+/// fastest while the map is in the CPU cache); past it, the slots (4 bytes at 55-75 %
+/// load; where cache misses set the pace they are no slower). A map goes back to the
+/// SwissTable only when shrunk or emptied.
+pub const SWISS_MAX: usize = 1 << 17;
+
 /// An insertion-ordered `u64 -> u64` map (keys non-zero); see the module docs.
 #[derive(Default)]
 pub struct U64Map {
     /// (key, value) pairs; key 0 marks a free position.
     cols: Vec<[u64; 2]>,
     free: Vec<u32>,
+    /// The index while the map is small (`slots` empty): see [`SWISS_MAX`].
+    swiss: HashTable<u32>,
     /// Column position + 1 in the low `shift` bits, the hash's tag above them.
     slots: Vec<u32>,
     /// Bits of a slot holding the position (the rest hold the tag).
     pos_mask: u32,
-    /// Slots live or deleted, and the most allowed before a rebuild (80 % of the slots).
+    /// Slots live or deleted, and the most allowed before a rebuild (75 % of the slots).
     used: usize,
     max_used: usize,
     hasher: DefaultHashBuilder,
@@ -108,7 +118,7 @@ impl U64Map {
         let mut i = self.home(h);
         let mut mark = usize::MAX;
         loop {
-            // Ends: at most 80 % of the slots are used, so an empty slot comes.
+            // Ends: at most 75 % of the slots are used, so an empty slot comes.
             let s = self.slots[i];
             if s == EMPTY {
                 return if mark == usize::MAX {
@@ -144,7 +154,15 @@ impl U64Map {
         if k == 0 || self.live == 0 {
             return None;
         }
-        match self.probe(k, self.hash(k)) {
+        let h = self.hash(k);
+        if self.slots.is_empty() {
+            let cols = &self.cols;
+            return self
+                .swiss
+                .find(h, |&j| cols[j as usize][0] == k)
+                .map(|&j| cols[j as usize][1]);
+        }
+        match self.probe(k, h) {
             Probe::Found(i) => Some(self.cols[self.pos(i)][1]),
             Probe::Absent(..) => None,
         }
@@ -156,21 +174,21 @@ impl U64Map {
     }
 
     /// Rebuild the index from the column with room for `entries` live entries: the same
-    /// slot count when that stays under 70 % of it (only the deleted marks go), else
-    /// enough slots for 60 % load.
+    /// slot count when that stays under 65 % of it (only the deleted marks go), else
+    /// enough slots for 55 % load.
     fn rebuild(&mut self, entries: usize) {
         let n = self.slots.len();
         let want = entries.max(self.cols.len());
-        let m = if n >= 16 && want * 10 <= n * 7 {
+        let m = if n >= 16 && want * 20 <= n * 13 {
             n
         } else {
-            (want * 5 / 3 + 1).max(16)
+            (want * 20 / 11 + 1).max(16)
         };
         self.rebuild_to(m);
     }
 
     fn rebuild_to(&mut self, m: usize) {
-        let max_used = m * 4 / 5;
+        let max_used = m * 3 / 4;
         // Positions + 1 run to max_used; a live slot's position field is never all ones.
         let bits = (64 - (max_used as u64 + 1).leading_zeros()).min(32);
         self.pos_mask = if bits >= 32 { u32::MAX } else { (1u32 << bits) - 1 };
@@ -210,6 +228,14 @@ impl U64Map {
     /// Set `k` (non-zero) to `v`; returns the previous value.
     pub fn insert(&mut self, k: u64, v: u64) -> Option<u64> {
         debug_assert!(k != 0);
+        if self.slots.is_empty() {
+            if self.live < SWISS_MAX {
+                return self.insert_swiss(k, v);
+            }
+            if self.get(k).is_none() {
+                self.to_slots(self.live + 1);
+            }
+        }
         if self.used >= self.max_used {
             self.rebuild(self.live + 1);
         }
@@ -242,10 +268,57 @@ impl U64Map {
         None
     }
 
+    fn insert_swiss(&mut self, k: u64, v: u64) -> Option<u64> {
+        let h = self.hash(k);
+        let cols = &self.cols;
+        if let Some(&j) = self.swiss.find(h, |&j| cols[j as usize][0] == k) {
+            let old = self.cols[j as usize][1];
+            self.cols[j as usize][1] = v;
+            return Some(old);
+        }
+        let j = match self.free.pop() {
+            Some(j) => {
+                self.cols[j as usize] = [k, v];
+                j
+            }
+            None => {
+                self.grow_cols(1);
+                self.cols.push([k, v]);
+                (self.cols.len() - 1) as u32
+            }
+        };
+        let (cols, hasher) = (&self.cols, &self.hasher);
+        self.swiss
+            .insert_unique(h, j, |&x| hasher.hash_one(cols[x as usize][0]));
+        self.live += 1;
+        None
+    }
+
+    /// From the SwissTable to slots with room for `entries`.
+    fn to_slots(&mut self, entries: usize) {
+        self.swiss = HashTable::new();
+        self.rebuild_to((entries.max(self.cols.len()) * 20 / 11 + 1).max(16));
+    }
+
     /// Remove `k`; returns its value.
     pub fn remove(&mut self, k: u64) -> Option<u64> {
         if k == 0 || self.live == 0 {
             return None;
+        }
+        if self.slots.is_empty() {
+            let h = self.hash(k);
+            let cols = &self.cols;
+            let entry = self.swiss.find_entry(h, |&j| cols[j as usize][0] == k).ok()?;
+            let (j, _) = entry.remove();
+            let v = self.cols[j as usize][1];
+            self.cols[j as usize][0] = 0;
+            self.free.push(j);
+            self.live -= 1;
+            if self.live == 0 {
+                self.cols.clear();
+                self.free.clear();
+            }
+            return Some(v);
         }
         let Probe::Found(i) = self.probe(k, self.hash(k)) else {
             return None;
@@ -256,7 +329,7 @@ impl U64Map {
         self.free.push(j as u32);
         self.live -= 1;
         let n = self.slots.len();
-        if self.slots[(i + 1) % n] == EMPTY {
+        if self.slots[if i + 1 == n { 0 } else { i + 1 }] == EMPTY {
             // The end of a run: this slot and the deleted marks before it become empty.
             let mut x = i;
             loop {
@@ -271,18 +344,27 @@ impl U64Map {
             self.slots[i] = DELETED;
         }
         if self.live == 0 {
-            // Nothing left: start the column over (no free list to walk).
+            // Nothing left: start the column over (no free list to walk), small again.
             self.cols.clear();
             self.free.clear();
-            self.slots.fill(EMPTY);
+            self.slots = Vec::new();
             self.used = 0;
+            self.max_used = 0;
         }
         Some(v)
     }
 
     /// Make room for `extra` more entries without growing inside a loop.
     pub fn reserve(&mut self, extra: usize) {
-        if self.used + extra > self.max_used {
+        if self.slots.is_empty() {
+            if self.live + extra <= SWISS_MAX {
+                let (cols, hasher) = (&self.cols, &self.hasher);
+                self.swiss
+                    .reserve(extra, |&x| hasher.hash_one(cols[x as usize][0]));
+            } else {
+                self.to_slots(self.live + extra);
+            }
+        } else if self.used + extra > self.max_used {
             self.rebuild(self.live + extra);
         }
         let more = extra.saturating_sub(self.free.len());
@@ -306,13 +388,16 @@ impl U64Map {
 
     /// Heap bytes allocated (bytes): the column, the free list and the slots, at capacity.
     pub fn bytes(&self) -> usize {
-        self.cols.capacity() * 16 + self.free.capacity() * 4 + self.slots.capacity() * 4
+        self.cols.capacity() * 16
+            + self.free.capacity() * 4
+            + self.slots.capacity() * 4
+            + self.swiss.allocation_size()
     }
 
     /// Drop free positions and fit every allocation to the live entries, when at most half
     /// of what is allocated is in use (after eviction).
     pub fn shrink(&mut self) {
-        let cap = self.max_used.max(self.cols.capacity());
+        let cap = self.max_used.max(self.cols.capacity()).max(self.swiss.capacity());
         if 2 * self.live >= cap && self.free.is_empty() {
             return;
         }
@@ -328,7 +413,18 @@ impl U64Map {
         self.cols = pairs;
         self.cols.shrink_to_fit();
         self.live = self.cols.len();
-        self.rebuild_to((self.live * 5 / 3 + 1).max(16));
+        if self.live <= SWISS_MAX {
+            let (cols, hasher) = (&self.cols, &self.hasher);
+            let mut t = HashTable::with_capacity(cols.len());
+            for (j, kv) in cols.iter().enumerate() {
+                t.insert_unique(hasher.hash_one(kv[0]), j as u32, |&x| {
+                    hasher.hash_one(cols[x as usize][0])
+                });
+            }
+            self.swiss = t;
+        } else {
+            self.rebuild_to((self.live * 20 / 11 + 1).max(16));
+        }
     }
 }
 
@@ -793,23 +889,29 @@ mod tests {
 
     #[test]
     fn every_size_costs_at_most_the_column_and_the_slots_load_allows() {
-        // 16 bytes of column with at most an eighth spare, 4-byte slots at >= 60 % load.
+        // 16 bytes of column with at most an eighth spare, 4-byte slots at >= 55 % load
+        // (a SwissTable of 5-byte buckets at >= 43.75 % up to SWISS_MAX entries).
         let mut m = U64Map::new();
-        for k in 1..=300_000u64 {
+        for k in 1..=400_000u64 {
             m.insert(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, k);
             if k >= 1000 && k % 997 == 0 {
                 let per = m.bytes() as f64 / k as f64;
-                assert!(per <= 16.0 * 1.125 + 4.0 / 0.6 + 0.1, "{per} bytes per entry at {k}");
+                let index = if k as usize > SWISS_MAX { 4.0 / 0.55 } else { 5.0 / 0.4375 };
+                assert!(per <= 16.0 * 1.125 + index + 0.1, "{per} bytes per entry at {k}");
             }
         }
     }
 
     #[test]
     fn fifo_churn_keeps_its_size_and_every_entry() {
-        // Eviction's pattern: insert new keys, remove the oldest; deleted marks must be
-        // cleared by rebuilds at the same size, never by growing.
+        // Eviction's pattern: insert new keys, remove the oldest. In slots, deleted marks
+        // must be cleared by rebuilds at the same size, never by growing.
+        fifo_churn(50_000, 1); // the SwissTable (may double once under churn)
+        fifo_churn(150_000, 4); // slots
+    }
+
+    fn fifo_churn(live: u64, slack: usize) {
         let mut m = U64Map::new();
-        let live = 50_000u64;
         for k in 1..=live {
             m.insert(k * 7919, k);
         }
@@ -825,7 +927,7 @@ mod tests {
                 assert_eq!(m.get((k - live) * 7919), None);
             }
         }
-        assert!(m.bytes() <= settled + settled / 4, "{} > {settled}", m.bytes());
+        assert!(m.bytes() <= settled + settled / slack, "{} > {settled}", m.bytes());
         assert_eq!(m.iter().count() as u64, live);
     }
 
