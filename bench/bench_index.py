@@ -361,10 +361,17 @@ def bench_memory(entries: int, sharers: int, layout: str = "native") -> None:
     used = py + native
     rss = _rss() - rss0
     total = made * sharers
+    # Where the native bytes go (docs/architecture.md, "Where a residency entry's bytes go"):
+    # the block table (engine hash -> router key) and the media's key -> source mask maps.
+    table = getattr(index, "_table", None)
+    split = ""
+    if native and hasattr(table, "native_bytes"):
+        tb = table.native_bytes()
+        split = f", of which block table {tb / total:.1f} and masks {(native - tb) / total:.1f}"
     print(
         f"memory: {total:,} (block, source) entries ({made:,} blocks x {sharers} sources): "
         f"{used / total:.1f} bytes/entry ({used / 2**20:.0f} MiB: {py / 2**20:.0f} Python, "
-        f"{native / 2**20:.0f} native; RSS grew {rss / total:.1f} bytes/entry)"
+        f"{native / 2**20:.0f} native{split}; RSS grew {rss / total:.1f} bytes/entry)"
     )
     del index
     gc.collect()

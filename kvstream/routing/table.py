@@ -10,8 +10,9 @@ only (its generic ingest path).
 
 The default is :class:`NativeBlockTable` (``kvstream._native.NativeMap``, the native
 core's residency table): entries whose key is an int in ``[1, 2**64)`` and whose value an
-int in ``[0, 2**64)`` live in two ``u64`` columns indexed by a SwissTable of column
-positions (~27 bytes per entry at 10**6, every byte counted in Rust); anything else (bytes
+int in ``[0, 2**64)`` live in a column of ``u64`` pairs indexed by a SwissTable while small and
+by 4-byte slots kept 55-75 % full past 2**17 entries (~22 bytes per entry at 10**6, every
+byte counted in Rust); anything else (bytes
 hashes, tuples of router keys) in a plain dict beside them, so it accepts whatever a dict
 would. The same map holds each medium's ``key -> source mask`` map of the index. For it
 the index's common ingest cases and its prefix walk run in the native core in one call

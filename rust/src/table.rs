@@ -1,20 +1,34 @@
-//! The residency table's storage: `u64 -> u64` maps laid out as two columns and an index.
+//! The residency table's storage: `u64 -> u64` maps laid out as one column of pairs and an
+//! index of 4-byte slots sized to its load.
 //!
-//! [`U64Map`] keeps keys and values in two `Vec<u64>` columns (insertion order; a position
-//! freed by a removal is reused by the next insert) and a SwissTable of `u32` column
-//! positions over them (`hashbrown::HashTable`, seeded with a random `foldhash` state so
-//! crafted keys cannot pile up in one probe sequence). An entry costs 16 bytes of columns
-//! plus 5 bytes per index bucket: 27 bytes at 10**6 entries, where a CPython dict with an
-//! int object per key spends ~80. Key 0 marks a free column position, so 0 is not a column
-//! key.
+//! [`U64Map`] keeps (key, value) pairs in one `Vec<[u64; 2]>` column (insertion order; a
+//! position freed by a removal is reused by the next insert; grown by an eighth at a time,
+//! so at most 1/8 of it is spare room) and an index of column positions over it. Up to
+//! [`SWISS_MAX`] entries the index is a SwissTable (`hashbrown::HashTable<u32>`: 5 bytes a
+//! bucket, power-of-two sized, 44-88 % full; its 16-wide tag groups probe fastest while
+//! the map sits in the CPU cache). Past that it is an open-addressing array of 4-byte
+//! slots, each a column position plus a tag of the key's hash (ruling out almost every
+//! other key without reading the column), probed linearly from a start that a multiply
+//! maps onto any slot count. Because the slot count need not be a power of two, the slots
+//! are sized to their load: 55-75 % in use (live or deleted marks), 5.3-7.3 bytes per
+//! entry. A big entry costs 16-18 bytes of column plus that (22.6 at 10**6 entries, where
+//! the SwissTable cost 27.3 and a CPython dict with an int object per key ~80). The hash
+//! is a random `foldhash` state, so crafted keys cannot pile up in one probe run. Key 0
+//! marks a free column position, so 0 is not a column key.
+//!
+//! A removal leaves a deleted mark unless the next slot is empty (then it and the marks
+//! before it become empty); when live entries and marks reach 75 % of the
+//! slots the index is rebuilt from the column (a sequential read), the same size if the
+//! live entries are under 65 % of the slots, else grown to 55 %: a rebuild pays for at
+//! least a tenth of the slots' worth of inserts.
 //!
 //! [`NativeMap`] is the Python face (`kvstream._native.NativeMap`): a mapping with a
 //! dict's behaviour for any key and value. Entries whose key is an int in `[1, 2**64)` and
-//! whose value is an int in `[0, 2**64)` live in the columns; anything else (bytes hashes,
-//! tuples of router keys, masks of more than 64 sources) in a plain dict beside them, so
-//! the index above needs no second code path. Every byte the columns and the index
-//! allocate is counted ([`U64Map::bytes`]): the index's memory bound holds on what the
-//! table really holds.
+//! whose value is an int in `[0, 2**64)` live in the column; anything else (bytes hashes,
+//! tuples of router keys, masks of more than 64 sources) in a plain dict beside it, so the
+//! index above needs no second code path. Every byte the column, the free list and the
+//! slots allocate is counted ([`U64Map::bytes`]): the index's memory bound holds on what
+//! the table really holds.
 
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -24,15 +38,45 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyTuple};
 use std::hash::BuildHasher;
 
+/// An empty slot.
+const EMPTY: u32 = 0;
+/// A slot whose entry was removed (probe runs continue past it). Never a live slot: the
+/// position field of a live slot is at most `max_used + 1 < 2**shift - 1`.
+const DELETED: u32 = u32::MAX;
+
+/// Up to this many entries a map's index is a SwissTable (`hashbrown::HashTable<u32>` of
+/// column positions: 5 bytes a bucket at 44-88 % load, and its 16-wide tag groups probe
+/// fastest while the map is in the CPU cache); past it, the slots (4 bytes at 55-75 %
+/// load; where cache misses set the pace they are no slower). A map goes back to the
+/// SwissTable only when shrunk or emptied.
+pub const SWISS_MAX: usize = 1 << 17;
+
 /// An insertion-ordered `u64 -> u64` map (keys non-zero); see the module docs.
 #[derive(Default)]
 pub struct U64Map {
-    keys: Vec<u64>,
-    vals: Vec<u64>,
+    /// (key, value) pairs; key 0 marks a free position.
+    cols: Vec<[u64; 2]>,
     free: Vec<u32>,
-    index: HashTable<u32>,
+    /// The index while the map is small (`slots` empty): see [`SWISS_MAX`].
+    swiss: HashTable<u32>,
+    /// Column position + 1 in the low `shift` bits, the hash's tag above them.
+    slots: Vec<u32>,
+    /// Bits of a slot holding the position (the rest hold the tag).
+    pos_mask: u32,
+    /// Slots live or deleted, and the most allowed before a rebuild (75 % of the slots).
+    used: usize,
+    max_used: usize,
     hasher: DefaultHashBuilder,
     live: usize,
+}
+
+/// Where a probe for a key ended.
+enum Probe {
+    /// The key's slot.
+    Found(usize),
+    /// Absent; where an insert goes (the first deleted mark on the way, else the empty
+    /// slot that ended the run) and whether that slot is empty.
+    Absent(usize, bool),
 }
 
 impl U64Map {
@@ -43,6 +87,17 @@ impl U64Map {
     #[inline]
     fn hash(&self, k: u64) -> u64 {
         self.hasher.hash_one(k)
+    }
+
+    /// The first slot of `h`'s probe run: `h` scaled onto `[0, slots)` by a multiply.
+    #[inline]
+    fn home(&self, h: u64) -> usize {
+        ((h as u128 * self.slots.len() as u128) >> 64) as usize
+    }
+
+    #[inline]
+    fn tag(&self, h: u64) -> u32 {
+        (h as u32) & !self.pos_mask
     }
 
     /// Entries held.
@@ -56,16 +111,61 @@ impl U64Map {
         self.live == 0
     }
 
+    #[inline]
+    fn probe(&self, k: u64, h: u64) -> Probe {
+        let n = self.slots.len();
+        let tag = self.tag(h);
+        let mut i = self.home(h);
+        let mut mark = usize::MAX;
+        loop {
+            // Ends: at most 75 % of the slots are used, so an empty slot comes.
+            let s = self.slots[i];
+            if s == EMPTY {
+                return if mark == usize::MAX {
+                    Probe::Absent(i, true)
+                } else {
+                    Probe::Absent(mark, false)
+                };
+            }
+            if s == DELETED {
+                if mark == usize::MAX {
+                    mark = i;
+                }
+            } else if s & !self.pos_mask == tag
+                && self.cols[((s & self.pos_mask) - 1) as usize][0] == k
+            {
+                return Probe::Found(i);
+            }
+            i += 1;
+            if i == n {
+                i = 0;
+            }
+        }
+    }
+
+    #[inline]
+    fn pos(&self, slot: usize) -> usize {
+        ((self.slots[slot] & self.pos_mask) - 1) as usize
+    }
+
     /// The value of `k` (None for absent keys and for 0).
     #[inline]
     pub fn get(&self, k: u64) -> Option<u64> {
         if k == 0 || self.live == 0 {
             return None;
         }
-        let keys = &self.keys;
-        self.index
-            .find(self.hash(k), |&j| keys[j as usize] == k)
-            .map(|&j| self.vals[j as usize])
+        let h = self.hash(k);
+        if self.slots.is_empty() {
+            let cols = &self.cols;
+            return self
+                .swiss
+                .find(h, |&j| cols[j as usize][0] == k)
+                .map(|&j| cols[j as usize][1]);
+        }
+        match self.probe(k, h) {
+            Probe::Found(i) => Some(self.cols[self.pos(i)][1]),
+            Probe::Absent(..) => None,
+        }
     }
 
     #[inline]
@@ -73,34 +173,131 @@ impl U64Map {
         self.get(k).is_some()
     }
 
+    /// Rebuild the index from the column with room for `entries` live entries: the same
+    /// slot count when that stays under 65 % of it (only the deleted marks go), else
+    /// enough slots for 55 % load.
+    fn rebuild(&mut self, entries: usize) {
+        let n = self.slots.len();
+        let want = entries.max(self.cols.len());
+        let m = if n >= 16 && want * 20 <= n * 13 {
+            n
+        } else {
+            (want * 20 / 11 + 1).max(16)
+        };
+        self.rebuild_to(m);
+    }
+
+    fn rebuild_to(&mut self, m: usize) {
+        let max_used = m * 3 / 4;
+        // Positions + 1 run to max_used; a live slot's position field is never all ones.
+        let bits = (64 - (max_used as u64 + 1).leading_zeros()).min(32);
+        self.pos_mask = if bits >= 32 { u32::MAX } else { (1u32 << bits) - 1 };
+        self.max_used = max_used;
+        self.slots = Vec::new(); // the old slots go before the new are allocated
+        self.slots.reserve_exact(m);
+        self.slots.resize(m, EMPTY);
+        self.used = 0;
+        for j in 0..self.cols.len() {
+            let k = self.cols[j][0];
+            if k == 0 {
+                continue;
+            }
+            let h = self.hash(k);
+            let mut i = self.home(h);
+            while self.slots[i] != EMPTY {
+                i += 1;
+                if i == m {
+                    i = 0;
+                }
+            }
+            self.slots[i] = self.tag(h) | (j as u32 + 1);
+            self.used += 1;
+        }
+    }
+
+    /// Room in the column for `more` new positions, growing it by at least an eighth.
+    fn grow_cols(&mut self, more: usize) {
+        let spare = self.cols.capacity() - self.cols.len();
+        if spare < more {
+            let len = self.cols.len();
+            let to = (len + more).max(len + len / 8).max(16);
+            self.cols.reserve_exact(to - len);
+        }
+    }
+
     /// Set `k` (non-zero) to `v`; returns the previous value.
     pub fn insert(&mut self, k: u64, v: u64) -> Option<u64> {
         debug_assert!(k != 0);
+        if self.slots.is_empty() {
+            if self.live < SWISS_MAX {
+                return self.insert_swiss(k, v);
+            }
+            if self.get(k).is_none() {
+                self.to_slots(self.live + 1);
+            }
+        }
+        if self.used >= self.max_used {
+            self.rebuild(self.live + 1);
+        }
         let h = self.hash(k);
-        let keys = &self.keys;
-        if let Some(&j) = self.index.find(h, |&j| keys[j as usize] == k) {
-            let old = self.vals[j as usize];
-            self.vals[j as usize] = v;
+        let (i, empty) = match self.probe(k, h) {
+            Probe::Found(i) => {
+                let j = self.pos(i);
+                let old = self.cols[j][1];
+                self.cols[j][1] = v;
+                return Some(old);
+            }
+            Probe::Absent(i, empty) => (i, empty),
+        };
+        let j = match self.free.pop() {
+            Some(j) => {
+                self.cols[j as usize] = [k, v];
+                j
+            }
+            None => {
+                self.grow_cols(1);
+                self.cols.push([k, v]);
+                (self.cols.len() - 1) as u32
+            }
+        };
+        self.slots[i] = self.tag(h) | (j + 1);
+        if empty {
+            self.used += 1;
+        }
+        self.live += 1;
+        None
+    }
+
+    fn insert_swiss(&mut self, k: u64, v: u64) -> Option<u64> {
+        let h = self.hash(k);
+        let cols = &self.cols;
+        if let Some(&j) = self.swiss.find(h, |&j| cols[j as usize][0] == k) {
+            let old = self.cols[j as usize][1];
+            self.cols[j as usize][1] = v;
             return Some(old);
         }
         let j = match self.free.pop() {
             Some(j) => {
-                self.keys[j as usize] = k;
-                self.vals[j as usize] = v;
+                self.cols[j as usize] = [k, v];
                 j
             }
             None => {
-                let j = self.keys.len() as u32;
-                self.keys.push(k);
-                self.vals.push(v);
-                j
+                self.grow_cols(1);
+                self.cols.push([k, v]);
+                (self.cols.len() - 1) as u32
             }
         };
-        let (keys, hasher) = (&self.keys, &self.hasher);
-        self.index
-            .insert_unique(h, j, |&x| hasher.hash_one(keys[x as usize]));
+        let (cols, hasher) = (&self.cols, &self.hasher);
+        self.swiss
+            .insert_unique(h, j, |&x| hasher.hash_one(cols[x as usize][0]));
         self.live += 1;
         None
+    }
+
+    /// From the SwissTable to slots with room for `entries`.
+    fn to_slots(&mut self, entries: usize) {
+        self.swiss = HashTable::new();
+        self.rebuild_to((entries.max(self.cols.len()) * 20 / 11 + 1).max(16));
     }
 
     /// Remove `k`; returns its value.
@@ -108,31 +305,70 @@ impl U64Map {
         if k == 0 || self.live == 0 {
             return None;
         }
-        let h = self.hash(k);
-        let keys = &self.keys;
-        let entry = self.index.find_entry(h, |&j| keys[j as usize] == k).ok()?;
-        let (j, _) = entry.remove();
-        let v = self.vals[j as usize];
-        self.keys[j as usize] = 0;
-        self.free.push(j);
+        if self.slots.is_empty() {
+            let h = self.hash(k);
+            let cols = &self.cols;
+            let entry = self.swiss.find_entry(h, |&j| cols[j as usize][0] == k).ok()?;
+            let (j, _) = entry.remove();
+            let v = self.cols[j as usize][1];
+            self.cols[j as usize][0] = 0;
+            self.free.push(j);
+            self.live -= 1;
+            if self.live == 0 {
+                self.cols.clear();
+                self.free.clear();
+            }
+            return Some(v);
+        }
+        let Probe::Found(i) = self.probe(k, self.hash(k)) else {
+            return None;
+        };
+        let j = self.pos(i);
+        let v = self.cols[j][1];
+        self.cols[j][0] = 0;
+        self.free.push(j as u32);
         self.live -= 1;
+        let n = self.slots.len();
+        if self.slots[if i + 1 == n { 0 } else { i + 1 }] == EMPTY {
+            // The end of a run: this slot and the deleted marks before it become empty.
+            let mut x = i;
+            loop {
+                self.slots[x] = EMPTY;
+                self.used -= 1;
+                x = if x == 0 { n - 1 } else { x - 1 };
+                if self.slots[x] != DELETED {
+                    break;
+                }
+            }
+        } else {
+            self.slots[i] = DELETED;
+        }
         if self.live == 0 {
-            // Nothing left: start the columns over (no free list to walk).
-            self.keys.clear();
-            self.vals.clear();
+            // Nothing left: start the column over (no free list to walk), small again.
+            self.cols.clear();
             self.free.clear();
+            self.slots = Vec::new();
+            self.used = 0;
+            self.max_used = 0;
         }
         Some(v)
     }
 
     /// Make room for `extra` more entries without growing inside a loop.
     pub fn reserve(&mut self, extra: usize) {
-        let (keys, hasher) = (&self.keys, &self.hasher);
-        self.index
-            .reserve(extra, |&x| hasher.hash_one(keys[x as usize]));
+        if self.slots.is_empty() {
+            if self.live + extra <= SWISS_MAX {
+                let (cols, hasher) = (&self.cols, &self.hasher);
+                self.swiss
+                    .reserve(extra, |&x| hasher.hash_one(cols[x as usize][0]));
+            } else {
+                self.to_slots(self.live + extra);
+            }
+        } else if self.used + extra > self.max_used {
+            self.rebuild(self.live + extra);
+        }
         let more = extra.saturating_sub(self.free.len());
-        self.keys.reserve(more);
-        self.vals.reserve(more);
+        self.grow_cols(more);
     }
 
     pub fn clear(&mut self) {
@@ -144,39 +380,50 @@ impl U64Map {
 
     /// (key, value) pairs in column order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.keys
+        self.cols
             .iter()
-            .zip(self.vals.iter())
-            .filter(|(k, _)| **k != 0)
-            .map(|(k, v)| (*k, *v))
+            .filter(|kv| kv[0] != 0)
+            .map(|kv| (kv[0], kv[1]))
     }
 
-    /// Heap bytes allocated (bytes): both columns, the free list and the index, at capacity.
+    /// Heap bytes allocated (bytes): the column, the free list and the slots, at capacity.
     pub fn bytes(&self) -> usize {
-        self.keys.capacity() * 8
-            + self.vals.capacity() * 8
+        self.cols.capacity() * 16
             + self.free.capacity() * 4
-            + self.index.allocation_size()
+            + self.slots.capacity() * 4
+            + self.swiss.allocation_size()
     }
 
     /// Drop free positions and fit every allocation to the live entries, when at most half
     /// of what is allocated is in use (after eviction).
     pub fn shrink(&mut self) {
-        let cap = self.index.capacity().max(self.keys.capacity());
+        let cap = self.max_used.max(self.cols.capacity()).max(self.swiss.capacity());
         if 2 * self.live >= cap && self.free.is_empty() {
             return;
         }
-        let pairs: Vec<(u64, u64)> = self.iter().collect();
+        let pairs: Vec<[u64; 2]> = self.cols.iter().filter(|kv| kv[0] != 0).copied().collect();
         let hasher = self.hasher.clone();
         *self = Self {
             hasher,
             ..Self::default()
         };
-        self.keys.reserve_exact(pairs.len());
-        self.vals.reserve_exact(pairs.len());
-        self.reserve(pairs.len());
-        for (k, v) in pairs {
-            self.insert(k, v);
+        if pairs.is_empty() {
+            return;
+        }
+        self.cols = pairs;
+        self.cols.shrink_to_fit();
+        self.live = self.cols.len();
+        if self.live <= SWISS_MAX {
+            let (cols, hasher) = (&self.cols, &self.hasher);
+            let mut t = HashTable::with_capacity(cols.len());
+            for (j, kv) in cols.iter().enumerate() {
+                t.insert_unique(hasher.hash_one(kv[0]), j as u32, |&x| {
+                    hasher.hash_one(cols[x as usize][0])
+                });
+            }
+            self.swiss = t;
+        } else {
+            self.rebuild_to((self.live * 20 / 11 + 1).max(16));
         }
     }
 }
@@ -622,11 +869,11 @@ mod tests {
         for k in 101..=150 {
             m.insert(k, k);
         }
-        assert_eq!(m.keys.len(), 100);
+        assert_eq!(m.cols.len(), 100);
         for k in 51..=150 {
             m.remove(k);
         }
-        assert!(m.is_empty() && m.keys.is_empty());
+        assert!(m.is_empty() && m.cols.is_empty());
         assert_eq!(m.get(0), None);
     }
 
@@ -637,6 +884,73 @@ mod tests {
             m.insert(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, k);
         }
         let per = m.bytes() as f64 / 1e6;
-        assert!(per < 30.0, "{per} bytes per entry");
+        assert!(per < 24.0, "{per} bytes per entry");
+    }
+
+    #[test]
+    fn every_size_costs_at_most_the_column_and_the_slots_load_allows() {
+        // 16 bytes of column with at most an eighth spare, 4-byte slots at >= 55 % load
+        // (a SwissTable of 5-byte buckets at >= 43.75 % up to SWISS_MAX entries).
+        let mut m = U64Map::new();
+        for k in 1..=400_000u64 {
+            m.insert(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, k);
+            if k >= 1000 && k % 997 == 0 {
+                let per = m.bytes() as f64 / k as f64;
+                let index = if k as usize > SWISS_MAX { 4.0 / 0.55 } else { 5.0 / 0.4375 };
+                assert!(per <= 16.0 * 1.125 + index + 0.1, "{per} bytes per entry at {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn fifo_churn_keeps_its_size_and_every_entry() {
+        // Eviction's pattern: insert new keys, remove the oldest. In slots, deleted marks
+        // must be cleared by rebuilds at the same size, never by growing.
+        fifo_churn(50_000, 1); // the SwissTable (may double once under churn)
+        fifo_churn(150_000, 4); // slots
+    }
+
+    fn fifo_churn(live: u64, slack: usize) {
+        let mut m = U64Map::new();
+        for k in 1..=live {
+            m.insert(k * 7919, k);
+        }
+        let settled = m.bytes();
+        for k in live + 1..=live * 20 {
+            m.insert(k * 7919, k);
+            assert_eq!(m.remove((k - live) * 7919), Some(k - live));
+            if k % 10_007 == 0 {
+                assert_eq!(m.len() as u64, live);
+                for x in (k - live + 1..=k).step_by(97) {
+                    assert_eq!(m.get(x * 7919), Some(x));
+                }
+                assert_eq!(m.get((k - live) * 7919), None);
+            }
+        }
+        assert!(m.bytes() <= settled + settled / slack, "{} > {settled}", m.bytes());
+        assert_eq!(m.iter().count() as u64, live);
+    }
+
+    #[test]
+    fn reserve_then_inserts_do_not_rebuild_and_shrink_fits_the_rest() {
+        let mut m = U64Map::new();
+        m.reserve(1000);
+        let slots = m.slots.len();
+        for k in 1..=1000u64 {
+            m.insert(k, k);
+        }
+        assert_eq!(m.slots.len(), slots);
+        for k in 1..=990u64 {
+            assert_eq!(m.remove(k), Some(k));
+        }
+        let before = m.bytes();
+        m.shrink();
+        assert!(m.bytes() < before / 10);
+        assert_eq!(m.iter().collect::<Vec<_>>(), (991..=1000).map(|k| (k, k)).collect::<Vec<_>>());
+        for k in 991..=1000u64 {
+            assert_eq!(m.get(k), Some(k));
+        }
+        m.insert(5, 5);
+        assert_eq!(m.get(5), Some(5));
     }
 }
