@@ -76,6 +76,7 @@ from kvstream._native import (
     apply_tokens as _apply_tokens,
     read_payload as _read_payload,
 )
+from kvstream.routing.payloads import PayloadBatch
 from kvstream.routing.table import TABLES, BlockTable
 from kvstream.wire.events import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -365,6 +366,9 @@ class KVIndex(_IndexCore):
         Python. Payloads under 1 KiB (a few events, where the extra call costs what it
         saves) are applied from ``batch``.
         """
+        if type(batch) is PayloadBatch and (self._by_engine or self._kind == _NATIVE):
+            self._apply_raw(source, batch.raw, _PayloadFallback(batch), now)
+            return
         if (payload is not None and type(payload) is bytes and len(payload) >= _RAW_MIN_BYTES
                 and (self._by_engine or self._kind == _NATIVE)):
             raw = _read_payload(payload, _NO_LIMIT)
@@ -440,6 +444,10 @@ class KVIndex(_IndexCore):
         each batch was decoded from (see :meth:`apply_batch`); the native core reads
         them, batch by batch, when they average 1 KiB or more (smaller ones: the decoded
         events in one call, which is faster for them)."""
+        if (batches and type(batches[0]) is PayloadBatch and (self._by_engine or self._kind == _NATIVE)
+                and list(map(type, batches)).count(PayloadBatch) == len(batches)):
+            self._apply_payload_batches(source, batches, now)
+            return
         if (payloads is not None and len(payloads) == len(batches) and (self._by_engine or self._kind == _NATIVE)
                 and sum(map(len, payloads)) >= _RAW_MIN_BYTES * len(payloads)):
             for b, p in zip(batches, payloads):
@@ -461,6 +469,21 @@ class KVIndex(_IndexCore):
             self._apply_tokens_native(s, events)  # type: ignore[arg-type]
         else:
             self._apply_events(s, events)  # type: ignore[arg-type]
+
+    def _apply_payload_batches(self, source: str, batches: Sequence[PayloadBatch], now: float | None) -> None:
+        """:meth:`apply_batches` of batches the native reader decoded
+        (:class:`~kvstream.routing.payloads.PayloadBatch`, e.g. from the JetStream
+        consumer): each applied from its columns, the source looked up once."""
+        if self._max_bytes is not None or self._ttl is not None:
+            for b in batches:
+                self._apply_raw(source, b.raw, _PayloadFallback(b), now)
+            return
+        slot = self._slot_of.get(source)
+        s = self._source(source) if slot is None else self._src[slot]
+        self.stats.batches += len(batches)
+        apply = self._apply_engine if self._by_engine else self._apply_tokens_native
+        for b in batches:
+            apply(s, b.raw, _PayloadFallback(b))  # type: ignore[arg-type]
 
     def _apply_events(self, s: _Source, events: Sequence[Any]) -> None:
         """Token keying's generic ingest loop: any :class:`BlockTable`, through its methods."""
@@ -1751,6 +1774,19 @@ class _Fallback:
         if raw.kind(i) == 2:
             return _CLEARED
         return self.events()[i]
+
+
+class _PayloadFallback(_Fallback):
+    """:class:`_Fallback` of a :class:`~kvstream.routing.payloads.PayloadBatch`: its
+    events as it decodes them (once, shared with whoever else asks)."""
+
+    __slots__ = ("_pb",)
+
+    def __init__(self, pb: PayloadBatch) -> None:
+        self._pb = pb
+
+    def events(self) -> list[Any]:
+        return self._pb.events
 
 
 def _new_table(table: Any) -> BlockTable:
