@@ -1786,7 +1786,7 @@ class _PayloadFallback(_Fallback):
         self._pb = pb
 
     def events(self) -> list[Any]:
-        return self._pb.events
+        return self._pb.decoded().events
 
 
 def _new_table(table: Any) -> BlockTable:
