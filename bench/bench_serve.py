@@ -16,6 +16,10 @@ engine (**ingest**, block events/s); then load ``/query`` (the Mooncake API both
 with 4,096-token prompts over 1 and 32 connections with ``wrk`` (Debian's; a Python
 client if wrk is missing) and print requests/s, p50 and p99.
 
+First, the farm's own ceiling: the same rounds into bare SUB sockets in this process (no
+decode, no service), printed beside the services: an ingest figure near it is the farm's
+limit, not the service's.
+
 Dynamo (``ai-dynamo-runtime==1.6.1``, ``python -m dynamo.indexer``) is installed on demand
 into ``~/.cache/kvstream-bench/dynamo-1.6.1`` (a venv); it is not a dependency of kvstream.
 """
