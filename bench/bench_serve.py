@@ -16,6 +16,10 @@ engine (**ingest**, block events/s); then load ``/query`` (the Mooncake API both
 with 4,096-token prompts over 1 and 32 connections with ``wrk`` (Debian's; a Python
 client if wrk is missing) and print requests/s, p50 and p99.
 
+First, the farm's own ceiling: the same rounds into bare SUB sockets in this process (no
+decode, no service), printed beside the services: an ingest figure near it is the farm's
+limit, not the service's.
+
 Dynamo (``ai-dynamo-runtime==1.6.1``, ``python -m dynamo.indexer``) is installed on demand
 into ``~/.cache/kvstream-bench/dynamo-1.6.1`` (a venv); it is not a dependency of kvstream.
 """
@@ -422,6 +426,61 @@ def stages(args: argparse.Namespace) -> None:
     del matches
 
 
+# -- the farm's own ceiling ----------------------------------------------------------------
+
+
+def farm_ceiling(args: argparse.Namespace) -> float:
+    """Block events/s the farm delivers into bare SUB sockets (one per engine, in this
+    process, receiving without decoding): the most any service can be measured to ingest
+    on this machine. The better of its two rounds."""
+    import zmq
+
+    farm = subprocess.Popen([sys.executable, __file__, "--farm", "--engines", str(args.engines), "--docs",
+                             str(args.docs), "--prompt-tokens", str(args.prompt_tokens)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    ctx = zmq.Context()
+    socks = []
+    try:
+        endpoints = json.loads(_line(farm))
+        poller = zmq.Poller()
+        for pub, _rep in endpoints:
+            s = ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.connect(pub)
+            socks.append(s)
+            poller.register(s, zmq.POLLIN)
+        time.sleep(1.0)  # as run_one: let every SUB socket finish connecting
+        want = args.engines * args.docs
+        best = 0.0
+        for _ in range(2):
+            t0 = time.perf_counter()
+            farm.stdin.write("go\n")  # type: ignore[union-attr]
+            farm.stdin.flush()  # type: ignore[union-attr]
+            got = 0
+            while got < want:
+                ready = poller.poll(10_000)
+                if not ready:
+                    raise SystemExit(f"the farm delivered {got} of {want} batches")
+                for sock, _ in ready:
+                    while True:
+                        try:
+                            sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        got += 1
+            best = max(best, want * (args.prompt_tokens // BS) / (time.perf_counter() - t0))
+            _line(farm)  # "published"
+        return best
+    finally:
+        farm.stdin.close()  # type: ignore[union-attr]
+        farm.wait(30)
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+
+
 # -- one run ----------------------------------------------------------------------------
 
 
@@ -495,6 +554,7 @@ def main() -> None:
     runs += [] if args.no_dynamo else [("dynamo", 1)]
     results = {}
     load_before = os.getloadavg()
+    ceiling = farm_ceiling(args)
     with tempfile.TemporaryDirectory() as d:
         for rnd in range(args.rounds):
             # Every other round in the reverse order, so load drift on a shared machine
@@ -510,6 +570,8 @@ def main() -> None:
           f"load by {'wrk' if shutil.which('wrk') else 'python'}")
     print(f"load average (1 min) {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, "
           f"on {os.cpu_count()} cores")
+    print(f"the farm alone, into bare SUB sockets (no decode, no service): {ceiling:,.0f} block events/s "
+          "(the most any service can be measured to ingest in this run)")
     head = f"{'service':<15} {'ingest blocks/s':>16} {'while serving':>14}"
     for c in args.connections:
         head += f" | {'c' + str(c) + ' req/s':>11} {'p50 ms':>7} {'p99 ms':>7}"

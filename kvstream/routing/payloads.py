@@ -12,12 +12,12 @@ position for position: the suite checks it).
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence, overload
 
 from kvstream._native import RawBatch, read_payload
 from kvstream.wire.events import KVEventBatch
 
-__all__ = ["PayloadBatch", "read_payload_batch", "read_payload_batches"]
+__all__ = ["PayloadBatch", "PayloadDecoder", "read_payload_batch", "read_payload_batches"]
 
 
 class PayloadBatch:
@@ -51,9 +51,11 @@ class PayloadBatch:
         return b
 
     @property
-    def events(self) -> list[Any]:
-        """The events as Python objects (see :meth:`decoded`)."""
-        return self.decoded().events
+    def events(self) -> "_Events":
+        """The events: their count from the native reader (``len`` decodes nothing: a
+        subscriber counts every batch's events), the Python objects decoded on first
+        read (see :meth:`decoded`)."""
+        return _Events(self)
 
     def __len__(self) -> int:
         return len(self.raw)
@@ -71,6 +73,39 @@ class PayloadBatch:
         return f"PayloadBatch(ts={self.ts!r}, events={len(self.raw)}, payload={len(self.payload)} B)"
 
 
+class _Events(Sequence[Any]):
+    """A :class:`PayloadBatch`'s events: ``len`` from the native reader, anything else
+    from the decoded batch."""
+
+    __slots__ = ("_pb",)
+
+    def __init__(self, pb: PayloadBatch) -> None:
+        self._pb = pb
+
+    def __len__(self) -> int:
+        return len(self._pb.raw)
+
+    @overload
+    def __getitem__(self, i: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Any]: ...
+
+    def __getitem__(self, i: int | slice) -> Any:
+        return self._pb.decoded().events[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._pb.decoded().events)
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == (list(other) if isinstance(other, (list, tuple, _Events)) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._pb.decoded().events)
+
+
 def read_payload_batch(payload: bytes, max_bytes: int, decode: Callable[[bytes], KVEventBatch]) -> PayloadBatch | None:
     """The native reader's batch of ``payload`` (None: a payload for ``decode`` to decide
     on: malformed, unusual, or over ``max_bytes``)."""
@@ -86,3 +121,38 @@ def read_payload_batches(payloads: list[bytes], max_bytes: int,
     if raws.count(None):
         return None
     return list(map(PayloadBatch, raws, payloads, repeat(decode)))  # type: ignore[arg-type]  # no None left
+
+
+class PayloadDecoder:
+    """A subscriber's decoder (``decode(payload)``) for a consumer whose only use of a
+    batch is an index's ``apply_batch`` (``kvstream serve``): a :class:`PayloadBatch`
+    when the native reader takes the payload (read with the GIL released, no Python
+    object per event), else ``fallback.decode(payload)`` (its batch, or its
+    ``EventDecodeError``). So what is accepted is exactly ``fallback``'s; its size limit
+    (``_max``) bounds what the native reader reads, and its other attributes
+    (``skipped_events``, ``mooncake_batches``) are read through."""
+
+    __slots__ = ("fallback", "_max", "native_batches", "held_bytes_per_payload_byte")
+
+    def __init__(self, fallback: Any) -> None:
+        self.fallback = fallback
+        self._max = int(getattr(fallback, "_max", getattr(fallback, "max_payload_bytes", 1 << 26)))
+        self.native_batches = 0
+        """Payloads the native reader decoded (the rest went to ``fallback``)."""
+        # The events can still be decoded into Python objects (an event read, or one the
+        # native rules leave to Python): the subscriber's byte bounds count them as the
+        # fallback's own estimate does.
+        self.held_bytes_per_payload_byte = int(getattr(fallback, "held_bytes_per_payload_byte", 12))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fallback, name)
+
+    def decode(self, payload: bytes | bytearray | memoryview) -> Any:
+        """Decode one payload (see the class docstring)."""
+        data = payload if type(payload) is bytes else bytes(payload)
+        if len(data) <= self._max:
+            raw = read_payload(data, self._max)
+            if raw is not None:
+                self.native_batches += 1
+                return PayloadBatch(raw, data, self.fallback.decode)
+        return self.fallback.decode(data)

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from kvstream.routing.payloads import PayloadDecoder
 from kvstream.service.core import ServiceCore
 from kvstream.service.load import parse_vllm_metrics
 from kvstream.wire.mooncake import AnyFormatDecoder
@@ -95,10 +96,12 @@ class ServiceRuntime:
             return
         if "context" not in opts:
             opts["context"] = self._ctx = _zmq_context(cfg.max_engines)
-        # Decode RFC #1527 (Mooncake) payloads beside vLLM's.
+        # Decode RFC #1527 (Mooncake) payloads beside vLLM's. vLLM payloads are read once,
+        # natively, and applied from those columns (PayloadDecoder): the service never
+        # reads their events as Python objects, so it does not make them.
         if "decoder" not in opts:
             limit = {k: opts[k] for k in ("max_payload_bytes",) if k in opts}
-            opts["decoder"] = AnyFormatDecoder(unknown_events=opts["unknown_events"], **limit)
+            opts["decoder"] = PayloadDecoder(AnyFormatDecoder(unknown_events=opts["unknown_events"], **limit))
         self._sub = Subscriber((), **opts)
 
     async def __aenter__(self) -> "ServiceRuntime":

@@ -4,10 +4,11 @@
 //! here without a Python call per block:
 //!
 //! * a `BlockStored` run in the GPU tier, group 0, engine blocks of one router block, no
-//!   extra keys, whose blocks are all new (no hash known or unlinked or waited for, no key
-//!   held by another hash of the family) and whose parent is known (or None, base
-//!   namespace, not a re-announcement candidate): keys chained from the tokens, every
-//!   block installed;
+//!   extra keys, whose blocks are each new (no hash known or unlinked or waited for, no key
+//!   held by another hash of the family) or known under the very key chained from the
+//!   tokens and not held by this source yet (a prefix other engines cached first: one
+//!   more holder), and whose parent is known (or None, base namespace, not a
+//!   re-announcement candidate): keys chained from the tokens, every block installed;
 //! * a `BlockRemoved` in the GPU tier, group 0, of hashes held once (no copy record).
 //!
 //! Anything else (and any event that fails one check) is left to the Python rules: the
@@ -44,6 +45,11 @@ struct Ctx<'a, 'py> {
     reannounce: u8,
     stores_ok: bool,
     copies: Option<&'a Bound<'py, PyDict>>,
+    /// The copy records, empty or not (`copies` is None when empty, for the checks).
+    all_copies: &'a Bound<'py, PyDict>,
+    /// Further copies of blocks a source held already, counted by stored runs (stored
+    /// blocks that add no holding).
+    extra_copies: std::cell::Cell<usize>,
     href: &'a Bound<'py, PyDict>,
     unl: Option<&'a Bound<'py, PyDict>>,
     waiting: Option<&'a Bound<'py, PyDict>>,
@@ -421,14 +427,43 @@ impl Ctx<'_, '_> {
             return Ok(None);
         }
         masks.clear();
+        // Per block: 0 new, 1 known (a new holder), 2 held already (one more copy).
+        let mut shared: Vec<u8> = Vec::with_capacity(n);
         for j in 0..n {
             let (eh, v) = (hashes[j], keys[j]);
-            if known(maps, eh)? {
-                return Ok(None); // known already
-            }
             let Some(m) = mask_of(maps.gpu, self.gpu_plain, gpu_side, v)? else {
                 return Ok(None);
             };
+            if let Some(cur) = maps.table.get(eh) {
+                // Known already (another source holds it, the prefix other engines cached
+                // too): the Python rules add this source's copy under the key it has, so
+                // here when that key is the one chained from the tokens, the source holds
+                // no copy of it yet and keeps no copy record of it.
+                // One the source holds already is one more copy of it (a copy record).
+                // With a TTL (generations of the table: `touched`), the Python rules.
+                if cur != v || m == 0 || self.touched.is_some() {
+                    return Ok(None);
+                }
+                let again = m & self.bit != 0;
+                if !again {
+                    if let Some(copies) = self.copies {
+                        if copies.contains(PyTuple::new(self.py, [eh, self.slot as u64, 0])?)? {
+                            return Ok(None);
+                        }
+                    }
+                }
+                if self.unl.is_some_and(|d| d.contains(eh).unwrap_or(true))
+                    || self.waiting.is_some_and(|d| d.contains(eh).unwrap_or(true))
+                {
+                    return Ok(None);
+                }
+                masks.push(m);
+                shared.push(if again { 2 } else { 1 });
+                continue;
+            }
+            if !self.table_plain && maps.table_side.contains(eh)? {
+                return Ok(None); // known, under keys of several router blocks
+            }
             if m & self.fam != 0 {
                 return Ok(None);
             }
@@ -444,6 +479,7 @@ impl Ctx<'_, '_> {
                 return Ok(None);
             }
             masks.push(m);
+            shared.push(0);
         }
         if let Some(t) = self.touched {
             for &eh in hashes.iter() {
@@ -453,16 +489,48 @@ impl Ctx<'_, '_> {
         maps.table.reserve(n);
         maps.gpu.reserve(n);
         for j in 0..n {
-            maps.table.insert(hashes[j], keys[j]);
-            maps.gpu.insert(keys[j], masks[j] | self.bit);
+            let m = masks[j];
+            if shared[j] == 2 {
+                // The Python rules' `_add_copy_record` of a held block, group 0.
+                let key = PyTuple::new(self.py, [hashes[j], self.slot as u64, 0])?;
+                match self.all_copies.get_item(&key)? {
+                    Some(cp) => {
+                        let cp = cp.cast_into::<PyDict>()?;
+                        let c: i64 = match cp.get_item(0)? {
+                            Some(c) => c.extract()?,
+                            None => 0,
+                        };
+                        cp.set_item(0, c + 1)?;
+                    }
+                    None => {
+                        let cp = PyDict::new(self.py);
+                        cp.set_item(0, 2)?;
+                        self.all_copies.set_item(key, cp)?;
+                    }
+                }
+                self.extra_copies.set(self.extra_copies.get() + 1);
+            } else if shared[j] == 1 {
+                // One more holder of a known hash (the Python rules' `_hold`, not fresh).
+                maps.gpu.insert(keys[j], m | self.bit);
+                let eh = hashes[j];
+                let c: i64 = match self.href.get_item(eh)? {
+                    Some(c) => c.extract()?,
+                    None => 1,
+                };
+                self.href.set_item(eh, c + 1)?;
+            } else {
+                maps.table.insert(hashes[j], keys[j]);
+                maps.gpu.insert(keys[j], m | self.bit);
+            }
         }
-        Ok(Some(n))
+        let again = shared.iter().filter(|&&x| x == 2).count();
+        Ok(Some(n - again))
     }
 }
 
 /// Apply ``events[start:]`` of one source (token keying) until the first event the native
-/// rules do not cover; returns ``(that event's position or len(events), blocks stored,
-/// blocks removed)``. See the module docs; the caller (``KVIndex``) passes its state.
+/// rules do not cover; returns ``(that event's position or len(events), blocks stored as
+/// new holdings, blocks removed, blocks stored as further copies of held ones)``. See the module docs; the caller (``KVIndex``) passes its state.
 #[pyfunction]
 #[pyo3(signature = (events, start, stored_cls, removed_cls, table, held, slot, fam, r, base_ns,
                     reannounce, stores_ok, copies, href, unl, waiting, touched))]
@@ -486,9 +554,9 @@ pub fn apply_tokens<'py>(
     unl: &Bound<'py, PyDict>,
     waiting: &Bound<'py, PyDict>,
     touched: Option<Bound<'py, PySet>>,
-) -> PyResult<Applied> {
+) -> PyResult<(usize, usize, usize, usize)> {
     if slot >= 64 || r == 0 || held.is_empty() {
-        return Ok((start, 0, 0));
+        return Ok((start, 0, 0, 0));
     }
     let gpu: PyRef<'py, NativeMap> = held.get_item(0)?.extract()?;
     let mut others = Vec::new();
@@ -511,6 +579,8 @@ pub fn apply_tokens<'py>(
         reannounce,
         stores_ok,
         copies: none_if_empty(copies),
+        all_copies: copies,
+        extra_copies: std::cell::Cell::new(0),
         href,
         unl: none_if_empty(unl),
         waiting: none_if_empty(waiting),
@@ -518,7 +588,7 @@ pub fn apply_tokens<'py>(
     };
     let same = |a: &NativeMap, b: &NativeMap| std::ptr::eq(a, b);
     if same(&table, &gpu) || others.iter().any(|o| same(o, &table) || same(o, &gpu)) {
-        return Ok((start, 0, 0)); // one map in two roles (never the index's layout): locked twice
+        return Ok((start, 0, 0, 0)); // one map in two roles (never the index's layout): locked twice
     }
     let mut table_g = table.write();
     let mut gpu_g = gpu.write();
@@ -537,9 +607,11 @@ pub fn apply_tokens<'py>(
         table_side,
     };
     if let Ok(raw) = events.cast::<RawBatch>() {
-        return ctx.run_raw(&mut maps, &gpu_side, &raw.get().batch, start);
+        let (next, stored, removed) = ctx.run_raw(&mut maps, &gpu_side, &raw.get().batch, start)?;
+        return Ok((next, stored, removed, ctx.extra_copies.get()));
     }
-    ctx.run(&mut maps, &gpu_side, events.cast::<PyList>()?, start)
+    let (next, stored, removed) = ctx.run(&mut maps, &gpu_side, events.cast::<PyList>()?, start)?;
+    Ok((next, stored, removed, ctx.extra_copies.get()))
 }
 
 /// Engine keying's common cases (``_apply_engine``): a GPU, group-0 ``BlockStored`` of

@@ -1,0 +1,121 @@
+"""The native ingest of blocks other sources (or the same one) stored first.
+
+Many engines cache the same prefix (a system prompt, a shared document): a ``BlockStored``
+of hashes the table knows already, under the very keys their tokens chain to. The native
+core applies those runs (one more holder of each block, or one more copy of a block the
+source holds already) rather than leaving them to the Python rules; these tests check it
+does so, and that the result is the Python rules' own, on the index whose every rule runs
+in Python (``BytesStoreTable``).
+"""
+
+from __future__ import annotations
+
+import random
+
+from kvstream.routing.index import KVIndex
+from kvstream.wire.events import BlockRemoved, BlockStored, KVEventBatch
+from tests.routing.generic_table import BytesStoreTable
+
+BS = 16
+
+
+class _Counting(KVIndex):
+    """A native index that counts the stored events left to the Python rules."""
+
+    __slots__ = ("python_stores",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.python_stores = 0
+
+    def _stored(self, s, ev):  # type: ignore[no-untyped-def]
+        self.python_stores += 1
+        super()._stored(s, ev)
+
+
+def _toks(doc: int, n: int) -> list[int]:
+    rng = random.Random(doc)
+    return [rng.randrange(1, 50_000) for _ in range(n * BS)]
+
+
+def _doc(prefix: list[int], own: int, n: int) -> list[int]:
+    return prefix + _toks(1000 + own, n)
+
+
+def _hashes(tokens: list[int]) -> list[int]:
+    # Stand-in engine hashes: one per block, a function of the whole prefix (as vLLM's).
+    out, h = [], 17
+    for i in range(0, len(tokens), BS):
+        h = hash((h, tuple(tokens[i:i + BS]))) & ((1 << 63) - 1) or 1
+        out.append(h)
+    return out
+
+
+def _stored(tokens: list[int]) -> BlockStored:
+    return BlockStored(_hashes(tokens), None, tokens, BS, None, "GPU", None)
+
+
+def _both() -> tuple[_Counting, KVIndex]:
+    return _Counting(), KVIndex(table=BytesStoreTable())
+
+
+def test_a_prefix_other_sources_stored_first_is_applied_natively_as_the_python_rules_do() -> None:
+    native, python = _both()
+    prefix = _toks(1, 8)
+    docs = [_doc(prefix, i, 4) for i in range(6)]
+    for src in ("a", "b", "c"):  # a first store from each source sets its block size in Python
+        for x in (native, python):
+            x.apply_batch(src, KVEventBatch(0.0, [_stored(_toks(500 + ord(src), 1))]))
+    first = native.python_stores
+    for t, (src, d) in enumerate([("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 2), ("a", 3)]):
+        for x in (native, python):
+            x.apply_batch(src, KVEventBatch(float(t), [_stored(docs[d])]))
+        assert native.state() == python.state()
+        assert native.stats == python.stats
+    assert native.python_stores == first, "a run of known blocks went to the Python rules"
+    for d in docs:
+        assert native.match(d) == python.match(d)
+    # Removing one holder keeps the block for the others, as the Python rules do.
+    for x in (native, python):
+        x.apply_batch("a", KVEventBatch(9.0, [BlockRemoved(_hashes(docs[0]), "GPU", 0)]))
+    assert native.state() == python.state() and native.stats == python.stats
+    assert native.match(docs[0]) == python.match(docs[0])
+
+
+def test_a_prefix_the_source_holds_already_is_one_more_copy_natively() -> None:
+    native, python = _both()
+    prefix = _toks(2, 6)
+    for x in (native, python):
+        x.apply_batch("a", KVEventBatch(0.0, [_stored(_toks(9, 1))]))
+    first = native.python_stores
+    docs = [_doc(prefix, i, 3) for i in range(3)]
+    for t, d in enumerate(docs):  # every doc stores the shared prefix again, from its root
+        for x in (native, python):
+            x.apply_batch("a", KVEventBatch(float(t), [_stored(d)]))
+        assert native.state() == python.state()
+        assert native.stats == python.stats
+    assert native.python_stores == first
+    assert native.stats.stored_blocks == python.stats.stored_blocks == 1 + 3 * 9
+    # The copies are taken back one removal at a time: the prefix stays until the last.
+    for t, d in enumerate(docs):
+        for x in (native, python):
+            x.apply_batch("a", KVEventBatch(10.0 + t, [BlockRemoved(_hashes(d), "GPU", 0)]))
+        assert native.state() == python.state() and native.stats == python.stats
+        assert native.match(prefix) == python.match(prefix)
+
+
+def test_a_known_hash_under_another_key_is_left_to_the_python_rules() -> None:
+    native, python = _both()
+    a = _toks(3, 4)
+    b = _toks(4, 4)
+    for x in (native, python):
+        x.apply_batch("a", KVEventBatch(0.0, [_stored(_toks(9, 1))]))
+        x.apply_batch("b", KVEventBatch(0.0, [_stored(_toks(8, 1))]))
+        x.apply_batch("a", KVEventBatch(1.0, [_stored(a)]))
+    before = native.python_stores
+    # b announces a's hashes with other tokens: a key conflict, for the Python rules.
+    ev = BlockStored(_hashes(a), None, b, BS, None, "GPU", None)
+    for x in (native, python):
+        x.apply_batch("b", KVEventBatch(2.0, [ev]))
+    assert native.python_stores == before + 1
+    assert native.state() == python.state() and native.stats == python.stats
