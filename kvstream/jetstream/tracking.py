@@ -11,7 +11,10 @@
     seqs began again): instance + 1, a ``restart`` reset, then the batch. Timestamps are
     the engine host's clock, so they are only a first guess: the batch at ``pos`` itself
     is compared byte for byte with the stream's last one, and when they differ the
-    engine is new after all (a restarted engine whose clock runs behind). So is an engine
+    engine is new after all (a restarted engine whose clock runs behind). So is a batch
+    below ``pos`` whose seq this relay published in the current instance with other bytes
+    (it keeps references to the last published payloads, ``max_recent_bytes``, for that:
+    one engine sends one batch per seq, whatever its clock says). So is an engine
     whose newest batch (the subscriber's ``SourceLive``) is older than the stream's. Then
     the batches skipped on the guess (held meanwhile, up to ``max_held`` /
     ``max_held_bytes``) are published after the reset, and any that did not fit are a
@@ -264,11 +267,10 @@ class RelaySource:
             self._lb_payload = None
             return out
         self._lb_payload = b.payload  # the batch at pos (any other change of pos clears it)
-        recent = self._recent
-        recent[q] = b.payload
+        self._recent[q] = b.payload
         self._recent_bytes += len(b.payload)
-        while self._recent_bytes > self.max_recent_bytes and len(recent) > 1:
-            self._recent_bytes -= len(recent.pop(next(iter(recent))))
+        if self._recent_bytes > self.max_recent_bytes:
+            self._trim_recent()
         out.append((b.payload, headers))
         return out
 
@@ -290,6 +292,21 @@ class RelaySource:
         for hb in held:
             out += self._batch(hb)
         return out
+
+    def _trim_recent(self) -> None:
+        # Keep the newest payloads up to half the bound (at least one), in a fresh dict:
+        # amortized over the inserts since the last trim, and no deleted slots to skip.
+        keep: list[tuple[int, bytes]] = []
+        total = 0
+        half = self.max_recent_bytes // 2
+        for seq, p in reversed(self._recent.items()):
+            if keep and total + len(p) > half:
+                break
+            keep.append((seq, p))
+            total += len(p)
+        keep.reverse()
+        self._recent = dict(keep)
+        self._recent_bytes = total
 
     def _forget_recent(self) -> None:
         if self._recent:

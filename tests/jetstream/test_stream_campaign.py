@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvstream.jetstream import RelaySource, wire
+from kvstream.transport import SourceBatch, SourceReset
+from kvstream.wire.events import BlockStored, KVEventBatch, encode_batch
+
 from tests.jetstream.stream_campaign import FAULTS, run_seed
 from tests.transport.fault_campaign import Stats
 
@@ -49,3 +53,47 @@ def test_with_forwarders_hiding_restarts_no_consumer_is_live_and_wrong():
         total.add(run_seed(seed, forwarders=True))
     assert total.silent_wrong == 0
     assert total.faults["hidden_restart"] > 0 and total.states["js_live"] > 0
+
+
+def _b(seq: int, ts: float, h: int, replayed: bool = False) -> SourceBatch:
+    batch = KVEventBatch(ts, [BlockStored([h], None, list(range(16)), 16, None, "GPU", None)])
+    return SourceBatch("e0", seq, b"kv", encode_batch(batch), batch, replayed)
+
+
+def test_a_doubted_restart_with_other_bytes_below_the_position_is_a_new_instance():
+    """Seed 91499's rule, on the relay alone: the stream has seq 0 of one instance and 1-4
+    of the next (a join answered by it); the engine's own seq 0 is older by its clock than
+    the stream's last batch, and seq 4 matches. Other bytes at a seq the relay published in
+    this instance are another engine: a restart reset, then every batch again."""
+    r = RelaySource("e0")
+    r.on_item(_b(0, 1.0, 100))
+    for q in range(1, 5):
+        r.on_item(_b(q, 2.0 + q / 10, 200 + q, replayed=True))
+    assert r.on_item(SourceReset("e0", "restart", 1)) == []
+    out = r.on_item(_b(0, 2.05, 200, replayed=True))  # older than the last batch (2.4), other bytes
+    assert [h.get(wire.H_KIND) for _, h in out] == ["reset", None]
+    assert out[1][1][wire.H_INSTANCE] == "1" and out[1][1][wire.H_SEQ] == "0"
+    for q in range(1, 5):
+        [(_, h)] = r.on_item(_b(q, 2.0 + q / 10, 200 + q, replayed=True))
+        assert (h[wire.H_INSTANCE], h[wire.H_SEQ]) == ("1", str(q))
+
+
+def test_a_doubted_restart_with_the_same_bytes_below_the_position_goes_on_in_the_instance():
+    r = RelaySource("e0")
+    for q in range(5):
+        r.on_item(_b(q, 1.0 + q / 10, 100 + q))
+    r.on_item(SourceReset("e0", "restart", 0))
+    for q in range(5):
+        assert r.on_item(_b(q, 1.0 + q / 10, 100 + q, replayed=True)) == []
+    [(_, h)] = r.on_item(_b(5, 1.5, 105))
+    assert (h[wire.H_INSTANCE], h[wire.H_SEQ]) == ("0", "5") and r.skipped == 5
+
+
+def test_the_published_payloads_kept_for_that_check_stay_within_their_byte_bound():
+    r = RelaySource("e0")
+    r.max_recent_bytes = 10_000
+    size = len(_b(0, 1.0, 0).payload)
+    for q in range(2_000):
+        r.on_item(_b(q, 1.0 + q, q))
+        assert r._recent_bytes <= r.max_recent_bytes and r._recent_bytes == sum(map(len, r._recent.values()))
+    assert 1_999 in r._recent and len(r._recent) >= 10_000 // 2 // size
