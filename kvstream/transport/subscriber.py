@@ -124,7 +124,7 @@ class SourceHealth:
 
 class _Source:
     __slots__ = ("spec", "tracker", "sub", "dealer", "dealer_gen", "scope", "wake", "wait_scope", "curve",
-                 "monitor", "handshakes", "auth_failures", "endpoint", "live_rx", "replay_only",
+                 "monitor", "handshakes", "auth_failures", "endpoint", "live_n", "live_rx", "replay_only",
                  "replay_answers", "replay_since", "no_live_warned")
 
     def __init__(self, spec: SourceSpec, tracker: SourceTracker, curve: CurveClientConfig | None) -> None:
@@ -141,10 +141,11 @@ class _Source:
         self.handshakes = 0
         self.auth_failures = 0
         self.endpoint = spec.endpoint  # the bound address once bound (port 0 resolved)
-        # The connect/connect check (Subscriber.no_live_batches): live messages received in
-        # all, and batches / answers taken by replay since the last live one (and when the
+        # The connect/connect check (Subscriber.no_live_batches): live messages received,
+        # and batches / answers taken by replay since the last live one (and when the
         # first of them came; None: none yet).
-        self.live_rx = 0
+        self.live_n = 0  # live messages decoded
+        self.live_rx = 0  # and shed: what the live socket brought, as last counted
         self.replay_only = 0
         self.replay_answers = 0
         self.replay_since: float | None = None
@@ -636,8 +637,8 @@ class Subscriber:
     @staticmethod
     def _live_seen(src: _Source, n: int) -> None:
         """``n`` live messages were taken (shed ones count too: the live path works)."""
-        c = src.tracker.counters
-        rx = n + c.shed
+        src.live_n += n
+        rx = src.live_n + src.tracker.counters.shed
         if rx != src.live_rx:
             src.live_rx = rx
             src.replay_only = src.replay_answers = 0

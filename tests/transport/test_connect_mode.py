@@ -240,3 +240,37 @@ async def test_batches_heard_live_from_a_bound_publisher_never_warn(caplog):
                 c = sub.counters("e")
     assert c.no_live_warnings == 0
     assert not [r for r in caplog.records if _NO_LIVE in r.getMessage()]
+
+
+async def test_a_lossy_live_path_whose_gaps_are_replayed_never_warns(tmp_path, caplog):
+    """Half the live messages lost on the way (a forwarder dropping odd seqs): every other
+    batch comes by replay, for longer than no_live_s and more than no_live_batches, but live
+    messages arrive between them, so both sides do not connect: no warning."""
+    from tests.transport.zmq_helpers import FaultyForwarder, ipc
+
+    caplog.set_level(logging.WARNING, logger="kvstream.transport.subscriber")
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "pub"), replay_endpoint=ipc(tmp_path, "replay"))
+    fwd = FaultyForwarder(cfg.endpoint, ipc(tmp_path, "fwd"))
+    fwd.drop = lambda seq: seq % 2 == 1
+    taken: list = []
+    try:
+        with anyio.fail_after(180):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fwd.serve)
+                async with _subscriber(fwd.endpoint, cfg.replay_endpoint) as sub:
+                    async with Publisher(cfg) as pub:
+                        await fwd.subscribed.wait()
+                        await pub.wait_subscribed()
+                        t0 = time.monotonic()
+                        i = 0
+                        while i < 2 * Subscriber.no_live_batches + 8 or \
+                                time.monotonic() - t0 < 2 * Subscriber.no_live_s:
+                            await _publish_and_take(pub, sub, taken, i, 2)
+                            i += 2
+                        c = sub.counters("e")
+                tg.cancel_scope.cancel()
+    finally:
+        fwd.close()
+    assert _seqs(taken) == list(range(i)) and fwd.dropped >= i // 2
+    assert c.no_live_warnings == 0, c.as_dict()
+    assert not [r for r in caplog.records if _NO_LIVE in r.getMessage()]
