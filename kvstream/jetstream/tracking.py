@@ -11,7 +11,10 @@
     seqs began again): instance + 1, a ``restart`` reset, then the batch. Timestamps are
     the engine host's clock, so they are only a first guess: the batch at ``pos`` itself
     is compared byte for byte with the stream's last one, and when they differ the
-    engine is new after all (a restarted engine whose clock runs behind). So is an engine
+    engine is new after all (a restarted engine whose clock runs behind). So is a batch
+    below ``pos`` whose seq this relay published in the current instance with other bytes
+    (it keeps references to the last published payloads, ``max_recent_bytes``, for that:
+    one engine sends one batch per seq, whatever its clock says). So is an engine
     whose newest batch (the subscriber's ``SourceLive``) is older than the stream's. Then
     the batches skipped on the guess (held meanwhile, up to ``max_held`` /
     ``max_held_bytes``) are published after the reset, and any that did not fit are a
@@ -61,7 +64,7 @@ class RelaySource:
     __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped", "max_message_bytes",
                  "_doubted",
                  "too_large", "_near_limit", "_digest", "_digest_pos", "_lb_payload", "_held", "_held_bytes", "max_held",
-                 "max_held_bytes", "_jump")
+                 "max_held_bytes", "_jump", "_recent", "_recent_bytes", "max_recent_bytes")
 
     def __init__(self, source: str, known: StreamPosition | None = None, *, first_instance: int = 0,
                  max_message_bytes: int = 1 << 62) -> None:
@@ -90,6 +93,13 @@ class RelaySource:
         """Batches not published because they exceed ``max_message_bytes``."""
         self._near_limit = max_message_bytes - 1024  # payloads above it get their size computed
         self._jump: tuple[int, int] | None = None  # (first, resume) of the last stale notice published
+        # The payloads of the last batches published in this instance (seq -> bytes, oldest
+        # first; references to what was published, no copies): while a restart is doubted,
+        # an older seq with other bytes than the stream holds proves a new engine.
+        self._recent: dict[int, bytes] = {}
+        self._recent_bytes = 0
+        self.max_recent_bytes = 4 << 20
+        """Bytes of recently published payloads kept for that comparison (at least the last one)."""
 
     def _topic(self, topic: bytes) -> str:
         h = self._topics.get(topic)
@@ -151,6 +161,7 @@ class RelaySource:
                 self.instance += 1
             self.pos = r - 1
             self._jump = None
+            self._forget_recent()
             self._snap = [self.pos + 1, 0]
             return [self._control(item)]
         if cls is SourceStale:
@@ -214,6 +225,12 @@ class RelaySource:
                 last = self._last_digest()
                 if q == self.pos and last is not None:
                     new_engine = wire.payload_digest(b.payload) != last  # the one exact test there is
+                elif (prev := self._recent.get(q)) is not None:
+                    # A seq this relay published in this instance: one engine sends one
+                    # batch per seq, so other bytes are another engine (91499: two restarts
+                    # within a millisecond, the stream's seq 0 from the first new instance,
+                    # the engine's from the second, whose clock said older).
+                    new_engine = prev != b.payload
                 else:
                     new_engine = b.batch.ts > self.last_ts
                 if not new_engine:
@@ -250,6 +267,10 @@ class RelaySource:
             self._lb_payload = None
             return out
         self._lb_payload = b.payload  # the batch at pos (any other change of pos clears it)
+        self._recent[q] = b.payload
+        self._recent_bytes += len(b.payload)
+        if self._recent_bytes > self.max_recent_bytes:
+            self._trim_recent()
         out.append((b.payload, headers))
         return out
 
@@ -259,6 +280,7 @@ class RelaySource:
         self.instance += 1
         self.pos = -1
         self._jump = None
+        self._forget_recent()
         self._digest = None
         self._lb_payload = None
         self.synced = True
@@ -270,6 +292,26 @@ class RelaySource:
         for hb in held:
             out += self._batch(hb)
         return out
+
+    def _trim_recent(self) -> None:
+        # Keep the newest payloads up to half the bound (at least one), in a fresh dict:
+        # amortized over the inserts since the last trim, and no deleted slots to skip.
+        keep: list[tuple[int, bytes]] = []
+        total = 0
+        half = self.max_recent_bytes // 2
+        for seq, p in reversed(self._recent.items()):
+            if keep and total + len(p) > half:
+                break
+            keep.append((seq, p))
+            total += len(p)
+        keep.reverse()
+        self._recent = dict(keep)
+        self._recent_bytes = total
+
+    def _forget_recent(self) -> None:
+        if self._recent:
+            self._recent = {}
+            self._recent_bytes = 0
 
     def _hold(self, b: SourceBatch) -> None:
         if self._held and b.seq <= self._held[-1].seq:

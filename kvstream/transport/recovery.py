@@ -146,7 +146,8 @@ class SourceCounters:
 
     __slots__ = ("batches", "events", "gaps", "replays", "snapshots", "restarts", "stale_marks",
                  "duplicates", "decode_errors", "frame_errors", "held_dropped", "timeouts",
-                 "retries", "probes", "filtered", "unattributed", "overflows", "reordered", "shed", "lag_s")
+                 "retries", "probes", "filtered", "unattributed", "overflows", "reordered", "shed", "no_live_warnings",
+                 "lag_s")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -190,6 +191,10 @@ class SourceCounters:
         self.reordered = 0
         """Live messages that arrived after a higher seq and filled a gap (a forwarder or
         network reordering): held and checked by the replay that fills the gap."""
+        self.no_live_warnings = 0
+        """Times the subscriber warned that batches arrive only by replay, none live (both
+        sides of the live endpoint connect, most likely; see
+        :attr:`~kvstream.transport.subscriber.Subscriber.no_live_batches`)."""
         self.lag_s = 0.0
         """Seconds between the arrival of the last batch the consumer took and its taking."""
 

@@ -124,7 +124,8 @@ class SourceHealth:
 
 class _Source:
     __slots__ = ("spec", "tracker", "sub", "dealer", "dealer_gen", "scope", "wake", "wait_scope", "curve",
-                 "monitor", "handshakes", "auth_failures", "endpoint")
+                 "monitor", "handshakes", "auth_failures", "endpoint", "live_n", "live_rx", "replay_only",
+                 "replay_answers", "replay_since", "no_live_warned")
 
     def __init__(self, spec: SourceSpec, tracker: SourceTracker, curve: CurveClientConfig | None) -> None:
         self.spec = spec
@@ -140,6 +141,15 @@ class _Source:
         self.handshakes = 0
         self.auth_failures = 0
         self.endpoint = spec.endpoint  # the bound address once bound (port 0 resolved)
+        # The connect/connect check (Subscriber.no_live_batches): live messages received,
+        # and batches / answers taken by replay since the last live one (and when the
+        # first of them came; None: none yet).
+        self.live_n = 0  # live messages decoded
+        self.live_rx = 0  # and shed: what the live socket brought, as last counted
+        self.replay_only = 0
+        self.replay_answers = 0
+        self.replay_since: float | None = None
+        self.no_live_warned = False
 
 
 def _item_bytes(item: Any, factor: int) -> int:
@@ -183,6 +193,16 @@ class Subscriber:
             :class:`~kvstream.wire.events.EventDecoder` with ``unknown_events`` and
             ``max_payload_bytes``.
     """
+
+    no_live_batches = 16
+    """The connect/connect warning (docs/stream.md, *Both sides connect*): a source that has
+    taken at least this many batches by replay, in at least :attr:`no_live_answers`
+    separate answers over at least :attr:`no_live_s` seconds, and not one message live
+    (since it started or since its last live message), logs one warning naming its endpoint
+    (again at most every 5 minutes, and only after a live message ended the episode) and
+    counts ``no_live_warnings``. A join's one answer, however long, never does."""
+    no_live_answers = 3
+    no_live_s = 5.0
 
     def __init__(
         self,
@@ -256,6 +276,7 @@ class Subscriber:
         self._tg: anyio.abc.TaskGroup | None = None
         self._closed = True
         self._rlog = RateLimitedLog(log)
+        self._no_live_log = RateLimitedLog(log, interval_s=300.0)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -602,13 +623,57 @@ class Subscriber:
                 if n >= _DRAIN_BURST or ev >= _EVENT_BURST or nbytes * factor >= burst_bytes:
                     # Handed over by count, events or bytes held (decoded form included), so
                     # the queue never passes max_buffered_bytes by more than one burst.
+                    self._live_seen(src, n)
                     self._after(src, gen, received)
                     gen = t.generation
                     n = ev = nbytes = 0
                     await anyio.lowlevel.checkpoint()
                     received = now()
+            if n or src.replay_only:
+                self._live_seen(src, n)
             self._after(src, gen, received)
             await anyio.wait_readable(sock.FD)
+
+    @staticmethod
+    def _live_seen(src: _Source, n: int) -> None:
+        """``n`` live messages were taken (shed ones count too: the live path works)."""
+        src.live_n += n
+        rx = src.live_n + src.tracker.counters.shed
+        if rx != src.live_rx:
+            src.live_rx = rx
+            src.replay_only = src.replay_answers = 0
+            src.replay_since = None
+            src.no_live_warned = False
+
+    def _replay_only(self, src: _Source, batches: int, live_before: int) -> None:
+        """A replay answer yielded ``batches`` batches; warn (once) if every batch for a
+        while came that way (see :attr:`no_live_batches`)."""
+        self._live_seen(src, 0)  # shed messages since the last burst
+        if batches <= 0 or src.live_rx != live_before:
+            return
+        now = time.monotonic()
+        if src.replay_since is None:
+            src.replay_since = now
+        src.replay_only += batches
+        src.replay_answers += 1
+        if src.no_live_warned or src.replay_only < self.no_live_batches or \
+                src.replay_answers < self.no_live_answers or now - src.replay_since < self.no_live_s:
+            return
+        src.no_live_warned = True
+        t = src.tracker
+        t.counters.no_live_warnings += 1
+        how = ("the SUB socket binds it and no engine connected to it" if src.spec.bind else
+               "the SUB socket never completed a connection there" if src.handshakes == 0 else
+               "the SUB socket is connected there, yet nothing arrives")
+        self._no_live_log.warning(
+            "nolive:" + t.name,
+            "%s: the last %d batches (%d replay answers over %.0f s) arrived only by replay from %s, none live "
+            "on %s (%s). Most likely both sides connect to the live endpoint: vLLM binds its PUB only for "
+            "ipc:// or a wildcard address, and connects for tcp://HOST:PORT. Bind one side: give the engine "
+            "tcp://*:PORT (and subscribe to tcp://ENGINE_HOST:PORT), or bind the subscriber "
+            "(SourceSpec(bind=True), the engine connecting to it)",
+            t.name, src.replay_only, src.replay_answers, now - src.replay_since, src.spec.replay_endpoint,
+            src.endpoint, how)
 
     def _drain_monitor(self, src: _Source) -> None:
         """Apply the live socket's connection events (non-blocking). The I/O thread queues
@@ -732,7 +797,9 @@ class Subscriber:
                 c.replays += 1
             else:
                 c.snapshots += 1
+            b0, live0 = c.batches, src.live_rx
             outcome = await self._receive_replies(src, d, gen)
+            self._replay_only(src, c.batches - b0, live0)
             # Whatever happened (an abandoned request may have produced items, e.g. a
             # stale mark on an overflow), publish the tracker's items.
             self._after(src, gen)

@@ -178,3 +178,99 @@ def test_the_engine_ready_line_says_bind_or_connect():
         line = e.ready_line
         assert e.events == ep and e.replay is None
     assert f"events {ep} (connect) replay off" in line
+
+
+def _seqs(items: list) -> list[int]:
+    return [i.seq for i in items if type(i).__name__ == "SourceBatch"]
+
+
+async def _publish_and_take(pub: Publisher, sub: Subscriber, taken: list, first: int, n: int) -> None:
+    """Publish batches ``first .. first + n - 1`` and wait until the subscriber yielded them."""
+    for i in range(first, first + n):
+        pub.publish(_batch(i))
+    while not _seqs(taken) or max(_seqs(taken)) < first + n - 1:
+        taken += sub.get_nowait()
+        await anyio.sleep(0.02)
+
+
+_NO_LIVE = "arrived only by replay"
+
+
+async def test_batches_taken_only_by_replay_warn_once_that_both_sides_connect(caplog):
+    """vLLM connects its PUB for tcp://HOST:PORT; a subscriber that connects too gets every
+    batch by replay probes and none live. Real sockets: a connecting publisher, a connecting
+    subscriber, the replay ROUTER bound. After Subscriber.no_live_batches batches in
+    no_live_answers answers over no_live_s seconds: one warning naming the endpoint and the
+    fix, counted in the source's counters; and no second one however long it lasts."""
+    caplog.set_level(logging.WARNING, logger="kvstream.transport.subscriber")
+    ep = f"tcp://127.0.0.1:{_free_port()}"
+    taken: list = []
+    with anyio.fail_after(180):
+        async with Publisher(KVEventsConfig(endpoint=ep, replay_endpoint="tcp://127.0.0.1:*")) as pub:
+            assert pub.binds is False
+            async with _subscriber(ep, pub.replay_endpoint) as sub:
+                i = 0
+                while not sub.counters("e").no_live_warnings:
+                    await _publish_and_take(pub, sub, taken, i, 2)
+                    i += 2
+                    assert i < 2000, "no warning"
+                assert i >= Subscriber.no_live_batches
+                # Three more rounds, each by replay: still one warning.
+                for _ in range(3):
+                    await _publish_and_take(pub, sub, taken, i, 2)
+                    i += 2
+                c = sub.counters("e")
+    assert _seqs(taken) == list(range(i))  # every batch, in order, by replay
+    warned = [r.getMessage() for r in caplog.records if _NO_LIVE in r.getMessage()]
+    assert len(warned) == 1 and c.no_live_warnings == 1, warned
+    assert ep in warned[0] and "both sides connect" in warned[0] and "tcp://*:PORT" in warned[0], warned[0]
+
+
+async def test_batches_heard_live_from_a_bound_publisher_never_warn(caplog):
+    """The same traffic from a publisher that binds: taken live, no warning, counter 0."""
+    caplog.set_level(logging.WARNING, logger="kvstream.transport.subscriber")
+    taken: list = []
+    with anyio.fail_after(120):
+        async with Publisher(KVEventsConfig(endpoint="tcp://127.0.0.1:*",
+                                            replay_endpoint="tcp://127.0.0.1:*")) as pub:
+            async with _subscriber(pub.endpoint, pub.replay_endpoint) as sub:
+                await sub.wait_state("e", "live", timeout_s=30)
+                for i in range(0, 3 * Subscriber.no_live_batches, 2):
+                    await _publish_and_take(pub, sub, taken, i, 2)
+                c = sub.counters("e")
+    assert c.no_live_warnings == 0
+    assert not [r for r in caplog.records if _NO_LIVE in r.getMessage()]
+
+
+async def test_a_lossy_live_path_whose_gaps_are_replayed_never_warns(tmp_path, caplog):
+    """Half the live messages lost on the way (a forwarder dropping odd seqs): every other
+    batch comes by replay, for longer than no_live_s and more than no_live_batches, but live
+    messages arrive between them, so both sides do not connect: no warning."""
+    from tests.transport.zmq_helpers import FaultyForwarder, ipc
+
+    caplog.set_level(logging.WARNING, logger="kvstream.transport.subscriber")
+    cfg = KVEventsConfig(endpoint=ipc(tmp_path, "pub"), replay_endpoint=ipc(tmp_path, "replay"))
+    fwd = FaultyForwarder(cfg.endpoint, ipc(tmp_path, "fwd"))
+    fwd.drop = lambda seq: seq % 2 == 1
+    taken: list = []
+    try:
+        with anyio.fail_after(180):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fwd.serve)
+                async with _subscriber(fwd.endpoint, cfg.replay_endpoint) as sub:
+                    async with Publisher(cfg) as pub:
+                        await fwd.subscribed.wait()
+                        await pub.wait_subscribed()
+                        t0 = time.monotonic()
+                        i = 0
+                        while i < 2 * Subscriber.no_live_batches + 8 or \
+                                time.monotonic() - t0 < 2 * Subscriber.no_live_s:
+                            await _publish_and_take(pub, sub, taken, i, 2)
+                            i += 2
+                        c = sub.counters("e")
+                tg.cancel_scope.cancel()
+    finally:
+        fwd.close()
+    assert _seqs(taken) == list(range(i)) and fwd.dropped >= i // 2
+    assert c.no_live_warnings == 0, c.as_dict()
+    assert not [r for r in caplog.records if _NO_LIVE in r.getMessage()]
