@@ -445,6 +445,12 @@ impl Ctx<'_, '_> {
                     return Ok(None);
                 }
                 let again = m & self.bit != 0;
+                if again {
+                    // A block this source holds already: a further copy or a
+                    // re-announcement, which the Python rules tell apart (reannounce modes,
+                    // restarts); the stream fault campaign's seed 8 counted one copy too many.
+                    return Ok(None);
+                }
                 if !again {
                     if let Some(copies) = self.copies {
                         if copies.contains(PyTuple::new(self.py, [eh, self.slot as u64, 0])?)? {
