@@ -1144,14 +1144,26 @@ class KVIndex(_IndexCore):
         table = self._table
         held = self._held
         if tiers:
-            for eh, v in list(table.items()):
+            # Several hashes may sit under one held key (the mask is per key): which one is
+            # released must not depend on the table's iteration order (a dict's insertion
+            # order, the native map's slot order), so the candidates are released in a
+            # canonical order, those the source keeps a copy record of first (hashes it
+            # stored itself), and every copy record of the source under a dropped key goes.
+            copies = self._copies
+            cands: list[tuple[tuple[Any, ...], Any, tuple[Any, ...], int]] = []
+            for eh, v in table.items():
                 rks = v if type(v) is tuple else (v,)
                 if per is not None and len(rks) != per:
                     continue  # another block-size family's hash for the same key
                 for t in tiers:
                     if held[t].get(rks[-1], 0) & bit:
-                        self._copies.pop((eh, slot, t), None)
-                        self._release(s, eh, rks, t)
+                        cands.append(((t, (eh, slot, t) not in copies, *_hash_sort_key(eh)), eh, rks, t))
+            cands.sort(key=lambda c: c[0])
+            for _k, eh, crks, t in cands:
+                if copies:
+                    copies.pop((eh, slot, t), None)  # also when its key went with another hash
+                if held[t].get(crks[-1], 0) & bit:
+                    self._release(s, eh, crks, t)
         for eh, u in list(self._unl.items()):
             for t in tiers:
                 if self._unl_unhold(u, (slot, t)):
