@@ -1144,14 +1144,30 @@ class KVIndex(_IndexCore):
         table = self._table
         held = self._held
         if tiers:
-            for eh, v in list(table.items()):
+            # Several hashes may sit under one held key (the mask is per key): which one a
+            # clear releases must not depend on the table's iteration order (a dict's
+            # insertion order, the native map's column order: freed slots reused, hash 0
+            # in the side dict). When two candidates share a key they are released in a
+            # canonical order (copy-recorded ones first: hashes the source stored itself,
+            # then by hash); and every copy record of the source under a dropped key goes.
+            copies = self._copies
+            cands: list[tuple[Any, tuple[Any, ...], int]] = []
+            last: set[tuple[int, Any]] = set()
+            for eh, v in table.items():
                 rks = v if type(v) is tuple else (v,)
                 if per is not None and len(rks) != per:
                     continue  # another block-size family's hash for the same key
                 for t in tiers:
                     if held[t].get(rks[-1], 0) & bit:
-                        self._copies.pop((eh, slot, t), None)
-                        self._release(s, eh, rks, t)
+                        cands.append((eh, rks, t))
+                        last.add((t, rks[-1]))
+            if len(last) != len(cands):
+                cands.sort(key=lambda c: (c[2], (c[0], slot, c[2]) not in copies, *_hash_sort_key(c[0])))
+            for eh, rks, t in cands:
+                if copies:
+                    copies.pop((eh, slot, t), None)  # also when its key went with another hash
+                if held[t].get(rks[-1], 0) & bit:
+                    self._release(s, eh, rks, t)
         for eh, u in list(self._unl.items()):
             for t in tiers:
                 if self._unl_unhold(u, (slot, t)):

@@ -36,7 +36,7 @@ from kvstream.wire.events import (
     decode_batch,
 )
 from tests.routing.generic_table import BytesStoreTable
-from tests.routing.test_native import BS, _fill, _PythonEngineIndex, _steps
+from tests.routing.test_native import BS, SHARED_KEY_CLEARS, _fill, _PythonEngineIndex, _steps
 from tests.wire.test_events import VERSIONS, _live_payloads, _replay_payloads
 
 BIG = 1 << 30
@@ -278,6 +278,21 @@ def test_apply_payload_equals_the_python_rules_on_the_decoded_batch(steps, reann
     for x in (native, python):
         _fill(x)
     for t, (src, events) in enumerate(steps):
+        p = _ENCODERS[shape].encode(KVEventBatch(float(t), list(events)))
+        native.apply_payload(src, p)
+        python.apply_batch(src, decode_batch(p))
+        assert native.state() == python.state()
+        assert native.stats == python.stats
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_KEY_CLEARS))
+@pytest.mark.parametrize("shape", [0, 1])
+def test_apply_payload_of_a_clear_under_a_shared_key_equals_the_python_rules(name, shape) -> None:
+    # The minimal sequences of the failures above (test_native.SHARED_KEY_CLEARS), as payloads.
+    native, python = KVIndex(reannounce="session"), KVIndex(table=BytesStoreTable(), reannounce="session")
+    for x in (native, python):
+        _fill(x)
+    for t, (src, events) in enumerate(SHARED_KEY_CLEARS[name]):
         p = _ENCODERS[shape].encode(KVEventBatch(float(t), list(events)))
         native.apply_payload(src, p)
         python.apply_batch(src, decode_batch(p))
