@@ -530,12 +530,10 @@ class KVIndex(_IndexCore):
         R = self._R
         i = 0
         while i < n:
-            i, added, removed, again = _apply_tokens(
+            i, added, removed = _apply_tokens(
                 events, i, BlockStored, BlockRemoved, table, held, slot, per_mask.get(1, 0) & _M64, R,  # type: ignore[arg-type]
                 _BASE_NS, s.reannounce, s.per == 1, self._copies, self._href, self._unl, self._waiting,
                 self._touched)
-            if again:  # further copies of blocks the source held: counted, no new holding
-                st.stored_blocks += again
             if added:
                 s.count[0] += added
                 st.stored_blocks += added

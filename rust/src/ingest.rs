@@ -45,11 +45,6 @@ struct Ctx<'a, 'py> {
     reannounce: u8,
     stores_ok: bool,
     copies: Option<&'a Bound<'py, PyDict>>,
-    /// The copy records, empty or not (`copies` is None when empty, for the checks).
-    all_copies: &'a Bound<'py, PyDict>,
-    /// Further copies of blocks a source held already, counted by stored runs (stored
-    /// blocks that add no holding).
-    extra_copies: std::cell::Cell<usize>,
     href: &'a Bound<'py, PyDict>,
     unl: Option<&'a Bound<'py, PyDict>>,
     waiting: Option<&'a Bound<'py, PyDict>>,
@@ -427,8 +422,8 @@ impl Ctx<'_, '_> {
             return Ok(None);
         }
         masks.clear();
-        // Per block: 0 new, 1 known (a new holder), 2 held already (one more copy).
-        let mut shared: Vec<u8> = Vec::with_capacity(n);
+        // Per block: known (a new holder of a block other sources hold) or new.
+        let mut shared: Vec<bool> = Vec::with_capacity(n);
         for j in 0..n {
             let (eh, v) = (hashes[j], keys[j]);
             let Some(m) = mask_of(maps.gpu, self.gpu_plain, gpu_side, v)? else {
@@ -439,23 +434,16 @@ impl Ctx<'_, '_> {
                 // too): the Python rules add this source's copy under the key it has, so
                 // here when that key is the one chained from the tokens, the source holds
                 // no copy of it yet and keeps no copy record of it.
-                // One the source holds already is one more copy of it (a copy record).
-                // With a TTL (generations of the table: `touched`), the Python rules.
-                if cur != v || m == 0 || self.touched.is_some() {
+                // One the source holds already (a further copy or a re-announcement,
+                // which the Python rules tell apart; the stream fault campaign's seed 8
+                // found a copy counted too many here), or a TTL (generations of the
+                // table: `touched`): the Python rules.
+                if cur != v || m == 0 || m & self.bit != 0 || self.touched.is_some() {
                     return Ok(None);
                 }
-                let again = m & self.bit != 0;
-                if again {
-                    // A block this source holds already: a further copy or a
-                    // re-announcement, which the Python rules tell apart (reannounce modes,
-                    // restarts); the stream fault campaign's seed 8 counted one copy too many.
-                    return Ok(None);
-                }
-                if !again {
-                    if let Some(copies) = self.copies {
-                        if copies.contains(PyTuple::new(self.py, [eh, self.slot as u64, 0])?)? {
-                            return Ok(None);
-                        }
+                if let Some(copies) = self.copies {
+                    if copies.contains(PyTuple::new(self.py, [eh, self.slot as u64, 0])?)? {
+                        return Ok(None);
                     }
                 }
                 if self.unl.is_some_and(|d| d.contains(eh).unwrap_or(true))
@@ -464,7 +452,7 @@ impl Ctx<'_, '_> {
                     return Ok(None);
                 }
                 masks.push(m);
-                shared.push(if again { 2 } else { 1 });
+                shared.push(true);
                 continue;
             }
             if !self.table_plain && maps.table_side.contains(eh)? {
@@ -485,7 +473,7 @@ impl Ctx<'_, '_> {
                 return Ok(None);
             }
             masks.push(m);
-            shared.push(0);
+            shared.push(false);
         }
         if let Some(t) = self.touched {
             for &eh in hashes.iter() {
@@ -496,26 +484,7 @@ impl Ctx<'_, '_> {
         maps.gpu.reserve(n);
         for j in 0..n {
             let m = masks[j];
-            if shared[j] == 2 {
-                // The Python rules' `_add_copy_record` of a held block, group 0.
-                let key = PyTuple::new(self.py, [hashes[j], self.slot as u64, 0])?;
-                match self.all_copies.get_item(&key)? {
-                    Some(cp) => {
-                        let cp = cp.cast_into::<PyDict>()?;
-                        let c: i64 = match cp.get_item(0)? {
-                            Some(c) => c.extract()?,
-                            None => 0,
-                        };
-                        cp.set_item(0, c + 1)?;
-                    }
-                    None => {
-                        let cp = PyDict::new(self.py);
-                        cp.set_item(0, 2)?;
-                        self.all_copies.set_item(key, cp)?;
-                    }
-                }
-                self.extra_copies.set(self.extra_copies.get() + 1);
-            } else if shared[j] == 1 {
+            if shared[j] {
                 // One more holder of a known hash (the Python rules' `_hold`, not fresh).
                 maps.gpu.insert(keys[j], m | self.bit);
                 let eh = hashes[j];
@@ -529,14 +498,13 @@ impl Ctx<'_, '_> {
                 maps.gpu.insert(keys[j], m | self.bit);
             }
         }
-        let again = shared.iter().filter(|&&x| x == 2).count();
-        Ok(Some(n - again))
+        Ok(Some(n))
     }
 }
 
 /// Apply ``events[start:]`` of one source (token keying) until the first event the native
-/// rules do not cover; returns ``(that event's position or len(events), blocks stored as
-/// new holdings, blocks removed, blocks stored as further copies of held ones)``. See the module docs; the caller (``KVIndex``) passes its state.
+/// rules do not cover; returns ``(that event's position or len(events), blocks stored,
+/// blocks removed)``. See the module docs; the caller (``KVIndex``) passes its state.
 #[pyfunction]
 #[pyo3(signature = (events, start, stored_cls, removed_cls, table, held, slot, fam, r, base_ns,
                     reannounce, stores_ok, copies, href, unl, waiting, touched))]
@@ -560,9 +528,9 @@ pub fn apply_tokens<'py>(
     unl: &Bound<'py, PyDict>,
     waiting: &Bound<'py, PyDict>,
     touched: Option<Bound<'py, PySet>>,
-) -> PyResult<(usize, usize, usize, usize)> {
+) -> PyResult<Applied> {
     if slot >= 64 || r == 0 || held.is_empty() {
-        return Ok((start, 0, 0, 0));
+        return Ok((start, 0, 0));
     }
     let gpu: PyRef<'py, NativeMap> = held.get_item(0)?.extract()?;
     let mut others = Vec::new();
@@ -585,8 +553,6 @@ pub fn apply_tokens<'py>(
         reannounce,
         stores_ok,
         copies: none_if_empty(copies),
-        all_copies: copies,
-        extra_copies: std::cell::Cell::new(0),
         href,
         unl: none_if_empty(unl),
         waiting: none_if_empty(waiting),
@@ -594,7 +560,7 @@ pub fn apply_tokens<'py>(
     };
     let same = |a: &NativeMap, b: &NativeMap| std::ptr::eq(a, b);
     if same(&table, &gpu) || others.iter().any(|o| same(o, &table) || same(o, &gpu)) {
-        return Ok((start, 0, 0, 0)); // one map in two roles (never the index's layout): locked twice
+        return Ok((start, 0, 0)); // one map in two roles (never the index's layout): locked twice
     }
     let mut table_g = table.write();
     let mut gpu_g = gpu.write();
@@ -614,10 +580,10 @@ pub fn apply_tokens<'py>(
     };
     if let Ok(raw) = events.cast::<RawBatch>() {
         let (next, stored, removed) = ctx.run_raw(&mut maps, &gpu_side, &raw.get().batch, start)?;
-        return Ok((next, stored, removed, ctx.extra_copies.get()));
+        return Ok((next, stored, removed));
     }
     let (next, stored, removed) = ctx.run(&mut maps, &gpu_side, events.cast::<PyList>()?, start)?;
-    Ok((next, stored, removed, ctx.extra_copies.get()))
+    Ok((next, stored, removed))
 }
 
 /// Engine keying's common cases (``_apply_engine``): a GPU, group-0 ``BlockStored`` of

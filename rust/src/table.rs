@@ -191,7 +191,11 @@ impl U64Map {
         let max_used = m * 3 / 4;
         // Positions + 1 run to max_used; a live slot's position field is never all ones.
         let bits = (64 - (max_used as u64 + 1).leading_zeros()).min(32);
-        self.pos_mask = if bits >= 32 { u32::MAX } else { (1u32 << bits) - 1 };
+        self.pos_mask = if bits >= 32 {
+            u32::MAX
+        } else {
+            (1u32 << bits) - 1
+        };
         self.max_used = max_used;
         self.slots = Vec::new(); // the old slots go before the new are allocated
         self.slots.reserve_exact(m);
@@ -233,7 +237,7 @@ impl U64Map {
                 return self.insert_swiss(k, v);
             }
             if self.get(k).is_none() {
-                self.to_slots(self.live + 1);
+                self.rebuild_slots(self.live + 1);
             }
         }
         if self.used >= self.max_used {
@@ -295,7 +299,7 @@ impl U64Map {
     }
 
     /// From the SwissTable to slots with room for `entries`.
-    fn to_slots(&mut self, entries: usize) {
+    fn rebuild_slots(&mut self, entries: usize) {
         self.swiss = HashTable::new();
         self.rebuild_to((entries.max(self.cols.len()) * 20 / 11 + 1).max(16));
     }
@@ -308,7 +312,10 @@ impl U64Map {
         if self.slots.is_empty() {
             let h = self.hash(k);
             let cols = &self.cols;
-            let entry = self.swiss.find_entry(h, |&j| cols[j as usize][0] == k).ok()?;
+            let entry = self
+                .swiss
+                .find_entry(h, |&j| cols[j as usize][0] == k)
+                .ok()?;
             let (j, _) = entry.remove();
             let v = self.cols[j as usize][1];
             self.cols[j as usize][0] = 0;
@@ -362,7 +369,7 @@ impl U64Map {
                 self.swiss
                     .reserve(extra, |&x| hasher.hash_one(cols[x as usize][0]));
             } else {
-                self.to_slots(self.live + extra);
+                self.rebuild_slots(self.live + extra);
             }
         } else if self.used + extra > self.max_used {
             self.rebuild(self.live + extra);
@@ -397,7 +404,10 @@ impl U64Map {
     /// Drop free positions and fit every allocation to the live entries, when at most half
     /// of what is allocated is in use (after eviction).
     pub fn shrink(&mut self) {
-        let cap = self.max_used.max(self.cols.capacity()).max(self.swiss.capacity());
+        let cap = self
+            .max_used
+            .max(self.cols.capacity())
+            .max(self.swiss.capacity());
         if 2 * self.live >= cap && self.free.is_empty() {
             return;
         }
@@ -896,8 +906,15 @@ mod tests {
             m.insert(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, k);
             if k >= 1000 && k % 997 == 0 {
                 let per = m.bytes() as f64 / k as f64;
-                let index = if k as usize > SWISS_MAX { 4.0 / 0.55 } else { 5.0 / 0.4375 };
-                assert!(per <= 16.0 * 1.125 + index + 0.1, "{per} bytes per entry at {k}");
+                let index = if k as usize > SWISS_MAX {
+                    4.0 / 0.55
+                } else {
+                    5.0 / 0.4375
+                };
+                assert!(
+                    per <= 16.0 * 1.125 + index + 0.1,
+                    "{per} bytes per entry at {k}"
+                );
             }
         }
     }
@@ -927,7 +944,11 @@ mod tests {
                 assert_eq!(m.get((k - live) * 7919), None);
             }
         }
-        assert!(m.bytes() <= settled + settled / slack, "{} > {settled}", m.bytes());
+        assert!(
+            m.bytes() <= settled + settled / slack,
+            "{} > {settled}",
+            m.bytes()
+        );
         assert_eq!(m.iter().count() as u64, live);
     }
 
@@ -946,7 +967,10 @@ mod tests {
         let before = m.bytes();
         m.shrink();
         assert!(m.bytes() < before / 10);
-        assert_eq!(m.iter().collect::<Vec<_>>(), (991..=1000).map(|k| (k, k)).collect::<Vec<_>>());
+        assert_eq!(
+            m.iter().collect::<Vec<_>>(),
+            (991..=1000).map(|k| (k, k)).collect::<Vec<_>>()
+        );
         for k in 991..=1000u64 {
             assert_eq!(m.get(k), Some(k));
         }
