@@ -768,6 +768,22 @@ impl NativeMap {
         }
         {
             let mut core = self.write();
+            if core.is_empty() {
+                // The common case (a snapshot's tier into a fresh map): a repeated key is
+                // found by the insert itself, and the map is emptied again before the error,
+                // so a refused load leaves it as it was.
+                core.reserve(ks.len());
+                for (k, v) in ks.iter().zip(vs.iter()) {
+                    if core.insert(*k, *v).is_some() {
+                        core.clear();
+                        return Err(PyValueError::new_err(format!(
+                            "duplicate key {k} in the u64 columns"
+                        )));
+                    }
+                }
+                drop(core);
+                return self.load_other(other);
+            }
             let mut seen = hashbrown::HashSet::with_capacity(ks.len());
             for &k in &ks {
                 if !seen.insert(k) || core.contains(k) {
@@ -782,6 +798,12 @@ impl NativeMap {
                 core.insert(k, v);
             }
         }
+        let _ = py;
+        self.load_other(other)
+    }
+
+    /// `load_u64`'s other pairs (keys that are not u64s), each refused if already present.
+    fn load_other(&self, other: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         if let Some(other) = other {
             for kv in other.try_iter()? {
                 let kv = kv?;
@@ -795,7 +817,6 @@ impl NativeMap {
                 self.set(&k, &v)?;
             }
         }
-        let _ = py;
         Ok(())
     }
 

@@ -88,8 +88,10 @@ def test_bulk_export_and_load_round_trip_and_refuse_duplicates_with_the_map_unch
     before = dict(again.items())
     with pytest.raises(ValueError, match="duplicate"):
         again.load_u64(ks[:1], vs[:1])
+    fresh = NativeBlockTable()
     with pytest.raises(ValueError, match="duplicate"):
-        NativeBlockTable().load_u64(array("Q", [5, 5]), array("Q", [1, 2]))
+        fresh.load_u64(array("Q", [5, 6, 7, 5]), array("Q", [1, 2, 3, 4]))
+    assert len(fresh) == 0 and dict(fresh.items()) == {}  # a refused load into an empty map leaves it empty
     with pytest.raises(ValueError, match="key 0"):
         again.load_u64(array("Q", [0]), array("Q", [1]))
     with pytest.raises(ValueError, match="keys but"):
