@@ -128,7 +128,7 @@ def test_a_new_instance_found_while_the_subscriber_is_stale_stays_stale_on_the_s
     out = r.on_item(_b(0, 3.0, 300))  # other bytes at a published seq: a new engine
     assert [x[1].get(wire.H_KIND) for x in out] == ["reset", "stale", None]
     assert out[1][1][wire.H_INSTANCE] == out[2][1][wire.H_INSTANCE] == "1"
-    nxt = r.on_item(_b(1, 2.0, 201))  # an older instance's next seq, held with it: not checked
+    nxt = r.on_item(_b(1, 2.0, 201))  # an older instance's seq 1 (28832): published unchecked
     assert [h[wire.H_SEQ] for _, h in nxt] == ["1"]
     # A consumer of these messages is stale from the reset on, and so it stays.
     items: list = []
