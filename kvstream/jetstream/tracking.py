@@ -26,6 +26,11 @@
   the subscriber may only be unable to rule a restart out (it reconnected after a gap of
   its own), and another relay of the engine may have lost nothing.
 
+  While the subscriber is stale (a ``stale`` notice and no reset since), the batches it
+  yields are not vouched for (behind a forwarder, held batches of two instances can follow
+  one notice): a new instance this relay infers from them is published stale, its reset
+  followed by a ``stale`` notice, until the subscriber rebuilds.
+
 * :class:`StreamSource` (one per source a consumer reads): turns stream messages back into
   the subscriber's items with the same per-engine rules as over ZMQ: in seq order, never
   duplicated; a seq jump is a :class:`SourceStale`; a new instance without its reset
@@ -64,7 +69,7 @@ class RelaySource:
     __slots__ = ("source", "instance", "pos", "last_ts", "synced", "_topics", "_snap", "skipped", "max_message_bytes",
                  "_doubted",
                  "too_large", "_near_limit", "_digest", "_digest_pos", "_lb_payload", "_held", "_held_bytes", "max_held",
-                 "max_held_bytes", "_jump", "_recent", "_recent_bytes", "max_recent_bytes")
+                 "max_held_bytes", "_jump", "_recent", "_recent_bytes", "max_recent_bytes", "_sub_stale")
 
     def __init__(self, source: str, known: StreamPosition | None = None, *, first_instance: int = 0,
                  max_message_bytes: int = 1 << 62) -> None:
@@ -100,6 +105,10 @@ class RelaySource:
         self._recent_bytes = 0
         self.max_recent_bytes = 4 << 20
         """Bytes of recently published payloads kept for that comparison (at least the last one)."""
+        # The subscriber said stale and has not rebuilt since (no reset): the batches it
+        # yields meanwhile are not vouched for (28832: a newer instance's seq 0, then an
+        # older one's 1-7), so a new instance this relay infers from them is stale too.
+        self._sub_stale = False
 
     def _topic(self, topic: bytes) -> str:
         h = self._topics.get(topic)
@@ -132,6 +141,7 @@ class RelaySource:
             return self._batch(item)
         self._snap = None
         if cls is SourceReset:
+            self._sub_stale = False
             self._drop_held()
             if item.reason == "removed":
                 return []
@@ -165,6 +175,7 @@ class RelaySource:
             self._snap = [self.pos + 1, 0]
             return [self._control(item)]
         if cls is SourceStale:
+            self._sub_stale = True
             if not self.synced:
                 self.skipped += 1
                 if not self._doubted:
@@ -289,6 +300,14 @@ class RelaySource:
         self._drop_held()
         self.skipped -= len(held)
         out = [self._control(SourceReset(self.source, "restart", first_seq))]
+        if self._sub_stale:
+            # The subscriber is stale (it said so, and has not rebuilt since): what it
+            # yields now is not vouched for, whichever instance it looks like (behind a
+            # forwarder, held batches of two instances can follow one stale notice). The
+            # new instance is unverified from its start until the subscriber rebuilds.
+            out.append(self._control(SourceStale(
+                self.source, "a new engine instance found while the subscriber's state is unverified",
+                0, 0)))
         for hb in held:
             out += self._batch(hb)
         return out

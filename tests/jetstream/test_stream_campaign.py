@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvstream.jetstream import RelaySource, wire
-from kvstream.transport import SourceBatch, SourceReset
-from kvstream.wire.events import BlockStored, KVEventBatch, encode_batch
+from kvstream.jetstream.tracking import StreamSource
+from kvstream.transport import SourceBatch, SourceReset, SourceStale
+from kvstream.wire.events import BlockStored, KVEventBatch, decode_batch, encode_batch
 
 from tests.jetstream.stream_campaign import FAULTS, run_seed
 from tests.transport.fault_campaign import Stats
@@ -55,14 +56,16 @@ def test_with_forwarders_hiding_restarts_no_consumer_is_live_and_wrong():
     assert total.faults["hidden_restart"] > 0 and total.states["js_live"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="open: found by this round's --stream --forwarders soak, see bench/results/soak.md")
 @pytest.mark.parametrize("seed", [28832, 36063])
-def test_open_forwarder_stream_seed(seed):
-    """Open (they fail on the code before the 91499 rule too): behind a forwarder that hides
-    restarts, after a doubted restart and a stale notice, the subscriber yields a newer
-    instance's seq 0 and then an older instance's seqs 1-7 live; the relay publishes them as
-    one new instance and the stream consumer stays live with 3-4 blocks its engine does not
-    hold (the ZMQ view's check, made first at the same moment, passes)."""
+def test_forwarder_regression_seed(seed):
+    """Behind a forwarder that hides restarts, after a doubted restart, the subscriber's
+    join held an older instance's live seqs 1-7 (or 2-6), a newer instance's seq 0 filled
+    the gap, and the snapshot the subscriber then asked for was refused: its stale notice
+    resumed at 0 and the held batches of two instances followed it (the subscriber stale,
+    rightly). The relay found the seq 0 it had published with other bytes, took it for a new
+    engine and published a restart reset, which made the stream consumer live again with
+    3-4 blocks the engine does not hold. A new instance the relay infers while the
+    subscriber is stale is now published stale (a reset, then a notice)."""
     assert run_seed(seed, forwarders=True).silent_wrong == 0
 
 
@@ -108,3 +111,42 @@ def test_the_published_payloads_kept_for_that_check_stay_within_their_byte_bound
         r.on_item(_b(q, 1.0 + q, q))
         assert r._recent_bytes <= r.max_recent_bytes and r._recent_bytes == sum(map(len, r._recent.values()))
     assert 1_999 in r._recent and len(r._recent) >= 10_000 // 2 // size
+
+
+def test_a_new_instance_found_while_the_subscriber_is_stale_stays_stale_on_the_stream():
+    """28832's rule on the relay alone: after a doubted restart and the subscriber's stale
+    notice, a batch with other bytes at a seq the relay published is a new instance; the
+    subscriber vouches for none of what follows its notice, so the reset is followed by a
+    stale notice (a consumer then holds the batches but is not live) until the subscriber
+    rebuilds (its next reset)."""
+    r = RelaySource("e0")
+    r.on_item(_b(0, 1.0, 100))
+    r.on_item(_b(1, 1.1, 101))
+    assert r.on_item(SourceReset("e0", "restart", 0)) == []
+    [(_, h)] = r.on_item(SourceStale("e0", "gone", 0, 0))
+    assert h[wire.H_KIND] == "stale"
+    out = r.on_item(_b(0, 3.0, 300))  # other bytes at a published seq: a new engine
+    assert [x[1].get(wire.H_KIND) for x in out] == ["reset", "stale", None]
+    assert out[1][1][wire.H_INSTANCE] == out[2][1][wire.H_INSTANCE] == "1"
+    nxt = r.on_item(_b(1, 2.0, 201))  # an older instance's seq 1 (28832): published unchecked
+    assert [h[wire.H_SEQ] for _, h in nxt] == ["1"]
+    # A consumer of these messages is stale from the reset on, and so it stays.
+    items: list = []
+    ss = StreamSource("e0", decode_batch, items)
+    for sseq, (p, h) in enumerate(out + nxt, start=1):
+        ss.on_message(sseq, h, p, 0.0)
+    assert ss.state.stale and ss.state.instance == 1 and ss.state.expected == 2
+    # The subscriber rebuilds (its restart found): a reset clears the mark in the relay too.
+    r.on_item(SourceReset("e0", "restart", 0))
+    out = r.on_item(_b(0, 4.0, 400))  # doubted again; other bytes at seq 0: a new engine, not stale
+    assert [x[1].get(wire.H_KIND) for x in out] == ["reset", None]
+
+
+def test_a_subscriber_stale_at_start_up_keeps_a_relay_inferred_instance_stale():
+    """The start-up path (a relay that knows the stream's position, not doubting): the
+    subscriber's stale notice is swallowed while joining, and a newer batch at the position
+    is a new engine; it is published stale, not live."""
+    r = RelaySource("e0", wire.StreamPosition(0, 3, 1.3, None))
+    assert r.on_item(SourceStale("e0", "gone", 0, 0)) == []
+    out = r.on_item(_b(0, 5.0, 500))  # newer than the stream's last batch: restarted meanwhile
+    assert [x[1].get(wire.H_KIND) for x in out] == ["reset", "stale", None]
