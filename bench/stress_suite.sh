@@ -53,6 +53,8 @@ for i in $(seq 1 "$RUNS"); do
         failed=$((failed + 1))
         echo "run $i: FAIL (${secs}s) $summary"
         printf '%s\n' "$out" | grep -E '^(FAILED|ERROR) ' | sed 's/^/    /'
+        kept="${TMPDIR:-/tmp}/stress_suite_run${i}_$(date +%Y%m%d-%H%M%S).log"
+        cp "$LOG" "$kept" && echo "    the whole log of run $i: $kept"
     fi
 done
 echo "$((RUNS - failed))/$RUNS runs passed"
