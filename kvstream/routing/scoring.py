@@ -210,6 +210,9 @@ class CostPolicy:
     to the engine that got the least new work lately, the system prompt breaking near-ties;
     a conversation whose history is cached somewhere stays there, whatever the balance. A
     prompt shorter than one block adds no cache content and gets no balance term.
+    ``placed_weight`` (default 1.0) prices that recent work token for token; with
+    :class:`RecentPlacements`' per-request charge it keeps conversations (not just their
+    tokens) even across engines, the load spread ``bench_routers.py`` measures.
     ``running`` alone cannot balance conversations: between two turns a conversation runs
     nowhere, yet its next turn will land where its history is.
 
@@ -235,7 +238,7 @@ class CostPolicy:
 
     def __init__(self, *, block_size: int = 16, tier_weights: Mapping[str, float] | None = None,
                  other_tier_weight: float = 0.5, prefill_weight: float = 0.25, queue_tokens: float = 512.0,
-                 running_tokens: float = 32.0, kv_tokens: float = 0.0, placed_weight: float = 0.5,
+                 running_tokens: float = 32.0, kv_tokens: float = 0.0, placed_weight: float = 1.0,
                  stick_share: float = 0.8, spread_tokens: float = 32.0, spread_share: float = 0.02,
                  seed: int = 0) -> None:
         if block_size < 1:
@@ -316,33 +319,47 @@ class RecentPlacements:
     """The new work a caller sent each engine lately: an exponentially decayed sum.
 
     Every :meth:`placed` call ages all sums by a factor ``1 - 1 / horizon`` and adds the
-    request's uncached prompt tokens to the engine chosen, so a sum is about the prefill
-    work (and the new cache content) the engine got over the last ``horizon`` placements
-    (requests, not seconds: no clock; the same calls give the same sums). A conversation
-    placed on an engine keeps its turns there, so this shows the conversations an engine
-    holds between their turns, when neither ``running`` nor the KV usage does;
-    :attr:`Load.placed_tokens` carries it to :class:`CostPolicy`.
+    request's uncached prompt tokens plus ``request_tokens`` to the engine chosen, so a sum
+    is about the prefill work (and the new cache content) the engine got over the last
+    ``horizon`` placements (requests, not seconds: no clock; the same calls give the same
+    sums). A conversation placed on an engine keeps its turns there, so this shows the
+    conversations an engine holds between their turns, when neither ``running`` nor the KV
+    usage does; :attr:`Load.placed_tokens` carries it to :class:`CostPolicy`.
+
+    ``request_tokens`` (default 256) is what one placement weighs on top of its tokens: a
+    request occupies a scheduler slot and a decode stream whatever its uncached share, so
+    engines that got equal tokens but more requests count as busier. With tokens alone,
+    conversations of unequal size balance by size: one engine ends up holding one
+    conversation more than the others (a spread of 7/6 with 24 conversations on 4 engines)
+    where counts could be equal. The defaults (``horizon`` 256, ``request_tokens`` 256, with
+    ``CostPolicy.placed_weight`` 1.0) were chosen in the simulator
+    (``bench/sim_placement.py --grid``; docs/simulator.md).
 
     Args:
         horizon: placements a sum remembers, >= 1.
+        request_tokens: tokens added per placement, >= 0.
     """
 
-    __slots__ = ("horizon", "_keep", "_n")
+    __slots__ = ("horizon", "request_tokens", "_keep", "_n")
 
-    def __init__(self, horizon: float = 64.0) -> None:
+    def __init__(self, horizon: float = 256.0, request_tokens: float = 256.0) -> None:
         if not horizon >= 1:
             raise ValueError(f"horizon must be >= 1 placement, got {horizon}")
+        if not request_tokens >= 0:
+            raise ValueError(f"request_tokens must be >= 0, got {request_tokens}")
         self.horizon = horizon
+        self.request_tokens = request_tokens
         self._keep = 1.0 - 1.0 / horizon
         self._n: dict[str, float] = {}
 
     def placed(self, source: str, tokens: float) -> None:
-        """A request was sent to ``source`` with ``tokens`` prompt tokens to compute there."""
+        """A request was sent to ``source`` with ``tokens`` prompt tokens to compute there
+        (it adds ``tokens + request_tokens``)."""
         keep = self._keep
         n = self._n
         for s in n:
             n[s] *= keep
-        n[source] = n.get(source, 0.0) + max(0.0, tokens)
+        n[source] = n.get(source, 0.0) + max(0.0, tokens) + self.request_tokens
 
     def forget(self, source: str) -> None:
         """Drop ``source`` (it was removed)."""

@@ -59,14 +59,14 @@ def test_a_conversation_whose_history_is_cached_stays_whatever_the_balance() -> 
 def test_the_balance_term_fades_between_half_the_stick_share_and_the_stick_share() -> None:
     pol = CostPolicy(stick_share=0.8, spread_tokens=0, spread_share=0)
     loads = {"a": Load(placed_tokens=1000)}
-    # best cached share 0.4 (on b): full weight 0.5; 0.6: half of it; 0.8 and more: none.
+    # best cached share 0.4 (on b): full weight (placed_weight 1.0); 0.6: half of it; 0.8 and more: none.
     for blocks, balance in ((40, 1.0), (60, 0.5), (80, 0.0), (90, 0.0)):
         c = pol.costs([m("a"), m("b", blocks)], loads, 100)
-        assert c["a"] == pytest.approx(1600 + balance * 0.5 * 1000)
+        assert c["a"] == pytest.approx(1600 + balance * 1.0 * 1000)
 
 
 def test_recent_placements_age_by_the_horizon_and_count_only_new_work() -> None:
-    rp = RecentPlacements(horizon=4)
+    rp = RecentPlacements(horizon=4, request_tokens=0)  # tokens alone (the per-request charge: below)
     rp.placed("a", 1000)
     rp.placed("b", 0)  # a fully cached request: no new work, but it ages the sums
     assert rp.get("a") == pytest.approx(750) and rp.get("b") == 0 and rp.get("c") == 0
@@ -77,6 +77,22 @@ def test_recent_placements_age_by_the_horizon_and_count_only_new_work() -> None:
     assert rp.get("b") == 0
     with pytest.raises(ValueError, match="horizon"):
         RecentPlacements(horizon=0.5)
+    with pytest.raises(ValueError, match="request_tokens"):
+        RecentPlacements(request_tokens=-1)
+
+
+def test_a_placement_weighs_its_tokens_plus_a_per_request_charge() -> None:
+    rp = RecentPlacements(horizon=1e9)  # no ageing to speak of
+    assert rp.request_tokens == 256  # the default
+    rp.placed("a", 2000)  # one large conversation
+    for _ in range(2):
+        rp.placed("b", 900)  # two smaller ones: 1,800 tokens, fewer than a's
+    assert rp.get("a") == pytest.approx(2256) and rp.get("b") == pytest.approx(2312)
+    # So a new conversation goes to "a", which holds fewer of them, though it got more tokens.
+    pol = CostPolicy(spread_tokens=0, spread_share=0)
+    loads = {s: Load(placed_tokens=rp.get(s)) for s in "ab"}
+    assert best(pol, [m("a"), m("b")], loads, 64) == "a"
+    assert best(pol, [m("a"), m("b")], {"a": Load(placed_tokens=2000), "b": Load(placed_tokens=1800)}, 64) == "b"
 
 
 def test_waiting_and_running_requests_count_as_their_token_equivalents() -> None:

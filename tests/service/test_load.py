@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvstream.routing.scoring import Load
+from kvstream.routing.scoring import Load, RecentPlacements
 from kvstream.service.load import LoadBoard, parse_vllm_metrics
 from tests.service.conftest import wait_for
 
@@ -126,14 +126,16 @@ def test_a_proxys_sends_are_placements_that_age_with_every_send() -> None:
     b = LoadBoard(stale_after_s=6.0)
     b.scraped("e0", parse_vllm_metrics(VLLM_METRICS, at=0.0))
     b.started("e0")
+    per = RecentPlacements()  # the defaults the board uses: a placement weighs its tokens + request_tokens
     b.prefill("e0", 3000)  # sent: 3,000 prompt tokens to compute there
-    assert b.known()["e0"].prefill_tokens == 3000 and b.known()["e0"].placed_tokens == 3000
+    placed = 3000 + per.request_tokens
+    assert b.known()["e0"].prefill_tokens == 3000 and b.known()["e0"].placed_tokens == placed
     b.prefill("e0", -3000)  # answered: no prefill waiting, the placement stays
-    assert b.known()["e0"].prefill_tokens == 0 and b.known()["e0"].placed_tokens == 3000
+    assert b.known()["e0"].prefill_tokens == 0 and b.known()["e0"].placed_tokens == placed
     b.started("e1")
     b.prefill("e1", 100)  # every send ages every engine's placements
-    assert b.known()["e0"].placed_tokens == pytest.approx(3000 * (1 - 1 / 64))
-    assert b.known()["e1"].placed_tokens == 100
+    assert b.known()["e0"].placed_tokens == pytest.approx(placed * (1 - 1 / per.horizon))
+    assert b.known()["e1"].placed_tokens == 100 + per.request_tokens
     b.forget("e1")
     assert "e1" not in b.known()
 

@@ -4,6 +4,7 @@ virtual time on the same engines model ``bench/bench_routers.py`` runs for real.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,50 @@ def test_the_placement_model_balances_the_trace_and_keeps_most_of_the_prefix_sco
     assert cost.hit_rate > rr.hit_rate * 1.3
     assert cost.hit_rate > prefix.hit_rate * 0.9
     assert max(cost.requests_per_engine) <= 1.1 * len(reqs) / 4
+
+
+def chat(seed: int, sessions: int = 24) -> list[SimRequest]:
+    """Conversations as bench_routers.py's chat sends them: 4 turns each, one of 4 shared
+    600-token system prompts, a 600-1,400-token document, 40-120-token messages, 12-24-token
+    answers, each turn 0.2-0.8 s after the last answer."""
+    rng = random.Random(seed)
+    key = [1 << 40]
+
+    def new() -> int:
+        key[0] += 1
+        return key[0]
+
+    systems = [(new(), 600) for _ in range(4)]
+    raw = []
+    for s in range(sessions):
+        t = rng.uniform(0, 6.0)
+        history: tuple[tuple[int, int], ...] = (systems[rng.randrange(4)], (new(), rng.randint(600, 1400)))
+        for _ in range(4):
+            prompt = history + ((new(), rng.randint(40, 120)),)
+            out, out_len = new(), rng.randint(12, 24)
+            raw.append((t, prompt, out, out_len, s))
+            history = prompt + ((out, out_len),)
+            t += 0.1 + out_len / 50 + rng.uniform(0.2, 0.8)
+    raw.sort(key=lambda x: x[0])
+    return [SimRequest(i, t, p, o, n, session=s) for i, (t, p, o, n, s) in enumerate(raw)]
+
+
+def test_the_placement_model_puts_as_many_conversations_on_every_engine() -> None:
+    # 24 conversations of unequal size on 4 equal engines, 8 seeded runs: the default
+    # placement (a per-request charge in the recent work it balances by) gives every engine
+    # 6 conversations (24 requests) in most runs and never more than one conversation too
+    # many (balancing by tokens alone, the previous default, was even in 2 of these 8);
+    # prefix scoring piles them onto the engines holding the system prompts.
+    cfg = dict(engines=4, engine=EngineConfig(num_blocks=1501, block_size=16, prefill_rate=10000, decode_step_s=0.02))
+    even = 0
+    for seed in range(8):
+        reqs = chat(seed)
+        cost, prefix = (simulate(reqs, p, SimConfig(seed=seed, **cfg)) for p in ("kv-cost", "prefix-only"))
+        assert sum(cost.requests_per_engine) == 96 and max(cost.requests_per_engine) <= 28, (seed, cost.requests_per_engine)
+        even += cost.requests_per_engine == [24, 24, 24, 24]
+        assert max(prefix.requests_per_engine) > 28, (seed, prefix.requests_per_engine)
+        assert cost.hit_rate > 0.95 * prefix.hit_rate, seed
+    assert even >= 5, even
 
 
 def test_simulate_cli_speculate_and_cut_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
