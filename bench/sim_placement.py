@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvstream.routing.scoring import CostPolicy, PrefixLoadPolicy  # noqa: E402
+from kvstream.routing.scoring import CostPolicy, PrefixLoadPolicy, RecentPlacements  # noqa: E402
 from kvstream.sim.engine import EngineConfig  # noqa: E402
 from kvstream.sim.run import SimConfig, SimRun  # noqa: E402
 from kvstream.sim.workload import SimRequest, compress_arrivals, cut_lengths, load_mooncake  # noqa: E402
@@ -100,16 +100,19 @@ def burst_workload(groups: int = 20, size: int = 8, prefix: int = 2048) -> list[
 
 
 def run(reqs: Sequence[SimRequest], scoring: Any, cfg: SimConfig) -> dict[str, float]:
-    """One simulation with ``scoring`` (a PrefixLoadPolicy or CostPolicy; None: round robin)."""
+    """One simulation with ``scoring`` (a PrefixLoadPolicy or CostPolicy; None: round robin;
+    or a (CostPolicy, RecentPlacements) pair: the recent work counted by those settings)."""
+    recent = None
+    if isinstance(scoring, tuple):
+        scoring, recent = scoring
     r = SimRun(reqs, "round-robin" if scoring is None else "kv-cost", cfg)
     if scoring is not None:
         r.policy.scoring = scoring
         r.policy.uses_index = True
         if isinstance(scoring, CostPolicy):
             scoring.block_size = r._R
-            if scoring.placed_weight and r._recent is None:
-                from kvstream.routing.scoring import RecentPlacements
-                r._recent = RecentPlacements()
+            if scoring.placed_weight:
+                r._recent = recent if recent is not None else RecentPlacements()
     res = r.run()
     per = res.requests_per_engine
     return {"hit": res.hit_rate, "ttft": res.ttft_mean_s, "p99": res.ttft_p99_s,
@@ -119,7 +122,7 @@ def run(reqs: Sequence[SimRequest], scoring: Any, cfg: SimConfig) -> dict[str, f
 def report(label: str, runs: list[dict[str, float]]) -> None:
     m = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
     worst = max(r["spread"] for r in runs)
-    print(f"  {label:44} hit {m['hit'] * 100:5.1f} %  TTFT mean {m['ttft'] * 1000:5.0f} p99 {m['p99'] * 1000:5.0f} ms"
+    print(f"  {label:48} hit {m['hit'] * 100:5.1f} %  TTFT mean {m['ttft'] * 1000:5.0f} p99 {m['p99'] * 1000:5.0f} ms"
           f"  spread {m['spread']:.2f} (worst {worst:.2f})", flush=True)
 
 
@@ -133,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("round robin", lambda sd: None),
         ("prefix (PrefixLoadPolicy, --scoring prefix)", lambda sd: PrefixLoadPolicy()),
         ("cost (CostPolicy defaults, --scoring cost)", lambda sd: CostPolicy(queue_tokens=0.0, seed=sd)),
+        ("cost, balanced by tokens only (before 445c08d)",
+         lambda sd: (CostPolicy(queue_tokens=0.0, placed_weight=0.5, seed=sd), RecentPlacements(64, request_tokens=0))),
         ("cost, no balance term (placed_weight 0)", lambda sd: CostPolicy(queue_tokens=0.0, placed_weight=0.0, seed=sd)),
         ("cost, waiting requests priced twice", lambda sd: CostPolicy(queue_tokens=512.0, seed=sd)),
         ("cost, last round's weights", lambda sd: CostPolicy(queue_tokens=0.0, prefill_weight=1.0, running_tokens=256,
@@ -145,6 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     policies.append((f"cost prefill_weight={pw} placed_weight={w} stick={ss}",
                                      lambda sd, pw=pw, w=w, ss=ss: CostPolicy(
                                          queue_tokens=0.0, prefill_weight=pw, placed_weight=w, stick_share=ss, seed=sd)))
+        for rt in (0, 128, 256, 512, 1024):
+            for w in (0.5, 1.0):
+                for h in (64, 256):
+                    policies.append((f"cost placed_weight={w} request_tokens={rt} horizon={h}",
+                                     lambda sd, rt=rt, w=w, h=h: (CostPolicy(queue_tokens=0.0, placed_weight=w, seed=sd),
+                                                                  RecentPlacements(h, request_tokens=rt))))
 
     print(f"chat (bench_routers.py's sessions of rounds 0-{args.seeds - 1}):")
     chat = [chat_workload(sd) for sd in range(args.seeds)]
