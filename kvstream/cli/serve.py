@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -470,8 +471,10 @@ async def _serve_in(signals: Any, cfg: Any, tok: Any, sock: socket.socket, flags
         # (kvstream/service/fastpath.py).
         from kvstream.service.fastpath import fast_protocol
 
+        # --processes N: each worker evens out the connections with its siblings
+        # (kvstream/service/siblings.py), the kernel's SO_REUSEPORT spread being a hash.
         http = fast_protocol(hot.answer, hot.path_limits(), hot.limit, fallback=http,
-                             request_timeout=timeout, on_reject=rejected)
+                             request_timeout=timeout, on_reject=rejected, balancer=sibling)
     # proxy_headers off: no handler reads the client address, and the middleware costs per call.
     ucfg = uvicorn.Config(app, http=http, log_config=None, access_log=False, lifespan="on", server_header=False,
                           date_header=False, proxy_headers=False, timeout_graceful_shutdown=5)
@@ -531,9 +534,9 @@ async def _run_server(signals: Any, server: Any, sock: socket.socket, core: Any,
             server.should_exit = True
 
         tg.start_soon(serve_then_stop)
-        if sibling is not None:  # a worker: share registrations with the others
+        if sibling is not None:  # a worker: share registrations (and connections) with the others
             core.mooncake.share = sibling.send
-            tg.start_soon(sibling.run, core.mooncake.apply_shared)
+            tg.start_soon(sibling.run, core.mooncake.apply_shared, functools.partial(_adopt, server))
         tg.start_soon(announce_then_stop)
         async for sig in signals:
             if sig == signal.SIGHUP:
@@ -543,6 +546,27 @@ async def _run_server(signals: Any, server: Any, sock: socket.socket, core: Any,
                 if stop.is_set():  # asked twice: now, without waiting for the start-up
                     server.should_exit = server.force_exit = True
                 stop.set()
+
+
+async def _adopt(server: Any, sock: socket.socket) -> None:
+    """Serve a connection another worker accepted and passed to this one (it had more)."""
+    import asyncio
+
+    import anyio
+
+    while not server.started:  # the lifespan first, as for a connection this worker accepts
+        await anyio.sleep(0.01)
+    loop = asyncio.get_running_loop()
+    cfg = server.config
+
+    def protocol() -> Any:
+        proto = cfg.http_protocol_class(config=cfg, server_state=server.server_state,
+                                        app_state=server.lifespan.state, _loop=loop)
+        proto.adopted = True  # served here, never passed on again
+        return proto
+
+    sock.setblocking(False)
+    await loop.connect_accepted_socket(protocol, sock)
 
 
 def _reload(core: Any, flags: dict[str, Any], cli_engines: list[str]) -> None:

@@ -108,6 +108,9 @@ class FastPathProtocol(asyncio.Protocol):
     limit: int
     fallback: Any
     request_timeout: float = 0.0
+    balancer: Any = None
+    """Set by ``kvstream serve --processes N`` (a :class:`~kvstream.service.siblings.Sibling`):
+    a connection accepted while this worker holds more than a sibling is passed to it."""
     on_reject: Callable[[int, str], None] = staticmethod(lambda status, code: None)
 
     def __init__(self, config: Any, server_state: Any, app_state: Any, _loop: Any = None) -> None:
@@ -122,11 +125,25 @@ class FastPathProtocol(asyncio.Protocol):
         self._write_paused = False
         self._begun: float | None = None  # loop time the partial request in _buf was first seen
         self._deadline: Any = None
+        self.adopted = False  # passed by a sibling worker: served here, never passed on
+        self._counted = False  # counted in the balancer's table of held connections
 
     def connection_made(self, transport: Any) -> None:
+        b = self.balancer
+        if b is not None:
+            if not self.adopted and b.offload(transport.get_extra_info("socket")):
+                transport.abort()  # the sibling holds the connection now; nothing was read
+                return
+            b.opened()
+            self._counted = True
         self._transport = transport
         self._connections.add(self)
         self._arm_idle()
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.balancer.closed()
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
@@ -163,6 +180,7 @@ class FastPathProtocol(asyncio.Protocol):
             self._idle.cancel()
             self._idle = None
         self._cancel_deadline()  # and its request deadline
+        self._uncount()  # uvicorn's from here: not one the balancer moves
         proto = self.fallback(*self._args)
         self._connections.discard(self)
         data, self._buf = bytes(self._buf), bytearray()
@@ -216,6 +234,7 @@ class FastPathProtocol(asyncio.Protocol):
             self._transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._uncount()
         self._connections.discard(self)
         self._cancel_deadline()
         if self._idle is not None:
@@ -242,14 +261,14 @@ class FastPathProtocol(asyncio.Protocol):
 
 def fast_protocol(answer: Callable[[bytes, bytes], tuple[int, bytes]], hot: Iterable[bytes] | Mapping[bytes, int],
                   limit: int, fallback: Any = None, *, request_timeout: float = 0.0,
-                  on_reject: Callable[[int, str], None] | None = None) -> type[FastPathProtocol]:
+                  on_reject: Callable[[int, str], None] | None = None, balancer: Any = None) -> type[FastPathProtocol]:
     """A :class:`FastPathProtocol` class for ``uvicorn.Config(http=...)``: ``answer(path,
     body) -> (status, body)`` for the paths in ``hot`` (bytes), bodies up to ``limit``
     bytes (``hot`` a mapping path -> bytes: each path's own limit); ``fallback``: uvicorn's
     protocol class for everything else (default: uvicorn's
     choice, httptools when installed, bounded by :func:`kvstream.service.guard.guarded_protocol`);
     ``request_timeout``: seconds a partial request may be held (0: no limit); ``on_reject(status,
-    code)``: called for each such refusal."""
+    code)``: called for each such refusal; ``balancer``: see :attr:`FastPathProtocol.balancer`."""
     if fallback is None:
         from kvstream.service.guard import guarded_protocol
 
@@ -257,5 +276,5 @@ def fast_protocol(answer: Callable[[bytes, bytes], tuple[int, bytes]], hot: Iter
     return type("BoundFastPathProtocol", (FastPathProtocol,),
                 {"answer": staticmethod(answer), "hot": dict(hot) if isinstance(hot, Mapping) else frozenset(hot),
                  "limit": limit, "fallback": fallback,
-                 "request_timeout": float(request_timeout),
+                 "request_timeout": float(request_timeout), "balancer": balancer,
                  **({"on_reject": staticmethod(on_reject)} if on_reject is not None else {})})
