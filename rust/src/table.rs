@@ -850,8 +850,73 @@ impl NativeMap {
     }
 }
 
+/// A snapshot's tier into an empty index in one call (``KVIndex._load_prepared``'s bulk
+/// path): ``held.load_u64(keys, masks)``, then under token keying (``table`` given)
+/// ``table.load_u64(hashes, keys)`` and ``href[hash] = holders`` for every hash of two or
+/// more holders. Returns the number of hashes each mask bit (source slot) holds, or None
+/// with ``held`` left empty when a key repeats in ``keys`` (two hashes of one key: the
+/// caller merges pair by pair). Raises ``ValueError`` (both maps left empty) for a hash
+/// listed twice or 0, or columns of other lengths.
+#[pyfunction]
+#[pyo3(signature = (table, held, hashes, keys, masks, href))]
+pub fn load_tier<'py>(
+    py: Python<'py>,
+    table: Option<PyRef<'py, NativeMap>>,
+    held: PyRef<'py, NativeMap>,
+    hashes: &Bound<'py, PyAny>,
+    keys: &Bound<'py, PyAny>,
+    masks: &Bound<'py, PyAny>,
+    href: &Bound<'py, PyDict>,
+) -> PyResult<Option<Vec<u64>>> {
+    let ms = u64s_of(masks)?;
+    if ms.contains(&0) {
+        return Err(PyValueError::new_err("mask 0 in the u64 columns"));
+    }
+    let held_keys = if table.is_some() { keys } else { hashes };
+    if held.__len__(py) != 0 || table.as_ref().is_some_and(|t| t.__len__(py) != 0) {
+        return Err(PyValueError::new_err("load_tier loads into empty maps"));
+    }
+    let hk = u64s_of(held_keys)?;
+    if hk.len() != ms.len() || hk.contains(&0) {
+        return Err(PyValueError::new_err(format!(
+            "{} keys for {} masks, or key 0, in the u64 columns",
+            hk.len(),
+            ms.len()
+        )));
+    }
+    drop(hk);
+    if held.load_u64(py, held_keys, masks, None).is_err() {
+        // The one error left: a repeated key (the insert found it and emptied the map).
+        return Ok(None);
+    }
+    let mut counts = vec![0u64; 64];
+    for &m in &ms {
+        let mut x = m;
+        while x != 0 {
+            counts[x.trailing_zeros() as usize] += 1;
+            x &= x - 1;
+        }
+    }
+    if let Some(table) = table {
+        if let Err(e) = table.load_u64(py, hashes, keys, None) {
+            held.write().clear();
+            return Err(e);
+        }
+        if ms.iter().any(|m| m & (m - 1) != 0) {
+            let hs = u64s_of(hashes)?;
+            for (&eh, &m) in hs.iter().zip(&ms) {
+                if m & (m - 1) != 0 {
+                    href.set_item(eh, m.count_ones())?;
+                }
+            }
+        }
+    }
+    Ok(Some(counts))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<NativeMap>()
+    m.add_class::<NativeMap>()?;
+    m.add_function(wrap_pyfunction!(load_tier, m)?)
 }
 
 #[cfg(test)]
