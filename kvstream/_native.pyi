@@ -102,7 +102,9 @@ def apply_tokens(
     held: list[NativeMap], slot: int, fam: int, r: int, base_ns: int, reannounce: int,
     stores_ok: bool, copies: dict[Any, Any], href: dict[Any, int], unl: dict[Any, Any],
     waiting: dict[Any, Any], touched: set[Any] | None,
-) -> tuple[int, int, int]: ...
+) -> tuple[int, int, int, int]: ...
+def load_tier(table: NativeMap | None, held: NativeMap, hashes: Any, keys: Any, masks: Any,
+              href: dict[Any, int]) -> list[int] | None: ...
 def apply_engine(
     events: list[Any] | RawBatch, start: int, stored_cls: type, removed_cls: type, gpu: NativeMap,
     slot: int, b: int, reannounce: int, stores_ok: bool, copies: dict[Any, Any],

@@ -74,6 +74,7 @@ from kvstream._native import (
     RawBatch,
     apply_engine as _apply_engine_native,
     apply_tokens as _apply_tokens,
+    load_tier as _load_tier,
     read_payload as _read_payload,
 )
 from kvstream.routing.payloads import PayloadBatch
@@ -530,10 +531,12 @@ class KVIndex(_IndexCore):
         R = self._R
         i = 0
         while i < n:
-            i, added, removed = _apply_tokens(
+            i, added, removed, aliased = _apply_tokens(
                 events, i, BlockStored, BlockRemoved, table, held, slot, per_mask.get(1, 0) & _M64, R,  # type: ignore[arg-type]
                 _BASE_NS, s.reannounce, s.per == 1, self._copies, self._href, self._unl, self._waiting,
                 self._touched)
+            if aliased:
+                st.family_conflicts += aliased
             if added:
                 s.count[0] += added
                 st.stored_blocks += added
@@ -1634,6 +1637,29 @@ class KVIndex(_IndexCore):
             # more than the one that dumped it. The bound holds after a load too.
             self._evict(int(self._max_bytes * 0.9))
 
+    def _load_tier_native(self, medium: str, t: int, hs: array, ks: array, masks: array) -> bool:
+        """A snapshot tier of one-word masks into empty native maps in one native call
+        (``kvstream._native.load_tier``: both maps, the per-source counts, the shared
+        hashes' holder counts); False when this tier takes the general path below (other
+        maps, or a key of two hashes to merge). Raises :class:`SnapshotError` for a hash
+        listed twice or 0 (the maps left empty)."""
+        held = self._held[t]
+        table = None if self._by_engine else self._table
+        if type(held) is not NativeMap or len(held) or (table is not None and (type(table) is not NativeMap or len(table))):
+            return False
+        try:
+            counts = _load_tier(table, held, hs, ks, masks, self._href)
+        except ValueError as exc:
+            raise sn.SnapshotError(f"snapshot medium {medium!r}: a hash is listed twice or is 0 ({exc}; a damaged snapshot)") from None
+        if counts is None:
+            if self._by_engine:
+                raise sn.SnapshotError(f"snapshot medium {medium!r}: a hash is listed twice (a damaged snapshot)")
+            return False  # a key shared by two hashes: merged pair by pair
+        for x, c in enumerate(counts):
+            if c:
+                self._src[x].count[t] += c  # type: ignore[union-attr]
+        return True
+
     def _load_prepared(self, snap: Any, p: Any) -> None:
         ours: dict[int, _Source] = {}
         for sd in snap.sources:
@@ -1661,6 +1687,10 @@ class KVIndex(_IndexCore):
         touched = self._touched
         for medium, hs, ks, masks in p.tiers:
             t = self._tier(medium)
+            if same and type(masks) is array and self._load_tier_native(medium, t, hs, ks, masks):
+                if touched is not None:
+                    touched.update(hs)
+                continue
             if not same:
                 masks = [remap(m) for m in masks]
             # One int object per distinct mask; a lone holder's mask is its source's bit.

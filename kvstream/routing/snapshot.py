@@ -210,7 +210,7 @@ class Prepared:
     __slots__ = ("tiers", "rows", "copies", "unlinked")
 
     def __init__(self) -> None:
-        self.tiers: list[tuple[str, array, array, list[int]]] = []
+        self.tiers: list[tuple[str, array, array, Union[array, list[int]]]] = []
         self.rows: list[tuple[str, Any, Union[list[int], None], int]] = []
         self.copies: list[tuple[int, str, Any, dict[int, int]]] = []
         self.unlinked: list[_Unlinked] = []
@@ -278,9 +278,13 @@ def prepare(snap: _Snapshot, *, tokens: bool, router_block_size: int) -> Prepare
         cols = [unpack_u64(w, "masks") for w in td.masks]
         if any(len(c) != n for c in cols):
             raise SnapshotError(f"snapshot medium {td.medium!r}: mask columns differ in length from the hashes")
-        masks = cols[0].tolist()
-        for w, c in enumerate(cols[1:], 1):
-            masks = [m | (x << (64 * w)) for m, x in zip(masks, c)]
+        # One column: the array itself (the index loads it natively as it is); wider
+        # masks as ints.
+        masks: Union[array, list[int]] = cols[0]
+        if len(cols) > 1:
+            masks = cols[0].tolist()
+            for w, c in enumerate(cols[1:], 1):
+                masks = [m | (x << (64 * w)) for m, x in zip(masks, c)]
         distinct = set(masks)
         if 0 in distinct or any(m & ~everyone for m in distinct):
             raise SnapshotError(

@@ -4,8 +4,9 @@
 //! here without a Python call per block:
 //!
 //! * a `BlockStored` run in the GPU tier, group 0, engine blocks of one router block, no
-//!   extra keys, whose blocks are each new (no hash known or unlinked or waited for, no key
-//!   held by another hash of the family) or known under the very key chained from the
+//!   extra keys, whose blocks are each new (no hash known or unlinked or waited for; a key
+//!   held by another hash of the family is a family conflict: the block goes under its
+//!   alias key, as the Python rules' `_perturb` makes it) or known under the very key chained from the
 //!   tokens and not held by this source yet (a prefix other engines cached first: one
 //!   more holder), and whose parent is known (or None, base namespace, not a
 //!   re-announcement candidate): keys chained from the tokens, every block installed;
@@ -16,12 +17,15 @@
 //! for that event, and the caller applies it and calls again from the next one. So the
 //! native path is an exact subset of the Python one; the tests compare both.
 
+use std::cell::Cell;
+
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyTuple};
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::decode::{Batch, Ev, Kind, Parent, RawBatch};
-use crate::keys::chain_into;
+use crate::keys::{chain_into, KEY_MASK};
 use crate::table::{as_key, NativeMap, U64Map};
 
 /// What one call did: (next event to apply in Python, blocks stored, blocks removed).
@@ -49,6 +53,19 @@ struct Ctx<'a, 'py> {
     unl: Option<&'a Bound<'py, PyDict>>,
     waiting: Option<&'a Bound<'py, PyDict>>,
     touched: Option<&'a Bound<'py, PySet>>,
+    /// Blocks stored under an alias key (``stats.family_conflicts``).
+    conflicts: Cell<usize>,
+}
+
+/// The alias key of a block whose key another hash of its family holds: the Python
+/// rules' ``_perturb`` (xxh3_64 of the key, a tag and the engine hash, masked to a router
+/// key), which no token prompt produces.
+fn alias_key(v: u64, eh: u64) -> u64 {
+    let mut buf = [0u8; 31];
+    buf[..8].copy_from_slice(&v.to_le_bytes());
+    buf[8..23].copy_from_slice(b"\xffkvstream-alias");
+    buf[23..].copy_from_slice(&eh.to_le_bytes());
+    xxh3_64(&buf) & KEY_MASK
 }
 
 /// How a stored run starts: at block 0 (`base`: no LoRA; `session`: a session id, read
@@ -424,6 +441,7 @@ impl Ctx<'_, '_> {
         masks.clear();
         // Per block: known (a new holder of a block other sources hold) or new.
         let mut shared: Vec<bool> = Vec::with_capacity(n);
+        let mut aliased = 0usize;
         for j in 0..n {
             let (eh, v) = (hashes[j], keys[j]);
             let Some(m) = mask_of(maps.gpu, self.gpu_plain, gpu_side, v)? else {
@@ -458,13 +476,11 @@ impl Ctx<'_, '_> {
             if !self.table_plain && maps.table_side.contains(eh)? {
                 return Ok(None); // known, under keys of several router blocks
             }
-            if m & self.fam != 0 {
-                return Ok(None);
-            }
+            let mut any = m;
             for (core, side) in &maps.others {
                 match mask_of(core, side.is_empty(), side, v)? {
-                    Some(x) if x & self.fam == 0 => {}
-                    _ => return Ok(None),
+                    Some(x) => any |= x,
+                    None => return Ok(None),
                 }
             }
             if self.unl.is_some_and(|d| d.contains(eh).unwrap_or(true))
@@ -472,9 +488,29 @@ impl Ctx<'_, '_> {
             {
                 return Ok(None);
             }
-            masks.push(m);
+            if any & self.fam != 0 {
+                // Another hash of this block-size family holds this key (the same tokens
+                // under another engine's hashes): the Python rules' family conflict, this
+                // hash under its own alias key, held by this source alone. A held alias
+                // (never in practice): the Python rules.
+                let alias = alias_key(v, eh);
+                if mask_of(maps.gpu, self.gpu_plain, gpu_side, alias)? != Some(0) {
+                    return Ok(None);
+                }
+                keys[j] = alias;
+                aliased += 1;
+                masks.push(0);
+            } else {
+                masks.push(m);
+            }
             shared.push(false);
         }
+        // An alias equal to another block's key of this event: the Python rules (which see
+        // the earlier block's install).
+        if aliased > 0 && has_dups(keys) {
+            return Ok(None);
+        }
+        self.conflicts.set(self.conflicts.get() + aliased);
         if let Some(t) = self.touched {
             for &eh in hashes.iter() {
                 t.add(eh)?;
@@ -504,7 +540,8 @@ impl Ctx<'_, '_> {
 
 /// Apply ``events[start:]`` of one source (token keying) until the first event the native
 /// rules do not cover; returns ``(that event's position or len(events), blocks stored,
-/// blocks removed)``. See the module docs; the caller (``KVIndex``) passes its state.
+/// blocks removed, blocks stored under an alias key: family conflicts)``. See the module
+/// docs; the caller (``KVIndex``) passes its state.
 #[pyfunction]
 #[pyo3(signature = (events, start, stored_cls, removed_cls, table, held, slot, fam, r, base_ns,
                     reannounce, stores_ok, copies, href, unl, waiting, touched))]
@@ -528,9 +565,9 @@ pub fn apply_tokens<'py>(
     unl: &Bound<'py, PyDict>,
     waiting: &Bound<'py, PyDict>,
     touched: Option<Bound<'py, PySet>>,
-) -> PyResult<Applied> {
+) -> PyResult<(usize, usize, usize, usize)> {
     if slot >= 64 || r == 0 || held.is_empty() {
-        return Ok((start, 0, 0));
+        return Ok((start, 0, 0, 0));
     }
     let gpu: PyRef<'py, NativeMap> = held.get_item(0)?.extract()?;
     let mut others = Vec::new();
@@ -557,10 +594,11 @@ pub fn apply_tokens<'py>(
         unl: none_if_empty(unl),
         waiting: none_if_empty(waiting),
         touched: touched.as_ref(),
+        conflicts: Cell::new(0),
     };
     let same = |a: &NativeMap, b: &NativeMap| std::ptr::eq(a, b);
     if same(&table, &gpu) || others.iter().any(|o| same(o, &table) || same(o, &gpu)) {
-        return Ok((start, 0, 0)); // one map in two roles (never the index's layout): locked twice
+        return Ok((start, 0, 0, 0)); // one map in two roles (never the index's layout): locked twice
     }
     let mut table_g = table.write();
     let mut gpu_g = gpu.write();
@@ -578,12 +616,12 @@ pub fn apply_tokens<'py>(
             .collect(),
         table_side,
     };
-    if let Ok(raw) = events.cast::<RawBatch>() {
-        let (next, stored, removed) = ctx.run_raw(&mut maps, &gpu_side, &raw.get().batch, start)?;
-        return Ok((next, stored, removed));
-    }
-    let (next, stored, removed) = ctx.run(&mut maps, &gpu_side, events.cast::<PyList>()?, start)?;
-    Ok((next, stored, removed))
+    let (next, stored, removed) = if let Ok(raw) = events.cast::<RawBatch>() {
+        ctx.run_raw(&mut maps, &gpu_side, &raw.get().batch, start)?
+    } else {
+        ctx.run(&mut maps, &gpu_side, events.cast::<PyList>()?, start)?
+    };
+    Ok((next, stored, removed, ctx.conflicts.get()))
 }
 
 /// Engine keying's common cases (``_apply_engine``): a GPU, group-0 ``BlockStored`` of

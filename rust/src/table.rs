@@ -188,19 +188,7 @@ impl U64Map {
     }
 
     fn rebuild_to(&mut self, m: usize) {
-        let max_used = m * 3 / 4;
-        // Positions + 1 run to max_used; a live slot's position field is never all ones.
-        let bits = (64 - (max_used as u64 + 1).leading_zeros()).min(32);
-        self.pos_mask = if bits >= 32 {
-            u32::MAX
-        } else {
-            (1u32 << bits) - 1
-        };
-        self.max_used = max_used;
-        self.slots = Vec::new(); // the old slots go before the new are allocated
-        self.slots.reserve_exact(m);
-        self.slots.resize(m, EMPTY);
-        self.used = 0;
+        self.rebuild_to_empty(m);
         for j in 0..self.cols.len() {
             let k = self.cols[j][0];
             if k == 0 {
@@ -217,6 +205,104 @@ impl U64Map {
             self.slots[i] = self.tag(h) | (j as u32 + 1);
             self.used += 1;
         }
+    }
+
+    /// `m` empty slots (the column untouched): [`Self::rebuild_to`]'s first half.
+    fn rebuild_to_empty(&mut self, m: usize) {
+        let max_used = m * 3 / 4;
+        // Positions + 1 run to max_used; a live slot's position field is never all ones.
+        let bits = (64 - (max_used as u64 + 1).leading_zeros()).min(32);
+        self.pos_mask = if bits >= 32 {
+            u32::MAX
+        } else {
+            (1u32 << bits) - 1
+        };
+        self.max_used = max_used;
+        self.slots = Vec::new(); // the old slots go before the new are allocated
+        self.slots.reserve_exact(m);
+        self.slots.resize(m, EMPTY);
+        self.used = 0;
+    }
+
+    /// Fill an empty map with `ks[i] -> vs[i]` (keys non-zero, columns of one length) in
+    /// one pass: the pairs go into the column in order, then every slot value (tag and
+    /// position) into the slots in the order of its home slot (a radix sort of the
+    /// homes), so the probes walk the slots front to back instead of missing the cache
+    /// once a key. Returns the first key found twice (the map emptied again).
+    pub fn load_fresh(&mut self, ks: &[u64], vs: &[u64]) -> Result<(), u64> {
+        debug_assert!(self.is_empty() && ks.len() == vs.len());
+        let n = ks.len();
+        if n <= SWISS_MAX {
+            self.reserve(n);
+            for (&k, &v) in ks.iter().zip(vs) {
+                if self.insert(k, v).is_some() {
+                    self.clear();
+                    return Err(k);
+                }
+            }
+            return Ok(());
+        }
+        self.clear();
+        self.cols = ks.iter().zip(vs).map(|(&k, &v)| [k, v]).collect();
+        self.rebuild_to_empty((n * 20 / 11 + 1).max(16));
+        // home << 32 | slot value, sorted by home: LSD radix, a byte a pass.
+        let m = self.slots.len();
+        let mut order: Vec<u64> = ks
+            .iter()
+            .enumerate()
+            .map(|(j, &k)| {
+                let h = self.hash(k);
+                (self.home(h) as u64) << 32 | (self.tag(h) | (j as u32 + 1)) as u64
+            })
+            .collect();
+        let bits = 64 - (m as u64).leading_zeros();
+        let mut tmp = vec![0u64; n];
+        let mut shift = 32;
+        while shift < 32 + bits {
+            let mut count = [0usize; 257];
+            for &x in &order {
+                count[((x >> shift) & 0xff) as usize + 1] += 1;
+            }
+            for b in 1..257 {
+                count[b] += count[b - 1];
+            }
+            for &x in &order {
+                let d = ((x >> shift) & 0xff) as usize;
+                tmp[count[d]] = x;
+                count[d] += 1;
+            }
+            std::mem::swap(&mut order, &mut tmp);
+            shift += 8;
+        }
+        drop(tmp);
+        let pm = self.pos_mask;
+        for &x in &order {
+            let sv = x as u32;
+            let mut i = (x >> 32) as usize;
+            loop {
+                let s = self.slots[i];
+                if s == EMPTY {
+                    break;
+                }
+                // The same tag: compare the keys (a repeated key has the same home, so it
+                // passes the first one's slot).
+                if s & !pm == sv & !pm {
+                    let k = self.cols[((sv & pm) - 1) as usize][0];
+                    if self.cols[((s & pm) - 1) as usize][0] == k {
+                        self.clear();
+                        return Err(k);
+                    }
+                }
+                i += 1;
+                if i == m {
+                    i = 0;
+                }
+            }
+            self.slots[i] = sv;
+        }
+        self.used = n;
+        self.live = n;
+        Ok(())
     }
 
     /// Room in the column for `more` new positions, growing it by at least an eighth.
@@ -772,14 +858,10 @@ impl NativeMap {
                 // The common case (a snapshot's tier into a fresh map): a repeated key is
                 // found by the insert itself, and the map is emptied again before the error,
                 // so a refused load leaves it as it was.
-                core.reserve(ks.len());
-                for (k, v) in ks.iter().zip(vs.iter()) {
-                    if core.insert(*k, *v).is_some() {
-                        core.clear();
-                        return Err(PyValueError::new_err(format!(
-                            "duplicate key {k} in the u64 columns"
-                        )));
-                    }
+                if let Err(k) = core.load_fresh(&ks, &vs) {
+                    return Err(PyValueError::new_err(format!(
+                        "duplicate key {k} in the u64 columns"
+                    )));
                 }
                 drop(core);
                 return self.load_other(other);
@@ -850,14 +932,146 @@ impl NativeMap {
     }
 }
 
+/// A snapshot's tier into an empty index in one call (``KVIndex._load_prepared``'s bulk
+/// path): ``held.load_u64(keys, masks)``, then under token keying (``table`` given)
+/// ``table.load_u64(hashes, keys)`` and ``href[hash] = holders`` for every hash of two or
+/// more holders. Returns the number of hashes each mask bit (source slot) holds, or None
+/// with ``held`` left empty when a key repeats in ``keys`` (two hashes of one key: the
+/// caller merges pair by pair). Raises ``ValueError`` (both maps left empty) for a hash
+/// listed twice or 0, or columns of other lengths.
+#[pyfunction]
+#[pyo3(signature = (table, held, hashes, keys, masks, href))]
+pub fn load_tier<'py>(
+    py: Python<'py>,
+    table: Option<PyRef<'py, NativeMap>>,
+    held: PyRef<'py, NativeMap>,
+    hashes: &Bound<'py, PyAny>,
+    keys: &Bound<'py, PyAny>,
+    masks: &Bound<'py, PyAny>,
+    href: &Bound<'py, PyDict>,
+) -> PyResult<Option<Vec<u64>>> {
+    let ms = u64s_of(masks)?;
+    if ms.contains(&0) {
+        return Err(PyValueError::new_err("mask 0 in the u64 columns"));
+    }
+    let held_keys = if table.is_some() { keys } else { hashes };
+    if held.__len__(py) != 0 || table.as_ref().is_some_and(|t| t.__len__(py) != 0) {
+        return Err(PyValueError::new_err("load_tier loads into empty maps"));
+    }
+    let hk = u64s_of(held_keys)?;
+    if hk.len() != ms.len() || hk.contains(&0) {
+        return Err(PyValueError::new_err(format!(
+            "{} keys for {} masks, or key 0, in the u64 columns",
+            hk.len(),
+            ms.len()
+        )));
+    }
+    drop(hk);
+    if held.load_u64(py, held_keys, masks, None).is_err() {
+        // The one error left: a repeated key (the insert found it and emptied the map).
+        return Ok(None);
+    }
+    let mut counts = vec![0u64; 64];
+    for &m in &ms {
+        let mut x = m;
+        while x != 0 {
+            counts[x.trailing_zeros() as usize] += 1;
+            x &= x - 1;
+        }
+    }
+    if let Some(table) = table {
+        if let Err(e) = table.load_u64(py, hashes, keys, None) {
+            held.write().clear();
+            return Err(e);
+        }
+        if ms.iter().any(|m| m & (m - 1) != 0) {
+            let hs = u64s_of(hashes)?;
+            for (&eh, &m) in hs.iter().zip(&ms) {
+                if m & (m - 1) != 0 {
+                    href.set_item(eh, m.count_ones())?;
+                }
+            }
+        }
+    }
+    Ok(Some(counts))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<NativeMap>()
+    m.add_class::<NativeMap>()?;
+    m.add_function(wrap_pyfunction!(load_tier, m)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    fn xorshift_keys(n: usize) -> Vec<u64> {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x | 1
+            })
+            .collect()
+    }
+
+    #[test]
+    #[ignore] // timing: cargo test --release time_bulk_load -- --ignored --nocapture
+    fn time_bulk_load() {
+        let n = 1_000_000usize;
+        let ks = xorshift_keys(n);
+        let vs: Vec<u64> = (0..n as u64).collect();
+        for _ in 0..4 {
+            let t = std::time::Instant::now();
+            let mut m = U64Map::new();
+            m.load_fresh(&ks, &vs).unwrap();
+            let a = t.elapsed();
+            let t = std::time::Instant::now();
+            let mut m2 = U64Map::new();
+            m2.reserve(n);
+            for (&k, &v) in ks.iter().zip(&vs) {
+                m2.insert(k, v);
+            }
+            eprintln!("load_fresh {a:?}, one insert a key {:?}", t.elapsed());
+        }
+    }
+
+    #[test]
+    fn a_bulk_load_holds_what_inserts_would_and_finds_a_repeated_key() {
+        for n in [1000usize, SWISS_MAX + 1, 300_000] {
+            let ks = xorshift_keys(n);
+            let vs: Vec<u64> = (0..n as u64).collect();
+            let mut m = U64Map::new();
+            m.load_fresh(&ks, &vs).unwrap();
+            assert_eq!(m.len(), n);
+            assert!(
+                m.iter().map(|(k, _)| k).eq(ks.iter().copied()),
+                "column order is the load order"
+            );
+            for (&k, &v) in ks.iter().zip(&vs) {
+                assert_eq!(m.get(k), Some(v));
+            }
+            assert_eq!(m.get(2), None);
+            // Goes on as a map: removals, and inserts past the loaded load factor.
+            for &k in ks.iter().step_by(3) {
+                assert!(m.remove(k).is_some());
+            }
+            for k in 0..(n as u64 / 2) {
+                m.insert((k << 1) | (1 << 62), k);
+            }
+            for (i, &k) in ks.iter().enumerate() {
+                assert_eq!(m.get(k), if i % 3 == 0 { None } else { Some(vs[i]) });
+            }
+            let mut dup = ks.clone();
+            dup[n / 2] = ks[n / 3];
+            let mut d = U64Map::new();
+            assert_eq!(d.load_fresh(&dup, &vs), Err(ks[n / 3]));
+            assert!(d.is_empty() && d.get(ks[0]).is_none());
+        }
+    }
 
     #[test]
     fn behaves_like_a_hashmap_through_churn() {

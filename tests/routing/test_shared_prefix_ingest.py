@@ -123,3 +123,42 @@ def test_a_known_hash_under_another_key_is_left_to_the_python_rules() -> None:
         x.apply_batch("b", KVEventBatch(2.0, [ev]))
     assert native.python_stores == before + 1
     assert native.state() == python.state() and native.stats == python.stats
+
+
+def _other_hashes(tokens: list[int], salt: int) -> list[int]:
+    # Another engine's hashes of the same tokens (another seed or hash configuration).
+    return [(h * 0x9E3779B97F4A7C15 + salt) & ((1 << 63) - 1) or 1 for h in _hashes(tokens)]
+
+
+def test_the_same_tokens_under_other_engines_hashes_are_family_conflicts_applied_natively() -> None:
+    """Engines of one block size that store the same tokens under hashes of their own: each
+    later hash is a family conflict (its block under an alias key no prompt produces). The
+    native core applies those runs as the Python rules do: same state, same stats, same
+    matches, the same removals and chains from an aliased parent afterwards."""
+    native, python = _both()
+    for src in ("a", "b", "c"):
+        for x in (native, python):
+            x.apply_batch(src, KVEventBatch(0.0, [_stored(_toks(500 + ord(src), 1))]))
+    prefix = _toks(2, 6)
+    doc = prefix + _toks(3, 3)
+    first = native.python_stores
+    steps: list[tuple[str, BlockStored | BlockRemoved]] = [
+        ("a", _stored(doc)),
+        # b: the prefix under its own hashes (conflicts), then blocks no one holds (new).
+        ("b", BlockStored(_other_hashes(doc, 1)[:6] + _hashes(_toks(7, 2)), None, prefix + _toks(7, 2), BS, None,
+                          "GPU", None)),
+        # c: the whole doc under a third set of hashes, then a run chained from its aliased block.
+        ("c", BlockStored(_other_hashes(doc, 2), None, doc, BS, None, "GPU", None)),
+        ("c", BlockStored([77, 78], _other_hashes(doc, 2)[-1], _toks(9, 2), BS, None, "GPU", None)),
+        ("b", BlockRemoved(_other_hashes(doc, 1)[2:4], "GPU")),
+        ("a", BlockRemoved(_hashes(doc)[:2], "GPU")),
+    ]
+    for t, (src, ev) in enumerate(steps):
+        for x in (native, python):
+            x.apply_batch(src, KVEventBatch(float(t), [ev]))
+        assert native.state() == python.state()
+        assert native.stats == python.stats
+    assert native.stats.family_conflicts == 6 + 9
+    assert native.python_stores == first, "a family conflict went to the Python rules"
+    for q in (doc, prefix + _toks(7, 2), doc + _toks(9, 2)):
+        assert native.match(q) == python.match(q)

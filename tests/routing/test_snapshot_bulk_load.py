@@ -30,3 +30,28 @@ def test_a_loaded_snapshot_holds_the_dumped_state(keying, sources) -> None:
     b.load_source(a.dump())
     assert b.state() == a.state()
     assert sorted(b.sources) == sorted(a.sources)
+
+
+@pytest.mark.parametrize("keying", ["tokens", "engine"])
+def test_a_bulk_loaded_index_goes_on_as_the_dumped_one(keying) -> None:
+    """After the one-call load (``kvstream._native.load_tier``: both maps, the per-source
+    counts, the holder counts of shared hashes), removals and stores change the loaded
+    index exactly as they change the one that dumped it: a shared block stays held until
+    its last holder removes it."""
+    from kvstream.wire.events import BlockRemoved
+
+    a = _make(keying)
+    for s in range(5):
+        a.apply_batch(f"s{s}", KVEventBatch(0.0, [BlockStored(
+            [1000 + s % 2, 5000 + s], None, list(range(32)), 16, None, "GPU", None)]))
+    b = _make(keying)
+    b.load_source(a.dump())
+    assert b.state() == a.state()
+    steps = [("s0", BlockRemoved([1000], "GPU")), ("s2", BlockRemoved([1000, 5002], "GPU")),
+             ("s1", BlockStored([7000], 5001, list(range(16)), 16, None, "GPU", None)),
+             ("s4", BlockRemoved([1000], "GPU")), ("s3", BlockRemoved([1001], "GPU"))]
+    for src, ev in steps:
+        for x in (a, b):
+            x.apply_batch(src, KVEventBatch(1.0, [ev]))
+        assert b.state() == a.state()
+        assert b.source_info(src) == a.source_info(src)
