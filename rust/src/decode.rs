@@ -876,7 +876,7 @@ mod tests {
         v.extend_from_slice(&1.5f64.to_be_bytes());
         v.push(0x91);
         v.extend_from_slice(&[0xde, 0x00, 0x08]);
-        let mut s = |k: &str, v: &mut Vec<u8>| {
+        let s = |k: &str, v: &mut Vec<u8>| {
             v.push(0xa0 | k.len() as u8);
             v.extend_from_slice(k.as_bytes());
         };
