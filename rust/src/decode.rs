@@ -74,6 +74,8 @@ pub struct Ev {
     pub base: bool,
     /// `extra_keys` is nil, empty, or one nil per block (checked against the hash count).
     pub extras_len: Option<usize>,
+    /// How many entries `block_hashes` lists (a run whose hashes keep no column too).
+    pub listed: usize,
     pub extras_all_nil: bool,
     /// `session_id` is set.
     pub session: bool,
@@ -95,6 +97,7 @@ impl Ev {
             group0: true,
             base: true,
             extras_len: None,
+            listed: 0,
             extras_all_nil: true,
             session: false,
         }
@@ -118,7 +121,7 @@ impl Ev {
     pub fn extras_plain(&self) -> bool {
         match self.extras_len {
             None | Some(0) => true,
-            Some(n) => n == self.n_hashes() && self.extras_all_nil,
+            Some(n) => n == self.listed && self.extras_all_nil,
         }
     }
 }
@@ -344,8 +347,9 @@ impl<'a> Rd<'a> {
         }
     }
 
-    /// `list[ExternalBlockHash]` into `out`; returns whether all were column keys.
-    fn hashes(&mut self, out: &mut Vec<u64>) -> R<bool> {
+    /// `list[ExternalBlockHash]` into `out`; returns whether all were column keys, and how
+    /// many the list held.
+    fn hashes(&mut self, out: &mut Vec<u64>) -> R<(bool, usize)> {
         let n = self.array_len()?;
         out.reserve(n);
         let mut ok = true;
@@ -356,7 +360,7 @@ impl<'a> Rd<'a> {
                 None => ok = false,
             }
         }
-        Ok(ok)
+        Ok((ok, n))
     }
 
     /// `list[int]` into `out`; returns whether all fit u32.
@@ -520,7 +524,9 @@ impl<'a> Reader<'a> {
         match name {
             "block_hashes" => {
                 ev.h0 = self.out.hashes.len();
-                ev.hashes_ok = rd.hashes(&mut self.out.hashes)?;
+                let (ok, listed) = rd.hashes(&mut self.out.hashes)?;
+                ev.hashes_ok = ok;
+                ev.listed = listed;
                 // A run with a bytes hash keeps no column: the Python rules read it.
                 if !ev.hashes_ok {
                     self.out.hashes.truncate(ev.h0);

@@ -193,6 +193,15 @@ def test_the_reader_takes_what_the_decoder_decodes_and_reads_the_same(b) -> None
     _check_reader(msgspec.msgpack.encode(obj), must_take=plain)
 
 
+def test_extra_keys_are_counted_against_the_listed_hashes_even_when_no_hash_is_a_key() -> None:
+    # Found by the property test above: hashes that are not keys (0 here) keep no column, and
+    # the reader compared one nil extra key per block against that empty column.
+    ev = {"type": "BlockStored", "block_hashes": [0] * 5, "parent_block_hash": None, "token_ids": [],
+          "block_size": 0, "lora_id": None, "medium": None, "lora_name": None, "extra_keys": [None] * 5}
+    _check_reader(msgspec.msgpack.encode([0.0, [ev]]))
+    _check_reader(msgspec.msgpack.encode([0.0, [{**ev, "extra_keys": [None] * 4}]]))
+
+
 def _vllm_like(rnd: random.Random, i: int) -> KVEventBatch:
     evs: list = []
     for j in range(rnd.randrange(1, 6)):
