@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
-from typing import Sequence
+import threading
+from typing import Any, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -47,11 +49,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Ctrl-C at any point (while the parser imports the commands, too) is one line,
     ``kvstream CMD: interrupted``, and exit status 130."""
+    _keep_interrupts()
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print(f"{_command_name(argv)}: interrupted", file=sys.stderr)
         return 130
+
+
+def _keep_interrupts() -> None:
+    """Take back a Ctrl-C that Python would lose. One that lands in code Python cannot raise
+    from (a weakref callback of the import system, a ``__del__``) is printed as "Exception
+    ignored in ..." with a traceback, and then the command runs on as if no Ctrl-C had come.
+    This hook prints nothing for it and sends SIGINT to the main thread again, from a timer
+    thread a few milliseconds later: by then the hook has returned (an interrupt raised in
+    the hook itself would be lost the same way), and it lands where Python can raise it, as
+    the one-line ``interrupted`` of :func:`main`. Should it land in such a place again, the
+    hook sends it again."""
+    previous = sys.unraisablehook
+    main_thread = threading.main_thread().ident
+    assert main_thread is not None
+
+    def hook(unraisable: Any) -> None:
+        exc_type = unraisable.exc_type
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            resend = threading.Timer(0.005, signal.pthread_kill, (main_thread, signal.SIGINT))
+            resend.daemon = True
+            resend.start()
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _command_name(argv: Sequence[str] | None) -> str:

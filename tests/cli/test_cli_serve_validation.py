@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -112,6 +113,33 @@ def test_ctrl_c_while_a_command_starts_is_one_line_never_a_traceback(cmd: list[s
         assert p.returncode in (0, 1, 130, -signal.SIGINT), (after, p.returncode, err)
         if p.returncode in (130, -signal.SIGINT):  # said in one line: "interrupted" (engine: "stopped")
             assert f"kvstream {cmd[0]}: interrupted" in err or f"kvstream {cmd[0]}: stopped" in err, err
+
+
+LOST_INTERRUPT = """
+import sys, time
+from kvstream.cli import _keep_interrupts
+_keep_interrupts()
+
+class Finalizer:  # raises from where Python cannot raise, as the import system's weakref callbacks do
+    def __del__(self):
+        raise KeyboardInterrupt
+
+try:
+    Finalizer()
+    time.sleep(60)
+    print("lost")
+except KeyboardInterrupt:
+    print("raised")
+"""
+
+
+def test_a_ctrl_c_that_lands_in_a_finalizer_is_raised_again_without_a_traceback() -> None:
+    # Found by the stress run: a Ctrl-C during `kvstream relay`'s start-up landed in
+    # importlib's module-lock weakref callback; Python printed "Exception ignored in" with a
+    # traceback and the command ran on to its NATS timeout.
+    r = subprocess.run([sys.executable, "-c", LOST_INTERRUPT], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "raised", (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
 
 
 def test_more_engines_than_the_file_limit_allows_is_one_clear_line() -> None:
