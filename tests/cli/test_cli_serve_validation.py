@@ -137,7 +137,8 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_is_raised_again_without_a_traceback(
     # Found by the stress run: a Ctrl-C during `kvstream relay`'s start-up landed in
     # importlib's module-lock weakref callback; Python printed "Exception ignored in" with a
     # traceback and the command ran on to its NATS timeout.
-    r = subprocess.run([sys.executable, "-c", LOST_INTERRUPT], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", LOST_INTERRUPT], capture_output=True, text=True, timeout=120,
+                       preexec_fn=_as_at_a_terminal)  # SIGINT not ignored, as under a background shell
     assert r.stdout.strip() == "raised", (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
 
