@@ -168,7 +168,24 @@ pub fn walk_tokens(
     seed: u64,
     active: u64,
 ) -> PyResult<Option<(usize, Ends)>> {
-    let Some(core) = core_of(&map, py) else {
+    walk_chained(py, &map, tokens, r, seed, move |g, keys| {
+        prefix_ends(g, keys, active)
+    })
+}
+
+/// The preamble of the single-map token walks: ``tokens`` chained from ``seed`` into
+/// router keys of ``r`` tokens and given to ``walk`` with ``map``'s core, the GIL
+/// released; ``(number of keys, what walk made)``, or None for the Python path (a side
+/// dict, a token id outside ``[0, 2**32)``, ``r`` 0).
+fn walk_chained<T: Send>(
+    py: Python<'_>,
+    map: &NativeMap,
+    tokens: &Bound<'_, PyAny>,
+    r: usize,
+    seed: u64,
+    walk: impl FnOnce(&U64Map, &[u64]) -> T + Send,
+) -> PyResult<Option<(usize, T)>> {
+    let Some(core) = core_of(map, py) else {
         return Ok(None);
     };
     if r == 0 {
@@ -180,7 +197,7 @@ pub fn walk_tokens(
     Ok(Some(py.detach(move || {
         let keys = chain(&toks, r, seed);
         let g = core.read().unwrap_or_else(|e| e.into_inner());
-        (keys.len(), prefix_ends(&g, &keys, active))
+        (keys.len(), walk(&g, &keys))
     })))
 }
 
@@ -386,20 +403,9 @@ pub fn slot_ends_tokens(
     active: u64,
     n_slots: usize,
 ) -> PyResult<Option<(usize, Vec<u32>)>> {
-    let Some(core) = core_of(&map, py) else {
-        return Ok(None);
-    };
-    if r == 0 {
-        return Ok(None);
-    }
-    let Some(toks) = tokens_of(tokens)? else {
-        return Ok(None);
-    };
-    Ok(Some(py.detach(move || {
-        let keys = chain(&toks, r, seed);
-        let g = core.read().unwrap_or_else(|e| e.into_inner());
-        (keys.len(), slot_ends(&g, &keys, active, n_slots))
-    })))
+    walk_chained(py, &map, tokens, r, seed, move |g, keys| {
+        slot_ends(g, keys, active, n_slots)
+    })
 }
 
 /// [`slot_ends_tokens`] for keys already made (a prompt's router keys, engine hashes):
