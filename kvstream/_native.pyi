@@ -101,7 +101,7 @@ def apply_tokens(
     events: list[Any] | RawBatch, start: int, stored_cls: type, removed_cls: type, table: NativeMap,
     held: list[NativeMap], slot: int, fam: int, r: int, base_ns: int, reannounce: int,
     stores_ok: bool, copies: dict[Any, Any], href: dict[Any, int], unl: dict[Any, Any],
-    waiting: dict[Any, Any], touched: set[Any] | None,
+    waiting: dict[Any, Any], sized: dict[Any, Any], touched: set[Any] | None,
 ) -> tuple[int, int, int, int]: ...
 def load_tier(table: NativeMap | None, held: NativeMap, hashes: Any, keys: Any, masks: Any,
               href: dict[Any, int]) -> list[int] | None: ...

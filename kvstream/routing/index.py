@@ -35,7 +35,11 @@ Model
   offload ``BlockStored`` with no tokens) update the location of known blocks.
 * Token keying: one engine-hash family per block size: sources that use the same block size
   must use the same hash algorithm and seed (the normal case: replicas of one model).
-  Violations are detected and counted (``stats.family_conflicts``). Engine keying: every
+  Violations are detected and counted (``stats.family_conflicts``). An engine hash that
+  arrives under a second block size (a 64-bit collision, or a misbehaving engine) is kept
+  apart: the index holds it under an id of its own for that block size (``_size_id``,
+  counted in ``stats.size_conflicts``) and translates that size's events and queries to
+  it, so neither source takes the other's content. Engine keying: every
   source must hash like the hasher (other block sizes are rejected, other hash forms
   counted).
 
@@ -144,6 +148,9 @@ class IndexStats:
     """New engine hash for a key already held by a same-block-size source (mixed seeds)."""
     key_conflicts: int = 0
     """An engine hash re-stored with different tokens than before (kept the first key)."""
+    size_conflicts: int = 0
+    """Engine hashes stored under a second block size (a 64-bit collision, or a misbehaving
+    engine): each block size keeps its own copy of the hash, under an id of its own."""
     clears: int = 0
     """``AllBlocksCleared`` events applied."""
     evicted_blocks: int = 0
@@ -234,6 +241,7 @@ class KVIndex(_IndexCore):
         "_tier_of", "_held", "_table", "_touched", "_href", "_sub_n", "_copies", "_unl",
         "_waiting", "_spec", "_spec_n", "_spec_q", "_per_mask", "_max_bytes", "_ttl", "_gen",
         "_gen_start", "_reannounce", "_hasher", "_unl_bytes", "_warned", "_kind", "_wide", "stats",
+        "_xbs", "_xrev", "_xsweep",
     )
 
     def __init__(
@@ -310,6 +318,11 @@ class KVIndex(_IndexCore):
         self._spec_n: dict[tuple[int, Any], int] = {}
         self._spec_q: deque[tuple[float, int, list[Any]]] = deque()
         self._per_mask: dict[int, int] = {}
+        # An engine hash held under two block sizes: raw hash -> {per: id of this size's
+        # copy}, and id -> (raw hash, per). Empty unless ``stats.size_conflicts``.
+        self._xbs: dict[Any, dict[int, Any]] = {}
+        self._xrev: dict[Any, tuple[Any, int]] = {}
+        self._xsweep = _SWEEP_MIN
         self._max_bytes = max_bytes
         self._ttl = ttl_s
         self._gen = 0
@@ -534,7 +547,7 @@ class KVIndex(_IndexCore):
             i, added, removed, aliased = _apply_tokens(
                 events, i, BlockStored, BlockRemoved, table, held, slot, per_mask.get(1, 0) & _M64, R,  # type: ignore[arg-type]
                 _BASE_NS, s.reannounce, s.per == 1, self._copies, self._href, self._unl, self._waiting,
-                self._touched)
+                self._xbs, self._touched)
             if aliased:
                 st.family_conflicts += aliased
             if added:
@@ -701,7 +714,7 @@ class KVIndex(_IndexCore):
             )
 
     def _stored(self, s: _Source, ev: BlockStored) -> None:
-        hashes = ev.block_hashes
+        hashes: Sequence[Any] = ev.block_hashes
         n = len(hashes)
         if n == 0:
             return
@@ -717,6 +730,8 @@ class KVIndex(_IndexCore):
         toks = ev.token_ids
         if not toks:
             # A tier-only event (CPU offload placeholder): locate known blocks.
+            if s.per is not None:
+                hashes = self._size_ids(hashes, s.per)
             if self._touched is not None:
                 self._touched.update(hashes)  # a store refreshes the TTL, in any tier
             for eh in hashes:
@@ -742,7 +757,10 @@ class KVIndex(_IndexCore):
             s.per = per
             s.block_size = B
             self._per_mask[per] = self._per_mask.get(per, 0) | s.bit
+        hashes = self._size_ids(hashes, per)
         parent = ev.parent_block_hash
+        if parent is not None:
+            parent = self._size_id(parent, per)
         extra = ev.extra_keys
         if extra and (len(extra) != n or extra.count(None) != n):  # vLLM sends [None] * n
             salt, extras = event_block_extras(extra, ev.lora_name, n, per, R, parent is None)
@@ -761,7 +779,7 @@ class KVIndex(_IndexCore):
         else:
             pv = young.get(parent)
             if pv is None:
-                self._store_unlinked_run(s, ev, pack_tokens(toks), per, extras, t, g)
+                self._store_unlinked_run(s, hashes, parent, pack_tokens(toks), per, extras, t, g)
                 return
             seed = pv if type(pv) is int else pv[-1]
         if self._touched is not None:
@@ -840,12 +858,10 @@ class KVIndex(_IndexCore):
                 return False
         return True
 
-    def _store_unlinked_run(self, s: _Source, ev: BlockStored, raw: bytes, per: int,
+    def _store_unlinked_run(self, s: _Source, hashes: Sequence[Any], parent: Any, raw: bytes, per: int,
                             extras: list[bytes | None] | None, t: int, g: int) -> None:
         """A run whose parent is unknown: keep each block unlinked until its parent links."""
-        parent = ev.parent_block_hash
         step = 4 * self._R * per
-        hashes = ev.block_hashes
         if self._touched is not None:
             self._touched.update(hashes)  # a store refreshes the TTL, whatever its parent
         for i, eh in enumerate(hashes):
@@ -868,6 +884,94 @@ class KVIndex(_IndexCore):
                 if parent in self._table:
                     self._link(parent)
             parent = eh
+
+    def _size_ids(self, hashes: Sequence[Any], per: int, create: bool = True) -> Sequence[Any]:
+        """``hashes`` (engine hashes of a source whose engine blocks are ``per`` router
+        blocks) as this index holds them: :meth:`_size_id` of each; ``hashes`` itself (no
+        copy) when none is another block size's. ``create=False`` (removals, queries): only
+        the ids already made (a hash this size never stored is looked up as sent, as a
+        source that changed its block size without a clear still removes its old blocks)."""
+        xbs = self._xbs
+        if not create:
+            if not xbs:
+                return hashes
+            got: list[Any] | None = None
+            for i, eh in enumerate(hashes):
+                a = xbs.get(eh)
+                if a is not None and per in a:
+                    if got is None:
+                        got = list(hashes)
+                    got[i] = a[per]
+            return hashes if got is None else got
+        if not xbs and len(self._per_mask) < 2:
+            return hashes  # one block size has ever stored here: nothing to tell apart
+        if len(self._xrev) >= self._xsweep:
+            self._sweep_sizes()
+        table = self._table
+        unl = self._unl
+        out: list[Any] | None = None
+        for i, eh in enumerate(hashes):
+            if not xbs or eh not in xbs:
+                cur = table.get(eh)
+                if cur is None:
+                    if not unl:
+                        continue
+                    u = unl.get(eh)
+                    if u is None or not u.per or u.per == per:
+                        continue
+                elif (type(cur) is int) if per == 1 else (type(cur) is not int and len(cur) == per):
+                    continue
+            x = self._size_id(eh, per)
+            if x is not eh:
+                if out is None:
+                    out = list(hashes)
+                out[i] = x
+        return hashes if out is None else out
+
+    def _size_id(self, eh: Any, per: int) -> Any:
+        """The id under which this index holds engine hash ``eh`` of a source whose engine
+        blocks are ``per`` router blocks: ``eh`` itself, unless a source of another block
+        size holds ``eh`` (its table entry has keys of another shape, or it is unlinked
+        with another block size), or held it when this size's copy was first stored; then
+        an id of its own for this size (remembered, and counted)."""
+        if not self._xbs and len(self._per_mask) < 2:
+            return eh
+        a = self._xbs.get(eh)
+        if a is not None:
+            x = a.get(per)
+            if x is not None:
+                return x
+        cur = self._table.get(eh)
+        if cur is None:
+            u = self._unl.get(eh)
+            if u is None or not u.per or u.per == per:
+                return eh
+        elif (type(cur) is int) if per == 1 else (type(cur) is not int and len(cur) == per):
+            return eh
+        x = _size_alias(eh, per)
+        if a is None:
+            self._xbs[eh] = {per: x}
+        else:
+            a[per] = x
+        self._xrev[x] = (eh, per)
+        self.stats.size_conflicts += 1
+        return x
+
+    def _sweep_sizes(self) -> None:
+        """Forget the block-size ids nothing holds or waits for any more (the maps stay
+        within twice what is in use)."""
+        table = self._table
+        unl = self._unl
+        waiting = self._waiting
+        for x, (eh, per) in list(self._xrev.items()):
+            if x in table or x in unl or x in waiting:
+                continue
+            del self._xrev[x]
+            a = self._xbs[eh]
+            del a[per]
+            if not a:
+                del self._xbs[eh]
+        self._xsweep = max(_SWEEP_MIN, 2 * len(self._xrev))
 
     def _unl_put(self, eh: Any, u: _Unlinked) -> None:
         self._unl[eh] = u
@@ -1051,7 +1155,10 @@ class KVIndex(_IndexCore):
         copies = self._copies
         slot = s.slot
         removed = 0
-        for eh in ev.block_hashes:
+        hashes: Sequence[Any] = ev.block_hashes
+        if s.per is not None:
+            hashes = self._size_ids(hashes, s.per, create=False)
+        for eh in hashes:
             rk = young.get(eh)
             if type(rk) is int and g == 0 and not (copies and (eh, slot, t) in copies):
                 m = held.get(rk, 0)
@@ -1246,6 +1353,8 @@ class KVIndex(_IndexCore):
         b += gs(self._sub_n) + 96 * len(self._sub_n)
         b += gs(self._unl) + self._unl_bytes
         b += gs(self._waiting) + 88 * len(self._waiting)
+        if self._xrev:
+            b += gs(self._xbs) + gs(self._xrev) + 400 * len(self._xrev)
         b += gs(self._spec) + gs(self._spec_n) + 96 * len(self._spec_n)
         if self._touched is not None:
             b += gs(self._touched) + 36 * len(self._touched)
@@ -1367,6 +1476,9 @@ class KVIndex(_IndexCore):
         active = self._live
         res: dict[int, int] = {}
         table = self._table
+        h = self._hasher
+        if h is not None and not self._by_engine and h.block_size % self._R == 0:
+            hashes = self._size_ids(hashes, h.block_size // self._R, create=False)
         for i, eh in enumerate(hashes):
             v = table.get(eh)
             m = 0
@@ -1427,6 +1539,12 @@ class KVIndex(_IndexCore):
         are not part of the state.
         """
         per_src = self._rows()
+        unlinked: Iterable[Any] = self._unl
+        if self._xrev:  # a block size's own copy of a hash, under the hash the engine sent
+            raw = self._xrev
+            for rows in per_src.values():
+                rows[:] = [(md, g, raw[eh][0], c) if eh in raw else (md, g, eh, c) for md, g, eh, c in rows]
+            unlinked = [raw[eh][0] if eh in raw else eh for eh in self._unl]
         return {
             "router_block_size": self._R,
             "sources": {
@@ -1434,7 +1552,7 @@ class KVIndex(_IndexCore):
                 for s in self._src
                 if s is not None
             },
-            "unlinked": tuple(sorted(self._unl, key=_hash_sort_key)),
+            "unlinked": tuple(sorted(unlinked, key=_hash_sort_key)),
         }
 
     # -- snapshots (format: kvstream.routing.snapshot) ---------------------------------
@@ -1524,9 +1642,11 @@ class KVIndex(_IndexCore):
                        REANNOUNCE_RULES[s.reannounce], s.slot)
             for s in srcs
         ]
+        sizes = [sn._SizeId(eh, per, x) for x, (eh, per) in self._xrev.items()
+                 if x in table or x in self._unl or x in self._waiting]
         return sn.encode(sn._Snapshot(
             sn.MAGIC, sn.FORMAT_VERSION, self._keying.name, self._R, self._options(), self._hasher_spec(),
-            sources, tiers, rows, copies, unlinked,
+            sources, tiers, rows, copies, unlinked, sizes,
         ))
 
     def _family_bits(self, per: int) -> int:
@@ -1685,6 +1805,9 @@ class KVIndex(_IndexCore):
         table = self._table
         href = self._href
         touched = self._touched
+        for eh, per, x in p.sizes:
+            self._xbs.setdefault(eh, {})[per] = x
+            self._xrev[x] = (eh, per)
         for medium, hs, ks, masks in p.tiers:
             t = self._tier(medium)
             if same and type(masks) is array and self._load_tier_native(medium, t, hs, ks, masks):
@@ -1735,6 +1858,10 @@ class KVIndex(_IndexCore):
                 else:
                     for eh, v, m in zip(hs, ks, masks):
                         n = m.bit_count()
+                        if type(table.get(eh, 0)) is not int:  # another block size's hash
+                            eh = self._size_id(eh, 1)
+                            if touched is not None:
+                                touched.add(eh)
                         if eh in table:
                             href[eh] = href.get(eh, 1) + n
                         else:
@@ -1750,6 +1877,8 @@ class KVIndex(_IndexCore):
             if type(eh) is bytes:
                 self._wide = True
             v = eh if keys is None else keys[0] if len(keys) == 1 else tuple(keys)
+            if keys is not None:
+                eh = self._size_id(eh, len(keys))  # another block size's hash: its own id
             for x in _bits(m):
                 s = ours[x]
                 fresh = eh not in table
@@ -1760,23 +1889,31 @@ class KVIndex(_IndexCore):
                 touched.add(eh)
         for slot, medium, eh, groups in p.copies:
             t = self._tier(medium)
+            per = ours[slot].per
+            if per is not None and not self._by_engine:
+                eh = self._size_ids((eh,), per, create=False)[0]
             key = (eh, ours[slot].slot, t)
             if groups != {0: 1}:
                 self._copies[key] = groups
         for u in p.unlinked:
-            cur = self._unl.get(u.hash)
-            if u.hash in table:
+            uh, up = u.hash, u.parent
+            if u.per:  # another block size's hash: its own id
+                uh = self._size_id(uh, u.per)
+                if up is not None:
+                    up = self._size_id(up, u.per)
+            cur = self._unl.get(uh)
+            if uh in table:
                 continue
             for slot, medium, g, c in u.holds:
                 t = self._tier(medium)
                 if cur is None:
-                    cur = _Unlinked(u.parent, u.tokens, u.extras, u.per, self._gen)
-                    self._unl_put(u.hash, cur)
+                    cur = _Unlinked(up, u.tokens, u.extras, u.per, self._gen)
+                    self._unl_put(uh, cur)
                     if u.tokens is not None:
-                        self._waiting.setdefault(u.parent, []).append(u.hash)
+                        self._waiting.setdefault(up, []).append(uh)
                 elif cur.raw is None and u.tokens is not None:
-                    self._unl_set(cur, u.parent, u.tokens, u.extras, u.per)
-                    self._waiting.setdefault(u.parent, []).append(u.hash)
+                    self._unl_set(cur, up, u.tokens, u.extras, u.per)
+                    self._waiting.setdefault(up, []).append(uh)
                 for _ in range(c):
                     self._hold_unlinked(self._src[ours[slot].slot], cur, t, g)  # type: ignore[arg-type]
         for parent in [q for q in self._waiting if q in table]:
@@ -1956,6 +2093,19 @@ def _dict_floor(n: int) -> int:
     return 80 + size * ib + (size * 2 // 3) * 24
 
 
+_SWEEP_MIN = 1024  # block-size ids kept before the first sweep of unused ones
+
+
+def _size_alias(eh: Any, per: int) -> Any:
+    """The id of engine hash ``eh``'s copy for engine blocks of ``per`` router blocks, when
+    another block size holds ``eh``: a u64 for an int hash (never 0), 16 bytes for bytes."""
+    tag = b"\xffkvstream-size" + per.to_bytes(4, "little")
+    if type(eh) is int:
+        b = eh.to_bytes(8, "little") if 0 <= eh <= _M64 else eh.to_bytes((eh.bit_length() + 8) // 8, "little", signed=True)
+        return _xxh3_64(b + tag) or 1
+    return _xxh3_128(bytes(eh) + tag).to_bytes(16, "little")
+
+
 def _perturb(v: Any, eh: Any) -> Any:
     """A key (or keys) no token prompt can produce, derived from ``v`` and engine hash ``eh``."""
     tag = eh.to_bytes(8, "little") if type(eh) is int else bytes(eh)
@@ -1965,3 +2115,4 @@ def _perturb(v: Any, eh: Any) -> Any:
 
 
 _xxh3_64 = xxhash.xxh3_64_intdigest
+_xxh3_128 = xxhash.xxh3_128_intdigest

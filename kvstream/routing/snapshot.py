@@ -11,7 +11,8 @@ Layout (``docs/router.md`` documents it; version :data:`FORMAT_VERSION`), all st
 positional arrays so a newer minor version may append fields at the end::
 
     Snapshot  = [magic "kvstream-index", version 2, keying "tokens"|"engine",
-                 router_block_size, options, hasher, sources, tiers, rows, copies, unlinked]
+                 router_block_size, options, hasher, sources, tiers, rows, copies, unlinked,
+                 sizes (optional, appended: absent reads as [])]
     options   = [max_bytes|nil, ttl_s|nil, reannounce]
     hasher    = nil | [algorithm, block_size, extra_key_style, root bytes, hash_form]
     sources   = [[name, stale, cursor, block_size|nil, per|nil, reannounce rule, slot], ...]
@@ -20,6 +21,7 @@ positional arrays so a newer minor version may append fields at the end::
     copies    = [[slot, medium, hash, [[group, copies], ...]], ...]
     unlinked  = [[hash, parent|nil, tokens u32 LE bytes|nil, extras|nil, per,
                   [[slot, medium, group, copies], ...]], ...]
+    sizes     = [[hash, per, id], ...]
 
 The block table is written as columns, one ``tiers`` entry per medium: entry ``i`` is
 engine hash ``hashes[i]``, its router key ``keys[i]`` (token keying; empty under engine
@@ -28,7 +30,9 @@ medium, bit ``slot`` of ``masks[0][i] | masks[1][i] << 64 | ...`` (one u64 colum
 source slots). Dump and load are bulk array operations (well under a second for 10**6
 blocks). ``rows`` holds the entries the columns cannot: bytes hashes, and blocks of
 several router blocks (a list of keys). A holding is one copy in group 0 unless ``copies``
-says otherwise. Version 1 (per-source hash lists and a separate key map) is not read.
+says otherwise. ``sizes`` lists the engine hashes held under two block sizes (a 64-bit
+collision, or a misbehaving engine): the copy of ``hash`` for engine blocks of ``per``
+router blocks is written under ``id`` wherever a hash goes. Version 1 (per-source hash lists and a separate key map) is not read.
 
 Bad bytes raise :class:`SnapshotError` (a :class:`~kvstream.errors.RemoteProtocolError`:
 the snapshot came from a peer or a stream) and leave the index unchanged.
@@ -115,6 +119,12 @@ class _Unlinked(msgspec.Struct, array_like=True):
     holds: list[tuple[int, str, int, int]]
 
 
+class _SizeId(msgspec.Struct, array_like=True):
+    hash: _Hash
+    per: int
+    id: _Hash
+
+
 class _Snapshot(msgspec.Struct, array_like=True):
     magic: str
     version: int
@@ -127,6 +137,7 @@ class _Snapshot(msgspec.Struct, array_like=True):
     rows: list[_Row]
     copies: list[_Copies]
     unlinked: list[_Unlinked]
+    sizes: list[_SizeId] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -207,13 +218,14 @@ def decode(data: bytes) -> _Snapshot:
 class Prepared:
     """A decoded snapshot's residency, validated, in the forms the index installs."""
 
-    __slots__ = ("tiers", "rows", "copies", "unlinked")
+    __slots__ = ("tiers", "rows", "copies", "unlinked", "sizes")
 
     def __init__(self) -> None:
         self.tiers: list[tuple[str, array, array, Union[array, list[int]]]] = []
         self.rows: list[tuple[str, Any, Union[list[int], None], int]] = []
         self.copies: list[tuple[int, str, Any, dict[int, int]]] = []
         self.unlinked: list[_Unlinked] = []
+        self.sizes: list[tuple[Any, int, Any]] = []
 
 
 _KEY_MAX: Final = (1 << 60) - 1  # router keys (kvstream.routing.keys.KEY_MASK)
@@ -320,6 +332,11 @@ def prepare(snap: _Snapshot, *, tokens: bool, router_block_size: int) -> Prepare
             if slot not in slots or g < 0 or n < 1:
                 raise SnapshotError(f"snapshot unlinked block {u.hash!r:.40}: bad holding {(slot, g, n)!r}")
         p.unlinked.append(u)
+    for z in snap.sizes:
+        if not tokens or type(z.per) is not int or z.per <= 0 or not z.id or type(z.id) is not type(z.hash):
+            raise SnapshotError(f"snapshot block-size id of {z.hash!r:.40}: per {z.per!r}, id {z.id!r:.40} "
+                                "(a damaged snapshot)")
+        p.sizes.append((z.hash, z.per, z.id))
     return p
 
 

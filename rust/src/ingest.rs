@@ -52,6 +52,9 @@ struct Ctx<'a, 'py> {
     href: &'a Bound<'py, PyDict>,
     unl: Option<&'a Bound<'py, PyDict>>,
     waiting: Option<&'a Bound<'py, PyDict>>,
+    /// Engine hashes held under two block sizes (the index's ``_xbs``): the Python rules
+    /// translate their events to each size's own id.
+    sized: Option<&'a Bound<'py, PyDict>>,
     touched: Option<&'a Bound<'py, PySet>>,
     /// Blocks stored under an alias key (``stats.family_conflicts``).
     conflicts: Cell<usize>,
@@ -160,6 +163,19 @@ fn mask_of(core: &U64Map, plain: bool, side: &Bound<'_, PyDict>, k: u64) -> PyRe
 }
 
 impl Ctx<'_, '_> {
+    /// Any of ``hashes`` is held under two block sizes (the Python rules translate it).
+    fn sized_any(&self, hashes: &[u64]) -> PyResult<bool> {
+        let Some(d) = self.sized else {
+            return Ok(false);
+        };
+        for &h in hashes {
+            if d.contains(h)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     fn run(
         &self,
         maps: &mut Maps<'_>,
@@ -299,8 +315,10 @@ impl Ctx<'_, '_> {
         rks: &mut Vec<u64>,
     ) -> PyResult<Option<usize>> {
         let py = self.py;
-        // Check every hash first: the event is applied whole or not at all.
-        if has_dups(hashes) {
+        // Check every hash first: the event is applied whole or not at all. A source of
+        // larger (or not yet known) blocks holds keys of several router blocks: the
+        // Python rules, which also translate a hash another block size holds.
+        if !self.stores_ok || has_dups(hashes) || self.sized_any(hashes)? {
             return Ok(None);
         }
         rks.clear();
@@ -429,10 +447,14 @@ impl Ctx<'_, '_> {
                 self.base_ns
             }
             Head::Parent(p) => match maps.table.get(p) {
+                Some(_) if self.sized_any(&[p])? => return Ok(None),
                 Some(pv) => pv,
                 None => return Ok(None), // unknown parent (unlinked), or a tuple of keys
             },
         };
+        if self.sized_any(hashes)? {
+            return Ok(None); // a hash another block size holds: the Python rules
+        }
         keys.clear();
         chain_into(toks, self.r, seed, keys);
         if has_dups(hashes) || has_dups(keys) {
@@ -544,7 +566,7 @@ impl Ctx<'_, '_> {
 /// docs; the caller (``KVIndex``) passes its state.
 #[pyfunction]
 #[pyo3(signature = (events, start, stored_cls, removed_cls, table, held, slot, fam, r, base_ns,
-                    reannounce, stores_ok, copies, href, unl, waiting, touched))]
+                    reannounce, stores_ok, copies, href, unl, waiting, sized, touched))]
 #[allow(clippy::too_many_arguments)]
 pub fn apply_tokens<'py>(
     py: Python<'py>,
@@ -564,6 +586,7 @@ pub fn apply_tokens<'py>(
     href: &Bound<'py, PyDict>,
     unl: &Bound<'py, PyDict>,
     waiting: &Bound<'py, PyDict>,
+    sized: &Bound<'py, PyDict>,
     touched: Option<Bound<'py, PySet>>,
 ) -> PyResult<(usize, usize, usize, usize)> {
     if slot >= 64 || r == 0 || held.is_empty() {
@@ -593,6 +616,7 @@ pub fn apply_tokens<'py>(
         href,
         unl: none_if_empty(unl),
         waiting: none_if_empty(waiting),
+        sized: none_if_empty(sized),
         touched: touched.as_ref(),
         conflicts: Cell::new(0),
     };
