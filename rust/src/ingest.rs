@@ -10,7 +10,11 @@
 //!   tokens and not held by this source yet (a prefix other engines cached first: one
 //!   more holder), and whose parent is known (or None, base namespace, not a
 //!   re-announcement candidate): keys chained from the tokens, every block installed;
-//! * a `BlockRemoved` in the GPU tier, group 0, of hashes held once (no copy record).
+//! * a `BlockRemoved` in the GPU tier, group 0, from a source of one-router-block blocks,
+//!   of hashes held once (no copy record).
+//!
+//! An event naming a hash the index holds under two block sizes (its `_xbs`), as a block
+//! or as a parent, is always left to the Python rules, which translate it.
 //!
 //! Anything else (and any event that fails one check) is left to the Python rules: the
 //! call returns the position of the first event it did not apply, having changed nothing
