@@ -102,7 +102,9 @@ def apply_tokens(
     held: list[NativeMap], slot: int, fam: int, r: int, base_ns: int, reannounce: int,
     stores_ok: bool, copies: dict[Any, Any], href: dict[Any, int], unl: dict[Any, Any],
     waiting: dict[Any, Any], sized: dict[Any, Any], touched: set[Any] | None,
-) -> tuple[int, int, int, int]: ...
+) -> tuple[int, int, int, int, int]:
+    """(next event for the Python rules, blocks stored as new holdings, blocks removed,
+    family conflicts, further copies of blocks the source held already)."""
 def load_tier(table: NativeMap | None, held: NativeMap, hashes: Any, keys: Any, masks: Any,
               href: dict[Any, int]) -> list[int] | None: ...
 def apply_engine(

@@ -544,7 +544,7 @@ class KVIndex(_IndexCore):
         R = self._R
         i = 0
         while i < n:
-            i, added, removed, aliased = _apply_tokens(
+            i, added, removed, aliased, copied = _apply_tokens(
                 events, i, BlockStored, BlockRemoved, table, held, slot, per_mask.get(1, 0) & _M64, R,  # type: ignore[arg-type]
                 _BASE_NS, s.reannounce, s.per == 1, self._copies, self._href, self._unl, self._waiting,
                 self._xbs, self._touched)
@@ -553,6 +553,8 @@ class KVIndex(_IndexCore):
             if added:
                 s.count[0] += added
                 st.stored_blocks += added
+            if copied:
+                st.stored_blocks += copied  # further copies: in the copy records, not the count
             if removed:
                 s.count[0] -= removed
                 st.removed_blocks += removed

@@ -6,10 +6,13 @@
 //! * a `BlockStored` run in the GPU tier, group 0, engine blocks of one router block, no
 //!   extra keys, whose blocks are each new (no hash known or unlinked or waited for; a key
 //!   held by another hash of the family is a family conflict: the block goes under its
-//!   alias key, as the Python rules' `_perturb` makes it) or known under the very key chained from the
-//!   tokens and not held by this source yet (a prefix other engines cached first: one
-//!   more holder), and whose parent is known (or None, base namespace, not a
-//!   re-announcement candidate): keys chained from the tokens, every block installed;
+//!   alias key, as the Python rules' `_perturb` makes it) or known under the very key
+//!   chained from the tokens (a prefix other engines cached first: one more holder; one
+//!   this source holds already: one more copy in its copy record), and whose parent is
+//!   known (or None, base namespace, not a re-announcement candidate): keys chained from
+//!   the tokens, every block installed. The copy records are read live, so an event
+//!   after a further copy in the same call sees it (the stream fault campaign's seed 8
+//!   found a removal that did not, when the records were read once per call);
 //! * a `BlockRemoved` in the GPU tier, group 0, from a source of one-router-block blocks,
 //!   of hashes held once (no copy record).
 //!
@@ -52,7 +55,12 @@ struct Ctx<'a, 'py> {
     base_ns: u64,
     reannounce: u8,
     stores_ok: bool,
-    copies: Option<&'a Bound<'py, PyDict>>,
+    /// The copy records, read live: a stored run here adds to them (further copies), so a
+    /// later event of the same call must see what an earlier one wrote.
+    copies: &'a Bound<'py, PyDict>,
+    /// Stored blocks that were further copies of blocks the source held already (they
+    /// count in `stats.stored_blocks`, not in the source's holdings).
+    copied: Cell<usize>,
     href: &'a Bound<'py, PyDict>,
     unl: Option<&'a Bound<'py, PyDict>>,
     waiting: Option<&'a Bound<'py, PyDict>>,
@@ -73,6 +81,17 @@ fn alias_key(v: u64, eh: u64) -> u64 {
     buf[8..23].copy_from_slice(b"\xffkvstream-alias");
     buf[23..].copy_from_slice(&eh.to_le_bytes());
     xxh3_64(&buf) & KEY_MASK
+}
+
+/// What a stored run does to one of its blocks.
+#[derive(Clone, Copy)]
+enum Block {
+    /// A hash the table does not know: installed under its key.
+    New,
+    /// Known, held by other sources: this source becomes one more holder.
+    Shared,
+    /// Held by this source already: one more copy of it.
+    Again,
 }
 
 /// How a stored run starts: at block 0 (`base`: no LoRA; `session`: a session id, read
@@ -167,6 +186,40 @@ fn mask_of(core: &U64Map, plain: bool, side: &Bound<'_, PyDict>, k: u64) -> PyRe
 }
 
 impl Ctx<'_, '_> {
+    /// The (hash, source, GPU tier) copy record's key.
+    fn record_key(&self, eh: u64) -> PyResult<Bound<'_, PyTuple>> {
+        PyTuple::new(self.py, [eh, self.slot as u64, 0])
+    }
+
+    /// Whether this source keeps a copy record of `eh` in the GPU tier (more than one copy,
+    /// or copies in other groups).
+    fn has_copy_record(&self, eh: u64) -> PyResult<bool> {
+        Ok(!self.copies.is_empty() && self.copies.contains(self.record_key(eh)?)?)
+    }
+
+    /// The Python rules' `_add_copy_record` of a block this source holds already, group 0:
+    /// its record counts one more copy (`{0: 2}` when it had none: one copy, now two).
+    fn add_copy(&self, eh: u64) -> PyResult<()> {
+        let key = self.record_key(eh)?;
+        match self.copies.get_item(&key)? {
+            Some(cp) => {
+                let cp = cp.cast_into::<PyDict>()?;
+                let c: i64 = match cp.get_item(0)? {
+                    Some(c) => c.extract()?,
+                    None => 0,
+                };
+                cp.set_item(0, c + 1)?;
+            }
+            None => {
+                let cp = PyDict::new(self.py);
+                cp.set_item(0, 2)?;
+                self.copies.set_item(key, cp)?;
+            }
+        }
+        self.copied.set(self.copied.get() + 1);
+        Ok(())
+    }
+
     /// Any of ``hashes`` is held under two block sizes (the Python rules translate it).
     fn sized_any(&self, hashes: &[u64]) -> PyResult<bool> {
         let Some(d) = self.sized else {
@@ -318,7 +371,6 @@ impl Ctx<'_, '_> {
         hashes: &[u64],
         rks: &mut Vec<u64>,
     ) -> PyResult<Option<usize>> {
-        let py = self.py;
         // Check every hash first: the event is applied whole or not at all. A source of
         // larger (or not yet known) blocks holds keys of several router blocks: the
         // Python rules, which also translate a hash another block size holds.
@@ -330,10 +382,8 @@ impl Ctx<'_, '_> {
             let Some(rk) = maps.table.get(eh) else {
                 return Ok(None);
             };
-            if let Some(copies) = self.copies {
-                if copies.contains(PyTuple::new(py, [eh, self.slot as u64, 0])?)? {
-                    return Ok(None);
-                }
+            if self.has_copy_record(eh)? {
+                return Ok(None);
             }
             match mask_of(maps.gpu, self.gpu_plain, gpu_side, rk)? {
                 Some(m) if m & self.bit != 0 => rks.push(rk),
@@ -465,8 +515,9 @@ impl Ctx<'_, '_> {
             return Ok(None);
         }
         masks.clear();
-        // Per block: known (a new holder of a block other sources hold) or new.
-        let mut shared: Vec<bool> = Vec::with_capacity(n);
+        // Per block: new, known (a new holder of a block other sources hold), or held by
+        // this source already (one more copy).
+        let mut shared: Vec<Block> = Vec::with_capacity(n);
         let mut aliased = 0usize;
         for j in 0..n {
             let (eh, v) = (hashes[j], keys[j]);
@@ -474,21 +525,19 @@ impl Ctx<'_, '_> {
                 return Ok(None);
             };
             if let Some(cur) = maps.table.get(eh) {
-                // Known already (another source holds it, the prefix other engines cached
-                // too): the Python rules add this source's copy under the key it has, so
-                // here when that key is the one chained from the tokens, the source holds
-                // no copy of it yet and keeps no copy record of it.
-                // One the source holds already (a further copy or a re-announcement,
-                // which the Python rules tell apart; the stream fault campaign's seed 8
-                // found a copy counted too many here), or a TTL (generations of the
-                // table: `touched`): the Python rules.
-                if cur != v || m == 0 || m & self.bit != 0 || self.touched.is_some() {
+                // Known already, under the very key chained from the tokens (else: the
+                // Python rules' key conflict). Not held by this source yet (a prefix other
+                // engines cached first): the Python rules add one more holder, with no copy
+                // record. Held by it already (the same prefix stored again, with no parent
+                // and not a re-announcement: those were sent to the Python rules above):
+                // one more copy, in its copy record. With a TTL (generations of the table:
+                // `touched`), the Python rules.
+                if cur != v || m == 0 || self.touched.is_some() {
                     return Ok(None);
                 }
-                if let Some(copies) = self.copies {
-                    if copies.contains(PyTuple::new(self.py, [eh, self.slot as u64, 0])?)? {
-                        return Ok(None);
-                    }
+                let again = m & self.bit != 0;
+                if !again && self.has_copy_record(eh)? {
+                    return Ok(None);
                 }
                 if self.unl.is_some_and(|d| d.contains(eh).unwrap_or(true))
                     || self.waiting.is_some_and(|d| d.contains(eh).unwrap_or(true))
@@ -496,7 +545,7 @@ impl Ctx<'_, '_> {
                     return Ok(None);
                 }
                 masks.push(m);
-                shared.push(true);
+                shared.push(if again { Block::Again } else { Block::Shared });
                 continue;
             }
             if !self.table_plain && maps.table_side.contains(eh)? {
@@ -529,7 +578,7 @@ impl Ctx<'_, '_> {
             } else {
                 masks.push(m);
             }
-            shared.push(false);
+            shared.push(Block::New);
         }
         // An alias equal to another block's key of this event: the Python rules (which see
         // the earlier block's install).
@@ -544,23 +593,31 @@ impl Ctx<'_, '_> {
         }
         maps.table.reserve(n);
         maps.gpu.reserve(n);
+        let mut again = 0usize;
         for j in 0..n {
             let m = masks[j];
-            if shared[j] {
-                // One more holder of a known hash (the Python rules' `_hold`, not fresh).
-                maps.gpu.insert(keys[j], m | self.bit);
-                let eh = hashes[j];
-                let c: i64 = match self.href.get_item(eh)? {
-                    Some(c) => c.extract()?,
-                    None => 1,
-                };
-                self.href.set_item(eh, c + 1)?;
-            } else {
-                maps.table.insert(hashes[j], keys[j]);
-                maps.gpu.insert(keys[j], m | self.bit);
+            match shared[j] {
+                Block::Again => {
+                    self.add_copy(hashes[j])?;
+                    again += 1;
+                }
+                Block::Shared => {
+                    // One more holder of a known hash (the Python rules' `_hold`, not fresh).
+                    maps.gpu.insert(keys[j], m | self.bit);
+                    let eh = hashes[j];
+                    let c: i64 = match self.href.get_item(eh)? {
+                        Some(c) => c.extract()?,
+                        None => 1,
+                    };
+                    self.href.set_item(eh, c + 1)?;
+                }
+                Block::New => {
+                    maps.table.insert(hashes[j], keys[j]);
+                    maps.gpu.insert(keys[j], m | self.bit);
+                }
             }
         }
-        Ok(Some(n))
+        Ok(Some(n - again))
     }
 }
 
@@ -592,9 +649,9 @@ pub fn apply_tokens<'py>(
     waiting: &Bound<'py, PyDict>,
     sized: &Bound<'py, PyDict>,
     touched: Option<Bound<'py, PySet>>,
-) -> PyResult<(usize, usize, usize, usize)> {
+) -> PyResult<(usize, usize, usize, usize, usize)> {
     if slot >= 64 || r == 0 || held.is_empty() {
-        return Ok((start, 0, 0, 0));
+        return Ok((start, 0, 0, 0, 0));
     }
     let gpu: PyRef<'py, NativeMap> = held.get_item(0)?.extract()?;
     let mut others = Vec::new();
@@ -616,7 +673,8 @@ pub fn apply_tokens<'py>(
         base_ns,
         reannounce,
         stores_ok,
-        copies: none_if_empty(copies),
+        copies,
+        copied: Cell::new(0),
         href,
         unl: none_if_empty(unl),
         waiting: none_if_empty(waiting),
@@ -626,7 +684,7 @@ pub fn apply_tokens<'py>(
     };
     let same = |a: &NativeMap, b: &NativeMap| std::ptr::eq(a, b);
     if same(&table, &gpu) || others.iter().any(|o| same(o, &table) || same(o, &gpu)) {
-        return Ok((start, 0, 0, 0)); // one map in two roles (never the index's layout): locked twice
+        return Ok((start, 0, 0, 0, 0)); // one map in two roles (never the index's layout): locked twice
     }
     let mut table_g = table.write();
     let mut gpu_g = gpu.write();
@@ -649,7 +707,7 @@ pub fn apply_tokens<'py>(
     } else {
         ctx.run(&mut maps, &gpu_side, events.cast::<PyList>()?, start)?
     };
-    Ok((next, stored, removed, ctx.conflicts.get()))
+    Ok((next, stored, removed, ctx.conflicts.get(), ctx.copied.get()))
 }
 
 /// Engine keying's common cases (``_apply_engine``): a GPU, group-0 ``BlockStored`` of
