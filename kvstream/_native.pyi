@@ -88,6 +88,9 @@ class RawBatch:
     def data_parallel_rank(self) -> int | None: ...
     @property
     def blocks(self) -> int: ...
+    @property
+    def nbytes(self) -> int:
+        """Bytes the batch holds: the object and its columns' allocations."""
     def __len__(self) -> int: ...
     def kind(self, i: int) -> int:
         """Event ``i``'s type: 0 BlockStored, 1 BlockRemoved, 2 AllBlocksCleared."""

@@ -19,19 +19,28 @@ from kvstream.wire.events import KVEventBatch
 
 __all__ = ["PayloadBatch", "PayloadDecoder", "read_payload_batch", "read_payload_batches"]
 
+_SELF_BYTES = 96
+"""A :class:`PayloadBatch` object itself (five slots and the header: ``sys.getsizeof``
+says 72 on CPython 3.11, rounded up)."""
+
 
 class PayloadBatch:
     """One event batch as the native reader decoded it (``raw``), with its ``payload``
     bytes; quacks like :class:`~kvstream.wire.events.KVEventBatch` (``ts``, ``events``,
     ``data_parallel_rank``; equal to the decoded batch)."""
 
-    __slots__ = ("raw", "payload", "_decode", "_batch")
+    __slots__ = ("raw", "payload", "_decode", "_batch", "held_bytes")
 
     def __init__(self, raw: RawBatch, payload: bytes, decode: Callable[[bytes], KVEventBatch]) -> None:
         self.raw = raw
         self.payload = payload
         self._decode = decode
         self._batch: KVEventBatch | None = None
+        self.held_bytes = raw.nbytes + _SELF_BYTES
+        """Bytes the batch holds besides its payload while nobody has read its events: the
+        native columns' allocations and the two objects (measured, not estimated). A
+        subscriber's byte bounds count a queued batch by it: the Python objects of its
+        events are made only when they are read, by the consumer that took it."""
 
     @property
     def ts(self) -> float:

@@ -152,10 +152,18 @@ class _Source:
         self.no_live_warned = False
 
 
+def _held_bytes(payload: bytes, batch: Any, factor: int) -> int:
+    """Bytes a payload and its decoded batch hold: what the batch says it holds
+    (``held_bytes``: a natively read batch measures its columns), else ``factor`` bytes
+    per payload byte (the decoder's conservative estimate of Python objects)."""
+    held = getattr(batch, "held_bytes", None)
+    return len(payload) * (factor + 1) if held is None else len(payload) + held
+
+
 def _item_bytes(item: Any, factor: int) -> int:
-    """Bytes an item holds, at most: its payload and its decoded batch (``factor`` bytes
-    per payload byte, the decoder's conservative estimate) plus 64."""
-    return len(item.payload) * (factor + 1) + 64 if type(item) is SourceBatch else 64
+    """Bytes an item holds, at most: its payload and its decoded batch (see
+    :func:`_held_bytes`) plus 64."""
+    return _held_bytes(item.payload, item.batch, factor) + 64 if type(item) is SourceBatch else 64
 
 
 class Subscriber:
@@ -579,7 +587,8 @@ class Subscriber:
         now = time.monotonic
         drain_monitor = self._drain_monitor
         full = self._full
-        factor = self._factor + 1
+        factor = self._factor
+        held = _held_bytes
         burst_bytes = self._burst_bytes
         while True:
             drain_monitor(src)
@@ -619,8 +628,8 @@ class Subscriber:
                 t.on_live(seq, topic, payload, batch, received)
                 n += 1
                 ev += len(batch.events)
-                nbytes += len(payload)
-                if n >= _DRAIN_BURST or ev >= _EVENT_BURST or nbytes * factor >= burst_bytes:
+                nbytes += held(payload, batch, factor)
+                if n >= _DRAIN_BURST or ev >= _EVENT_BURST or nbytes >= burst_bytes:
                     # Handed over by count, events or bytes held (decoded form included), so
                     # the queue never passes max_buffered_bytes by more than one burst.
                     self._live_seen(src, n)
@@ -837,7 +846,8 @@ class Subscriber:
         c = t.counters
         decode = self._decoder.decode
         name = t.name
-        factor = self._factor + 1
+        factor = self._factor
+        held = _held_bytes
         nbytes = 0
         while True:
             n = 0
@@ -867,8 +877,8 @@ class Subscriber:
                     continue
                 t.on_reply(r.seq, r.topic, r.payload, batch)
                 n += 1
-                nbytes += len(r.payload)
-                if n >= _DRAIN_BURST or nbytes * factor >= self._burst_bytes:
+                nbytes += held(r.payload, batch, factor)
+                if n >= _DRAIN_BURST or nbytes >= self._burst_bytes:
                     self._after(src, gen, time.monotonic())
                     n = nbytes = 0
                     if t.generation != gen:

@@ -782,6 +782,18 @@ impl RawBatch {
         self.batch.events.len()
     }
 
+    /// Bytes this batch holds: the object and its columns' allocations (capacities, not
+    /// lengths), what a subscriber's byte bounds count for it while it waits.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        let b = &self.batch;
+        std::mem::size_of::<Self>()
+            + 2 * std::mem::size_of::<usize>() // the Python object's header
+            + b.events.capacity() * std::mem::size_of::<Ev>()
+            + b.hashes.capacity() * std::mem::size_of::<u64>()
+            + b.tokens.capacity() * std::mem::size_of::<u32>()
+    }
+
     /// The type of event `i`: 0 BlockStored, 1 BlockRemoved, 2 AllBlocksCleared.
     fn kind(&self, i: usize) -> PyResult<u8> {
         match self.batch.events.get(i) {

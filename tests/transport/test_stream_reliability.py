@@ -431,3 +431,46 @@ async def test_a_stalled_consumer_of_big_batches_holds_a_bounded_number_of_bytes
                 assert sub.ready_bytes < 120 * size // 2
                 items += await collect(sub, _until_seq(119))
     assert [b.seq for b in batches_of(items)] == list(range(120))
+
+
+async def test_natively_read_batches_are_counted_by_the_bytes_they_hold_so_a_burst_that_fits_is_not_shed(tmp_path):
+    """The service's decoder (``PayloadDecoder``) reads payloads into native columns: a
+    queued batch is counted by its payload and the bytes its columns really allocate, not
+    by the Python-object estimate (12 bytes per payload byte), so a burst whose real bytes
+    fit ``max_buffered_bytes`` is held whole (nothing shed, no replay), while the same
+    burst decoded into Python objects passes the bound and is shed, then replayed."""
+    from kvstream.routing.payloads import PayloadBatch, PayloadDecoder
+    from kvstream.wire.events import EventDecoder
+
+    big = [_step(i, width=64) for i in range(40)]
+    size = len(encode_batch(big[10]))
+    limit = 16 * size * 13  # 16 batches by the estimate; about 80 by their real bytes
+    results = {}
+    for name, dec in (("native", PayloadDecoder(EventDecoder())), ("decoded", None)):
+        cfg = KVEventsConfig(endpoint=ipc(tmp_path, "p" + name), replay_endpoint=ipc(tmp_path, "r" + name))
+        with anyio.fail_after(60):
+            async with Publisher(cfg) as pub:
+                spec = SourceSpec(pub.endpoint, pub.replay_endpoint, name="s")
+                async with Subscriber([spec], max_buffered_bytes=limit, decoder=dec) as sub:
+                    await sub.wait_connected()
+                    sub.get_nowait()
+                    for b in big:
+                        pub.publish(b)
+                    with anyio.fail_after(30):  # a state: every batch taken, or the bound reached
+                        while sub.ready < len(big) and sub.ready_bytes < limit:
+                            await anyio.sleep(0.01)
+                    ready, ready_bytes = sub.ready, sub.ready_bytes
+                    items = sub.get_nowait()
+                    if name == "native":
+                        got = [i for i in items if isinstance(i, SourceBatch)]
+                        assert all(type(i.batch) is PayloadBatch for i in got)
+                        # Counted exactly: payload, measured columns and 64 per item.
+                        assert ready_bytes == sum(len(i.payload) + i.batch.held_bytes + 64 for i in got)
+                        assert all(i.batch.held_bytes >= i.batch.raw.blocks * 8 for i in got)
+                    have = sum(isinstance(i, SourceBatch) for i in items)
+                    if have < len(big):  # the shed ones, replayed once the consumer reads
+                        await collect(sub, lambda its: have + sum(isinstance(i, SourceBatch) for i in its)
+                                      >= len(big))
+                    results[name] = (ready, sub.health()["s"].counters["shed"])
+    assert results["native"] == (len(big), 0), results
+    assert results["decoded"][0] < len(big) and results["decoded"][1] > 0, results
