@@ -38,11 +38,14 @@ from typing import Any, Callable, Sequence
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvstream.routing.scoring import CostPolicy, PrefixLoadPolicy, RecentPlacements  # noqa: E402
+import math  # noqa: E402
+
+from kvstream.routing.scoring import CostPolicy, Load, PrefixLoadPolicy, RecentPlacements  # noqa: E402
 from kvstream.sim.engine import EngineConfig  # noqa: E402
 from kvstream.sim.run import SimConfig, SimRun  # noqa: E402
 from kvstream.sim.workload import SimRequest, compress_arrivals, cut_lengths, load_mooncake  # noqa: E402
 
+NO_LOAD = Load()
 CHAT_ENGINE = EngineConfig(num_blocks=1501, block_size=16, prefill_rate=10000, decode_step_s=0.02)
 TRACE_ENGINE = EngineConfig(num_blocks=4097, block_size=64, token_granularity=16, prefill_rate=50000,
                             decode_step_s=0.02)
@@ -99,6 +102,58 @@ def burst_workload(groups: int = 20, size: int = 8, prefix: int = 2048) -> list[
     return [SimRequest(i, t, p, o, 16) for i, (t, p, o) in enumerate(raw)]
 
 
+class CountCap(CostPolicy):
+    """An experiment, not a shipped policy: bounded load by conversations. A request that
+    starts new content (the placement model's balance share is above 0) may only go to an
+    engine that started fewer than ``ceil((started + 1) / engines) + slack`` of them; among
+    those, the least cost without the balance term (so the engine holding the system
+    prompt wins) plus ``w_in`` x 256 tokens per conversation it started. The conversation
+    counts are kept here (the engine this call ranks first)."""
+
+    __slots__ = ("slack", "started", "w_in")
+
+    def __init__(self, slack: int = 0, w_in: float = 0.0, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.slack, self.w_in = slack, w_in
+        self.started: dict[str, int] = {}
+
+    def __call__(self, matches: Any, loads: Any, n_blocks: int) -> list[tuple[float, str]]:
+        bs = self.block_size; prompt = n_blocks * bs
+        cached = {}
+        for m in matches:
+            c = 0.0
+            for med, k in m.served.items():
+                c += k * self.tier_weights.get(med, self.other_tier_weight)
+            cached[m.source] = c * bs
+        best = max(cached.values(), default=0.0) / prompt if prompt else 1.0
+        rw = min(1.0, max(0.0, 2.0 * (1.0 - best / self.stick_share))) if prompt else 0.0
+        out = {}
+        for m in matches:
+            ld = loads.get(m.source, NO_LOAD)
+            out[m.source] = (prompt - cached[m.source] + self.prefill_weight * ld.prefill_tokens
+                    + self.queue_tokens * ld.queue + self.running_tokens * ld.running + self.kv_tokens * ld.kv_usage)
+        new = rw > 0 and prompt > 0
+        if new:
+            st = self.started
+            k = sum(st.get(m.source, 0) for m in matches)
+            cap = math.ceil((k + 1) / len(matches)) + self.slack
+            for m in matches:
+                c = st.get(m.source, 0)
+                if c >= cap:
+                    out[m.source] += 1e9
+                out[m.source] += self.w_in * c * 256 + 1e-6 * c
+        bestc = min(out.values())
+        near = sorted(s for s, c in out.items() if c <= bestc + self.spread_tokens + self.spread_share * prompt)
+        pick = near[self._rng.randrange(len(near))] if len(near) > 1 else near[0]
+        if new:
+            self.started[pick] = self.started.get(pick, 0) + 1
+        res = []
+        for s, c in out.items():
+            v = -bestc / prompt if s in near else -c / max(1, prompt)
+            res.append((v + 1e-9 if s == pick else v, s))
+        return res
+
+
 def run(reqs: Sequence[SimRequest], scoring: Any, cfg: SimConfig) -> dict[str, float]:
     """One simulation with ``scoring`` (a PrefixLoadPolicy or CostPolicy; None: round robin;
     or a (CostPolicy, RecentPlacements) pair: the recent work counted by those settings)."""
@@ -142,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("cost, waiting requests priced twice", lambda sd: CostPolicy(queue_tokens=512.0, seed=sd)),
         ("cost, last round's weights", lambda sd: CostPolicy(queue_tokens=0.0, prefill_weight=1.0, running_tokens=256,
                                                              placed_weight=0.0, seed=sd)),
+        ("cost, conversations capped by count (experiment)",
+         lambda sd: CountCap(queue_tokens=0.0, placed_weight=0.0, seed=sd)),
+        ("cost, capped by count, one of slack (experiment)",
+         lambda sd: CountCap(slack=1, w_in=0.5, queue_tokens=0.0, placed_weight=0.0, seed=sd)),
     ]
     if args.grid:
         for pw in (0.1, 0.25, 0.5):
