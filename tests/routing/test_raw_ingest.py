@@ -193,6 +193,32 @@ def test_the_reader_takes_what_the_decoder_decodes_and_reads_the_same(b) -> None
     _check_reader(msgspec.msgpack.encode(obj), must_take=plain)
 
 
+_WIDTHS = {"fixint": (0, 127), "uint8": (128, 255), "uint16": (256, 65_535), "uint32": (65_536, 2**32 - 1)}
+_ODD_TOKEN = st.one_of(st.integers(2**32, 2**64 - 1), st.integers(-2**63, -1))  # through rmp: not a u32
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(widths=st.lists(st.sampled_from(sorted(_WIDTHS)), min_size=1, max_size=4, unique=True),
+       run=st.integers(1, 40), n=st.integers(0, 700), odd=st.integers(0, 3), data=st.data())
+def test_long_token_lists_of_every_width_mix_are_read_as_the_decoder_reads_them(widths, run, n, odd, data) -> None:
+    """The token reader has two loops, chosen by how often the first 32 ids change width
+    (a branch on the marker while widths repeat; tables with no such branch when they
+    mix): lists long enough for either, of one width or a mix, in runs of one width or
+    changing at every id, with ids that go through rmp (over u32, negative) anywhere."""
+    rnd = data.draw(st.randoms(use_true_random=False))
+    ids: list[int] = []
+    while len(ids) < n:
+        lo, hi = _WIDTHS[rnd.choice(widths)]
+        ids += [rnd.choice((lo, hi, rnd.randint(lo, hi))) for _ in range(run)]
+    ids = ids[:n]
+    for _ in range(odd if ids else 0):
+        ids[rnd.randrange(len(ids))] = data.draw(_ODD_TOKEN)
+    blocks = max(1, len(ids) // 16)
+    ev = ["BlockStored", list(range(1, blocks + 1)), None, ids, 16, None, "GPU", None]
+    batch = _check_reader(msgspec.msgpack.encode([1.7e9, [ev], 0]), must_take=True)
+    assert batch is not None and list(batch.events[0].token_ids) == ids
+
+
 def test_extra_keys_are_counted_against_the_listed_hashes_even_when_no_hash_is_a_key() -> None:
     # Found by the property test above: hashes that are not keys (0 here) keep no column, and
     # the reader compared one nil extra key per block against that empty column.
