@@ -461,6 +461,7 @@ class _IndexCore:
         media = [self._media[t] for t in tiers]
         src = self._src
         out = []
+        one = media[0] if len(media) == 1 else None  # one tier (the usual GPU-only table)
         for slot, b, ends in rows:
             s = src[slot]
             if s is None:
@@ -471,6 +472,9 @@ class _IndexCore:
                 if not b:
                     continue
                 tb = {media[j]: x - x % per for j, x in enumerate(ends) if x - x % per}
+            elif one is not None:
+                x = ends[0]
+                tb = {one: x} if x else {}
             else:
                 tb = {media[j]: x for j, x in enumerate(ends) if x}
             out.append((s.name, b, tb))

@@ -460,11 +460,15 @@ class MooncakeAPI:
             if only is not None and inst != only:
                 continue
             tokens = nb * B
-            rank = str(meta.get("dp_rank", 0))
+            dpr = meta.get("dp_rank", 0)  # an int (the registration's Rank)
+            rank = "0" if dpr == 0 else str(dpr)
             row = result.get(inst)
             if row is None:
                 row = result[inst] = {"longest_matched": tokens, "GPU": 0, "CPU": 0, "DISK": 0,
                                       "DP": {rank: tokens}}
+                for med, n in tiers.items():  # a new row holds 0 in every medium
+                    row[med] = n * B
+                continue
             else:
                 if tokens > row["longest_matched"]:
                     row["longest_matched"] = tokens
