@@ -154,10 +154,14 @@ class _Source:
 
 def _held_bytes(payload: bytes, batch: Any, factor: int) -> int:
     """Bytes a payload and its decoded batch hold: what the batch says it holds
-    (``held_bytes``: a natively read batch measures its columns), else ``factor`` bytes
-    per payload byte (the decoder's conservative estimate of Python objects)."""
+    (``held_bytes``: a natively read batch measures its columns, and keeps the payload,
+    counted once unless it is a copy), else ``factor`` bytes per payload byte (the
+    decoder's conservative estimate of Python objects)."""
     held = getattr(batch, "held_bytes", None)
-    return len(payload) * (factor + 1) if held is None else len(payload) + held
+    if held is None:
+        return len(payload) * (factor + 1)
+    own = batch.payload
+    return len(payload) + held + (0 if own is payload else len(own))
 
 
 def _item_bytes(item: Any, factor: int) -> int:

@@ -474,3 +474,22 @@ async def test_natively_read_batches_are_counted_by_the_bytes_they_hold_so_a_bur
                     results[name] = (ready, sub.health()["s"].counters["shed"])
     assert results["native"] == (len(big), 0), results
     assert results["decoded"][0] < len(big) and results["decoded"][1] > 0, results
+
+
+def test_a_natively_read_batch_holding_a_copy_of_its_payload_counts_both() -> None:
+    """A decoder given a bytearray reads a bytes copy of it: the queued item then holds
+    the frame and the copy, and both count (the same object counts once)."""
+    from kvstream.routing.payloads import PayloadDecoder
+    from kvstream.transport.subscriber import _held_bytes
+    from kvstream.wire.events import EventDecoder
+
+    payload = encode_batch(_step(9, width=64))
+    dec = PayloadDecoder(EventDecoder())
+    same = dec.decode(payload)
+    assert _held_bytes(payload, same, 12) == len(payload) + same.held_bytes
+    frame = bytearray(payload)
+    copied = dec.decode(frame)
+    assert copied.payload is not frame
+    assert _held_bytes(frame, copied, 12) == 2 * len(payload) + copied.held_bytes
+    decoded = EventDecoder().decode(payload)  # Python objects: the decoder's estimate
+    assert _held_bytes(payload, decoded, 12) == 13 * len(payload)
