@@ -528,10 +528,10 @@ impl Ctx<'_, '_> {
                 // Known already, under the very key chained from the tokens (else: the
                 // Python rules' key conflict). Not held by this source yet (a prefix other
                 // engines cached first): the Python rules add one more holder, with no copy
-                // record. Held by it already (the same prefix stored again, with no parent
-                // and not a re-announcement: those were sent to the Python rules above):
-                // one more copy, in its copy record. With a TTL (generations of the table:
-                // `touched`), the Python rules.
+                // record. Held by it already (the same blocks stored again; a run that may
+                // be a re-announcement went to the Python rules above): one more copy, in
+                // its copy record. With a TTL (generations of the table: `touched`), the
+                // Python rules.
                 if cur != v || m == 0 || self.touched.is_some() {
                     return Ok(None);
                 }
