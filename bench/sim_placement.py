@@ -40,12 +40,11 @@ sys.path.insert(0, str(REPO))
 
 import math  # noqa: E402
 
-from kvstream.routing.scoring import CostPolicy, Load, PrefixLoadPolicy, RecentPlacements  # noqa: E402
+from kvstream.routing.scoring import CostPolicy, PrefixLoadPolicy, RecentPlacements  # noqa: E402
 from kvstream.sim.engine import EngineConfig  # noqa: E402
 from kvstream.sim.run import SimConfig, SimRun  # noqa: E402
 from kvstream.sim.workload import SimRequest, compress_arrivals, cut_lengths, load_mooncake  # noqa: E402
 
-NO_LOAD = Load()
 CHAT_ENGINE = EngineConfig(num_blocks=1501, block_size=16, prefill_rate=10000, decode_step_s=0.02)
 TRACE_ENGINE = EngineConfig(num_blocks=4097, block_size=64, token_granularity=16, prefill_rate=50000,
                             decode_step_s=0.02)
@@ -104,54 +103,41 @@ def burst_workload(groups: int = 20, size: int = 8, prefix: int = 2048) -> list[
 
 class CountCap(CostPolicy):
     """An experiment, not a shipped policy: bounded load by conversations. A request that
-    starts new content (the placement model's balance share is above 0) may only go to an
-    engine that started fewer than ``ceil((started + 1) / engines) + slack`` of them; among
-    those, the least cost without the balance term (so the engine holding the system
-    prompt wins) plus ``w_in`` x 256 tokens per conversation it started. The conversation
-    counts are kept here (the engine this call ranks first)."""
+    starts new content (its best cached share is under ``stick_share``, where the placement
+    model's balance term applies) may only go to an engine that started fewer than
+    ``ceil((started + 1) / engines) + slack`` of them; among those, the least cost without
+    the balance term (so the engine holding the system prompt wins) plus ``w_in`` x 256
+    tokens per conversation it started. Use with ``placed_weight=0``. The counts are kept
+    here, for the engine each call ranks first."""
 
-    __slots__ = ("slack", "started", "w_in")
+    __slots__ = ("slack", "w_in", "started", "_new")
 
     def __init__(self, slack: int = 0, w_in: float = 0.0, **kw: Any) -> None:
         super().__init__(**kw)
         self.slack, self.w_in = slack, w_in
         self.started: dict[str, int] = {}
+        self._new = False
+
+    def costs(self, matches: Any, loads: Any, n_blocks: int) -> dict[str, float]:
+        out = super().costs(matches, loads, n_blocks)
+        prompt = n_blocks * self.block_size
+        tw, ow = self.tier_weights, self.other_tier_weight
+        best = max((sum(k * tw.get(med, ow) for med, k in m.served.items()) for m in matches), default=0.0)
+        self._new = bool(out) and prompt > 0 and best * self.block_size < self.stick_share * prompt
+        if self._new:
+            started = self.started
+            cap = math.ceil((sum(started.get(s, 0) for s in out) + 1) / len(out)) + self.slack
+            for s in out:
+                c = started.get(s, 0)
+                out[s] += (1e9 if c >= cap else 0.0) + self.w_in * c * 256 + 1e-6 * c
+        return out
 
     def __call__(self, matches: Any, loads: Any, n_blocks: int) -> list[tuple[float, str]]:
-        bs = self.block_size; prompt = n_blocks * bs
-        cached = {}
-        for m in matches:
-            c = 0.0
-            for med, k in m.served.items():
-                c += k * self.tier_weights.get(med, self.other_tier_weight)
-            cached[m.source] = c * bs
-        best = max(cached.values(), default=0.0) / prompt if prompt else 1.0
-        rw = min(1.0, max(0.0, 2.0 * (1.0 - best / self.stick_share))) if prompt else 0.0
-        out = {}
-        for m in matches:
-            ld = loads.get(m.source, NO_LOAD)
-            out[m.source] = (prompt - cached[m.source] + self.prefill_weight * ld.prefill_tokens
-                    + self.queue_tokens * ld.queue + self.running_tokens * ld.running + self.kv_tokens * ld.kv_usage)
-        new = rw > 0 and prompt > 0
-        if new:
-            st = self.started
-            k = sum(st.get(m.source, 0) for m in matches)
-            cap = math.ceil((k + 1) / len(matches)) + self.slack
-            for m in matches:
-                c = st.get(m.source, 0)
-                if c >= cap:
-                    out[m.source] += 1e9
-                out[m.source] += self.w_in * c * 256 + 1e-6 * c
-        bestc = min(out.values())
-        near = sorted(s for s, c in out.items() if c <= bestc + self.spread_tokens + self.spread_share * prompt)
-        pick = near[self._rng.randrange(len(near))] if len(near) > 1 else near[0]
-        if new:
+        ranked = super().__call__(matches, loads, n_blocks)
+        if self._new and ranked:
+            pick = max(ranked)[1]  # the engine the caller takes
             self.started[pick] = self.started.get(pick, 0) + 1
-        res = []
-        for s, c in out.items():
-            v = -bestc / prompt if s in near else -c / max(1, prompt)
-            res.append((v + 1e-9 if s == pick else v, s))
-        return res
+        return ranked
 
 
 def run(reqs: Sequence[SimRequest], scoring: Any, cfg: SimConfig) -> dict[str, float]:
