@@ -405,11 +405,12 @@ def stages(args: argparse.Namespace) -> None:
         ("rest of the fields (msgspec)", timed(lambda i: _QUERY.decode(b'{"model":"bench","block_size":16,'
                                                                        b'"token_ids":[]}'))),
         ("keys + walk, every tier (match_rows)", timed(lambda i: ix.match_rows(packed[i]))),
-        ("per-instance answer (merge rows)", timed(lambda i: mc._merge_rows({}, rows[i], BS, None))),
-        ("JSON encode", timed(lambda i: ENCODER.encode({"default": results[i]}))),
+        ("per-instance answer, written as JSON text", timed(lambda i: mc._text_answer("default", rows[i], BS, None))),
         ("metrics (counter, 2 histograms)", timed(lambda i: core.metrics.routed("query", 2e-4, 4096))),
     ]
     before = [
+        ("per-instance answer as dicts (merge rows)", timed(lambda i: mc._merge_rows({}, rows[i], BS, None))),
+        ("  and their JSON encode", timed(lambda i: ENCODER.encode({"default": results[i]}))),
         ("msgspec decode + array pack", timed(lambda i: array("I", _QUERY.decode(bodies[i]).token_ids))),
         ("router keys (256 x xxh3)", timed(lambda i: prompt_keys(packed[i], BS))),
         ("index walk, a SourceMatch per engine (match)", timed(lambda i: ix.match((), keys=keys[i]))),

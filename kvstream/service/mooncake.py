@@ -193,6 +193,8 @@ class MooncakeAPI:
         # index name -> its group (key, kind), for the registration groups (dropped when empty)
         self._group_of: dict[str, tuple[tuple[str, str, int, str, str], str]] = {}
         self._hashers: dict[int, MooncakeHasher] = {}
+        # source -> (its Engine, instance id, the answer's JSON head, DP rank key): see _text_answer
+        self._labels: dict[str, tuple[Any, str, str, str]] = {}
         self.share: Callable[[bytes], None] | None = None
         """Called after each ``/register`` or ``/unregister`` that succeeded over HTTP with
         the message :meth:`apply_shared` takes (``kvstream serve --workers N``: the other
@@ -369,7 +371,8 @@ class MooncakeAPI:
         lora, salt = q.lora_name or "", q.cache_salt or ""
         result: dict[str, dict[str, Any]] = {}
         std: list[int] | None = None
-        for ixname in self._targets(q.model, q.tenant_id, q.block_size, lora, salt):
+        targets = self._targets(q.model, q.tenant_id, q.block_size, lora, salt)
+        for ixname in targets:
             ix = core.indexes[ixname]
             if isinstance(ix, EngineKeyIndex):
                 if std is None:
@@ -381,6 +384,11 @@ class MooncakeAPI:
                     _, rows = ix.match_rows(tokens, lora_key, q.cache_salt or None)
                 except RouterKeyError as exc:
                     raise ApiError(422, "bad_field", str(exc), "$") from None
+            if len(targets) == 1:
+                got = self._text_answer(q.tenant_id, rows, q.block_size, q.instance_id)
+                if got is not None:
+                    core.metrics.routed("query", time.perf_counter() - t0, got[1])
+                    return got[0]
             self._merge_rows(result, rows, q.block_size, q.instance_id)
         return self._answer("query", t0, q.tenant_id, result)
 
@@ -415,10 +423,16 @@ class MooncakeAPI:
         self._instances(q.tenant_id, q.instance_id)
         core = self.core
         result: dict[str, dict[str, Any]] = {}
-        for ixname in self._targets(q.model, q.tenant_id, q.block_size, q.lora_name or "", q.cache_salt or ""):
+        targets = self._targets(q.model, q.tenant_id, q.block_size, q.lora_name or "", q.cache_salt or "")
+        for ixname in targets:
             ix = core.indexes[ixname]
             if isinstance(ix, EngineKeyIndex):
                 _, rows = ix.match_rows((), keys=hashes if hashes is not None else packed.tobytes())  # type: ignore[union-attr]
+                if len(targets) == 1:
+                    got = self._text_answer(q.tenant_id, rows, q.block_size, q.instance_id)
+                    if got is not None:
+                        core.metrics.routed("query_by_hash", time.perf_counter() - t0, got[1])
+                        return got[0]
                 self._merge_rows(result, rows, q.block_size, q.instance_id)
             else:
                 # A token-keyed index knows engine hashes per source but not per medium.
@@ -478,6 +492,70 @@ class MooncakeAPI:
             for med, n in tiers.items():
                 if n * B > (row.get(med) or 0):
                     row[med] = n * B
+
+    def _text_answer(self, tenant: str, rows: list[tuple[str, int, dict[str, int]]], B: int,
+                     only: str | None) -> tuple[bytes, int] | None:
+        """``(the answer's bytes, its best match in tokens)`` written straight from one
+        index's rows: byte for byte what :meth:`_merge_rows` into an empty result and then
+        :meth:`_answer`'s encoder give, without a dict per instance. None when a row
+        needs the merge: two rows of one instance (its DP ranks), or a medium other than
+        GPU, CPU and DISK."""
+        engines = self.core.engines
+        labels = self._labels
+        parts: list[str] = []
+        seen: set[str] = set()
+        best = 0
+        for source, nb, tiers in rows:
+            e = engines.get(source)
+            if e is None:
+                continue
+            lab = labels.get(source)
+            if lab is None or lab[0] is not e:  # a new engine, or one registered again
+                lab = self._label(source, e)
+            inst = lab[1]
+            if only is not None and inst != only:
+                continue
+            if inst in seen:
+                return None
+            seen.add(inst)
+            t = nb * B
+            if t > best:
+                best = t
+            ts = str(t)  # each int formatted once (an f-string's int costs ~70 ns)
+            if len(tiers) == 1 and tiers.get("GPU") == nb:  # the usual row: its prefix all in GPU
+                parts.append(f'{lab[2]}{ts},"GPU":{ts},"CPU":0,"DISK":0,"DP":{{{lab[3]}:{ts}}}}}')
+                continue
+            g = c = d = 0
+            for med, n in tiers.items():
+                if med == "GPU":
+                    g = n * B
+                elif med == "CPU":
+                    c = n * B
+                elif med == "DISK":
+                    d = n * B
+                else:
+                    return None
+            parts.append(f'{lab[2]}{ts},"GPU":{g},"CPU":{c},"DISK":{d},"DP":{{{lab[3]}:{ts}}}}}')
+        head = ENCODER.encode(tenant).decode()
+        return f'{{{head}:{{{",".join(parts)}}}}}'.encode(), best
+
+    def _label(self, source: str, e: Any) -> tuple[Any, str, str, str]:
+        """``(engine, instance id, '"instance id":{"longest_matched":', '"rank"')`` of
+        ``source`` for :meth:`_text_answer`, kept per engine object (an engine registered
+        again is a new one); the labels of engines no longer followed are dropped when they
+        outnumber the followed ones."""
+        labels = self._labels
+        engines = self.core.engines
+        if len(labels) > 2 * len(engines) + 64:
+            for name in [n for n, lab in labels.items() if engines.get(n) is not lab[0]]:
+                del labels[name]
+        meta = e.meta
+        inst = meta.get("instance_id", source)
+        dpr = meta.get("dp_rank", 0)  # an int (the registration's Rank)
+        rank = "0" if dpr == 0 else str(dpr)
+        got = labels[source] = (e, inst, ENCODER.encode(inst).decode() + ':{"longest_matched":',
+                                ENCODER.encode(rank).decode())
+        return got
 
     def _merge_longest(self, result: dict[str, dict[str, Any]], blocks: dict[str, int], B: int,
                        only: str | None) -> None:
