@@ -16,8 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from kvstream._native import (NativeMap, slot_ends_keys, slot_ends_tokens, walk_keys, walk_tiers_keys,
-                              walk_tiers_tokens, walk_tokens)
+from kvstream._native import (NativeMap, RowLabels, answer_tiers_keys, answer_tiers_tokens, slot_ends_keys,
+                              slot_ends_tokens, walk_keys, walk_tiers_keys, walk_tiers_tokens, walk_tokens)
 from kvstream.errors import LocalProtocolError
 from kvstream.routing.keys import namespace
 from kvstream.routing.scoring import Load, Policy, PrefixLoadPolicy, ScoreResult, SourceMatch, _GpuPrefixes, rank
@@ -118,6 +118,7 @@ class _IndexCore:
     _by_engine: bool
     _slot_of: dict[str, int]
     _src: list[_Source | None]
+    _slot_gen: int
     _free_slots: list[int]
     _live: int
     _media: list[str]
@@ -276,6 +277,7 @@ class _IndexCore:
         s.count = [0] * len(self._media)
         s.reannounce = self._reannounce  # type: ignore[attr-defined]  # the index default
         self._src[slot] = s
+        self._slot_gen += 1  # type: ignore[misc]
         self._slot_of[name] = slot
         self._live |= s.bit  # type: ignore[misc]
         return s
@@ -438,8 +440,52 @@ class _IndexCore:
         n = len(keys) if keys is not None else len(prompt_tokens) // self._R
         return n, [(m.source, m.blocks, m.tier_blocks) for m in matches.values() if m.blocks]
 
-    def _native_rows(self, tokens: Sequence[int], lora: Any, salt: str | None, mm_items: Any,
-                     keys: Any) -> tuple[int, list[tuple[str, int, dict[str, int]]]] | None:
+    @property
+    def slot_gen(self) -> int:
+        """A number that changes whenever :meth:`slot_sources` would change."""
+        return self._slot_gen
+
+    def slot_sources(self) -> list[str | None]:
+        """Per source slot, the name of its source (None for a free slot): what the
+        ``labels`` of :meth:`match_answer` are indexed by."""
+        return [None if s is None else s.name for s in self._src]
+
+    def match_answer(self, prompt_tokens: Sequence[int], lora: str | int | None = None, salt: str | None = None,
+                     *, keys: Sequence[Any] | bytes | None = None, labels: RowLabels, columns: Sequence[str],
+                     block_tokens: int, head: bytes) -> tuple[int, bytes, int] | None:
+        """:meth:`match_rows` written as JSON text in the one native call that walks the
+        prompt: ``(number of keys, text, longest match in tokens)``, or None where
+        :meth:`match_rows` would not walk natively, or a held medium is not one of
+        ``columns`` (then take :meth:`match_rows`).
+
+        The text is ``head``, then per row (slot order) whose slot has a label in
+        ``labels`` (a :class:`kvstream._native.RowLabels` over :meth:`slot_sources`: the
+        JSON of ``"instance":{"longest_matched":`` and of its DP rank)
+        ``...T,"GPU":G,"CPU":C,"DISK":D,"DP":{"rank":T}}`` joined by commas, then ``}}``;
+        ``T`` is the row's blocks times ``block_tokens``, each medium's likewise, a source
+        whose engine block is several keys counting whole engine blocks (as the rows do).
+        ``columns``: the answer's media in that order (3 of them)."""
+        got = self._native_maps()
+        if got is None:
+            return None
+        maps, tiers, live = got
+        media = self._media
+        try:
+            cols = [columns.index(media[t]) for t in tiers]
+        except ValueError:
+            return None
+        pers = [(p, m & _M64) for p, m in self._per_mask.items() if p > 1]  # rows are of live slots, < 64
+        if keys is not None:
+            return answer_tiers_keys(maps, keys, live, cols, labels, pers, block_tokens, head)
+        if self._by_engine:  # engine-keyed: a prompt's keys are the engines' hashes, given in ``keys``
+            return None
+        seed = _BASE_NS if lora is None and not salt else namespace(lora, salt)
+        return answer_tiers_tokens(maps, prompt_tokens, self._R, seed, live, cols, labels, pers, block_tokens, head)
+
+    def _native_maps(self) -> tuple[list[NativeMap], list[int], int] | None:
+        """``(the held tiers' maps, their tier numbers, the live mask)`` for a native walk,
+        or None when it must be the Python one (speculative entries, more than 64
+        sources, a tier that is not a native map)."""
         live = self._live
         if self._spec or not 0 <= live <= _M64:
             return None
@@ -448,6 +494,14 @@ class _IndexCore:
         maps = [held[t] for t in tiers]
         if any(type(m) is not NativeMap for m in maps):
             return None
+        return maps, tiers, live
+
+    def _native_rows(self, tokens: Sequence[int], lora: Any, salt: str | None, mm_items: Any,
+                     keys: Any) -> tuple[int, list[tuple[str, int, dict[str, int]]]] | None:
+        got = self._native_maps()
+        if got is None:
+            return None
+        maps, tiers, live = got
         if keys is not None:
             r = walk_tiers_keys(maps, keys, live)
         elif mm_items or self._by_engine:

@@ -237,7 +237,7 @@ class KVIndex(_IndexCore):
     """
 
     __slots__ = (
-        "_R", "_keying", "_by_engine", "_slot_of", "_src", "_free_slots", "_live", "_media",
+        "_R", "_keying", "_by_engine", "_slot_of", "_src", "_slot_gen", "_free_slots", "_live", "_media",
         "_tier_of", "_held", "_table", "_touched", "_href", "_sub_n", "_copies", "_unl",
         "_waiting", "_spec", "_spec_n", "_spec_q", "_per_mask", "_max_bytes", "_ttl", "_gen",
         "_gen_start", "_reannounce", "_hasher", "_unl_bytes", "_warned", "_kind", "_wide", "stats",
@@ -290,6 +290,7 @@ class KVIndex(_IndexCore):
         self._R = keying.block_size
         self._slot_of: dict[str, int] = {}
         self._src: list[_Source | None] = []
+        self._slot_gen = 0  # bumped whenever a slot gets or loses its source (see slot_sources)
         self._free_slots: list[int] = []
         self._live = 0  # mask of sources that score (not stale)
         self._media: list[str] = []
@@ -362,6 +363,7 @@ class KVIndex(_IndexCore):
         self._live &= ~s.bit
         del self._slot_of[source]
         self._src[slot] = None
+        self._slot_gen += 1
         self._free_slots.append(slot)
 
     # -- ingest ----------------------------------------------------------------------

@@ -101,6 +101,8 @@ class ServiceCore:
                                            running_weight=config.running_weight, kv_weight=config.kv_weight)
         self.indexes: dict[str, AnyIndex] = {DEFAULT_INDEX: self.new_index(config.router_block_size)}
         self.engines: dict[str, Engine] = {}
+        self.engines_gen = 0
+        """Bumped whenever an engine is added or removed (what caches of ``engines`` check)."""
         self.loads = LoadBoard(stale_after_s=max(3 * config.load_interval, 1.0))
         self.metrics = ServiceMetrics(self._engine_snapshots, self._index_snapshots)
         self.applied: dict[str, int] = {}
@@ -200,6 +202,7 @@ class ServiceCore:
                                "the process is out of sockets or file descriptors: unregister engines, or lower "
                                "--max-engines and raise the file limit (ulimit -n)", None) from None
         self.engines[name] = e
+        self.engines_gen += 1
         if name not in self._leaving:
             self._route_of[name] = ix
             ix.add_source(name)
@@ -213,6 +216,7 @@ class ServiceCore:
         e = self.engines.pop(name, None)
         if e is None:
             raise ApiError(404, "unknown_engine", f"no engine named {name!r}; engines: {sorted(self.engines)}")
+        self.engines_gen += 1
         self.loads.forget(name)
         self.applied.pop(name, None)
         self.resumed.pop(name, None)
@@ -456,7 +460,7 @@ class ServiceCore:
         fast = decode_with_tokens(body, RouteRequest)
         ids: list[int] | array | None
         if fast is not None:
-            req, ids = fast
+            req, ids, _ = fast
         else:
             try:
                 req = _ROUTE.decode(body)

@@ -35,6 +35,7 @@ import msgspec
 from msgspec import Meta, Struct
 from starlette.requests import Request
 
+from kvstream._native import RowLabels
 from kvstream.routing.engine_index import EngineKeyIndex
 from kvstream.hashing import BlockHasher
 from kvstream.routing.keys import RouterKeyError
@@ -131,6 +132,7 @@ _UNREG = msgspec.json.Decoder(UnregisterRequest)
 _QUERY = msgspec.json.Decoder(QueryRequest)
 _QHASH = msgspec.json.Decoder(QueryByHashRequest)
 _ENC = msgspec.json.Encoder()
+_COLUMNS = ("GPU", "CPU", "DISK")  # the media of an answer row, in its order
 
 
 def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
@@ -141,14 +143,14 @@ def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
 
 
 def _decode_split(dec: msgspec.json.Decoder, body: bytes, field: str, width: int,
-                  holders: tuple[str, ...]) -> tuple[Any, array | None]:
-    """``(the request, its array packed)`` when the native reader takes the body
-    (:func:`kvstream.service.tokenjson.decode_with_tokens`), else ``(the request, None)``
-    decoded by msgspec alone (which words any error)."""
+                  holders: tuple[str, ...]) -> tuple[Any, array | None, bytes | None]:
+    """``(the request, its array packed, the same as bytes)`` when the native reader takes
+    the body (:func:`kvstream.service.tokenjson.decode_with_tokens`), else ``(the request,
+    None, None)`` decoded by msgspec alone (which words any error)."""
     got = decode_with_tokens(body, dec.type, field, width, holders)  # type: ignore[arg-type]
     if got is not None:
         return got
-    return _decode(dec, body), None
+    return _decode(dec, body), None, None
 
 
 _NAME_COMMAS = 2048
@@ -193,8 +195,10 @@ class MooncakeAPI:
         # index name -> its group (key, kind), for the registration groups (dropped when empty)
         self._group_of: dict[str, tuple[tuple[str, str, int, str, str], str]] = {}
         self._hashers: dict[int, MooncakeHasher] = {}
-        # source -> (its Engine, instance id, the answer's JSON head, DP rank key): see _text_answer
+        # source -> (its Engine, instance id, the answer's JSON head, DP rank key): see _label
         self._labels: dict[str, tuple[Any, str, str, str]] = {}
+        # index name -> (the index, its slot and engine generations, its RowLabels): see _row_labels
+        self._slot_labels: dict[str, tuple[Any, tuple[int, int], RowLabels]] = {}
         self.share: Callable[[bytes], None] | None = None
         """Called after each ``/register`` or ``/unregister`` that succeeded over HTTP with
         the message :meth:`apply_shared` takes (``kvstream serve --workers N``: the other
@@ -361,7 +365,7 @@ class MooncakeAPI:
         """``POST /query``: prefix hits of ``token_ids`` per instance, in tokens."""
         t0 = time.perf_counter()
         _check_items(body, self.core.config.max_prompt_tokens, "token_ids")
-        q, packed = _decode_split(_QUERY, body, "token_ids", 4, ("token_ids",))
+        q, packed, raw = _decode_split(_QUERY, body, "token_ids", 4, ("token_ids",))
         ids: list[int] | array
         ids = packed if packed is not None else q.token_ids
         self._check_lora(q.lora_name, q.lora_id)
@@ -372,23 +376,30 @@ class MooncakeAPI:
         result: dict[str, dict[str, Any]] = {}
         std: list[int] | None = None
         targets = self._targets(q.model, q.tenant_id, q.block_size, lora, salt)
+        one = len(targets) == 1 and q.instance_id is None
         for ixname in targets:
             ix = core.indexes[ixname]
+            got: tuple[int, bytes, int] | None = None
             if isinstance(ix, EngineKeyIndex):
                 if std is None:
                     std = self._hasher(q.block_size).seq_hashes(tokens)
-                _, rows = ix.match_rows((), keys=std)
+                if one:
+                    got = self._native_answer(ixname, ix, q.tenant_id, q.block_size, (), keys=std)
+                if got is None:
+                    _, rows = ix.match_rows((), keys=std)
             else:
                 try:
                     lora_key = q.lora_name or (q.lora_id if q.lora_id is not None else None)
-                    _, rows = ix.match_rows(tokens, lora_key, q.cache_salt or None)
+                    if one:  # the ids as the body's packed bytes when it had them (the same ids)
+                        got = self._native_answer(ixname, ix, q.tenant_id, q.block_size,
+                                                  tokens if raw is None else raw, lora_key, q.cache_salt or None)
+                    if got is None:
+                        _, rows = ix.match_rows(tokens, lora_key, q.cache_salt or None)
                 except RouterKeyError as exc:
                     raise ApiError(422, "bad_field", str(exc), "$") from None
-            if len(targets) == 1:
-                got = self._text_answer(q.tenant_id, rows, q.block_size, q.instance_id)
-                if got is not None:
-                    core.metrics.routed("query", time.perf_counter() - t0, got[1])
-                    return got[0]
+            if got is not None:
+                core.metrics.routed("query", time.perf_counter() - t0, got[2])
+                return got[1]
             self._merge_rows(result, rows, q.block_size, q.instance_id)
         return self._answer("query", t0, q.tenant_id, result)
 
@@ -397,7 +408,7 @@ class MooncakeAPI:
         ``longest_matched = block_size * matched hashes``."""
         t0 = time.perf_counter()
         _check_items(body, self.core.config.max_prompt_tokens, "seq_hashes")  # one token per hash at least
-        q, packed = _decode_split(_QHASH, body, "seq_hashes", 8, ("seq_hashes", "block_hash"))
+        q, packed, raw = _decode_split(_QHASH, body, "seq_hashes", 8, ("seq_hashes", "block_hash"))
         self._check_lora(q.lora_name, q.lora_id)
         hashes: list[int] | None
         if packed is not None:
@@ -427,12 +438,13 @@ class MooncakeAPI:
         for ixname in targets:
             ix = core.indexes[ixname]
             if isinstance(ix, EngineKeyIndex):
-                _, rows = ix.match_rows((), keys=hashes if hashes is not None else packed.tobytes())  # type: ignore[union-attr]
-                if len(targets) == 1:
-                    got = self._text_answer(q.tenant_id, rows, q.block_size, q.instance_id)
+                keys = hashes if hashes is not None else raw
+                if len(targets) == 1 and q.instance_id is None:
+                    got = self._native_answer(ixname, ix, q.tenant_id, q.block_size, (), keys=keys)
                     if got is not None:
-                        core.metrics.routed("query_by_hash", time.perf_counter() - t0, got[1])
-                        return got[0]
+                        core.metrics.routed("query_by_hash", time.perf_counter() - t0, got[2])
+                        return got[1]
+                _, rows = ix.match_rows((), keys=keys)
                 self._merge_rows(result, rows, q.block_size, q.instance_id)
             else:
                 # A token-keyed index knows engine hashes per source but not per medium.
@@ -493,55 +505,47 @@ class MooncakeAPI:
                 if n * B > (row.get(med) or 0):
                     row[med] = n * B
 
-    def _text_answer(self, tenant: str, rows: list[tuple[str, int, dict[str, int]]], B: int,
-                     only: str | None) -> tuple[bytes, int] | None:
-        """``(the answer's bytes, its best match in tokens)`` written straight from one
-        index's rows: byte for byte what :meth:`_merge_rows` into an empty result and then
-        :meth:`_answer`'s encoder give, without a dict per instance. None when a row
-        needs the merge: two rows of one instance (its DP ranks), or a medium other than
-        GPU, CPU and DISK."""
+    def _native_answer(self, ixname: str, ix: Any, tenant: str, B: int, tokens: Any, lora: Any = None,
+                       salt: str | None = None, *, keys: Any = None) -> tuple[int, bytes, int] | None:
+        """The whole answer of one index (every instance) written natively from its walk
+        (``KVIndex.match_answer``): byte for byte what :meth:`_merge_rows` of the same rows
+        and :meth:`_answer`'s encoder give, without a tuple, a dict or an int object per
+        row. None where the index cannot walk natively or holds a medium the answer has no
+        column for (take :meth:`_merge_rows` then)."""
+        head = b"{" + ENCODER.encode(tenant) + b":{"
+        return ix.match_answer(tokens, lora, salt, keys=keys, labels=self._row_labels(ixname, ix),
+                               columns=_COLUMNS, block_tokens=B, head=head)
+
+    def _row_labels(self, ixname: str, ix: Any) -> RowLabels:
+        """The answer's labels of ``ix``'s source slots (``KVIndex.slot_sources``): per slot
+        whose source is a followed engine, the JSON of its instance's head and of its DP
+        rank, and a number per instance (its ranks' rows merge). Made again only when a
+        slot or an engine changed."""
+        gen = (ix.slot_gen, self.core.engines_gen)
+        got = self._slot_labels.get(ixname)
+        if got is not None and got[0] is ix and got[1] == gen:
+            return got[2]
         engines = self.core.engines
-        labels = self._labels
-        parts: list[str] = []
-        seen: set[str] = set()
-        best = 0
-        for source, nb, tiers in rows:
-            e = engines.get(source)
+        number: dict[str, int] = {}
+        slots: list[tuple[bytes, bytes, int] | None] = []
+        for name in ix.slot_sources():
+            e = engines.get(name) if name is not None else None
             if e is None:
+                slots.append(None)
                 continue
-            lab = labels.get(source)
+            lab = self._labels.get(name)
             if lab is None or lab[0] is not e:  # a new engine, or one registered again
-                lab = self._label(source, e)
-            inst = lab[1]
-            if only is not None and inst != only:
-                continue
-            if inst in seen:
-                return None
-            seen.add(inst)
-            t = nb * B
-            if t > best:
-                best = t
-            ts = str(t)  # each int formatted once (an f-string's int costs ~70 ns)
-            if len(tiers) == 1 and tiers.get("GPU") == nb:  # the usual row: its prefix all in GPU
-                parts.append(f'{lab[2]}{ts},"GPU":{ts},"CPU":0,"DISK":0,"DP":{{{lab[3]}:{ts}}}}}')
-                continue
-            g = c = d = 0
-            for med, n in tiers.items():
-                if med == "GPU":
-                    g = n * B
-                elif med == "CPU":
-                    c = n * B
-                elif med == "DISK":
-                    d = n * B
-                else:
-                    return None
-            parts.append(f'{lab[2]}{ts},"GPU":{g},"CPU":{c},"DISK":{d},"DP":{{{lab[3]}:{ts}}}}}')
-        head = ENCODER.encode(tenant).decode()
-        return f'{{{head}:{{{",".join(parts)}}}}}'.encode(), best
+                lab = self._label(name, e)
+            slots.append((lab[2].encode(), lab[3].encode(), number.setdefault(lab[1], len(number))))
+        labels = RowLabels(slots)
+        if len(self._slot_labels) > len(self.core.indexes) + 16:  # of indexes gone
+            self._slot_labels = {n: v for n, v in self._slot_labels.items() if self.core.indexes.get(n) is v[0]}
+        self._slot_labels[ixname] = (ix, gen, labels)
+        return labels
 
     def _label(self, source: str, e: Any) -> tuple[Any, str, str, str]:
         """``(engine, instance id, '"instance id":{"longest_matched":', '"rank"')`` of
-        ``source`` for :meth:`_text_answer`, kept per engine object (an engine registered
+        ``source`` for :meth:`_row_labels`, kept per engine object (an engine registered
         again is a new one); the labels of engines no longer followed are dropped when they
         outnumber the followed ones."""
         labels = self._labels

@@ -31,10 +31,11 @@ _LITTLE = sys.byteorder == "little" and array("I").itemsize == 4 and array("Q").
 
 
 def decode_with_tokens(body: bytes, type: type[T], field: str = "token_ids", width: int = 4,
-                       holders: tuple[str, ...] | None = None) -> tuple[T, array] | None:
-    """``body`` as a ``type`` Struct (its ``field`` left empty) and that array's items
+                       holders: tuple[str, ...] | None = None) -> tuple[T, array, bytes] | None:
+    """``body`` as a ``type`` Struct (its ``field`` left empty), that array's items
     packed (``array('I')`` for ``width`` 4, uint32 token ids; ``array('Q')`` for 8, uint64
-    hashes), when the native reader takes the body, msgspec accepts the other fields and
+    hashes) and the same items as little-endian bytes (what the native walks take without
+    a call on the array), when the native reader takes the body, msgspec accepts the other fields and
     the emptied array is the value of one of ``holders`` (default: ``field``); None
     otherwise (decode the whole body with msgspec)."""
     if not _LITTLE:  # pragma: no cover - the packing is little-endian
@@ -53,4 +54,4 @@ def decode_with_tokens(body: bytes, type: type[T], field: str = "token_ids", wid
         return None  # the body's one array was another field's
     packed = array("I" if width == 4 else "Q")
     packed.frombytes(got[1])
-    return req, packed
+    return req, packed, got[1]

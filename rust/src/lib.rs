@@ -6,6 +6,7 @@
 
 use pyo3::prelude::*;
 
+pub mod answer;
 pub mod decode;
 pub mod error;
 pub mod hash;
@@ -25,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     table::register(m)?;
     ingest::register(m)?;
     query::register(m)?;
+    answer::register(m)?;
     json::register(m)?;
     decode::register(m)?;
     Ok(())

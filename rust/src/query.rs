@@ -278,14 +278,18 @@ pub fn tier_ends(maps: &[&U64Map], keys: &[u64], active: u64) -> Vec<TierRow> {
 
 /// The cores of `maps`, or None when one has a side dict (wide masks, keys that are not
 /// u64s: the walk must be the Python one).
-fn cores_of(
+pub(crate) fn cores_of(
     py: Python<'_>,
     maps: &[PyRef<'_, NativeMap>],
 ) -> Option<Vec<Arc<std::sync::RwLock<U64Map>>>> {
     maps.iter().map(|m| core_of(m, py)).collect()
 }
 
-fn walk_cores(cores: &[Arc<std::sync::RwLock<U64Map>>], keys: &[u64], active: u64) -> Vec<TierRow> {
+pub(crate) fn walk_cores(
+    cores: &[Arc<std::sync::RwLock<U64Map>>],
+    keys: &[u64],
+    active: u64,
+) -> Vec<TierRow> {
     let guards: Vec<_> = cores
         .iter()
         .map(|c| c.read().unwrap_or_else(|e| e.into_inner()))
@@ -296,7 +300,7 @@ fn walk_cores(cores: &[Arc<std::sync::RwLock<U64Map>>], keys: &[u64], active: u6
 
 /// u64 keys from packed little-endian bytes, or from a sequence of ints (None: an item
 /// that is not an int in ``[0, 2**64)``).
-fn u64_keys(keys: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u64>>> {
+pub(crate) fn u64_keys(keys: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u64>>> {
     if let Ok(b) = keys.cast_exact::<PyBytes>() {
         let raw = b.as_bytes();
         if raw.len() % 8 != 0 {
@@ -322,6 +326,19 @@ fn u64_keys(keys: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u64>>> {
     Ok(Some(ks))
 }
 
+/// Token ids packed as uint32-LE bytes, or any form [`tokens_of`] takes (None: as there).
+pub(crate) fn packed_or_tokens(tokens: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
+    match tokens.cast_exact::<PyBytes>() {
+        Ok(b) => Ok(Some(
+            b.as_bytes()
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )),
+        Err(_) => tokens_of(tokens),
+    }
+}
+
 /// A prompt's router keys chained from ``seed`` and walked through every tier's map in one
 /// call, the GIL released: ``(number of keys, [(slot, blocks in any tier, (blocks per
 /// tier, ...)), ...])`` for the slots of ``active`` holding at least one block, or None for
@@ -341,16 +358,8 @@ pub fn walk_tiers_tokens(
     if r == 0 {
         return Ok(None);
     }
-    let toks = match tokens.cast_exact::<PyBytes>() {
-        Ok(b) => b
-            .as_bytes()
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Err(_) => match tokens_of(tokens)? {
-            Some(t) => t,
-            None => return Ok(None),
-        },
+    let Some(toks) = packed_or_tokens(tokens)? else {
+        return Ok(None);
     };
     Ok(Some(py.detach(move || {
         let keys = chain(&toks, r, seed);

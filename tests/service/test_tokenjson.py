@@ -21,8 +21,8 @@ def test_a_plain_query_body_is_taken_with_its_ids_packed() -> None:
     body = json.dumps({"model": "m", "token_ids": ids, "block_size": 16, "tenant_id": "t\u00e9"}).encode()
     got = decode_with_tokens(body, QueryRequest)
     assert got is not None
-    q, packed = got
-    assert packed.typecode == "I" and packed == array("I", ids)
+    q, packed, raw = got
+    assert packed.typecode == "I" and packed == array("I", ids) and raw == packed.tobytes()
     assert (q.model, q.block_size, q.tenant_id, q.token_ids) == ("m", 16, "t\u00e9", [])
 
 
@@ -91,7 +91,7 @@ def test_taken_bodies_decode_as_msgspec_decodes_them(ids: list, extra: dict) -> 
         assert got is None
         return
     if got is not None:
-        q, fast = got
-        assert fast == packed
+        q, fast, raw = got
+        assert fast == packed and raw == packed.tobytes()
         ref.token_ids = []
         assert q == ref
