@@ -229,7 +229,7 @@ def _chat_template(text: str | None) -> str | None:
 
 
 def _loop_options() -> dict[str, bool]:
-    """uvloop when it is installed (``pip install kvstream[fast]``): less latency per hop."""
+    """uvloop (a dependency, not on Windows) when importable: less latency per hop."""
     try:
         import uvloop  # noqa: F401
     except ImportError:

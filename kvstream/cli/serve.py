@@ -305,7 +305,7 @@ def _check_file_limit(max_engines: int) -> None:
 
 
 def _loop_options() -> dict[str, Any]:
-    """uvloop when installed (``pip install kvstream[fast]``): a faster event loop."""
+    """uvloop (a dependency, not on Windows) when importable: a faster event loop."""
     try:
         import uvloop  # noqa: F401
     except ImportError:

@@ -132,6 +132,33 @@ def test_answers_through_query_and_query_by_hash_equal_the_merge() -> None:
     assert namespace(None, "s") != namespace()
 
 
+def test_query_by_hash_over_an_engine_keyed_group_equals_the_merge() -> None:
+    mc = MooncakeAPI(ServiceCore(ServeConfig(engines=[])))
+    names = []
+    for inst, rank in (("a", 0), ("a", 1), ('q"b', 0)):
+        mc.register(json.dumps({"endpoint": f"tcp://127.0.0.1:{dead_port()}", "type": "Mooncake",
+                                "modelname": "m", "instance_id": inst, "block_size": BS, "dp_rank": rank,
+                                "tenant_id": "t"}).encode())
+        names.append(engine_name(inst, "t", rank))
+    ixname = group_name("m", "t", BS, "", "", "Mooncake")
+    ix = mc.core.indexes[ixname]
+    seq = [101, 102, 103, 104]
+    for name, n, medium in zip(names, (2, 4, 3), ("GPU", "CPU", "DISK")):
+        ix.apply_batch(name, KVEventBatch(0.0, [BlockStored(seq[:n], None, [], BS, None, medium, None)]))
+    result: dict = {}
+    mc._merge_rows(result, ix.match_rows((), keys=seq)[1], BS, None)
+    want = ENCODER.encode({"t": result})
+    assert json.loads(want) == {"t": {
+        "a": {"longest_matched": 64, "GPU": 32, "CPU": 64, "DISK": 0, "DP": {"0": 32, "1": 64}},
+        'q"b': {"longest_matched": 48, "GPU": 0, "CPU": 0, "DISK": 48, "DP": {"0": 48}}}}
+    for body in ({"model": "m", "tenant_id": "t", "block_size": BS, "seq_hashes": seq},
+                 {"model": "m", "tenant_id": "t", "block_size": BS, "block_hash": seq},
+                 {"model": "m", "tenant_id": "t", "block_size": BS, "seq_hashes": seq, "x": [[1]]}):
+        assert mc.query_by_hash(json.dumps(body).encode()) == want, body
+    got = mc._native_answer(ixname, ix, "t", BS, (), keys=array("Q", seq).tobytes())
+    assert got is not None and got[1:] == (want, 64)
+
+
 def test_labels_follow_engines_and_slots_as_they_come_and_go() -> None:
     mc = MooncakeAPI(ServiceCore(ServeConfig(engines=[])))
     _register(mc, "keeper", 0)  # holds nothing; keeps the group (and its index) while i0 is gone
