@@ -195,8 +195,6 @@ class MooncakeAPI:
         # index name -> its group (key, kind), for the registration groups (dropped when empty)
         self._group_of: dict[str, tuple[tuple[str, str, int, str, str], str]] = {}
         self._hashers: dict[int, MooncakeHasher] = {}
-        # source -> (its Engine, instance id, the answer's JSON head, DP rank key): see _label
-        self._labels: dict[str, tuple[Any, str, str, str]] = {}
         # index name -> (the index, its slot and engine generations, its RowLabels): see _row_labels
         self._slot_labels: dict[str, tuple[Any, tuple[int, int], RowLabels]] = {}
         self.share: Callable[[bytes], None] | None = None
@@ -533,33 +531,15 @@ class MooncakeAPI:
             if e is None:
                 slots.append(None)
                 continue
-            lab = self._labels.get(name)
-            if lab is None or lab[0] is not e:  # a new engine, or one registered again
-                lab = self._label(name, e)
-            slots.append((lab[2].encode(), lab[3].encode(), number.setdefault(lab[1], len(number))))
+            inst = e.meta.get("instance_id", name)
+            rank = str(e.meta.get("dp_rank", 0))  # an int (the registration's Rank)
+            slots.append((ENCODER.encode(inst) + b':{"longest_matched":', ENCODER.encode(rank),
+                          number.setdefault(inst, len(number))))
         labels = RowLabels(slots)
         if len(self._slot_labels) > len(self.core.indexes) + 16:  # of indexes gone
             self._slot_labels = {n: v for n, v in self._slot_labels.items() if self.core.indexes.get(n) is v[0]}
         self._slot_labels[ixname] = (ix, gen, labels)
         return labels
-
-    def _label(self, source: str, e: Any) -> tuple[Any, str, str, str]:
-        """``(engine, instance id, '"instance id":{"longest_matched":', '"rank"')`` of
-        ``source`` for :meth:`_row_labels`, kept per engine object (an engine registered
-        again is a new one); the labels of engines no longer followed are dropped when they
-        outnumber the followed ones."""
-        labels = self._labels
-        engines = self.core.engines
-        if len(labels) > 2 * len(engines) + 64:
-            for name in [n for n, lab in labels.items() if engines.get(n) is not lab[0]]:
-                del labels[name]
-        meta = e.meta
-        inst = meta.get("instance_id", source)
-        dpr = meta.get("dp_rank", 0)  # an int (the registration's Rank)
-        rank = "0" if dpr == 0 else str(dpr)
-        got = labels[source] = (e, inst, ENCODER.encode(inst).decode() + ':{"longest_matched":',
-                                ENCODER.encode(rank).decode())
-        return got
 
     def _merge_longest(self, result: dict[str, dict[str, Any]], blocks: dict[str, int], B: int,
                        only: str | None) -> None:

@@ -174,7 +174,6 @@ def test_labels_follow_engines_and_slots_as_they_come_and_go() -> None:
         assert f'"churn{k}"'.encode() in got[0]
         _unregister(mc, f"churn{k}")  # its blocks leave (no subscriber to drain here): the slot is free
         assert f'"churn{k}"'.encode() not in _native(mc, "t", prompt, BS)[0]
-    assert len(mc._labels) <= 2 * len(mc.core.engines) + 65
     assert len(mc.core.indexes[IX].slot_sources()) <= 3
     # i0 gone and i1 in its slot (and i0 back in another): each row under its own labels
     _unregister(mc, "i0")
