@@ -464,9 +464,10 @@ class _IndexCore:
         ``...T,"GPU":G,"CPU":C,"DISK":D,"DP":{"rank":T}}`` joined by commas, then ``}}``;
         ``T`` is the row's blocks times ``block_tokens``, each medium's likewise, a source
         whose engine block is several keys counting whole engine blocks (as the rows do).
-        ``columns``: the answer's media in that order (3 of them)."""
+        ``columns``: the answer's media in that order (3 of them); ``block_tokens`` above
+        ``2**31`` takes :meth:`match_rows` too."""
         got = self._native_maps()
-        if got is None:
+        if got is None or not 0 < block_tokens <= 1 << 31:  # the products fit the crate's u64s
             return None
         maps, tiers, live = got
         media = self._media

@@ -117,9 +117,9 @@ pub fn write_rows(
         }
         let mut media = [0u64; COLUMNS];
         for (&x, &c) in ends.iter().zip(cols) {
-            media[usize::from(c)] = u64::from(x - x % per) * block;
+            media[usize::from(c)] = u64::from(x - x % per).saturating_mul(block);
         }
-        let t = u64::from(b) * block;
+        let t = u64::from(b).saturating_mul(block);
         best = best.max(t);
         match at.iter().find(|(i, _)| *i == label.instance) {
             None => {
