@@ -93,8 +93,11 @@ def test_ctrl_c_while_a_command_starts_is_one_line_never_a_traceback(cmd: list[s
 
     if not os.path.exists("/proc/self/maps"):
         pytest.skip("tells that the process runs kvstream's code from /proc/PID/maps")
-    args = [a.replace("{tmp}", str(tmp_path)) for a in cmd]
-    for after in (0.0, 0.1, 0.3, 0.6):
+    for i, after in enumerate((0.0, 0.1, 0.3, 0.6)):
+        # A folder per start: an output an earlier start made (record's log) would make this
+        # one refuse to start, and a Ctrl-C during that refusal is not the case tested here.
+        (tmp_path / str(i)).mkdir()
+        args = [a.replace("{tmp}", str(tmp_path / str(i))) for a in cmd]
         p = subprocess.Popen([*KV, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              stdin=subprocess.DEVNULL, preexec_fn=_as_at_a_terminal)
         try:
