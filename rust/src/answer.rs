@@ -24,6 +24,7 @@ use crate::table::NativeMap;
 pub const COLUMNS: usize = 3;
 const NAMES: [&[u8]; COLUMNS] = [b",\"GPU\":", b",\"CPU\":", b",\"DISK\":"];
 
+/// One slot's labels in an answer.
 pub struct Label {
     /// `"instance id":{"longest_matched":` (JSON-escaped by the caller).
     head: Vec<u8>,
