@@ -61,7 +61,7 @@ def _reannounce_code(rule: str) -> int:
 
 
 class _Source:
-    __slots__ = ("name", "slot", "bit", "stale", "per", "block_size", "count", "reannounce")
+    __slots__ = ("name", "slot", "bit", "stale", "per", "block_size", "count", "reannounce", "multi")
 
     def __init__(self, name: str, slot: int) -> None:
         self.name = name
@@ -72,6 +72,9 @@ class _Source:
         self.block_size: int | None = None
         self.count: list[int] = []  # per tier: engine hashes held
         self.reannounce = 2  # the re-announcement rule's code (REANNOUNCE_RULES)
+        # Holds blocks of two engine block sizes: each holding has a copy record and every
+        # router key it covers is counted (KVIndex._make_multi), none inferred from masks.
+        self.multi = False
 
 
 def _bits(x: int) -> Iterable[int]:
@@ -148,14 +151,15 @@ class _IndexCore:
             self._copies[key] = {g: 1}
         return True
 
-    def _take_copy(self, key: tuple[Any, int, int], g: int) -> int:
+    def _take_copy(self, key: tuple[Any, int, int], g: int, multi: bool = False) -> int:
         """Remove one copy of group ``g`` for a held (hash, source, tier) ``key``.
 
         Returns 0 when there is no such copy (nothing changed), 1 when copies remain (the
-        holding stays), 2 when it was the last one (the caller releases the holding)."""
+        holding stays), 2 when it was the last one (the caller releases the holding).
+        ``multi``: the source keeps a record for every holding (no implicit one)."""
         cp = self._copies.get(key)
         if cp is None:
-            return 0 if g else 2
+            return 0 if g or multi else 2
         n = cp.get(g, 0)
         if not n:
             return 0
@@ -164,7 +168,7 @@ class _IndexCore:
         else:
             del cp[g]
         if cp:
-            if cp == {0: 1}:
+            if cp == {0: 1} and not multi:
                 del self._copies[key]
             return 1
         del self._copies[key]
@@ -475,7 +479,8 @@ class _IndexCore:
             cols = [columns.index(media[t]) for t in tiers]
         except ValueError:
             return None
-        pers = [(p, m & _M64) for p, m in self._per_mask.items() if p > 1]  # rows are of live slots, < 64
+        multi = getattr(self, "_multi", 0)  # sources of two block sizes: not rounded
+        pers = [(p, m & ~multi & _M64) for p, m in self._per_mask.items() if p > 1]  # rows are of live slots, < 64
         if keys is not None:
             return answer_tiers_keys(maps, keys, live, cols, labels, pers, block_tokens, head)
         if self._by_engine:  # engine-keyed: a prompt's keys are the engines' hashes, given in ``keys``
@@ -521,7 +526,7 @@ class _IndexCore:
             s = src[slot]
             if s is None:
                 continue
-            per = s.per or 1
+            per = 1 if s.multi else s.per or 1
             if per > 1:
                 b -= b % per
                 if not b:
@@ -633,7 +638,7 @@ class _IndexCore:
                 continue
             slot = s.slot
             b = end.get(slot, 0)
-            per = s.per or 1
+            per = 1 if s.multi else s.per or 1  # two block sizes: no one block to round to
             if per > 1:
                 # An engine reuses whole blocks only: round down to its block size.
                 b -= b % per
@@ -822,7 +827,8 @@ class _Roster:
         self.names = [s.name for s in present]
         self.slots = None if len(present) == len(src) else [s.slot for s in present]
         self.n_slots = len(src)
-        self.per_fix = [(i, s.per) for i, s in enumerate(present) if s.per is not None and s.per > 1]
+        self.per_fix = [(i, s.per) for i, s in enumerate(present)
+                        if s.per is not None and s.per > 1 and not s.multi]
         mask = 0
         for s in present:
             mask |= s.bit

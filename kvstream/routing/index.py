@@ -151,6 +151,11 @@ class IndexStats:
     size_conflicts: int = 0
     """Engine hashes stored under a second block size (a 64-bit collision, or a misbehaving
     engine): each block size keeps its own copy of the hash, under an id of its own."""
+    multi_size_sources: int = 0
+    """Times a source began storing a second engine block size while it held blocks of
+    its first (a hybrid model's groups of different block sizes, or an engine restarted
+    with another block size and no clear): from then until it holds nothing, its
+    holdings are kept as explicit records (exact, slower to ingest)."""
     clears: int = 0
     """``AllBlocksCleared`` events applied."""
     evicted_blocks: int = 0
@@ -241,7 +246,7 @@ class KVIndex(_IndexCore):
         "_tier_of", "_held", "_table", "_touched", "_href", "_sub_n", "_copies", "_unl",
         "_waiting", "_spec", "_spec_n", "_spec_q", "_per_mask", "_max_bytes", "_ttl", "_gen",
         "_gen_start", "_reannounce", "_hasher", "_unl_bytes", "_warned", "_kind", "_wide", "stats",
-        "_xbs", "_xrev", "_xsweep",
+        "_xbs", "_xrev", "_xsweep", "_multi",
     )
 
     def __init__(
@@ -310,7 +315,10 @@ class KVIndex(_IndexCore):
         self._wide = False  # a bytes engine hash was seen (estimated_bytes: larger keys)
         self._touched: set[Any] | None = set() if ttl_s is not None else None  # stored this TTL generation
         self._unl_bytes = 0  # token and extra bytes held by unlinked blocks
-        self._sub_n: dict[tuple[int, int, int], int] = {}  # leading sub-key holdings
+        # (key, source slot, tier) -> holdings covering the key: a source's leading
+        # sub-keys; every key of a source that holds two block sizes (``_Source.multi``).
+        self._sub_n: dict[tuple[int, int, int], int] = {}
+        self._multi = 0  # bits of the sources that hold blocks of two block sizes
         self._href: dict[Any, int] = {}  # engine hash -> (source, tier) holdings, when > 1 (token keying)
         self._copies: dict[tuple[Any, int, int], dict[int, int]] = {}  # not exactly {group 0: 1}
         self._unl: dict[Any, _Unlinked] = {}
@@ -361,6 +369,7 @@ class KVIndex(_IndexCore):
             else:
                 del self._per_mask[per]
         self._live &= ~s.bit
+        self._multi &= ~s.bit
         del self._slot_of[source]
         self._src[slot] = None
         self._slot_gen += 1
@@ -534,7 +543,7 @@ class KVIndex(_IndexCore):
             events = list(events)  # type: ignore[arg-type]
         n = len(events)
         slot = s.slot
-        if slot >= 64:  # masks wider than 64 sources: the rules below
+        if slot >= 64 or s.multi:  # masks wider than 64 sources, two block sizes: the rules below
             for ev in (events if fallback is None else fallback.events()):  # type: ignore[union-attr]
                 self._apply_event(s, ev)
             return
@@ -547,7 +556,7 @@ class KVIndex(_IndexCore):
         i = 0
         while i < n:
             i, added, removed, aliased, copied = _apply_tokens(
-                events, i, BlockStored, BlockRemoved, table, held, slot, per_mask.get(1, 0) & _M64, R,  # type: ignore[arg-type]
+                events, i, BlockStored, BlockRemoved, table, held, slot, per_mask.get(1, 0) & ~self._multi & _M64, R,  # type: ignore[arg-type]
                 _BASE_NS, s.reannounce, s.per == 1, self._copies, self._href, self._unl, self._waiting,
                 self._xbs, self._touched)
             if aliased:
@@ -563,6 +572,11 @@ class KVIndex(_IndexCore):
             if i < n:
                 self._apply_event(s, events[i] if fallback is None else fallback.event(events, i))  # type: ignore[arg-type, index]
                 i += 1
+                if self._multi & s.bit:  # it now holds two block sizes: the rest by the rules below
+                    rest = events[i:] if fallback is None else fallback.events()[i:]  # type: ignore[index]
+                    for ev in rest:
+                        self._apply_event(s, ev)
+                    return
 
     def _apply_engine(self, s: _Source, events: Sequence[Any] | RawBatch,
                       fallback: "_Fallback | None" = None) -> None:
@@ -756,6 +770,8 @@ class KVIndex(_IndexCore):
             return
         per = B // R
         if s.per != per:
+            if s.per is not None and not s.multi and any(s.count):
+                self._make_multi(s)  # it keeps what it holds of its former block size
             if s.per is not None:
                 self._per_mask[s.per] &= ~s.bit
             s.per = per
@@ -793,14 +809,14 @@ class KVIndex(_IndexCore):
         hl = self._held
         held = hl[t]
         bit = s.bit
-        fam = self._per_mask[per]
+        fam = self._per_mask[per] & ~self._multi  # this block size's sources of one size
         if t == 0 and len(hl) == 2:
             others = [hl[1]] if hl[1] else []
         else:
             others = [h for i, h in enumerate(hl) if i != t and h]
         unl = self._unl
         waiting = self._waiting
-        fast = per == 1 and g == 0
+        fast = per == 1 and g == 0 and not s.multi
         added = 0
         step = 4 * R * per
         v: int | tuple[int, ...]  # a block's router key, or its keys when per > 1
@@ -848,15 +864,18 @@ class KVIndex(_IndexCore):
         bit = s.bit
         copies = self._copies
         table = self._table
+        per = None if s.multi else s.per
         for eh in hashes:
             v = table.get(eh)
             if v is None:
                 return False
             if not held.get(v[-1] if type(v) is tuple else v, 0) & bit:
                 return False
+            if per is not None and (1 if type(v) is int else len(v)) != per:
+                return False
             cp = copies.get((eh, s.slot, t)) if copies else None
             if cp is None:
-                if g != 0:
+                if g != 0 or s.multi:
                     return False
             elif not cp.get(g):
                 return False
@@ -1047,6 +1066,9 @@ class KVIndex(_IndexCore):
         the same last key (an engine block of two router blocks over two of one)."""
         held = self._held[t]
         bit = s.bit
+        if s.multi:
+            self._hold_multi(s, eh, v, t, g, fresh)
+            return
         tup = type(v) is tuple
         rk0 = v[-1] if tup else v
         m = held.get(rk0, 0)
@@ -1061,6 +1083,104 @@ class KVIndex(_IndexCore):
         s.count[t] += 1
         if not fresh and not self._by_engine:
             self._href[eh] = self._href.get(eh, 1) + 1
+
+    def _hold_multi(self, s: _Source, eh: Any, v: Any, t: int, g: int, fresh: bool) -> None:
+        """:meth:`_hold` for a source of two block sizes: its copy record says whether it
+        holds ``eh`` already; a new holding counts every key it covers."""
+        self.stats.stored_blocks += 1
+        key = (eh, s.slot, t)
+        cp = self._copies.get(key)
+        if cp is not None:
+            cp[g] = cp.get(g, 0) + 1
+            return
+        self._copies[key] = {g: 1}
+        self._cover(self._held[t], v if type(v) is tuple else (v,), s.slot, t, s.bit)
+        s.count[t] += 1
+        if not fresh and not self._by_engine:
+            self._href[eh] = self._href.get(eh, 1) + 1
+
+    def _cover(self, held: Any, rks: Sequence[int], slot: int, t: int, bit: int) -> None:
+        """One more holding of a source of two block sizes covers each of ``rks``."""
+        sub = self._sub_n
+        for rk in rks:
+            k = (rk, slot, t)
+            sub[k] = sub.get(k, 0) + 1
+            held[rk] = held.get(rk, 0) | bit
+
+    def _make_multi(self, s: _Source) -> None:
+        """``s`` starts storing a second block size while it holds blocks of its first:
+        from now on every holding of ``s`` is a copy record and every key it covers is
+        counted, since its keys' mask bits no longer tell which hash it holds (the router
+        keys of one prompt are the same whatever the engine block size)."""
+        slot = s.slot
+        found = self._single_holdings(s, range(len(self._media)))
+        sub = self._sub_n
+        for k in [k for k in sub if k[1] == slot]:
+            del sub[k]
+        copies = self._copies
+        taken: set[tuple[int, Any]] = set()
+        for eh, rks, t in found:
+            if (t, rks[-1]) in taken:
+                copies.pop((eh, slot, t), None)  # its key went with another hash
+                continue
+            taken.add((t, rks[-1]))
+            copies.setdefault((eh, slot, t), {0: 1})
+            for rk in rks:
+                k = (rk, slot, t)
+                sub[k] = sub.get(k, 0) + 1
+        s.multi = True
+        self._multi |= s.bit
+        self.stats.multi_size_sources += 1
+        self._roster_reset()
+
+    def _roster_reset(self) -> None:
+        try:
+            del self._roster
+        except AttributeError:
+            pass
+
+    def _single_holdings(self, s: _Source, tiers: Iterable[int]) -> list[tuple[Any, tuple[Any, ...], int]]:
+        """The (hash, keys, tier) holdings of a source of one block size, read from the
+        masks: the hashes of its block size whose last key has its bit, in a canonical
+        order when several share a key (copy-recorded ones first: hashes the source
+        stored itself, then by hash), so which one a caller takes never depends on the
+        table's iteration order. Hashes only sources of two block sizes hold are not
+        candidates (their bits on a shared key are theirs)."""
+        tiers = tuple(t for t in tiers if s.count[t])
+        if not tiers:
+            return []
+        bit = s.bit
+        slot = s.slot
+        per = s.per
+        held = self._held
+        copies = self._copies
+        cands: list[tuple[Any, tuple[Any, ...], int]] = []
+        last: set[tuple[int, Any]] = set()
+        for eh, v in self._table.items():
+            rks = v if type(v) is tuple else (v,)
+            if per is not None and len(rks) != per:
+                continue  # another block-size family's hash for the same key
+            for t in tiers:
+                if held[t].get(rks[-1], 0) & bit:
+                    cands.append((eh, rks, t))
+                    last.add((t, rks[-1]))
+        if self._multi and cands:
+            cands = [c for c in cands if self._held_by_one_size(c[0])]
+        if len(last) != len(cands):
+            cands.sort(key=lambda c: (c[2], (c[0], slot, c[2]) not in copies, *_hash_sort_key(c[0])))
+        return cands
+
+    def _held_by_one_size(self, eh: Any) -> bool:
+        """Some source of one block size holds ``eh``: its holdings outnumber the copy
+        records sources of two block sizes have of it."""
+        n = self._href.get(eh, 1)
+        copies = self._copies
+        tiers = range(len(self._media))
+        for slot in _bits(self._multi):
+            for t in tiers:
+                if (eh, slot, t) in copies:
+                    n -= 1
+        return n > 0
 
     def _sub_add(self, held: dict[int, int], rks: Sequence[int], slot: int, t: int, bit: int) -> None:
         """Set ``bit`` on every key of a multi-router-block engine block. Leading sub-keys
@@ -1085,6 +1205,11 @@ class KVIndex(_IndexCore):
             if s is None:
                 continue
             held = self._held[t]
+            if s.multi:
+                self._copies[(eh, slot, t)] = dict(groups)
+                self._cover(held, rks, slot, t, s.bit)
+                n += 1
+                continue
             if len(rks) == 1:
                 held[rks[0]] = held.get(rks[0], 0) | s.bit
             else:
@@ -1118,7 +1243,7 @@ class KVIndex(_IndexCore):
                 anym = 0
                 for h in self._held:
                     anym |= h.get(keys[-1], 0)
-                if anym & self._per_mask.get(u.per, 0):
+                if anym & self._per_mask.get(u.per, 0) & ~self._multi:
                     self.stats.family_conflicts += 1
                     v = _perturb(v, c)
                 del self._unl[c]
@@ -1162,9 +1287,13 @@ class KVIndex(_IndexCore):
         hashes: Sequence[Any] = ev.block_hashes
         if s.per is not None:
             hashes = self._size_ids(hashes, s.per, create=False)
+        # A key's bit says which hash a source holds only for hashes of its own block
+        # size (another size's hash may end on a key it holds), and not at all for a
+        # source of two block sizes.
+        fast = not s.multi and (s.per is None or s.per == 1)
         for eh in hashes:
             rk = young.get(eh)
-            if type(rk) is int and g == 0 and not (copies and (eh, slot, t) in copies):
+            if fast and type(rk) is int and g == 0 and not (copies and (eh, slot, t) in copies):
                 m = held.get(rk, 0)
                 if m & bit:
                     m ^= bit
@@ -1188,6 +1317,8 @@ class KVIndex(_IndexCore):
                 self.stats.unknown_removed += 1
         s.count[t] -= removed
         self.stats.removed_blocks += removed
+        if not fast and s.multi and not any(s.count):
+            self._one_size_again(s)
 
     def _remove_copy(self, s: _Source, eh: Any, t: int, g: int) -> bool:
         v = self._table.get(eh)
@@ -1213,7 +1344,12 @@ class KVIndex(_IndexCore):
         rks = v if type(v) is tuple else (v,)
         if not held.get(rks[-1], 0) & bit:
             return False
-        left = self._take_copy((eh, s.slot, t), g)
+        if s.multi:
+            if (eh, s.slot, t) not in self._copies:
+                return False
+        elif s.per is not None and len(rks) != s.per:
+            return False  # another block size's hash: the bit is for one of its own
+        left = self._take_copy((eh, s.slot, t), g, s.multi)
         if left != 2:
             return left == 1
         self._release(s, eh, rks, t)
@@ -1224,8 +1360,9 @@ class KVIndex(_IndexCore):
         held = self._held[t]
         nb = ~s.bit
         sub = self._sub_n
+        lead = len(rks) if s.multi else len(rks) - 1  # keys counted in ``_sub_n``
         for j, rk in enumerate(rks):
-            if j < len(rks) - 1:
+            if j < lead:
                 # A leading sub-key may be shared by several of this source's engine blocks.
                 k = (rk, s.slot, t)
                 c = sub.get(k, 1) - 1
@@ -1243,7 +1380,7 @@ class KVIndex(_IndexCore):
             return  # no block table
         n = self._href.pop(eh, 1) - 1
         if n <= 0:
-            del self._table[eh]
+            self._table.pop(eh, None)
         elif n > 1:
             self._href[eh] = n
 
@@ -1252,34 +1389,28 @@ class KVIndex(_IndexCore):
         tiers = tuple(t for t in tiers if s.count[t])
         bit = s.bit
         slot = s.slot
-        per = s.per
         table = self._table
         held = self._held
-        if tiers:
-            # Several hashes may sit under one held key (the mask is per key): which one a
-            # clear releases must not depend on the table's iteration order (a dict's
-            # insertion order, the native map's column order: freed slots reused, hash 0
-            # in the side dict). When two candidates share a key they are released in a
-            # canonical order (copy-recorded ones first: hashes the source stored itself,
-            # then by hash); and every copy record of the source under a dropped key goes.
-            copies = self._copies
-            cands: list[tuple[Any, tuple[Any, ...], int]] = []
-            last: set[tuple[int, Any]] = set()
-            for eh, v in table.items():
-                rks = v if type(v) is tuple else (v,)
-                if per is not None and len(rks) != per:
-                    continue  # another block-size family's hash for the same key
-                for t in tiers:
-                    if held[t].get(rks[-1], 0) & bit:
-                        cands.append((eh, rks, t))
-                        last.add((t, rks[-1]))
-            if len(last) != len(cands):
-                cands.sort(key=lambda c: (c[2], (c[0], slot, c[2]) not in copies, *_hash_sort_key(c[0])))
-            for eh, rks, t in cands:
+        copies = self._copies
+        if tiers and s.multi:
+            # Two block sizes: its copy records are its holdings.
+            mine = [(eh, t) for (eh, sl, t) in copies if sl == slot and t in tiers]
+            for eh, t in mine:
+                del copies[(eh, slot, t)]
+                v = table.get(eh)
+                if v is not None:
+                    self._release(s, eh, v if type(v) is tuple else (v,), t)
+        elif tiers:
+            # Several hashes may sit under one held key (the mask is per key): when two
+            # candidates share a key the first in the canonical order is released, and
+            # every copy record of the source under a dropped key goes.
+            for eh, rks, t in self._single_holdings(s, tiers):
                 if copies:
                     copies.pop((eh, slot, t), None)  # also when its key went with another hash
                 if held[t].get(rks[-1], 0) & bit:
                     self._release(s, eh, rks, t)
+        if s.multi and not any(s.count[t] for t in range(len(self._media)) if t not in tiers):
+            self._one_size_again(s)
         for eh, u in list(self._unl.items()):
             for t in tiers:
                 if self._unl_unhold(u, (slot, t)):
@@ -1288,6 +1419,17 @@ class KVIndex(_IndexCore):
                 self._unlink_drop(eh, u)
         if self._spec_n:
             self._drop_spec(lambda sl, rk: sl == slot)
+
+    def _one_size_again(self, s: _Source) -> None:
+        """``s`` of two block sizes holds nothing now (but unlinked blocks its caller is
+        dropping): the masks tell its holdings again."""
+        slot = s.slot
+        sub = self._sub_n
+        for k in [k for k in sub if k[1] == slot]:
+            del sub[k]  # none should be left: all its holdings were released
+        s.multi = False
+        self._multi &= ~s.bit
+        self._roster_reset()
 
     # -- TTL and memory bound ----------------------------------------------------------
 
@@ -1420,13 +1562,24 @@ class KVIndex(_IndexCore):
         v = table.get(eh)
         if v is not None:
             rks = v if type(v) is tuple else (v,)
+            copies = self._copies
+            multi = self._multi
             for t, held in enumerate(self._held):
                 m = held.get(rks[-1], 0)
+                if m & multi:  # sources of two block sizes: their records say
+                    for slot in _bits(m & multi):
+                        if copies.pop((eh, slot, t), None) is not None:
+                            self._release(self._src[slot], eh, rks, t)  # type: ignore[arg-type]
+                    if eh not in table:
+                        break
+                    m &= ~multi
+                    if m and not self._held_by_one_size(eh):
+                        continue
                 for slot in _bits(m):
                     s = self._src[slot]
                     if s is None or (s.per is not None and s.per != len(rks)):
                         continue
-                    self._copies.pop((eh, slot, t), None)
+                    copies.pop((eh, slot, t), None)
                     self._release(s, eh, rks, t)
                     if eh not in table:
                         break
@@ -1517,16 +1670,25 @@ class KVIndex(_IndexCore):
         }
         media = self._media
         copies = self._copies
+        multi = self._multi
         for eh, v in self._table.items():
             rks = v if type(v) is tuple else (v,)
+            one = not multi or self._held_by_one_size(eh)
             for t, held in enumerate(self._held):
-                m = held.get(rks[-1], 0)
+                m = held.get(rks[-1], 0) & ~multi
+                if not m or not one:
+                    continue
                 for slot in _bits(m):
                     s = self._src[slot]
                     if s is None or (s.per is not None and s.per != len(rks)):
                         continue
                     cp = copies.get((eh, slot, t)) if copies else None
                     for g, c in (cp.items() if cp is not None else ((0, 1),)):
+                        per_src[slot].append((media[t], g, eh, c))
+        if multi:
+            for (eh, slot, t), cp in copies.items():
+                if multi >> slot & 1:
+                    for g, c in cp.items():
                         per_src[slot].append((media[t], g, eh, c))
         for eh, u in self._unl.items():
             for (slot, t), groups in u.holds.items():
@@ -1591,8 +1753,15 @@ class KVIndex(_IndexCore):
         else:
             cols_h, cols_k, other = table.export_u64()
             others = list(other.items())
-        allow = {per: self._family_bits(per) for per in {1, *(len(v) for _, v in others if type(v) is tuple)}}
+        # Sources of two block sizes are dumped from their records (rows below), not masks.
+        multi = self._multi
+        allow = {per: self._family_bits(per) & ~multi
+                 for per in {1, *(len(v) for _, v in others if type(v) is tuple)}}
         everyone = self._all_bits()
+        # Hashes only sources of two block sizes hold: a mask bit on their key is another
+        # hash's.
+        theirs = {eh for (eh, slot, _t) in self._copies
+                  if multi >> slot & 1 and not self._held_by_one_size(eh)} if multi else set()
         tiers = []
         rows = []
         for t, held in enumerate(self._held):
@@ -1616,6 +1785,8 @@ class KVIndex(_IndexCore):
                 a1 = allow[1]
                 if a1 != everyone:
                     ms = [m & a1 if m else 0 for m in ms]
+                if theirs:
+                    ms = [0 if m and h in theirs else m for h, m in zip(cols_h, ms)]
             if keep is not None:
                 ms = [m & keep if m else 0 for m in ms]
             hs_t = array("Q", compress(cols_h, ms))
@@ -1625,11 +1796,17 @@ class KVIndex(_IndexCore):
                 tiers.append(sn._Tier(medium, sn.pack_u64(hs_t), sn.pack_u64(ks_t), sn.pack_masks(ms_t, words)))
             for eh, v in others:
                 rks = v if type(v) is tuple else (v,)
-                m = held.get(rks[-1], 0) & allow.get(len(rks), everyone)
+                m = held.get(rks[-1], 0) & allow.get(len(rks), everyone & ~multi)
                 if keep is not None:
                     m &= keep
-                if m:
+                if m and eh not in theirs:
                     rows.append(sn._Row(medium, eh, None if engine else list(rks), sn.mask_bytes(m)))
+        for (eh, slot, t), _groups in self._copies.items() if multi else ():
+            if multi >> slot & 1 and (keep is None or keep >> slot & 1):
+                v = table.get(eh)
+                if v is not None:
+                    rows.append(sn._Row(self._media[t], eh, list(v) if type(v) is tuple else [v],
+                                        sn.mask_bytes(1 << slot)))
         copies = [
             sn._Copies(slot, self._media[t], eh, sorted(groups.items()))
             for (eh, slot, t), groups in self._copies.items()
@@ -1799,6 +1976,15 @@ class KVIndex(_IndexCore):
             s.reannounce = _reannounce_code(sd.reannounce)
             ours[sd.slot] = s
         same = all(s.slot == x for x, s in ours.items())
+        # A source holding blocks of another size than its own holds two block sizes.
+        two = {x for _medium, _eh, keys, m in p.rows if keys is not None
+               for x in _bits(m) if ours[x].per is not None and len(keys) != ours[x].per}
+        two.update(slot for u in p.unlinked if u.per for slot, *_ in u.holds
+                   if ours[slot].per is not None and u.per != ours[slot].per)
+        for x in two:
+            ours[x].multi = True
+            self._multi |= ours[x].bit
+            self._roster_reset()
 
         def remap(m: int) -> int:
             out = 0
@@ -1897,7 +2083,7 @@ class KVIndex(_IndexCore):
             if per is not None and not self._by_engine:
                 eh = self._size_ids((eh,), per, create=False)[0]
             key = (eh, ours[slot].slot, t)
-            if groups != {0: 1}:
+            if groups != {0: 1} or ours[slot].multi:
                 self._copies[key] = groups
         for u in p.unlinked:
             uh, up = u.hash, u.parent

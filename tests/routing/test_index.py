@@ -248,16 +248,13 @@ def test_best_names_the_head_of_the_score_ranking() -> None:
     assert n == 6 * 5 * 5 * 5
 
 
-@pytest.mark.xfail(raises=KeyError, strict=True,
-                   reason="open: a source holding one hash in two block-size families loses track of which "
-                          "table entry each tier holds (found by test_score_fast_path on 2026-12-04)")
 def test_a_source_that_changed_block_size_is_removed_cleanly() -> None:
     """Hash 1 stored as one router block, then as an engine block of two router blocks
     with a tokenless CPU copy (an offload placeholder of that block), then as one router
-    block again: removing the source must release every holding once. The drop filters
-    candidates by the source's current block size, so the two-block family's holdings are
-    skipped, the one-block hash is released in the CPU tier through the other family's
-    sub-key bit, and its table entry is deleted twice."""
+    block again: removing the source must release every holding once (found by
+    test_score_fast_path on 2026-12-04: the drop inferred the source's holdings from key
+    masks by its current block size, so the other size's holdings were skipped and one
+    table entry was deleted twice). See test_block_size_families.py for the general case."""
     idx = KVIndex()
     apply(idx, "a", stored([1], P(0, 1)), stored([1], P(0, 1)))
     apply(idx, "a", stored([1], P(0, 2), bs=2 * BS), stored([1], [], medium="CPU", bs=0))

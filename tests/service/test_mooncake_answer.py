@@ -211,14 +211,19 @@ def test_a_source_in_another_slot_under_the_same_engines_is_labelled_by_its_slot
 def test_a_source_with_a_larger_engine_block_counts_whole_engine_blocks() -> None:
     mc = MooncakeAPI(ServiceCore(ServeConfig(engines=[])))
     a = _register(mc, "a", 0)
-    # three router blocks of document 0, then an engine block of two router blocks (another
-    # document): from then on each of its engine blocks is two router blocks
-    _apply(mc, a, [("store", 0, 3, "GPU", BS, None), ("store", 1, 1, "CPU", 2 * BS, None)], 0.0)
+    b = _register(mc, "b", 0)
+    # "a": two engine blocks of two router blocks each; a prompt of three router blocks
+    # reuses one whole engine block. "b": three router blocks of document 0, then an
+    # engine block of two router blocks (another document): a source of two block sizes
+    # (a hybrid model's groups), whose prefix is the union of its blocks, not rounded.
+    _apply(mc, a, [("store", 0, 2, "GPU", 2 * BS, None)], 0.0)
+    _apply(mc, b, [("store", 0, 3, "GPU", BS, None), ("store", 1, 1, "CPU", 2 * BS, None)], 0.0)
     prompt = _toks(0, 3)
     got = _native(mc, "t", prompt, BS)
     assert got == _merged(mc, "t", prompt, BS)
-    assert json.loads(got[0]) == {"t": {"a": {"longest_matched": 32, "GPU": 32, "CPU": 0, "DISK": 0,
-                                              "DP": {"0": 32}}}}
+    assert json.loads(got[0]) == {"t": {
+        "a": {"longest_matched": 32, "GPU": 32, "CPU": 0, "DISK": 0, "DP": {"0": 32}},
+        "b": {"longest_matched": 48, "GPU": 48, "CPU": 0, "DISK": 0, "DP": {"0": 48}}}}
 
 
 def test_the_labels_of_indexes_gone_are_dropped() -> None:
