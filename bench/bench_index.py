@@ -35,6 +35,10 @@ ratios against the reference measured in the same run are the numbers to read.
    consumer), decoded up front and applied: batches/s and block events/s.
 5. Snapshots: ``dump()`` and ``load()`` of a 10**6-block index of 8 sources (a router
    replica's start), in seconds, and the snapshot's size.
+6. A source of two block sizes (``--two-sizes`` runs only this): the payloads of 1.
+   applied by a source that holds blocks of one block size and by one that also holds a
+   block of another (a hybrid model's groups; tracked by explicit records through the
+   Python rules), alternating run by run, best of 3: block events per second.
 
 With ``--layout all`` (the default) the ingest cases run first with the native index and
 the reference alternating run by run (best of 3 each), so load drift on a shared machine
@@ -314,6 +318,26 @@ def bench_interleaved(n_blocks: int, n_small: int, rounds: int = 3) -> None:
                      f"{ref * len(payloads) / n:,.0f})" if label.startswith("small") else ""))
 
 
+def bench_two_sizes(n_blocks: int, rounds: int = 3) -> None:
+    payloads = _payloads(n_blocks, run=16)
+    n = sum(len(e.block_hashes) for p in payloads for e in EventDecoder().decode(p).events)
+    best = {"one block size ": 0.0, "two block sizes": 0.0}
+    for _ in range(rounds):
+        for label in best:
+            index = KVIndex()
+            if label == "two block sizes":  # one block of 2 router blocks, one of 1: two sizes held
+                index.apply_batch("e0", KVEventBatch(0.0, [BlockStored([-1], None, [1] * 2 * BS, 2 * BS, None, "GPU", None)]))
+                index.apply_batch("e0", KVEventBatch(0.0, [BlockStored([-2], None, [2] * BS, BS, None, "GPU", None)]))
+                assert index.stats.multi_size_sources == 1
+            gc.collect()
+            t0 = time.perf_counter()
+            for p in payloads:
+                index.apply_payload("e0", p, now=0.0)
+            best[label] = max(best[label], n / (time.perf_counter() - t0))
+    for label, rate in best.items():
+        print(f"ingest, a source of {label} (raw payloads, 4,096 blocks live): {rate / 1e6:.2f} M block events/s")
+
+
 def _rss() -> int:
     """Resident set size of this process (bytes)."""
     with open("/proc/self/statm") as f:
@@ -385,7 +409,13 @@ def main() -> None:
                          "(reference), EngineKeyIndex, or all three")
     ap.add_argument("--score-only", action="store_true",
                     help="only the scoring rows (2.), for each layout asked for")
+    ap.add_argument("--two-sizes", action="store_true",
+                    help="only the ingest of a source of two block sizes (6.)")
     a = ap.parse_args()
+    if a.two_sizes:
+        print("== ingest: a source of one block size and one of two, alternating (best of 3)")
+        bench_two_sizes(50_000 if a.quick else 500_000)
+        return
     layouts = ("native", "reference", "engine") if a.layout == "all" else (a.layout,)
     if a.score_only:
         if a.layout == "all":
@@ -420,6 +450,8 @@ def main() -> None:
                 print(f"-- scoring with BlockHasher({hasher!r})")
             bench_score(iters=200 if a.quick else 2000, layout=layout, hasher=hasher)
         bench_small_batches(2_000 if a.quick else 20_000, layout)
+        if layout == "native":
+            bench_two_sizes(50_000 if a.quick else 500_000)
         bench_snapshot(n_mem, layout)
         for sharers in (1, 8, 64):
             bench_memory(n_mem, sharers, layout)
