@@ -246,7 +246,7 @@ class KVIndex(_IndexCore):
         "_tier_of", "_held", "_table", "_touched", "_href", "_sub_n", "_copies", "_unl",
         "_waiting", "_spec", "_spec_n", "_spec_q", "_per_mask", "_max_bytes", "_ttl", "_gen",
         "_gen_start", "_reannounce", "_hasher", "_unl_bytes", "_warned", "_kind", "_wide", "stats",
-        "_xbs", "_xrev", "_xsweep", "_multi",
+        "_xbs", "_xrev", "_xsweep", "_multi", "_mend",
     )
 
     def __init__(
@@ -319,6 +319,9 @@ class KVIndex(_IndexCore):
         # sub-keys; every key of a source that holds two block sizes (``_Source.multi``).
         self._sub_n: dict[tuple[int, int, int], int] = {}
         self._multi = 0  # bits of the sources that hold blocks of two block sizes
+        # per -> {last router key -> holdings}: what those sources hold, by engine block
+        # size and last key (their mask bits cannot say it), for the family check.
+        self._mend: dict[int, dict[int, int]] = {}
         self._href: dict[Any, int] = {}  # engine hash -> (source, tier) holdings, when > 1 (token keying)
         self._copies: dict[tuple[Any, int, int], dict[int, int]] = {}  # not exactly {group 0: 1}
         self._unl: dict[Any, _Unlinked] = {}
@@ -543,7 +546,10 @@ class KVIndex(_IndexCore):
             events = list(events)  # type: ignore[arg-type]
         n = len(events)
         slot = s.slot
-        if slot >= 64 or s.multi:  # masks wider than 64 sources, two block sizes: the rules below
+        # Masks wider than 64 sources, two block sizes, or another source of two block
+        # sizes holding blocks of one router block (the native core's family check reads
+        # masks only): the rules below.
+        if slot >= 64 or s.multi or 1 in self._mend:
             for ev in (events if fallback is None else fallback.events()):  # type: ignore[union-attr]
                 self._apply_event(s, ev)
             return
@@ -810,6 +816,7 @@ class KVIndex(_IndexCore):
         held = hl[t]
         bit = s.bit
         fam = self._per_mask[per] & ~self._multi  # this block size's sources of one size
+        mend = self._mend.get(per)  # and the holdings of this size of sources of two
         if t == 0 and len(hl) == 2:
             others = [hl[1]] if hl[1] else []
         else:
@@ -830,7 +837,7 @@ class KVIndex(_IndexCore):
                 anym = m
                 for h in others:
                     anym |= h.get(keys[k0 + per - 1], 0)
-                if anym & fam:
+                if anym & fam or (mend and keys[k0 + per - 1] in mend):
                     # Another hash of this block-size family already has this key: mixed
                     # seeds, or extra keys the wire does not carry (0.11 salts). Give this
                     # hash its own, unreachable key so the two are never conflated.
@@ -1106,6 +1113,11 @@ class KVIndex(_IndexCore):
             k = (rk, slot, t)
             sub[k] = sub.get(k, 0) + 1
             held[rk] = held.get(rk, 0) | bit
+        self._mend_add(rks)
+
+    def _mend_add(self, rks: Sequence[int]) -> None:
+        ends = self._mend.setdefault(len(rks), {})
+        ends[rks[-1]] = ends.get(rks[-1], 0) + 1
 
     def _make_multi(self, s: _Source) -> None:
         """``s`` starts storing a second block size while it holds blocks of its first:
@@ -1128,6 +1140,7 @@ class KVIndex(_IndexCore):
             for rk in rks:
                 k = (rk, slot, t)
                 sub[k] = sub.get(k, 0) + 1
+            self._mend_add(rks)
         s.multi = True
         self._multi |= s.bit
         self.stats.multi_size_sources += 1
@@ -1243,7 +1256,8 @@ class KVIndex(_IndexCore):
                 anym = 0
                 for h in self._held:
                     anym |= h.get(keys[-1], 0)
-                if anym & self._per_mask.get(u.per, 0) & ~self._multi:
+                mend = self._mend.get(u.per)
+                if anym & self._per_mask.get(u.per, 0) & ~self._multi or (mend and keys[-1] in mend):
                     self.stats.family_conflicts += 1
                     v = _perturb(v, c)
                 del self._unl[c]
@@ -1361,6 +1375,16 @@ class KVIndex(_IndexCore):
         nb = ~s.bit
         sub = self._sub_n
         lead = len(rks) if s.multi else len(rks) - 1  # keys counted in ``_sub_n``
+        if s.multi:
+            ends = self._mend.get(len(rks))
+            if ends is not None:
+                c = ends.get(rks[-1], 1) - 1
+                if c > 0:
+                    ends[rks[-1]] = c
+                else:
+                    ends.pop(rks[-1], None)
+                    if not ends:
+                        del self._mend[len(rks)]
         for j, rk in enumerate(rks):
             if j < lead:
                 # A leading sub-key may be shared by several of this source's engine blocks.
@@ -1497,6 +1521,7 @@ class KVIndex(_IndexCore):
         b += gs(self._href) + 32 * len(self._href)
         b += gs(self._copies) + _BYTES_PER_COPY_RECORD * len(self._copies)
         b += gs(self._sub_n) + 96 * len(self._sub_n)
+        b += sum(gs(d) + 64 * len(d) for d in self._mend.values())
         b += gs(self._unl) + self._unl_bytes
         b += gs(self._waiting) + 88 * len(self._waiting)
         if self._xrev:
@@ -1820,7 +1845,7 @@ class KVIndex(_IndexCore):
                 unlinked.append(sn._Unlinked(eh, u.parent, u.raw, u.extras, u.per, holds))
         sources = [
             sn._Source(s.name, s.stale, sn.cursor_of(cursors, s.name), s.block_size, s.per,
-                       REANNOUNCE_RULES[s.reannounce], s.slot)
+                       REANNOUNCE_RULES[s.reannounce], s.slot, s.multi)
             for s in srcs
         ]
         sizes = [sn._SizeId(eh, per, x) for x, (eh, per) in self._xrev.items()
@@ -1976,9 +2001,12 @@ class KVIndex(_IndexCore):
             s.reannounce = _reannounce_code(sd.reannounce)
             ours[sd.slot] = s
         same = all(s.slot == x for x, s in ours.items())
-        # A source holding blocks of another size than its own holds two block sizes.
-        two = {x for _medium, _eh, keys, m in p.rows if keys is not None
-               for x in _bits(m) if ours[x].per is not None and len(keys) != ours[x].per}
+        # A source that held two block sizes when dumped (``two_sizes``), or holds blocks
+        # of another size than its own (a snapshot written before the flag), is tracked
+        # by its records.
+        two = {sd.slot for sd in snap.sources if sd.two_sizes}
+        two.update(x for _medium, _eh, keys, m in p.rows if keys is not None
+               for x in _bits(m) if ours[x].per is not None and len(keys) != ours[x].per)
         two.update(slot for u in p.unlinked if u.per for slot, *_ in u.holds
                    if ours[slot].per is not None and u.per != ours[slot].per)
         for x in two:

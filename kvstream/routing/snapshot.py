@@ -15,7 +15,8 @@ positional arrays so a newer minor version may append fields at the end::
                  sizes (optional, appended: absent reads as [])]
     options   = [max_bytes|nil, ttl_s|nil, reannounce]
     hasher    = nil | [algorithm, block_size, extra_key_style, root bytes, hash_form]
-    sources   = [[name, stale, cursor, block_size|nil, per|nil, reannounce rule, slot], ...]
+    sources   = [[name, stale, cursor, block_size|nil, per|nil, reannounce rule, slot,
+                  two_sizes (optional, appended: absent reads as false)], ...]
     tiers     = [[medium, hashes: u64 LE bytes, keys: u64 LE bytes, masks: [u64 LE bytes, ...]], ...]
     rows      = [[medium, hash, keys [key, ...]|nil, mask: LE bytes], ...]
     copies    = [[slot, medium, hash, [[group, copies], ...]], ...]
@@ -32,7 +33,9 @@ blocks). ``rows`` holds the entries the columns cannot: bytes hashes, and blocks
 several router blocks (a list of keys). A holding is one copy in group 0 unless ``copies``
 says otherwise. ``sizes`` lists the engine hashes held under two block sizes (a 64-bit
 collision, or a misbehaving engine): the copy of ``hash`` for engine blocks of ``per``
-router blocks is written under ``id`` wherever a hash goes. Version 1 (per-source hash lists and a separate key map) is not read.
+router blocks is written under ``id`` wherever a hash goes. ``two_sizes`` marks a source that
+holds (or held, and still holds blocks since) engine blocks of two block sizes: its
+holdings are its ``rows`` and ``copies`` entries, one each, not its mask bits. Version 1 (per-source hash lists and a separate key map) is not read.
 
 Bad bytes raise :class:`SnapshotError` (a :class:`~kvstream.errors.RemoteProtocolError`:
 the snapshot came from a peer or a stream) and leave the index unchanged.
@@ -87,6 +90,7 @@ class _Source(msgspec.Struct, array_like=True):
     per: Union[int, None]
     reannounce: str
     slot: int
+    two_sizes: bool = False  # appended: a source tracked by explicit records (two block sizes)
 
 
 class _Tier(msgspec.Struct, array_like=True):
