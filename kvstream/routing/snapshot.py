@@ -50,6 +50,7 @@ from typing import Any, Final, Iterable, Mapping, Union
 import msgspec
 
 from kvstream.errors import RemoteProtocolError
+from kvstream.routing._core import _bits
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "SnapshotError", "SnapshotInfo", "read_snapshot"]
 
@@ -275,6 +276,10 @@ def prepare(snap: _Snapshot, *, tokens: bool, router_block_size: int) -> Prepare
     everyone = 0
     for x in slots:
         everyone |= 1 << x
+    two = 0  # sources of two block sizes: their holdings are rows, each with its copies
+    for sd in snap.sources:
+        if sd.two_sizes:
+            two |= 1 << sd.slot
     p = Prepared()
     for td in snap.tiers:
         hs = unpack_u64(td.hashes, "hashes")
@@ -305,6 +310,9 @@ def prepare(snap: _Snapshot, *, tokens: bool, router_block_size: int) -> Prepare
         if 0 in distinct or any(m & ~everyone for m in distinct):
             raise SnapshotError(
                 f"snapshot medium {td.medium!r}: a mask names no source, or one the snapshot does not list")
+        if two and any(m & two for m in distinct):
+            raise SnapshotError(f"snapshot medium {td.medium!r}: a source of two block sizes in the columns "
+                                "(its holdings are rows; a damaged snapshot)")
         p.tiers.append((td.medium, hs, ks, masks))
     for r in snap.rows:
         m = int.from_bytes(r.mask, "little")
@@ -317,6 +325,7 @@ def prepare(snap: _Snapshot, *, tokens: bool, router_block_size: int) -> Prepare
         elif r.keys is not None:
             raise SnapshotError("snapshot of an engine-keyed index with router keys (a damaged snapshot)")
         p.rows.append((r.medium, r.hash, r.keys, m))
+    rowed = {(medium, eh, x) for medium, eh, _k, m in p.rows if m & two for x in _bits(m & two)} if two else set()
     for cp in snap.copies:
         groups: dict[int, int] = {}
         for g, n in cp.groups:
@@ -325,6 +334,9 @@ def prepare(snap: _Snapshot, *, tokens: bool, router_block_size: int) -> Prepare
             groups[g] = n
         if cp.slot not in slots or not groups:
             raise SnapshotError(f"snapshot copies of {cp.hash!r:.40} for an unlisted source slot {cp.slot}")
+        if two >> cp.slot & 1 and (cp.medium, cp.hash, cp.slot) not in rowed:
+            raise SnapshotError(f"snapshot copies of {cp.hash!r:.40} for slot {cp.slot}, a source of two block "
+                                "sizes that holds no such row (a damaged snapshot)")
         p.copies.append((cp.slot, cp.medium, cp.hash, groups))
     for u in snap.unlinked:
         if not tokens:

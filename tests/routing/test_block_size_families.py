@@ -436,3 +436,37 @@ def test_a_block_linked_late_onto_a_key_of_a_two_size_source_stays_apart() -> No
         x.remove_source("other")
         assert len(x._table) == 0 and not any(len(h) for h in x._held)
         assert not x._sub_n and not x._copies and not x._mend
+
+
+def test_a_snapshot_that_puts_a_two_size_source_in_the_columns_is_refused() -> None:
+    """A source marked ``two_sizes`` is held by its rows and copies only: a snapshot that
+    gives it column bits, or a copies entry with no row of its own, is damaged (its
+    holdings would have no records, or records with no holding) and is refused with
+    the index left as it was."""
+    import msgspec
+
+    from kvstream.routing import snapshot as sn
+
+    idx = KVIndex()
+    rnd = random.Random(5)
+    prompt = [rnd.randrange(50_000) for _ in range(2 * R)]
+    st = lambda hs, toks, bs: BlockStored(hs, None, toks, bs, None, "GPU", None)  # noqa: E731
+    idx.apply_batch("two", KVEventBatch(0.0, [st([20], prompt, 2 * R), st([10], prompt[:R], R)]))
+    idx.apply_batch("one", KVEventBatch(0.0, [st([10], prompt[:R], R)]))
+    good = sn.decode(idx.dump())
+    assert [s.two_sizes for s in good.sources] == [True, False]
+    two_slot = good.sources[0].slot
+
+    columns = msgspec.structs.replace(good, sources=[msgspec.structs.replace(s, two_sizes=True) for s in good.sources])
+    assert columns.tiers and any(columns.tiers[0].masks)  # "one" holds 10 in the columns
+    stray = msgspec.structs.replace(good, copies=[*good.copies, sn._Copies(two_slot, "GPU", 77, [(0, 2)])])
+    target = KVIndex()
+    target.apply_batch("two", KVEventBatch(0.0, [st([5], [9] * R, R)]))
+    before = target.state()
+    for bad in (columns, stray):
+        with pytest.raises(sn.SnapshotError, match="two block sizes"):
+            KVIndex.load(sn.encode(bad))
+        with pytest.raises(sn.SnapshotError, match="two block sizes"):
+            target.load_source(sn.encode(bad))
+        assert target.state() == before
+    assert KVIndex.load(sn.encode(good)).state() == idx.state()
