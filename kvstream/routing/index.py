@@ -2006,7 +2006,7 @@ class KVIndex(_IndexCore):
         # by its records.
         two = {sd.slot for sd in snap.sources if sd.two_sizes}
         two.update(x for _medium, _eh, keys, m in p.rows if keys is not None
-               for x in _bits(m) if ours[x].per is not None and len(keys) != ours[x].per)
+                   for x in _bits(m) if ours[x].per is not None and len(keys) != ours[x].per)
         two.update(slot for u in p.unlinked if u.per for slot, *_ in u.holds
                    if ours[slot].per is not None and u.per != ours[slot].per)
         for x in two:
