@@ -1,4 +1,5 @@
-"""The proxy's upstream client candidates side by side: aiohttp and httpx against one engine.
+"""The proxy's upstream client against the libraries that could be it: kvstream's own
+(``kvstream.proxy.upstream``), aiohttp and httpx against one engine.
 
 Starts one emulated engine (``kvstream engine``) and, in this process, keeps ``--streams``
 streaming completions open against it with each client library in turn (the proxy's
@@ -26,6 +27,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 import anyio
+import msgspec
 
 from kvstream.emulator.launch import start_engine
 
@@ -37,7 +39,29 @@ async def _run(url: str, streams: int, seconds: float, tokens: int, client: str,
     ttfb: list[float] = []
     end = time.monotonic() + seconds
 
-    if client == "aiohttp":
+    if client == "kvstream":
+        from kvstream.proxy.upstream import UpstreamPool
+
+        host, port = url.split("//")[1].rsplit(":", 1)
+        pool = UpstreamPool(host, int(port))
+        enc = msgspec.json.Encoder()
+        json_header = [(b"content-type", b"application/json")]
+
+        async def one(body: dict[str, Any]) -> float:
+            nonlocal events
+            t0 = time.perf_counter()
+            r = await pool.request("POST", "/v1/completions", enc.encode(body), json_header)
+            t = time.perf_counter() - t0
+            try:
+                async for data in r.aiter_bytes():
+                    events += data.count(b"\n\n")
+            finally:
+                await r.aclose()
+            return t
+
+        async def close() -> None:
+            await pool.aclose()
+    elif client == "aiohttp":
         import aiohttp
 
         conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
@@ -138,12 +162,18 @@ async def _closes_on_cancel(client: str) -> bool:
 
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-    if client == "aiohttp":
+    if client == "kvstream":
+        from kvstream.proxy.upstream import UpstreamPool
+
+        pool = UpstreamPool("127.0.0.1", srv.sockets[0].getsockname()[1])
+        send: Any = lambda: pool.request("GET", "/x", b"", [])  # noqa: E731
+        done: Any = pool.aclose
+    elif client == "aiohttp":
         import aiohttp
 
         session = aiohttp.ClientSession()
-        send: Any = lambda: session.get(url + "/x").__aenter__()  # noqa: E731
-        done: Any = session.close
+        send = lambda: session.get(url + "/x").__aenter__()  # noqa: E731
+        done = session.close
     elif client == "pyreqwest":
         from pyreqwest.client import ClientBuilder
 
@@ -171,7 +201,7 @@ async def _closes_on_cancel(client: str) -> bool:
 
 
 def _clients() -> list[str]:
-    names = ["aiohttp", "httpx"]
+    names = ["kvstream", "aiohttp", "httpx"]
     try:
         import pyreqwest  # noqa: F401
 
@@ -189,6 +219,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--non-streamed", action="store_true",
                    help="requests of 1 token, not streamed (the requests/s pattern): compare us/request")
+    p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop",
+                   help="the event loop of the runs (kvstream serve runs on uvloop)")
     args = p.parse_args()
     engine = start_engine("engine-0", log_dir=tempfile.mkdtemp(prefix="kvstream-bench-clients-"), extra=[
         "--decode-tokens-per-s", "40", "--prefill-tokens-per-s", "1e9", "--max-num-seqs", "256",
@@ -204,11 +236,12 @@ def main() -> None:
         for _ in range(args.rounds):
             for client in results:
                 results[client].append(anyio.run(_run, engine.url, args.streams, args.seconds, args.tokens, client,
-                                                  not args.non_streamed))
+                                                  not args.non_streamed,
+                                                  backend_options={"use_uvloop": args.loop == "uvloop"}))
     finally:
         engine.stop()
     what = "connections of 1-token non-streamed requests" if args.non_streamed else f"streams of {args.tokens} tokens"
-    print(f"{args.streams} {what}, {args.seconds:g} s per round, {args.rounds} rounds "
+    print(f"{args.streams} {what}, {args.seconds:g} s per round, {args.rounds} rounds, {args.loop} "
           "(CPU of this process; the engine runs beside it)")
     print(f"  {'client':<10}{'events':>9}{'requests':>10}{'us/event':>10}{'us/request':>12}{'TTFB p50 ms':>13}")
     for client, rs in results.items():
