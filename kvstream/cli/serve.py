@@ -464,17 +464,20 @@ async def _serve_in(signals: Any, cfg: Any, tok: Any, sock: socket.socket, flags
 
     timeout = core.config.request_timeout
     http: Any = guarded_protocol(on_reject=rejected, request_timeout=timeout)
+    # The routing calls answered on the connection itself, and the proxy's requests
+    # framed there too (each in one task); the rest by uvicorn (kvstream/service/fastpath.py).
+    from kvstream.service.fastpath import fast_protocol
+
+    limits = hot.path_limits()
+    forward: dict[bytes, Any] = {}
     if proxy is not None:
         app = proxy.asgi(hot)  # its POST routes in raw ASGI, in front of the service's app
-    else:
-        # The routing calls answered on the connection itself, the rest by uvicorn
-        # (kvstream/service/fastpath.py).
-        from kvstream.service.fastpath import fast_protocol
-
-        # --processes N: each worker evens out the connections with its siblings
-        # (kvstream/service/siblings.py), the kernel's SO_REUSEPORT spread being a hash.
-        http = fast_protocol(hot.answer, hot.path_limits(), hot.limit, fallback=http,
-                             request_timeout=timeout, on_reject=rejected, balancer=sibling)
+        forward = proxy.forwarded()
+        limits.update((p, proxy.max_body_bytes) for p in forward)
+    # --processes N: each worker evens out the connections with its siblings
+    # (kvstream/service/siblings.py), the kernel's SO_REUSEPORT spread being a hash.
+    http = fast_protocol(hot.answer, limits, hot.limit, fallback=http, request_timeout=timeout,
+                         on_reject=rejected, balancer=sibling, forward=forward)
     # proxy_headers off: no handler reads the client address, and the middleware costs per call.
     ucfg = uvicorn.Config(app, http=http, log_config=None, access_log=False, lifespan="on", server_header=False,
                           date_header=False, proxy_headers=False, timeout_graceful_shutdown=5)

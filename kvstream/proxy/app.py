@@ -3,7 +3,7 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are tokenized locally
 (:mod:`kvstream.proxy.tokenize`; ``prompt`` token ids need no tokenizer), scored against
 every engine's cached prefixes and the requests in flight, and forwarded to the best
-engine over aiohttp's kept-alive connections (:mod:`kvstream.proxy.upstream`). Streaming
+engine over kept-alive connections (:mod:`kvstream.proxy.upstream`). Streaming
 responses are passed through event by event as they arrive; other responses whole (held
 within ``max_held_bytes`` across all requests); the engine's status code and error body
 come back unchanged. Every proxied response carries ``x-kvstream-engine: NAME`` and
@@ -163,6 +163,7 @@ class KVProxy:
         self.access_log = access_log
         self._pools: dict[str, tuple[str, UpstreamPool, str]] = {}
         self._retired: list[UpstreamPool] = []  # pools of engines whose URL changed: closed at the end
+        self._synced: Mapping[str, str] | None = None  # the backend's engine map last known to self.core
         self._metrics = _Metrics()
         # Without a tokenizer, the engines are asked once how they tokenize (see
         # _learn_tokenizer); until one answered, text prompts are routed by load.
@@ -209,8 +210,10 @@ class KVProxy:
 
     def _sync_upstreams(self) -> Mapping[str, str]:
         urls = self.backend.upstreams()
-        for name, url in urls.items():
-            self.core.ensure(name, url)
+        if urls is not self._synced:  # a backend hands out a new map when its engines change
+            for name, url in urls.items():
+                self.core.ensure(name, url)
+            self._synced = urls
         return urls
 
     def _pool(self, name: str) -> tuple[UpstreamPool, str]:
@@ -339,6 +342,12 @@ class KVProxy:
             return Response(content, status_code=r.status_code, media_type="application/json",
                             headers={ENGINE_HEADER: name})
         return _json(503, error_body(503, "no engine is reachable"))
+
+    def forwarded(self) -> dict[bytes, Any]:
+        """The OpenAI POST paths (bytes) -> each one's raw ASGI app, for a server that
+        frames those requests itself (``kvstream serve``'s fast path,
+        :mod:`kvstream.service.fastpath`); their body limit is :attr:`max_body_bytes`."""
+        return {p.encode("latin-1"): _Endpoint(self, p, k) for p, k in _HOT.items()}
 
     def asgi(self, app: Any) -> Any:
         """``app`` with the proxy's POST routes (``/v1/completions``, ``/v1/chat/completions``)
@@ -679,11 +688,12 @@ class KVProxy:
             async for chunk in resp.aiter_bytes():
                 buf += chunk
                 out = []
+                at = 0  # events are cut at offsets, not by copying the rest after each one
                 while True:
-                    cut = buf.find(b"\n\n")
+                    cut = buf.find(b"\n\n", at)
                     if cut < 0:
                         break
-                    event, buf = buf[: cut + 2], buf[cut + 2:]
+                    event, at = buf[at: cut + 2], cut + 2
                     if b'"usage"' in event and event.startswith(b"data: {"):
                         try:
                             obj = _dec.decode(event[6:].strip())
@@ -696,6 +706,8 @@ class KVProxy:
                             if strip_usage and not obj.get("choices"):
                                 continue
                     out.append(event)
+                if at:
+                    buf = buf[at:]
                 need = max(0, len(buf) - _FREE_EVENT_BYTES)
                 if need > charged:
                     if len(buf) <= _MAX_EVENT_BYTES and held.take(need - charged):

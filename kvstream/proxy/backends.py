@@ -26,7 +26,8 @@ class RoutingBackend(Protocol):
     """What the proxy asks of a router."""
 
     def upstreams(self) -> Mapping[str, str]:
-        """Engines the proxy may send to: name -> HTTP base URL."""
+        """Engines the proxy may send to: name -> HTTP base URL. Not changed in place: a
+        change of engines is a new map (the proxy checks what it knows only then)."""
         ...
 
     def score(self, tokens: list[int], loads: Mapping[str, Load] | None, speculate: bool) -> ScoreResult:
@@ -120,6 +121,8 @@ class ServiceBackend:
     def __init__(self, core: Any, *, clock: Callable[[], float] | None = None) -> None:
         self.core = core
         self._clock = clock or core.clock
+        self._urls: Mapping[str, str] = {}
+        self._urls_gen = -1  # the core's engines_gen the map was made at
 
     def _index(self, name: str | None = None) -> Any:
         from kvstream.service.core import DEFAULT_INDEX
@@ -129,9 +132,14 @@ class ServiceBackend:
         return self.core.indexes[DEFAULT_INDEX]
 
     def upstreams(self) -> Mapping[str, str]:
-        from kvstream.service.core import DEFAULT_INDEX
+        # Made again only when the engines change (not per request); the same object until then.
+        core = self.core
+        if self._urls_gen != core.engines_gen:
+            from kvstream.service.core import DEFAULT_INDEX
 
-        return {n: e.http for n, e in self.core.engines.items() if e.http and e.index == DEFAULT_INDEX}
+            self._urls = {n: e.http for n, e in core.engines.items() if e.http and e.index == DEFAULT_INDEX}
+            self._urls_gen = core.engines_gen
+        return self._urls
 
     def score(self, tokens: list[int], loads: Mapping[str, Load] | None, speculate: bool) -> ScoreResult:
         ix = self._index()

@@ -102,7 +102,8 @@ class ServiceCore:
         self.indexes: dict[str, AnyIndex] = {DEFAULT_INDEX: self.new_index(config.router_block_size)}
         self.engines: dict[str, Engine] = {}
         self.engines_gen = 0
-        """Bumped whenever an engine is added or removed (what caches of ``engines`` check)."""
+        """Bumped whenever an engine is added or removed, or its HTTP URL changes (what caches
+        of ``engines`` check)."""
         self.loads = LoadBoard(stale_after_s=max(3 * config.load_interval, 1.0))
         self.metrics = ServiceMetrics(self._engine_snapshots, self._index_snapshots)
         self.applied: dict[str, int] = {}
@@ -247,7 +248,9 @@ class ServiceCore:
                 self.remove_engine(n)
                 removed.append(n)
             else:
-                e.http = w.http
+                if e.http != w.http:
+                    e.http = w.http
+                    self.engines_gen += 1  # the proxy's engine URLs follow the generation
                 kept.append(n)
         for n, s in want.items():
             if n not in self.engines:

@@ -118,6 +118,26 @@ class _Handler(socketserver.BaseRequestHandler):
         except OSError:
             self.server.hung_up += 1
 
+    def mode_flood_sse(self, sock: socket.socket) -> None:
+        """64 MiB of events as fast as TCP takes them; ``held_back`` is set once a send
+        takes nothing for 0.5 s (the proxy stopped reading)."""
+        self._sse_head(sock)
+        event = b'data: {"choices": [{"text": "' + b"z" * 200 + b'"}]}\n\n'
+        piece = self._chunk(event * (65536 // len(event)))
+        sock.settimeout(0.5)
+        try:
+            for _ in range((64 << 20) // len(piece)):
+                view = memoryview(piece)
+                while view:
+                    try:
+                        view = view[sock.send(view):]
+                    except TimeoutError:
+                        self.server.held_back.set()
+                        sock.settimeout(30)
+            sock.sendall(self._chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        except OSError:
+            self.server.hung_up += 1
+
     def mode_endless(self, sock: socket.socket) -> None:
         """A non-streaming answer whose Content-Length says 1 GiB."""
         sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (1 << 30))
@@ -141,6 +161,7 @@ class BadEngine(socketserver.ThreadingTCPServer):
         self.requests = 0
         self.hung_up = 0
         self.release = threading.Event()
+        self.held_back = threading.Event()
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05})
         self._thread.start()
 
@@ -331,3 +352,35 @@ def test_a_client_gone_before_the_engine_answered_frees_the_engine_and_the_load(
     wait_for(lambda: eng.hung_up > hung, "the proxy to hang up on the engine")
     _idle(srv)
     eng.release.set()
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_client_that_does_not_read_its_stream_holds_the_engine_back_not_the_proxy(setup) -> None:
+    # The answer goes through the proxy's client (read at most 256 KiB ahead) and the fast
+    # path's writes (each waiting while the client does not read): nothing in between
+    # queues it. Before the fast path's waits, uvicorn's did the same.
+    srv, eng = setup
+    eng.mode = "flood_sse"
+    eng.held_back.clear()
+    before = _rss_kib(srv.proc.pid)
+    host, port = srv.url.split("//")[1].rsplit(":", 1)
+    body = b'{"prompt": [1, 2, 3, 4], "max_tokens": 2, "stream": true}'
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert eng.held_back.wait(60), "the engine was never held back: the proxy read all it sent"
+        grown = _rss_kib(srv.proc.pid) - before
+        assert grown < 24 * 1024, f"the proxy grew {grown} KiB for a stream its client does not read"
+        got = bytearray()
+        while not got.endswith(b"0\r\n\r\n"):
+            chunk = s.recv(1 << 20)
+            assert chunk, "the stream ended early"
+            got += chunk
+        assert got.count(b"data: {") >= (64 << 20) // 300 and b"data: [DONE]" in got[-64:]
+    _idle(srv)

@@ -130,7 +130,7 @@ def test_an_idle_connection_is_closed_after_the_keep_alive_time_and_a_busy_one_i
 
     proto = fast_protocol(lambda path, body: (200, b"{}"), [b"/query"], 1000)
     cfg = SimpleNamespace(timeout_keep_alive=0.5)
-    state = SimpleNamespace(connections=set())
+    state = SimpleNamespace(connections=set(), tasks=set())  # uvicorn's ServerState
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

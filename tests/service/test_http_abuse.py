@@ -1,5 +1,6 @@
-"""HTTP/1.1 abuse over raw sockets against ``kvstream serve`` as a process, on both of its
-HTTP stacks: the fast path in front of uvicorn (the default) and uvicorn alone (``--proxy``).
+"""HTTP/1.1 abuse over raw sockets against ``kvstream serve`` as a process, in both of its
+modes (routing only, and ``--proxy``, whose OpenAI paths the fast path frames too), each
+with the fast path in front of uvicorn.
 Malformed requests get the service's JSON error, never a text page or a hang; heads,
 trailers and pipelines are bounded in bytes; slow and idle clients do not hold others up."""
 
@@ -268,6 +269,8 @@ PARTIAL = {
     # a whole GET first (on the fast path: handed to uvicorn), then half of the next head
     "head_after_a_request": b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHo",
 }
+PROXIED = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 24\r\n\r\n" + B[:5]
+"""Half of an OpenAI POST (with --proxy, framed by the fast path)."""
 
 
 @pytest.mark.parametrize("mode", ["fast", "proxy"])
@@ -279,10 +282,11 @@ def test_a_partial_request_held_past_the_request_timeout_is_a_json_408_then_clos
     srv = ServeProc(f"e0=tcp://127.0.0.1:{dead_port()}{http}", "--load-interval", "0", "--request-timeout", "1",
                     *extra)
     try:
-        socks = {k: socket.create_connection(_addr(srv), timeout=10) for k in PARTIAL}
+        partial = {**PARTIAL, "body_proxied": PROXIED} if mode == "proxy" else PARTIAL
+        socks = {k: socket.create_connection(_addr(srv), timeout=10) for k in partial}
         t0 = time.monotonic()
         for k, s in socks.items():
-            s.sendall(PARTIAL[k])
+            s.sendall(partial[k])
         for k, s in socks.items():
             if k == "head_after_a_request":
                 assert _read_response(s)[0] == 200
