@@ -85,6 +85,7 @@ class _Conn(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.complete = False
+        self.over = False  # more than one answer arrived for the request
         self.keep = False
         self.error: str | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -94,7 +95,8 @@ class _Conn(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        if not self.busy:  # an idle connection has nothing to say: not HTTP we can use
+        if not self.busy or self.complete:  # nothing was asked: not HTTP we can use, and not kept
+            self.keep = False
             self._close()
             return
         self.got_any = True
@@ -107,7 +109,9 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(f"its answer is not HTTP/1.1 ({exc})")
         else:
-            if not self.head_done and self.head_bytes > MAX_HEAD_BYTES:
+            if self.over:
+                self._close()
+            elif not self.head_done and self.head_bytes > MAX_HEAD_BYTES:
                 self._fail(f"its response head is over {MAX_HEAD_BYTES} bytes")
 
     def eof_received(self) -> bool | None:
@@ -130,10 +134,18 @@ class _Conn(asyncio.Protocol):
         pass
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: ignored, and the connection not kept
+            self.over = True
+            self.keep = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.over:
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.over:
+            return
         self.status = self.parser.get_status_code()
         if self.status < 200:  # an interim answer (100 Continue, 103): the real one follows
             self.headers = []
@@ -153,6 +165,8 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.over:
+            return
         self.body.append(body)
         self.buffered += len(body)
         if self.buffered > READ_AHEAD_BYTES and not self.paused:
@@ -161,8 +175,8 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        if not self.head_done:
-            return  # the end of an interim answer
+        if not self.head_done or self.over:
+            return  # the end of an interim answer, or of one not asked for
         self.complete = True
         self.keep = self.parser.should_keep_alive()
         self._wake()
@@ -201,7 +215,7 @@ class _Conn(asyncio.Protocol):
         self.headers = []
         self.length = None
         self.status = 0
-        self.head_done = self.until_close = self.complete = self.keep = False
+        self.head_done = self.until_close = self.complete = self.keep = self.over = False
         self.body.clear()
         self.buffered = 0
         self.error = None
@@ -284,7 +298,7 @@ class UpstreamPool:
         self.port = port
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
-        self._where = f"{host}:{port}"
+        self._where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
         self._host_line = b"host: " + self._where.encode("idna") + b"\r\n"
         self._idle: list[_Conn] = []  # newest last
         self._open: set[_Conn] = set()

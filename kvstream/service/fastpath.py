@@ -238,7 +238,8 @@ class FastPathProtocol(asyncio.Protocol):
             return
         if not reply.finished:  # cancelled, failed, or ended without a whole answer
             if not reply.started:
-                t.write(error_response(500, "internal", "internal error"))
+                t.write(error_response(503, "shutting_down", "the service is shutting down; retry")
+                        if self._closing and failed is None else error_response(500, "internal", "internal error"))
             t.close()
             return
         if not reply.keep or self._closing:

@@ -58,7 +58,7 @@ _log = logging.getLogger("kvstream.service")
 _SLICE = 4096  # bytes fed to the parser at a time while checking the pipeline bound
 _ENC = msgspec.json.Encoder()
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
-            500: b"Internal Server Error"}
+            500: b"Internal Server Error", 503: b"Service Unavailable"}
 
 
 def error_response(status: int, code: str, message: str) -> bytes:

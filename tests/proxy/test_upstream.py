@@ -353,3 +353,24 @@ async def test_a_connection_idle_past_keepalive_is_not_reused() -> None:
                 assert await r.read() == b"ok"
                 await r.aclose()
             assert len(conns) == want and pool.fresh_retries == 0
+
+
+async def test_bytes_after_a_complete_answer_never_join_it_and_the_connection_is_not_kept() -> None:
+    # An engine that answers twice to one request: the second answer is not read as the
+    # first one's body, and a connection that says more than was asked is not reused.
+    conns = []
+
+    async def handle(stream: anyio.abc.SocketStream) -> None:
+        conns.append(1)
+        async with stream:
+            buf = bytearray()
+            while await _read_request(stream, buf) is not None:
+                await stream.send(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await stream.send(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nextra")
+
+    async with _pool_to(handle) as pool:
+        for _ in range(2):
+            r = await pool.request("POST", "/v1/completions", b"{}", [])
+            assert await r.read() == b"ok"
+            await r.aclose()
+        assert len(conns) == 2
